@@ -1,0 +1,273 @@
+"""Engram configuration: one frozen, validated dataclass and the preset registry.
+
+Holds:
+- `Variant`: which Engram module the config describes (`V4_1` or `DEMO_V1`).
+- `EngramConfig`: every number the hash layout and the module need, validated on construction;
+  derived values (orders, rows per token, ...) are properties.
+- `PRESETS`: `deepseek-v4.1`, `demo-v1` and `tiny`, and the Hugging Face style round trip
+  (`to_hf_dict` / `from_hf_dict`) with the `engram_*` keys that DeepSeek-V4.1's config.json uses.
+
+The config does not compute primes itself (that is `engram.layout`), but `from_hf_dict` checks a
+declared `engram_num_embeddings` against the computed prime sums and refuses a mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PRESETS", "EngramConfig", "Variant"]
+
+
+class Variant(str, enum.Enum):
+    """The two published Engram modules (SPEC §1)."""
+
+    V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
+    DEMO_V1 = "demo-v1"  # the paper's demo: separate key projections, short causal conv
+
+
+def _tuple_of_ints(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, int | str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {value!r}")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}[{i}] must be an int, got {v!r} ({type(v).__name__})")
+        out.append(int(v))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """Everything that fixes Engram's addressing and module shapes.
+
+    `engram_vocab_size` is the prime-search base per n-gram order (orders 2..max_ngram_size);
+    V4.1 uses 16000000 for every order, the paper's demo 129280*5.
+    """
+
+    name: str = "custom"
+    variant: Variant = Variant.V4_1
+    # --- addressing (must match the checkpoint and the tokenizer bit for bit) ---
+    layer_ids: tuple[int, ...] = (1, 14)
+    max_ngram_size: int = 4
+    n_heads: int = 8  # K hash heads per order
+    engram_vocab_size: tuple[int, ...] = (16_000_000, 16_000_000, 16_000_000)
+    vocab_size: int = 129_280  # tokenizer ids, added tokens included
+    compressed_vocab_size: int = 99_092
+    pad_token_id: int = 2
+    seed: int = 0
+    tokenizer: str | None = "deepseek-v4"  # a known name or a tokenizer.json path, or None
+    # --- module shapes ---
+    head_dim: int = 256  # width of one table row
+    hidden_size: int = 5120  # backbone residual width (dim)
+    hc_mult: int = 4  # residual streams (mHC); 1 = plain residual
+    kernel_size: int = 4  # demo-v1 short conv only
+    norm_eps: float = 1e-6
+    gate_clamp: float = 1e-6  # |dot| floor before the signed square root
+    # What a loaded config.json declared for `engram_num_embeddings` (int or per layer), kept for
+    # the round trip and checked against the prime sums by `from_hf_dict`.
+    declared_num_embeddings: int | tuple[int, ...] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise in place once
+        set_(self, "variant", Variant(self.variant))
+        set_(self, "layer_ids", _tuple_of_ints("layer_ids", self.layer_ids))
+        if isinstance(self.engram_vocab_size, int):
+            set_(self, "engram_vocab_size", (self.engram_vocab_size,) * max(self.max_ngram_size - 1, 0))
+        set_(self, "engram_vocab_size", _tuple_of_ints("engram_vocab_size", self.engram_vocab_size))
+        for name in ("max_ngram_size", "n_heads", "vocab_size", "compressed_vocab_size", "pad_token_id",
+                     "seed", "head_dim", "hidden_size", "hc_mult", "kernel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"EngramConfig.{name} must be an int, got {v!r}")
+
+        if not self.layer_ids:
+            raise ValueError("layer_ids is empty: give at least one layer, e.g. (1,)")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer_ids {self.layer_ids} repeats a layer; each layer has one table")
+        if min(self.layer_ids) < 0:
+            raise ValueError(f"layer_ids {self.layer_ids} has a negative layer; layers count from 0")
+        if self.max_ngram_size < 2:
+            raise ValueError(f"max_ngram_size={self.max_ngram_size}: Engram needs at least 2-grams (use >= 2)")
+        if len(self.engram_vocab_size) != self.max_ngram_size - 1:
+            raise ValueError(
+                f"engram_vocab_size has {len(self.engram_vocab_size)} entries but orders 2..{self.max_ngram_size} "
+                f"need {self.max_ngram_size - 1} (one prime-search base per order)"
+            )
+        if min(self.engram_vocab_size) < 2:
+            raise ValueError(f"engram_vocab_size {self.engram_vocab_size} must be >= 2 (prime-search bases)")
+        if self.n_heads < 1:
+            raise ValueError(f"n_heads={self.n_heads} must be >= 1")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
+        if not 1 <= self.compressed_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"compressed_vocab_size={self.compressed_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
+            )
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is outside the tokenizer's ids [0, {self.vocab_size})")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0 (it seeds numpy.random.default_rng)")
+        for name in ("head_dim", "hidden_size", "hc_mult", "kernel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.norm_eps <= 0 or self.gate_clamp <= 0:
+            raise ValueError(f"norm_eps={self.norm_eps} and gate_clamp={self.gate_clamp} must be > 0")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def orders(self) -> tuple[int, ...]:
+        """N-gram orders, e.g. (2, 3, 4)."""
+        return tuple(range(2, self.max_ngram_size + 1))
+
+    @property
+    def heads_per_layer(self) -> int:
+        """Rows fetched per token per layer: (max_ngram_size - 1) * n_heads (24 for V4.1)."""
+        return (self.max_ngram_size - 1) * self.n_heads
+
+    @property
+    def engram_dim(self) -> int:
+        """Width of the concatenated lookup per token: heads_per_layer * head_dim (6144 for V4.1)."""
+        return self.heads_per_layer * self.head_dim
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def layer_index(self, layer_id: int) -> int:
+        """Position of `layer_id` in `layer_ids` (the hasher's layer axis)."""
+        try:
+            return self.layer_ids.index(layer_id)
+        except ValueError:
+            raise ValueError(f"layer {layer_id} has no Engram module; this config's layers are {self.layer_ids}") from None
+
+    def replace(self, **changes: Any) -> EngramConfig:
+        """A copy with some fields changed (validated again)."""
+        if "engram_vocab_size" not in changes and "max_ngram_size" in changes:
+            base = self.engram_vocab_size[0]
+            changes["engram_vocab_size"] = (base,) * (changes["max_ngram_size"] - 1)
+        changes.setdefault("declared_num_embeddings", None)
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ presets
+    @staticmethod
+    def preset(name: str) -> EngramConfig:
+        """One of `PRESETS`: 'deepseek-v4.1', 'demo-v1', 'tiny'."""
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+
+    # ------------------------------------------------------------------ HF round trip
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `engram_*` keys of a Hugging Face config.json (plus the backbone sizes they need)."""
+        from engram.layout import Layout  # local: layout imports config
+
+        declared = self.declared_num_embeddings
+        if declared is None:
+            # V4.1's config.json holds one number: the largest layer's row count.
+            declared = max(Layout(self).num_embeddings)
+        bases = self.engram_vocab_size
+        return {
+            "engram_variant": self.variant.value,
+            "engram_layer_ids": list(self.layer_ids),
+            "engram_num_embeddings": list(declared) if isinstance(declared, tuple) else declared,
+            "engram_max_ngram_size": self.max_ngram_size,
+            "engram_vocab_size": bases[0] if len(set(bases)) == 1 else list(bases),
+            "engram_n_heads": self.n_heads,
+            "engram_head_dim": self.head_dim,
+            "engram_pad_token_id": self.pad_token_id,
+            "engram_compressed_vocab_size": self.compressed_vocab_size,
+            "engram_seed": self.seed,
+            "engram_kernel_size": self.kernel_size,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "hc_mult": self.hc_mult,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], *, name: str = "hf", tokenizer: str | None = None) -> EngramConfig:
+        """Read the `engram_*` keys of a config.json; refuse one that contradicts its own primes."""
+        from engram.layout import Layout
+
+        required = ("engram_layer_ids", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads",
+                    "engram_head_dim", "engram_pad_token_id", "engram_compressed_vocab_size")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})")
+        kw: dict[str, Any] = {
+            "name": name,
+            "variant": Variant(d.get("engram_variant", Variant.V4_1.value)),
+            "layer_ids": tuple(d["engram_layer_ids"]),
+            "max_ngram_size": d["engram_max_ngram_size"],
+            "n_heads": d["engram_n_heads"],
+            "engram_vocab_size": d["engram_vocab_size"],
+            "head_dim": d["engram_head_dim"],
+            "pad_token_id": d["engram_pad_token_id"],
+            "compressed_vocab_size": d["engram_compressed_vocab_size"],
+            "seed": d.get("engram_seed", 0),
+            "tokenizer": tokenizer,
+        }
+        for key, hf_key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                            ("hc_mult", "hc_mult"), ("kernel_size", "engram_kernel_size")):
+            if hf_key in d:
+                kw[key] = d[hf_key]
+        if isinstance(kw["engram_vocab_size"], list):
+            kw["engram_vocab_size"] = tuple(kw["engram_vocab_size"])
+        config = cls(**kw)
+
+        declared = d.get("engram_num_embeddings")
+        if declared is not None:
+            computed = Layout(config).num_embeddings
+            if isinstance(declared, int) and not isinstance(declared, bool):
+                if declared != max(computed):
+                    raise ValueError(
+                        f"engram_num_embeddings={declared} but the prime sums of layers {config.layer_ids} are "
+                        f"{list(computed)} (largest {max(computed)}): the config's hash layout does not match its "
+                        "table; check engram_vocab_size, engram_n_heads, engram_max_ngram_size and engram_layer_ids"
+                    )
+                declared_norm: int | tuple[int, ...] = declared
+            else:
+                declared_norm = _tuple_of_ints("engram_num_embeddings", declared)
+                if declared_norm != computed:
+                    raise ValueError(
+                        f"engram_num_embeddings={list(declared_norm)} but the prime sums of layers "
+                        f"{config.layer_ids} are {list(computed)}: the config's hash layout does not match its table"
+                    )
+            config = dataclasses.replace(config, declared_num_embeddings=declared_norm)
+        return config
+
+
+PRESETS: dict[str, EngramConfig] = {
+    # DeepSeek-V4.1: layers 1 and 14, orders 2-4, 8 heads, 256-wide FP8 rows, base 16M per order.
+    "deepseek-v4.1": EngramConfig(name="deepseek-v4.1"),
+    # The Engram paper's demo (engram_demo_v1): orders 2-3, 8 heads of 64 (512 per n-gram),
+    # layers [1, 15], base 129280*5 per order, short conv of kernel 4. The demo used the
+    # DeepSeek-V3 tokenizer (also 129280 ids); we pair it with the DeepSeek-V4 tokenizer we ship.
+    "demo-v1": EngramConfig(
+        name="demo-v1",
+        variant=Variant.DEMO_V1,
+        layer_ids=(1, 15),
+        max_ngram_size=3,
+        n_heads=8,
+        engram_vocab_size=(129280 * 5, 129280 * 5),
+        head_dim=64,
+        hidden_size=1024,
+        hc_mult=4,
+        kernel_size=4,
+    ),
+    # CPU-sized: one layer, orders 2-3, 4 heads of 32 rows of a few thousand; runs in seconds.
+    "tiny": EngramConfig(
+        name="tiny",
+        layer_ids=(1,),
+        max_ngram_size=3,
+        n_heads=4,
+        engram_vocab_size=(4096, 4096),
+        head_dim=32,
+        hidden_size=64,
+        hc_mult=2,
+    ),
+}

@@ -1,0 +1,173 @@
+"""Hash layout: primes, head offsets, table sizes, multipliers and byte accounting (SPEC §3).
+
+Holds:
+- `find_head_primes(config)`: the prime of every (layer, order, head), in the exact order V4.1
+  searches them (one global `seen` set across layers and orders).
+- `layer_multipliers(config, layer_id)`: the odd int64 multipliers m_0..m_{max_ngram-1}.
+- `Layout`: all of that per layer, with offsets, row counts, parameter and byte accounting, and
+  a JSON-ready `to_dict()` (what `engram layout --json` prints).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import sympy
+
+from engram.config import EngramConfig
+
+__all__ = ["FP8_BLOCK", "Layout", "LayerLayout", "find_head_primes", "layer_multipliers", "multiplier_bound"]
+
+FP8_BLOCK = 32  # values per ue8m0 scale
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_SEED_LAYER_STRIDE = 10007  # rng seed = seed + 10007 * layer_id
+
+
+def find_head_primes(config: EngramConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Primes per layer, per order, per head: {layer_id: ((p_2,0..p_2,K-1), (p_3,0..), ...)}.
+
+    For each layer (in `layer_ids` order) and each order, the search restarts at that order's base
+    minus one and takes, for each head, the next prime above the previous one that no earlier
+    (layer, order, head) has taken. sympy's `nextprime` makes this ~50 calls of microseconds.
+    """
+    seen: set[int] = set()
+    out: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for layer_id in config.layer_ids:
+        per_order = []
+        for base in config.engram_vocab_size:
+            c = base - 1
+            heads = []
+            for _ in range(config.n_heads):
+                p = int(sympy.nextprime(c))
+                while p in seen:
+                    p = int(sympy.nextprime(p))
+                seen.add(p)
+                heads.append(p)
+                c = p
+            per_order.append(tuple(heads))
+        out[layer_id] = tuple(per_order)
+    return out
+
+
+def multiplier_bound(compressed_vocab_size: int) -> int:
+    """B of SPEC §3: multipliers are 2*r+1 with r in [0, B), so x*m fits int64 for x < vocab."""
+    return max(1, (_INT64_MAX // compressed_vocab_size) // 2)
+
+
+def layer_multipliers(config: EngramConfig, layer_id: int) -> np.ndarray:
+    """The odd multipliers m_0..m_{max_ngram-1} (int64) of one layer, drawn as V4.1 draws them."""
+    g = np.random.default_rng(config.seed + _SEED_LAYER_STRIDE * layer_id)
+    r = g.integers(0, multiplier_bound(config.compressed_vocab_size), size=config.max_ngram_size, dtype=np.int64)
+    return r * 2 + 1
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """One Engram layer's physical table: primes in (order, head) order and their row offsets."""
+
+    layer_id: int
+    primes: tuple[tuple[int, ...], ...]  # [order][head]
+    multipliers: tuple[int, ...]
+
+    @cached_property
+    def flat_primes(self) -> np.ndarray:
+        """(heads_per_layer,) int64 in (order, head) column order."""
+        return np.array([p for order in self.primes for p in order], dtype=np.int64)
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """(heads_per_layer,) int64: exclusive prefix sum of `flat_primes` (a head's first row)."""
+        return np.concatenate([[0], np.cumsum(self.flat_primes)[:-1]]).astype(np.int64)
+
+    @property
+    def num_embeddings(self) -> int:
+        """Rows of this layer's physical table: the sum of its primes."""
+        return int(self.flat_primes.sum())
+
+
+class Layout:
+    """Everything derived from a config's addressing: primes, offsets, multipliers, sizes."""
+
+    def __init__(self, config: EngramConfig) -> None:
+        self.config = config
+        primes = find_head_primes(config)
+        self.layers: tuple[LayerLayout, ...] = tuple(
+            LayerLayout(
+                layer_id=lid,
+                primes=primes[lid],
+                multipliers=tuple(int(m) for m in layer_multipliers(config, lid)),
+            )
+            for lid in config.layer_ids
+        )
+
+    def layer(self, layer_id: int) -> LayerLayout:
+        return self.layers[self.config.layer_index(layer_id)]
+
+    @property
+    def num_embeddings(self) -> tuple[int, ...]:
+        return tuple(layer.num_embeddings for layer in self.layers)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.num_embeddings)
+
+    @property
+    def total_params(self) -> int:
+        """Table parameters of all layers (rows x head_dim); the module's projections are extra."""
+        return self.total_rows * self.config.head_dim
+
+    @property
+    def fp8_row_bytes(self) -> int | None:
+        """Bytes per row stored as FP8 e4m3 + one ue8m0 byte per 32 values (264 for 256 wide)."""
+        d = self.config.head_dim
+        return d + d // FP8_BLOCK if d % FP8_BLOCK == 0 else None
+
+    def table_bytes(self, bytes_per_value: float) -> int:
+        return int(self.total_params * bytes_per_value)
+
+    @property
+    def fp8_bytes(self) -> int | None:
+        rb = self.fp8_row_bytes
+        return None if rb is None else self.total_rows * rb
+
+    def bytes_per_token(self, row_bytes: int) -> int:
+        """Bytes one token reads from one layer's table: heads_per_layer rows."""
+        return self.config.heads_per_layer * row_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        rb = self.fp8_row_bytes
+        return {
+            "preset": c.name,
+            "variant": c.variant.value,
+            "max_ngram_size": c.max_ngram_size,
+            "n_heads": c.n_heads,
+            "head_dim": c.head_dim,
+            "heads_per_layer": c.heads_per_layer,
+            "compressed_vocab_size": c.compressed_vocab_size,
+            "pad_token_id": c.pad_token_id,
+            "layers": [
+                {
+                    "layer_id": layer.layer_id,
+                    "primes": [list(order) for order in layer.primes],
+                    "offsets": layer.offsets.tolist(),
+                    "num_embeddings": layer.num_embeddings,
+                    "multipliers": list(layer.multipliers),
+                    "params": layer.num_embeddings * c.head_dim,
+                }
+                for layer in self.layers
+            ],
+            "total_rows": self.total_rows,
+            "total_params": self.total_params,
+            "bytes": {
+                "fp8_ue8m0_row": rb,
+                "fp8_ue8m0_total": self.fp8_bytes,
+                "bf16_total": self.table_bytes(2),
+                "fp32_total": self.table_bytes(4),
+                "fp8_ue8m0_per_token_per_layer": None if rb is None else self.bytes_per_token(rb),
+                "fp8_ue8m0_per_token": None if rb is None else self.bytes_per_token(rb) * c.n_layers,
+            },
+        }
