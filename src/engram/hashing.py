@@ -17,6 +17,7 @@ The multipliers keep every product below 2^63, so int64 arithmetic is exact and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -158,19 +159,27 @@ class NgramHasher:
         """Rows (B, T, n_layers, heads_per_layer) int64 for compressed ids xc (B, T); see `lookback`."""
         b, t = xc.shape
         cols = self.lookback(xc, dead, window)
-        n_orders, k = self.primes.shape[1], self.primes.shape[2]
-        out = np.empty((b, t, self.config.n_layers, n_orders * k), dtype=np.int64)
-        prod = np.empty((b, t), dtype=np.int64)
+        k = self.config.n_heads
+        out = np.empty((b, t, self.config.n_layers, self.config.heads_per_layer), dtype=np.int64)
         for li in range(self.config.n_layers):
-            m = self.multipliers[li]
-            mix = np.multiply(cols[0], m[0])
-            for order in range(n_orders):  # order index 0 is 2-grams
-                np.multiply(cols[order + 1], m[order + 1], out=prod)
-                np.bitwise_xor(mix, prod, out=mix)
+            for order, mix in enumerate(self.mixes(cols, li)):  # order index 0 is 2-grams
                 dst = out[:, :, li, order * k : (order + 1) * k]
                 np.remainder(mix[:, :, None], self.primes[li, order], out=dst)
                 dst += self.offsets[li, order]
         return out
+
+    def mixes(self, cols: list[np.ndarray], layer_index: int) -> Iterator[np.ndarray]:
+        """mix_2, mix_3, ... (each like cols[0], int64) of one layer from `lookback` columns.
+
+        Yields the same buffer, updated in place: copy a value to keep it past the next step.
+        """
+        m = self.multipliers[layer_index]
+        mix = np.multiply(cols[0], m[0])
+        prod = np.empty_like(mix)
+        for i in range(1, self.config.max_ngram_size):
+            np.multiply(cols[i], m[i], out=prod)
+            np.bitwise_xor(mix, prod, out=mix)
+            yield mix
 
     def next_window(
         self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None, lengths: np.ndarray | None = None

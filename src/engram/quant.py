@@ -1,0 +1,384 @@
+"""FP8 row quantisation of Engram tables, in the layout DeepSeek-V4.1 stores them.
+
+A table row of width ``D`` is stored as ``D`` FP8 e4m3 values (``torch.float8_e4m3fn``, max finite 448)
+plus one ue8m0 scale byte per ``BLOCK`` (= 32) consecutive values (``torch.float8_e8m0fnu``).  A scale
+byte ``b`` means the power of two ``2**(b - 127)``; byte 255 is NaN.  A 256-wide row therefore takes
+256 + 8 = 264 bytes.  A stored value decodes as ``value * 2**(b - 127)``.
+
+This module holds:
+
+- ``BLOCK``, ``FP8_MAX``: block width (32) and the largest finite e4m3 value (448.0).
+- ``quantize_rows(x, block)``: float rows ``[..., D]`` -> (fp8 values ``[..., D]``, e8m0 scales
+  ``[..., D // block]``).  The scale of a block is the smallest power of two that keeps every scaled
+  value within +-448, so nothing ever saturates.
+- ``dequantize_rows(values, scales, dtype, out)``: the inverse, exact in float32.
+- ``dequantize_gather(values, scales, rows, dtype, out)``: dequantise selected rows of a whole (possibly
+  huge or memory-mapped) table without converting the rest of it.
+- ``scale_bytes_to_float(scales)``: e8m0 scales -> float32 powers of two.
+- ``fp8_row_bytes(dim, block)``: bytes per stored row (256 -> 264).
+
+Decisions (also stated where they apply):
+
+- Scale exponents are clamped to [-126, 127] (bytes 1..254).  Byte 0 (2**-127) is a float32 subnormal
+  and cannot be built by putting the byte in float32's exponent field, so the quantiser never emits it;
+  the clamp only matters for blocks whose amax is below 448 * 2**-127 ~ 2.6e-36, which then get scale
+  2**-126 and lose precision but never overflow.  The dequantiser still decodes byte 0 correctly when it
+  comes from elsewhere.  The upper clamp can never bind for float32 input (amax < 2**128 needs at most
+  2**120).
+- An all-zero block gets scale byte 127 (scale 1.0): any scale decodes zeros to zeros, and 1.0 is the
+  neutral, recognisable choice.
+- Quantisation computes in float32: float64 input is first rounded to float32 (so values beyond float32's
+  range are rejected), bf16/fp16 convert exactly.
+- Dequantisation multiplies an fp8 value (exact in float32, at most 4 significant bits) by a power of two,
+  which is exact in float32 for every scale byte 0..254 unless the product exceeds float32's range (only
+  possible for foreign data with bytes above 247, which then decodes to +-inf).  bf16/fp16 output is that
+  exact float32 result rounded once (round to nearest even).
+- NaN/inf in the input table is an error, as is a NaN (255) scale byte.  fp8 NaN value bytes are not
+  checked (it would cost a pass over the values on every lookup).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "FP8_MAX",
+    "dequantize_gather",
+    "dequantize_rows",
+    "fp8_row_bytes",
+    "quantize_rows",
+    "scale_bytes_to_float",
+]
+
+BLOCK: int = 32
+FP8_MAX: float = 448.0
+
+VALUE_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float8_e8m0fnu
+
+# Scale exponent range the quantiser emits: byte = exponent + 127 lies in [1, 254] (see module docstring).
+_MIN_EXP = -126
+_MAX_EXP = 127
+_ZERO_BLOCK_BYTE = 127  # scale 1.0 for an all-zero block
+
+# Elements per internal chunk: temporaries are a few float32 copies of one chunk (~16 MiB each), so a huge
+# input never needs more than a constant factor of that beyond its inputs and outputs.
+_CHUNK_ELEMS = 1 << 22
+
+_QUANT_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_DEQUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ROW_ID_DTYPES = (torch.int64, torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _check_block(block: int) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+
+
+def _rows_per_chunk(dim: int) -> int:
+    return max(1, _CHUNK_ELEMS // max(dim, 1))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Flat (row-major) index -> multi-index in ``shape``."""
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat % size)
+        flat //= size
+    return tuple(reversed(idx))
+
+
+def _row_name(flat_row: int, lead_shape: tuple[int, ...]) -> str:
+    """Human name of a row of ``[..., D]``: its leading index, plus the flat row index if that differs."""
+    if len(lead_shape) == 0:
+        return "the (only) row"
+    if len(lead_shape) == 1:
+        return f"row {flat_row}"
+    return f"row {_unravel(flat_row, lead_shape)} (flat row {flat_row})"
+
+
+def _exp2_bits(b: torch.Tensor) -> torch.Tensor:
+    """Scale bytes (uint8 / int, any shape) -> float32 ``2**(b - 127)``, built exactly from the bits.
+
+    For b in 1..254 the float32 with exponent field b and zero mantissa is exactly 2**(b - 127).
+    b = 0 is the subnormal 2**-127 (mantissa bit 22 alone); b = 255 is NaN (quiet NaN bits).
+    """
+    bi = b.to(torch.int32)
+    bits = bi << 23
+    bits = torch.where(bi == 0, torch.full_like(bits, 1 << 22), bits)
+    bits = torch.where(bi == 255, torch.full_like(bits, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def _check_dtype(t: torch.Tensor, name: str, expected: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype {expected}, got {type(t).__name__}")
+    if t.dtype != expected:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected {expected}")
+
+
+def _check_out_dtype(dtype: torch.dtype) -> None:
+    if dtype not in _DEQUANT_OUT_DTYPES:
+        raise TypeError(
+            f"dequantised dtype {dtype} is not supported, expected one of "
+            f"{', '.join(str(d) for d in _DEQUANT_OUT_DTYPES)}"
+        )
+
+
+def _prepare_out(
+    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        # Results are written through a [rows, D] view, which only aliases a contiguous tensor.
+        raise ValueError("out must be contiguous")
+    return out
+
+
+def _check_scale_bytes(s_u8: torch.Tensor, describe_row: Callable[[int], str], block: int) -> None:
+    """Raise if any scale byte (uint8 [R, nb]) is 255 (NaN); ``describe_row(r)`` names row r."""
+    bad = s_u8 == 255
+    if bool(bad.any()):
+        r, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"scale byte 255 (NaN scale) at {describe_row(r)}, block {j} "
+            f"(columns {j * block}..{(j + 1) * block - 1}); a stored table must have finite scales"
+        )
+
+
+def _dequant_2d(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: torch.Tensor) -> None:
+    """Dequantise uint8 bytes v_u8 [R, D] (fp8 e4m3) with scale bytes s_u8 [R, D // block] into out2d [R, D].
+
+    Works chunk by chunk so the float32 temporaries are bounded by one chunk.
+    """
+    n_rows, dim = v_u8.shape
+    nb = dim // block
+    step = _rows_per_chunk(dim)
+    for start in range(0, n_rows, step):
+        stop = min(start + step, n_rows)
+        r = stop - start
+        vals = v_u8[start:stop].view(VALUE_DTYPE).float().view(r, nb, block)  # exact: fp8 ⊂ fp32
+        scale = _exp2_bits(s_u8[start:stop]).unsqueeze(-1)  # [r, nb, 1], exact powers of two
+        dst = out2d[start:stop].view(r, nb, block)
+        if out2d.dtype == torch.float32:
+            torch.mul(vals, scale, out=dst)  # exact product
+        else:
+            dst.copy_(vals.mul_(scale))  # exact fp32 product, then one rounding to bf16/fp16
+
+
+# ------------------------------------------------------------------------------------------- public API
+
+
+def fp8_row_bytes(dim: int, block: int = BLOCK) -> int:
+    """Bytes one stored row of width ``dim`` takes: ``dim`` fp8 values + ``dim // block`` scale bytes."""
+    _check_block(block)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0 or dim % block:
+        raise ValueError(f"row width D={dim!r} must be a non-negative multiple of block={block}")
+    return dim + dim // block
+
+
+def scale_bytes_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scales (``float8_e8m0fnu`` or raw ``uint8`` bytes, any shape) -> float32 ``2**(b - 127)``.
+
+    Exact for every byte; byte 0 gives the subnormal 2**-127 and byte 255 gives NaN (this helper does not
+    raise; the dequantisers do).
+    """
+    if not isinstance(scales, torch.Tensor) or scales.dtype not in (SCALE_DTYPE, torch.uint8):
+        found = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise TypeError(f"scales has dtype {found}, expected {SCALE_DTYPE} (or raw torch.uint8 bytes)")
+    return _exp2_bits(scales.view(torch.uint8))
+
+
+def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise float rows ``x [..., D]`` to (values ``float8_e4m3fn [..., D]``, scales ``float8_e8m0fnu
+    [..., D // block]``).
+
+    Per block of ``block`` consecutive values of a row, the scale is the smallest power of two ``s`` with
+    ``amax / s <= 448`` (exponent clamped to [-126, 127]; an all-zero block gets 1.0), and the values are
+    ``x / s`` rounded to nearest e4m3 (never saturating).  The computation is in float32.
+
+    Raises ValueError if D is not a multiple of ``block`` or if ``x`` holds NaN/inf (or, for float64,
+    values beyond float32's range); TypeError for a non-float dtype.
+    """
+    _check_block(block)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _QUANT_IN_DTYPES:
+        raise TypeError(
+            f"x has dtype {x.dtype}, expected one of {', '.join(str(d) for d in _QUANT_IN_DTYPES)}"
+        )
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., D]")
+    dim = x.shape[-1]
+    if dim % block:
+        raise ValueError(f"row width D={dim} is not divisible by block={block}")
+    lead = tuple(x.shape[:-1])
+    nb = dim // block
+
+    n_rows = math.prod(lead)
+    x2 = x.reshape(n_rows, dim)  # [R, D]; a view for contiguous x
+    values = torch.empty((n_rows, dim), dtype=VALUE_DTYPE, device=x.device)
+    scale_bytes = torch.empty((n_rows, nb), dtype=torch.uint8, device=x.device)
+
+    step = _rows_per_chunk(dim)
+    for start in range(0, n_rows, step):
+        stop = min(start + step, n_rows)
+        r = stop - start
+        xf = x2[start:stop].float()  # [r, D]; float64 beyond fp32 range becomes inf here
+        finite = torch.isfinite(xf)
+        if not bool(finite.all()):
+            i, c = (int(v) for v in (~finite).nonzero()[0])
+            orig = x2[start + i, c].item()
+            why = "is not finite" if not torch.isfinite(x2[start + i, c]) else "overflows float32"
+            raise ValueError(
+                f"quantize_rows: x at {_row_name(start + i, lead)}, column {c} is {orig!r}, which {why}; "
+                "an Engram table must be finite"
+            )
+        xb = xf.view(r, nb, block)
+        amax = xb.abs().amax(dim=-1)  # [r, nb], exact
+        # Smallest e with amax <= 448 * 2**e, exactly: amax = m * 2**k with m in [0.5, 1) and
+        # 448 = 0.875 * 2**9, so e = k - 9 when m <= 0.875 (and k - 10 fails as m > 0.4375), else k - 8.
+        # Exact powers of two (m = 0.5) and amax just above 448 * 2**j (m just above 0.875) both land right.
+        mant, expo = torch.frexp(amax)  # handles float32 subnormals; amax = 0 gives (0, 0)
+        e = expo - 9 + (mant > 0.875).to(torch.int32)
+        e = e.clamp_(_MIN_EXP, _MAX_EXP)
+        b = torch.where(amax == 0, torch.full_like(e, _ZERO_BLOCK_BYTE), e + 127)  # [r, nb] in 1..254
+        scale = _exp2_bits(b).unsqueeze(-1)  # [r, nb, 1], exact 2**e, always a normal float32
+        # x / 2**e is exact unless it lands below 2**-126, where e4m3 rounds it to zero anyway, so the
+        # only rounding is the single round-to-nearest-even into e4m3; |x / s| <= 448 so nothing saturates.
+        values[start:stop].view(r, nb, block).copy_(xb / scale)
+        scale_bytes[start:stop] = b.to(torch.uint8)
+
+    return values.view(*lead, dim), scale_bytes.view(SCALE_DTYPE).view(*lead, nb)
+
+
+def _check_pair(values: torch.Tensor, scales: torch.Tensor, block: int) -> tuple[int, int]:
+    """Validate a (values, scales) pair; return (D, D // block)."""
+    _check_block(block)
+    _check_dtype(values, "values", VALUE_DTYPE)
+    _check_dtype(scales, "scales", SCALE_DTYPE)
+    if values.dim() == 0:
+        raise ValueError("values must have at least one dimension [..., D]")
+    dim = values.shape[-1]
+    if dim % block:
+        raise ValueError(f"row width D={dim} is not divisible by block={block}")
+    nb = dim // block
+    if scales.dim() != values.dim() or scales.shape[-1] != nb:
+        raise ValueError(
+            f"scales has shape {tuple(scales.shape)}, expected {(*values.shape[:-1], nb)} "
+            f"(D // block = {dim} // {block} = {nb} scales per row)"
+        )
+    if scales.shape[:-1] != values.shape[:-1]:
+        raise ValueError(
+            f"leading dims differ: values {tuple(values.shape[:-1])} vs scales {tuple(scales.shape[:-1])}"
+        )
+    if values.device != scales.device:
+        raise ValueError(f"values on {values.device} but scales on {scales.device}")
+    return dim, nb
+
+
+def dequantize_rows(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    *,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """Dequantise ``values float8_e4m3fn [..., D]`` with ``scales float8_e8m0fnu [..., D // block]`` to
+    ``[..., D]`` in ``dtype`` (float32, bfloat16 or float16): ``value * 2**(b - 127)`` per block.
+
+    Exact in float32; bf16/fp16 are the float32 result rounded once.  Written into ``out`` if given (same
+    shape and dtype, contiguous).  Raises TypeError for wrong dtypes, ValueError for mismatched shapes or a
+    NaN (255) scale byte.
+    """
+    dim, nb = _check_pair(values, scales, block)
+    _check_out_dtype(dtype)
+    lead = tuple(values.shape[:-1])
+    result = _prepare_out(out, (*lead, dim), dtype, values.device)
+    n_rows = math.prod(lead)
+    v_u8 = values.view(torch.uint8).reshape(n_rows, dim)  # [R, D]; same-size dtype view, no conversion
+    s_u8 = scales.view(torch.uint8).reshape(n_rows, nb)  # [R, nb]
+    _check_scale_bytes(s_u8, lambda r: _row_name(r, lead), block)
+    _dequant_2d(v_u8, s_u8, block, result.view(n_rows, dim))
+    return result
+
+
+def dequantize_gather(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    *,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """Dequantise the table rows ``rows`` (int64/int32, any shape ``[...]``) of a whole table
+    ``values [N, D]`` / ``scales [N, D // block]`` -> ``[..., D]`` in ``dtype``.
+
+    Only the requested rows' bytes are gathered (the table may be huge or memory-mapped and is never
+    converted as a whole).  Repeated row ids are dequantised once when that halves the work or better,
+    then expanded.  Raises ValueError for row ids outside [0, N), plus the checks of ``dequantize_rows``.
+    """
+    dim, nb = _check_pair(values, scales, block)
+    _check_out_dtype(dtype)
+    if values.dim() != 2:
+        raise ValueError(f"values must be a table [N, D], got shape {tuple(values.shape)}")
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor of dtype torch.int64 or torch.int32, got {type(rows)}")
+    if rows.dtype not in _ROW_ID_DTYPES:
+        raise TypeError(f"rows has dtype {rows.dtype}, expected torch.int64 or torch.int32")
+    if rows.device != values.device:
+        raise ValueError(f"rows on {rows.device} but table on {values.device}")
+    n_table = values.shape[0]
+    row_shape = tuple(rows.shape)
+    result = _prepare_out(out, (*row_shape, dim), dtype, values.device)
+    n = rows.numel()
+    out2d = result.view(n, dim)  # [n, D]
+    flat = rows.reshape(n)  # [n]
+    if n == 0:
+        return result
+
+    bad = (flat < 0) | (flat >= n_table)
+    if bool(bad.any()):
+        p = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"row id {int(flat[p])} at rows{list(_unravel(p, row_shape))} is out of range [0, {n_table})"
+        )
+
+    v_u8 = values.view(torch.uint8)  # [N, D] bytes; index_select on bytes avoids any fp8 kernel support
+    s_u8 = scales.view(torch.uint8)  # [N, nb]
+
+    ids = flat
+    inverse: torch.Tensor | None = None
+    if n > 1:
+        uniq, inv = torch.unique(flat, return_inverse=True)  # sorted, also improves gather locality
+        if 2 * uniq.numel() <= n:
+            ids, inverse = uniq, inv
+
+    g_v = v_u8.index_select(0, ids)  # [u, D] uint8, only the requested rows
+    g_s = s_u8.index_select(0, ids)  # [u, nb]
+    _check_scale_bytes(g_s, lambda r: f"table row {int(ids[r])}", block)
+    if inverse is None:
+        _dequant_2d(g_v, g_s, block, out2d)
+    else:
+        uniq_rows = torch.empty((ids.numel(), dim), dtype=dtype, device=values.device)  # [u, D], u <= n/2
+        _dequant_2d(g_v, g_s, block, uniq_rows)
+        torch.index_select(uniq_rows, 0, inverse, out=out2d)
+    return result

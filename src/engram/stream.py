@@ -1,0 +1,163 @@
+"""Decode-time hashing state (SPEC §4, "Decode"): chunked prefill, one-token steps, speculative
+drafts with commit/rollback, giving exactly the rows of hashing the whole sequence at once.
+
+Holds `HashStream`: for B sequences, the committed look-back window (B, max_ngram-1) of
+compressed ids with padding and dead-token blocking already applied, a committed-token count,
+and a small buffer of not-yet-committed draft tokens. Memory per sequence is O(max_ngram) plus
+the drafts in flight, never O(sequence length): the window is all the future can see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engram.hashing import NgramHasher, _check_dead_mask, _like_input, check_token_ids
+
+__all__ = ["HashStream"]
+
+
+class HashStream:
+    """Incremental hashing of `batch_size` sequences.
+
+    - `feed(ids)`: hash and commit a chunk ([T] for one sequence, [B', T] for the sequences `seqs`).
+    - `step(ids)`: one token for every sequence (ids [B]); returns rows [B, n_layers, heads].
+    - `draft(ids)`: hash tentative tokens after the committed ones (and after earlier drafts);
+      `commit(n)` keeps the first n drafted tokens of each sequence and forgets the rest;
+      `rollback()` forgets them all.
+    """
+
+    def __init__(self, hasher: NgramHasher, batch_size: int = 1) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.hasher = hasher
+        self.batch_size = batch_size
+        w = hasher.window_size
+        self.window = np.full((batch_size, w), hasher.pad, dtype=np.int64)  # (B, n-1), most recent first
+        self.position = np.zeros(batch_size, dtype=np.int64)  # committed tokens per sequence
+        # drafts: compressed ids (pad at dead positions) and dead flags, (B, capacity), n_draft used
+        self._draft_vals = np.zeros((batch_size, 0), dtype=np.int64)
+        self._draft_dead = np.zeros((batch_size, 0), dtype=bool)
+        self.n_draft = np.zeros(batch_size, dtype=np.int64)
+
+    # ------------------------------------------------------------------ helpers
+    def _select(self, seqs: Any) -> np.ndarray:
+        if seqs is None:
+            return np.arange(self.batch_size)
+        idx = np.atleast_1d(np.asarray(seqs))
+        if idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
+            raise TypeError(f"seqs must be integer sequence indices, got dtype {idx.dtype}")
+        bad = (idx < 0) | (idx >= self.batch_size)
+        if bad.any():
+            raise ValueError(f"seqs holds {int(idx[bad][0])}, outside [0, {self.batch_size}) sequences")
+        if np.unique(idx).size != idx.size:
+            raise ValueError(f"seqs {idx.tolist()} names a sequence twice")
+        return idx.astype(np.int64)
+
+    def _prepare(self, token_ids: Any, dead_mask: Any, seqs: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, bool]:
+        """Compressed (B', T) ids, dead mask, sequence indices, and whether the input was 1-D."""
+        ids = check_token_ids(token_ids, self.hasher.config.vocab_size)
+        dead = _check_dead_mask(dead_mask, ids.shape)
+        idx = self._select(seqs)
+        one_d = ids.ndim == 1
+        if one_d:
+            if idx.size != 1:
+                raise ValueError(
+                    f"a 1-D chunk of {ids.shape[0]} tokens is one sequence's, but this stream has {idx.size} "
+                    "selected sequences; pass seqs=<index> or a [B, T] array"
+                )
+            ids = ids[None]
+            dead = None if dead is None else dead[None]
+        elif ids.shape[0] != idx.size:
+            raise ValueError(f"token_ids has {ids.shape[0]} rows but {idx.size} sequences are selected")
+        xc = self.hasher.compression.lookup[ids]
+        if dead is not None and not dead.any():
+            dead = None
+        return xc, dead, idx, one_d
+
+    def _current_window(self, idx: np.ndarray) -> np.ndarray:
+        """Look-back window after the committed tokens and the drafts of sequences idx."""
+        if self._draft_vals.shape[1] == 0 or not self.n_draft[idx].any():
+            return self.window[idx]
+        return self.hasher.next_window(
+            self._draft_vals[idx], self._draft_dead[idx], self.window[idx], lengths=self.n_draft[idx]
+        )
+
+    # ------------------------------------------------------------------ committed tokens
+    def feed(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
+        """Hash and commit a chunk; rows [T, n_layers, heads] (1-D input) or [B', T, ...]."""
+        xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
+        if self.n_draft[idx].any():
+            raise RuntimeError("drafted tokens are pending for these sequences: commit() or rollback() them first")
+        window = self.window[idx]
+        rows = self.hasher.hash_compressed(xc, dead, window)
+        self.window[idx] = self.hasher.next_window(xc, dead, window)
+        self.position[idx] += xc.shape[1]
+        return _like_input(rows[0] if one_d else rows, token_ids)
+
+    def step(self, token_ids: Any, dead_mask: Any = None) -> Any:
+        """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads]."""
+        ids = token_ids
+        shape = getattr(ids, "shape", None)
+        if shape is None:
+            ids = np.asarray(ids)
+            shape = ids.shape
+        if len(shape) != 1 or shape[0] != self.batch_size:
+            raise ValueError(f"step() takes one token per sequence, shape [{self.batch_size}], got {tuple(shape)}")
+        col = ids.reshape(self.batch_size, 1)
+        dm = None if dead_mask is None else dead_mask.reshape(self.batch_size, 1)
+        rows = self.feed(col, dm)
+        return rows[:, 0]
+
+    # ------------------------------------------------------------------ speculative decoding
+    def draft(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
+        """Hash tentative tokens after the committed ones and any earlier drafts (nothing committed)."""
+        xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
+        rows = self.hasher.hash_compressed(xc, dead, self._current_window(idx))
+        k = xc.shape[1]
+        need = int(self.n_draft[idx].max()) + k
+        if need > self._draft_vals.shape[1]:  # grow the draft buffer (rare: bounded by the draft length)
+            grow = need - self._draft_vals.shape[1]
+            self._draft_vals = np.pad(self._draft_vals, ((0, 0), (0, grow)))
+            self._draft_dead = np.pad(self._draft_dead, ((0, 0), (0, grow)))
+        cols = self.n_draft[idx, None] + np.arange(k)  # (B', k) slots after each sequence's drafts
+        vals = xc if dead is None else np.where(dead, self.hasher.pad, xc)
+        self._draft_vals[idx[:, None], cols] = vals
+        self._draft_dead[idx[:, None], cols] = False if dead is None else dead
+        self.n_draft[idx] += k
+        return _like_input(rows[0] if one_d else rows, token_ids)
+
+    def commit(self, n_accepted: Any, seqs: Any = None) -> None:
+        """Keep the first `n_accepted` drafted tokens (int or one per selected sequence); drop the rest."""
+        idx = self._select(seqs)
+        n = np.broadcast_to(np.asarray(n_accepted), idx.shape)
+        if not np.issubdtype(n.dtype, np.integer):
+            raise TypeError(f"n_accepted must be integers, got dtype {n.dtype}")
+        bad = (n < 0) | (n > self.n_draft[idx])
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(
+                f"cannot commit {int(n[j])} tokens of sequence {int(idx[j])}: it has {int(self.n_draft[idx[j]])} drafted"
+            )
+        if n.any():
+            self.window[idx] = self.hasher.next_window(
+                self._draft_vals[idx], self._draft_dead[idx], self.window[idx], lengths=n
+            )
+            self.position[idx] += n
+        self.n_draft[idx] = 0
+
+    def rollback(self, seqs: Any = None) -> None:
+        """Forget every drafted token of the selected sequences."""
+        self.commit(0, seqs)
+
+    def reset(self, seqs: Any = None) -> None:
+        """Start the selected sequences afresh (a new request in that batch slot)."""
+        idx = self._select(seqs)
+        self.window[idx] = self.hasher.pad
+        self.position[idx] = 0
+        self.n_draft[idx] = 0
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Committed state (window, position) for checkpointing a generation; drafts are not saved."""
+        return {"window": self.window.copy(), "position": self.position.copy()}
