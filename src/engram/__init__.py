@@ -10,5 +10,13 @@ from engram.hashing import NgramHasher
 from engram.layout import Layout
 from engram.stream import HashStream
 
-__all__ = ["PRESETS", "EngramConfig", "HashStream", "Layout", "NgramHasher", "TokenizerCompression", "Variant"]
+__all__ = [
+    "PRESETS",
+    "EngramConfig",
+    "HashStream",
+    "Layout",
+    "NgramHasher",
+    "TokenizerCompression",
+    "Variant",
+]
 __version__ = "0.1.0"

@@ -43,7 +43,9 @@ def _hasher(config: EngramConfig) -> tuple[Any, Any]:
     from engram.hashing import NgramHasher
 
     if config.tokenizer is None:
-        raise SystemExit("error: this config names no tokenizer; pass --tokenizer deepseek-v4 or a tokenizer.json path")
+        raise SystemExit(
+            "error: this config names no tokenizer; pass --tokenizer deepseek-v4 or a tokenizer.json path"
+        )
     tok = resolve_tokenizer(config.tokenizer)
     return NgramHasher(config, TokenizerCompression.from_tokenizer(tok)), tok
 
@@ -77,19 +79,27 @@ def cmd_layout(args: argparse.Namespace) -> int:
         return 0
     c = layout.config
     print(f"Engram layout: {c.name} ({c.variant.value})  [primes found in {elapsed * 1000:.0f} ms]")
-    print(f"  orders {c.orders[0]}..{c.orders[-1]}, {c.n_heads} heads per order, {c.heads_per_layer} rows/token/layer, "
-          f"rows {c.head_dim} wide; compressed vocab {c.compressed_vocab_size}, pad id {c.pad_token_id}")
+    print(
+        f"  orders {c.orders[0]}..{c.orders[-1]}, {c.n_heads} heads per order, {c.heads_per_layer} rows/token/layer, "
+        f"rows {c.head_dim} wide; compressed vocab {c.compressed_vocab_size}, pad id {c.pad_token_id}"
+    )
     for layer in d["layers"]:
-        print(f"\n  layer {layer['layer_id']}: {layer['num_embeddings']:,} rows, {_human(layer['params'])} params")
+        print(
+            f"\n  layer {layer['layer_id']}: {layer['num_embeddings']:,} rows, {_human(layer['params'])} params"
+        )
         print(f"    multipliers {layer['multipliers']}")
         for order, primes in zip(c.orders, layer["primes"], strict=True):
             print(f"    {order}-gram primes {primes[0]:,} .. {primes[-1]:,}: {', '.join(map(str, primes))}")
     b = d["bytes"]
     print(f"\n  total: {d['total_rows']:,} rows = {d['total_params']:,} params ({_human(d['total_params'])})")
-    print(f"  storage: FP8+ue8m0 {_bytes(b['fp8_ue8m0_total'])} ({b['fp8_ue8m0_row']} B/row), "
-          f"bf16 {_bytes(b['bf16_total'])}, fp32 {_bytes(b['fp32_total'])}")
-    print(f"  read per token: {_bytes(b['fp8_ue8m0_per_token_per_layer'])} per layer, "
-          f"{_bytes(b['fp8_ue8m0_per_token'])} over {c.n_layers} layers")
+    print(
+        f"  storage: FP8+ue8m0 {_bytes(b['fp8_ue8m0_total'])} ({b['fp8_ue8m0_row']} B/row), "
+        f"bf16 {_bytes(b['bf16_total'])}, fp32 {_bytes(b['fp32_total'])}"
+    )
+    print(
+        f"  read per token: {_bytes(b['fp8_ue8m0_per_token_per_layer'])} per layer, "
+        f"{_bytes(b['fp8_ue8m0_per_token'])} over {c.n_layers} layers"
+    )
     return 0
 
 
@@ -108,8 +118,10 @@ def cmd_compress(args: argparse.Namespace) -> int:
         print(json.dumps({**comp.summary(), "seconds": elapsed, "top_groups": groups, "saved": args.save}))
         return 0
     s = comp.summary()
-    print(f"tokenizer {args.tokenizer}: {s['vocab_size']:,} ids -> {s['compressed_vocab_size']:,} compressed ids "
-          f"({s['reduction']:.1%} fewer; {s['merged_away']:,} merged away) in {elapsed:.2f} s")
+    print(
+        f"tokenizer {args.tokenizer}: {s['vocab_size']:,} ids -> {s['compressed_vocab_size']:,} compressed ids "
+        f"({s['reduction']:.1%} fewer; {s['merged_away']:,} merged away) in {elapsed:.2f} s"
+    )
     print(f"fingerprint {s['fingerprint']}")
     if args.save:
         print(f"saved to {args.save}")
@@ -145,8 +157,10 @@ def cmd_hash(args: argparse.Namespace) -> int:
         print(json.dumps(out, ensure_ascii=False))
         return 0
     shown = k if args.all_heads else 1
-    print(f"{len(ids)} tokens, {config.name}: rows per token per layer = {config.heads_per_layer} "
-          f"({'all heads' if args.all_heads else 'head 0 of each order shown; --all-heads for all'})")
+    print(
+        f"{len(ids)} tokens, {config.name}: rows per token per layer = {config.heads_per_layer} "
+        f"({'all heads' if args.all_heads else 'head 0 of each order shown; --all-heads for all'})"
+    )
     for li, lid in enumerate(config.layer_ids):
         print(f"\nlayer {lid} (table of {hasher.layout.layer(lid).num_embeddings:,} rows)")
         header = f"{'pos':>4} {'token':<16} {'cid':>6}"
@@ -186,27 +200,44 @@ def cmd_collisions(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     ok = all(r.crt_ok for r in reports)
     if args.json:
-        print(json.dumps({"source": source, "tokens": int(ids.size), "seconds": elapsed, "crt_ok": ok,
-                          "orders": [r.to_dict() for r in reports]}))
+        print(
+            json.dumps(
+                {
+                    "source": source,
+                    "tokens": int(ids.size),
+                    "seconds": elapsed,
+                    "crt_ok": ok,
+                    "orders": [r.to_dict() for r in reports],
+                }
+            )
+        )
         return 0 if ok or not args.strict else 1
     print(f"{source}: {ids.size:,} tokens, {config.name}, analysed in {elapsed:.1f} s\n")
-    print(f"{'layer':>5} {'n':>2} {'distinct n-grams':>16} {'distinct mixes':>14} {'same mix':>8} "
-          f"{'rows shared/head':>16} {'pairs 1 head':>12} {'pairs 2 heads':>13} {'max heads':>9}  CRT")
+    print(
+        f"{'layer':>5} {'n':>2} {'distinct n-grams':>16} {'distinct mixes':>14} {'same mix':>8} "
+        f"{'rows shared/head':>16} {'pairs 1 head':>12} {'pairs 2 heads':>13} {'max heads':>9}  CRT"
+    )
     for r in reports:
         shared = np.mean([h.rows_shared for h in r.heads])
         crt = "ok" if r.crt_ok else "VIOLATED"
         crt += " (guaranteed)" if r.crt_guaranteed else " (not guaranteed: primes too small)"
-        print(f"{r.layer_id:>5} {r.order:>2} {r.distinct_ngrams:>16,} {r.distinct_mixes:>14,} "
-              f"{r.ngrams_sharing_a_mix:>8,} {shared:>16,.1f} {r.pairs_sharing_one_head:>12,} "
-              f"{r.pairs_sharing_two_heads:>13,} {r.max_heads_shared:>9}  {crt}")
-    print("\nsame mix: n-grams whose 64-bit mix equals another's (they share every row); "
-          "max heads: most heads any two different mixes share (CRT bound: 2)")
+        print(
+            f"{r.layer_id:>5} {r.order:>2} {r.distinct_ngrams:>16,} {r.distinct_mixes:>14,} "
+            f"{r.ngrams_sharing_a_mix:>8,} {shared:>16,.1f} {r.pairs_sharing_one_head:>12,} "
+            f"{r.pairs_sharing_two_heads:>13,} {r.max_heads_shared:>9}  {crt}"
+        )
+    print(
+        "\nsame mix: n-grams whose 64-bit mix equals another's (they share every row); "
+        "max heads: most heads any two different mixes share (CRT bound: 2)"
+    )
     return 0 if ok or not args.strict else 1
 
 
 # ---------------------------------------------------------------------------- entry
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engram", description="Engram: conditional memory for language models.")
+    parser = argparse.ArgumentParser(
+        prog="engram", description="Engram: conditional memory for language models."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("layout", help="primes, offsets, multipliers and sizes of a config's hash layout")
@@ -216,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compress", help="build a tokenizer's compression map and show what merged")
     p.add_argument("--tokenizer", default="deepseek-v4", help="'deepseek-v4' or a tokenizer.json path")
     p.add_argument("--top", type=int, default=10, help="how many of the largest groups to show")
-    p.add_argument("--save", help="write the map (safetensors, with the tokenizer's fingerprint) to this path")
+    p.add_argument(
+        "--save", help="write the map (safetensors, with the tokenizer's fingerprint) to this path"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_compress)
 
@@ -230,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("collisions", help="n-gram, mix and row collision statistics over a real text")
     _add_config_options(p)
-    p.add_argument("--text-file", action="append", help="text file(s) to analyse (default: the King James Bible)")
+    p.add_argument(
+        "--text-file", action="append", help="text file(s) to analyse (default: the King James Bible)"
+    )
     p.add_argument("--max-chars", type=int, help="only the first N characters of the text")
     p.add_argument("--strict", action="store_true", help="exit 1 if the CRT property is violated")
     p.set_defaults(func=cmd_collisions)

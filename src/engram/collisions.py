@@ -60,7 +60,9 @@ def _pairs(counts: np.ndarray) -> int:
     return int((c * (c - 1) // 2).sum())
 
 
-def _order_report(layer_id: int, order: int, cols: list[np.ndarray], mix: np.ndarray, primes: np.ndarray) -> OrderReport:
+def _order_report(
+    layer_id: int, order: int, cols: list[np.ndarray], mix: np.ndarray, primes: np.ndarray
+) -> OrderReport:
     ngrams = np.stack([c.ravel() for c in cols[:order]], axis=1)  # (N, order)
     mixes = np.unique(mix.ravel())  # (M,) distinct mix values
     rep = OrderReport(

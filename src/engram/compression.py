@@ -128,7 +128,9 @@ class TokenizerCompression:
         object.__setattr__(self, "lookup", lut)
         size = int(lut.max()) + 1
         if int(lut.min()) < 0 or np.unique(lut).size != size:
-            raise ValueError("lookup is not a dense map onto 0..size-1; the file is corrupt or not a compression map")
+            raise ValueError(
+                "lookup is not a dense map onto 0..size-1; the file is corrupt or not a compression map"
+            )
         object.__setattr__(self, "_size", size)
 
     @property
@@ -186,7 +188,11 @@ class TokenizerCompression:
         groups = []
         for cid in order.tolist():
             members = np.flatnonzero(self.lookup == cid)
-            g: dict[str, Any] = {"compressed_id": cid, "count": int(counts[cid]), "ids": members[:12].tolist()}
+            g: dict[str, Any] = {
+                "compressed_id": cid,
+                "count": int(counts[cid]),
+                "ids": members[:12].tolist(),
+            }
             if self.keys is not None:
                 g["key"] = self.keys[cid]
             if tok is not None:
@@ -223,7 +229,9 @@ class TokenizerCompression:
         keys = tuple(json.loads(meta["keys"])) if "keys" in meta else None
         comp = cls(lookup=lookup, fingerprint=meta["fingerprint"], keys=keys)
         if str(comp.size) != meta.get("size"):
-            raise ValueError(f"{path}: metadata says size {meta.get('size')} but the map has {comp.size}; file corrupt")
+            raise ValueError(
+                f"{path}: metadata says size {meta.get('size')} but the map has {comp.size}; file corrupt"
+            )
         if tokenizer is not None:
             comp.check_tokenizer(tokenizer)
         return comp
@@ -236,4 +244,3 @@ class TokenizerCompression:
             "reduction": 1 - self.size / self.vocab_size,
             "fingerprint": self.fingerprint,
         }
-

@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["PRESETS", "EngramConfig", "Variant"]
 
 
-class Variant(str, enum.Enum):
+class Variant(enum.StrEnum):
     """The two published Engram modules (SPEC §1)."""
 
     V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
@@ -78,8 +78,18 @@ class EngramConfig:
         if isinstance(self.engram_vocab_size, int):
             set_(self, "engram_vocab_size", (self.engram_vocab_size,) * max(self.max_ngram_size - 1, 0))
         set_(self, "engram_vocab_size", _tuple_of_ints("engram_vocab_size", self.engram_vocab_size))
-        for name in ("max_ngram_size", "n_heads", "vocab_size", "compressed_vocab_size", "pad_token_id",
-                     "seed", "head_dim", "hidden_size", "hc_mult", "kernel_size"):
+        for name in (
+            "max_ngram_size",
+            "n_heads",
+            "vocab_size",
+            "compressed_vocab_size",
+            "pad_token_id",
+            "seed",
+            "head_dim",
+            "hidden_size",
+            "hc_mult",
+            "kernel_size",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"EngramConfig.{name} must be an int, got {v!r}")
@@ -91,7 +101,9 @@ class EngramConfig:
         if min(self.layer_ids) < 0:
             raise ValueError(f"layer_ids {self.layer_ids} has a negative layer; layers count from 0")
         if self.max_ngram_size < 2:
-            raise ValueError(f"max_ngram_size={self.max_ngram_size}: Engram needs at least 2-grams (use >= 2)")
+            raise ValueError(
+                f"max_ngram_size={self.max_ngram_size}: Engram needs at least 2-grams (use >= 2)"
+            )
         if len(self.engram_vocab_size) != self.max_ngram_size - 1:
             raise ValueError(
                 f"engram_vocab_size has {len(self.engram_vocab_size)} entries but orders 2..{self.max_ngram_size} "
@@ -108,7 +120,9 @@ class EngramConfig:
                 f"compressed_vocab_size={self.compressed_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
             )
         if not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"pad_token_id={self.pad_token_id} is outside the tokenizer's ids [0, {self.vocab_size})")
+            raise ValueError(
+                f"pad_token_id={self.pad_token_id} is outside the tokenizer's ids [0, {self.vocab_size})"
+            )
         if self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0 (it seeds numpy.random.default_rng)")
         for name in ("head_dim", "hidden_size", "hc_mult", "kernel_size"):
@@ -142,7 +156,9 @@ class EngramConfig:
         try:
             return self.layer_ids.index(layer_id)
         except ValueError:
-            raise ValueError(f"layer {layer_id} has no Engram module; this config's layers are {self.layer_ids}") from None
+            raise ValueError(
+                f"layer {layer_id} has no Engram module; this config's layers are {self.layer_ids}"
+            ) from None
 
     def replace(self, **changes: Any) -> EngramConfig:
         """A copy with some fields changed (validated again)."""
@@ -159,7 +175,9 @@ class EngramConfig:
         try:
             return PRESETS[name]
         except KeyError:
-            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+            raise ValueError(
+                f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+            ) from None
 
     # ------------------------------------------------------------------ HF round trip
     def to_hf_dict(self) -> dict[str, Any]:
@@ -189,15 +207,26 @@ class EngramConfig:
         }
 
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any], *, name: str = "hf", tokenizer: str | None = None) -> EngramConfig:
+    def from_hf_dict(
+        cls, d: Mapping[str, Any], *, name: str = "hf", tokenizer: str | None = None
+    ) -> EngramConfig:
         """Read the `engram_*` keys of a config.json; refuse one that contradicts its own primes."""
         from engram.layout import Layout
 
-        required = ("engram_layer_ids", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads",
-                    "engram_head_dim", "engram_pad_token_id", "engram_compressed_vocab_size")
+        required = (
+            "engram_layer_ids",
+            "engram_max_ngram_size",
+            "engram_vocab_size",
+            "engram_n_heads",
+            "engram_head_dim",
+            "engram_pad_token_id",
+            "engram_compressed_vocab_size",
+        )
         missing = [k for k in required if k not in d]
         if missing:
-            raise ValueError(f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})")
+            raise ValueError(
+                f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})"
+            )
         kw: dict[str, Any] = {
             "name": name,
             "variant": Variant(d.get("engram_variant", Variant.V4_1.value)),
@@ -211,8 +240,12 @@ class EngramConfig:
             "seed": d.get("engram_seed", 0),
             "tokenizer": tokenizer,
         }
-        for key, hf_key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
-                            ("hc_mult", "hc_mult"), ("kernel_size", "engram_kernel_size")):
+        for key, hf_key in (
+            ("vocab_size", "vocab_size"),
+            ("hidden_size", "hidden_size"),
+            ("hc_mult", "hc_mult"),
+            ("kernel_size", "engram_kernel_size"),
+        ):
             if hf_key in d:
                 kw[key] = d[hf_key]
         if isinstance(kw["engram_vocab_size"], list):

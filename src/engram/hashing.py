@@ -41,11 +41,15 @@ def check_token_ids(token_ids: Any, vocab_size: int, name: str = "token_ids") ->
     """
     if hasattr(token_ids, "detach") and hasattr(token_ids, "cpu"):  # torch.Tensor, without importing torch
         if token_ids.is_floating_point() or token_ids.is_complex() or str(token_ids.dtype) == "torch.bool":
-            raise TypeError(f"{name} must hold integer token ids, got a tensor of {token_ids.dtype}; cast with .long()")
+            raise TypeError(
+                f"{name} must hold integer token ids, got a tensor of {token_ids.dtype}; cast with .long()"
+            )
         token_ids = token_ids.detach().cpu().numpy()  # sync point on CUDA inputs
     arr = np.asarray(token_ids)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}; convert with .astype(np.int64)")
+        raise TypeError(
+            f"{name} must hold integer token ids, got dtype {arr.dtype}; convert with .astype(np.int64)"
+        )
     if arr.ndim not in (1, 2):
         raise ValueError(f"{name} must have shape [T] or [B, T], got shape {arr.shape}")
     if arr.size == 0:
@@ -128,7 +132,9 @@ class NgramHasher:
         return _like_input(rows, token_ids)
 
     # ------------------------------------------------------------------ core
-    def lookback(self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None) -> list[np.ndarray]:
+    def lookback(
+        self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None
+    ) -> list[np.ndarray]:
         """The max_ngram look-back columns [B, T] each, pads and blocking applied.
 
         xc: (B, T) compressed ids; dead: (B, T) bool or None; window: (B, max_ngram-1) carried
@@ -182,7 +188,11 @@ class NgramHasher:
             yield mix
 
     def next_window(
-        self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None, lengths: np.ndarray | None = None
+        self,
+        xc: np.ndarray,
+        dead: np.ndarray | None,
+        window: np.ndarray | None,
+        lengths: np.ndarray | None = None,
     ) -> np.ndarray:
         """The look-back window (B, max_ngram-1) of the position after the first `lengths[b]` tokens of
         each row of xc (all T tokens by default), given the window before xc."""

@@ -19,7 +19,7 @@ import sympy
 
 from engram.config import EngramConfig
 
-__all__ = ["FP8_BLOCK", "Layout", "LayerLayout", "find_head_primes", "layer_multipliers", "multiplier_bound"]
+__all__ = ["FP8_BLOCK", "LayerLayout", "Layout", "find_head_primes", "layer_multipliers", "multiplier_bound"]
 
 FP8_BLOCK = 32  # values per ue8m0 scale
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -60,7 +60,9 @@ def multiplier_bound(compressed_vocab_size: int) -> int:
 def layer_multipliers(config: EngramConfig, layer_id: int) -> np.ndarray:
     """The odd multipliers m_0..m_{max_ngram-1} (int64) of one layer, drawn as V4.1 draws them."""
     g = np.random.default_rng(config.seed + _SEED_LAYER_STRIDE * layer_id)
-    r = g.integers(0, multiplier_bound(config.compressed_vocab_size), size=config.max_ngram_size, dtype=np.int64)
+    r = g.integers(
+        0, multiplier_bound(config.compressed_vocab_size), size=config.max_ngram_size, dtype=np.int64
+    )
     return r * 2 + 1
 
 

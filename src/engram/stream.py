@@ -55,7 +55,9 @@ class HashStream:
             raise ValueError(f"seqs {idx.tolist()} names a sequence twice")
         return idx.astype(np.int64)
 
-    def _prepare(self, token_ids: Any, dead_mask: Any, seqs: Any) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, bool]:
+    def _prepare(
+        self, token_ids: Any, dead_mask: Any, seqs: Any
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, bool]:
         """Compressed (B', T) ids, dead mask, sequence indices, and whether the input was 1-D."""
         ids = check_token_ids(token_ids, self.hasher.config.vocab_size)
         dead = _check_dead_mask(dead_mask, ids.shape)
@@ -89,7 +91,9 @@ class HashStream:
         """Hash and commit a chunk; rows [T, n_layers, heads] (1-D input) or [B', T, ...]."""
         xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
         if self.n_draft[idx].any():
-            raise RuntimeError("drafted tokens are pending for these sequences: commit() or rollback() them first")
+            raise RuntimeError(
+                "drafted tokens are pending for these sequences: commit() or rollback() them first"
+            )
         window = self.window[idx]
         rows = self.hasher.hash_compressed(xc, dead, window)
         self.window[idx] = self.hasher.next_window(xc, dead, window)
@@ -104,7 +108,9 @@ class HashStream:
             ids = np.asarray(ids)
             shape = ids.shape
         if len(shape) != 1 or shape[0] != self.batch_size:
-            raise ValueError(f"step() takes one token per sequence, shape [{self.batch_size}], got {tuple(shape)}")
+            raise ValueError(
+                f"step() takes one token per sequence, shape [{self.batch_size}], got {tuple(shape)}"
+            )
         col = ids.reshape(self.batch_size, 1)
         dm = None if dead_mask is None else dead_mask.reshape(self.batch_size, 1)
         rows = self.feed(col, dm)

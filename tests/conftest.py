@@ -1,0 +1,45 @@
+"""Shared fixtures: the DeepSeek-V4 tokenizer, its compression map and the V4.1 golden vectors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engram import EngramConfig, NgramHasher, TokenizerCompression
+from engram.compression import resolve_tokenizer
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def vectors() -> dict:
+    return json.loads((DATA / "deepseek-v4.1-hash.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def ds_tokenizer():
+    return resolve_tokenizer("deepseek-v4")
+
+
+@pytest.fixture(scope="session")
+def ds_compression(ds_tokenizer) -> TokenizerCompression:
+    return TokenizerCompression.from_tokenizer(ds_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def v41_hasher(ds_compression) -> NgramHasher:
+    return NgramHasher(EngramConfig.preset("deepseek-v4.1"), ds_compression)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu`-marked tests on machines without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
