@@ -10,7 +10,7 @@ This module holds:
 - ``BLOCK``, ``FP8_MAX``: block width (32) and the largest finite e4m3 value (448.0).
 - ``quantize_rows(x, block)``: float rows ``[..., D]`` -> (fp8 values ``[..., D]``, e8m0 scales
   ``[..., D // block]``).  The scale of a block is the smallest power of two that keeps every scaled
-  value within +-448, so nothing ever saturates.
+  value within +-448, so nothing saturates (one exception near float32's max, below).
 - ``dequantize_rows(values, scales, dtype, out)``: the inverse, exact in float32.
 - ``dequantize_gather(values, scales, rows, dtype, out)``: dequantise selected rows of a whole (possibly
   huge or memory-mapped) table without converting the rest of it.
@@ -25,13 +25,18 @@ Decisions (also stated where they apply):
   2**-126 and lose precision but never overflow.  The dequantiser still decodes byte 0 correctly when it
   comes from elsewhere.  The upper clamp can never bind for float32 input (amax < 2**128 needs at most
   2**120).
+- Values round to nearest e4m3 (ties to even) and never saturate at 448, with one exception so that every
+  stored table decodes finite: in a block whose amax is within about 3% of float32's max (scale 2**120,
+  the largest finite float32 input can need), scaled values in [248, 256) would round to 256 and decode
+  to 2**128 = inf, so that block caps them at 240 (error still within the e4m3 half-ulp bound).
 - An all-zero block gets scale byte 127 (scale 1.0): any scale decodes zeros to zeros, and 1.0 is the
   neutral, recognisable choice.
 - Quantisation computes in float32: float64 input is first rounded to float32 (so values beyond float32's
   range are rejected), bf16/fp16 convert exactly.
 - Dequantisation multiplies an fp8 value (exact in float32, at most 4 significant bits) by a power of two,
   which is exact in float32 for every scale byte 0..254 unless the product exceeds float32's range (only
-  possible for foreign data with bytes above 247, which then decodes to +-inf).  bf16/fp16 output is that
+  for scale byte >= 247 with |value| >= 256, which the quantiser never writes; such foreign data decodes
+  to +-inf).  bf16/fp16 output is that
   exact float32 result rounded once (round to nearest even).
 - NaN/inf in the input table is an error, as is a NaN (255) scale byte.  fp8 NaN value bytes are not
   checked (it would cost a pass over the values on every lookup).
@@ -64,6 +69,10 @@ SCALE_DTYPE = torch.float8_e8m0fnu
 _MIN_EXP = -126
 _MAX_EXP = 127
 _ZERO_BLOCK_BYTE = 127  # scale 1.0 for an all-zero block
+# Largest exponent finite float32 input can need (amax < 2**128 <= 448 * 2**120); in that block e4m3
+# values are capped at 240 so that value * 2**120 stays below float32's max (256 * 2**120 = 2**128).
+_TOP_EXP = 120
+_TOP_LIMIT = 240.0
 
 # Elements per internal chunk: temporaries are a few float32 copies of one chunk (~16 MiB each), so a huge
 # input never needs more than a constant factor of that beyond its inputs and outputs.
@@ -211,7 +220,8 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
 
     Per block of ``block`` consecutive values of a row, the scale is the smallest power of two ``s`` with
     ``amax / s <= 448`` (exponent clamped to [-126, 127]; an all-zero block gets 1.0), and the values are
-    ``x / s`` rounded to nearest e4m3 (never saturating).  The computation is in float32.
+    ``x / s`` rounded to nearest e4m3 (never saturating; only in blocks with scale 2**120, i.e. amax near
+    float32's max, are values capped at 240 so that they decode finite).  The computation is in float32.
 
     Raises ValueError if D is not a multiple of ``block`` or if ``x`` holds NaN/inf (or, for float64,
     values beyond float32's range); TypeError for a non-float dtype.
@@ -262,7 +272,14 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
         scale = _exp2_bits(b).unsqueeze(-1)  # [r, nb, 1], exact 2**e, always a normal float32
         # x / 2**e is exact unless it lands below 2**-126, where e4m3 rounds it to zero anyway, so the
         # only rounding is the single round-to-nearest-even into e4m3; |x / s| <= 448 so nothing saturates.
-        values[start:stop].view(r, nb, block).copy_(xb / scale)
+        y = xb / scale  # [r, nb, block]
+        top = e == _TOP_EXP
+        if bool(top.any()):
+            # amax close to float32's max: |y| in [248, 256) would round to 256 and 256 * 2**120 = 2**128
+            # decodes to inf, so those blocks saturate at 240 (largest e4m3 below 256; still within the
+            # e4m3 half-ulp bound 16 <= |y| / 16).  Finite float32 input never needs e > 120.
+            y = torch.where(top.unsqueeze(-1), y.clamp(-_TOP_LIMIT, _TOP_LIMIT), y)
+        values[start:stop].view(r, nb, block).copy_(y)
         scale_bytes[start:stop] = b.to(torch.uint8)
 
     return values.view(*lead, dim), scale_bytes.view(SCALE_DTYPE).view(*lead, nb)
@@ -336,7 +353,7 @@ def dequantize_gather(
     converted as a whole).  Repeated row ids are dequantised once when that halves the work or better,
     then expanded.  Raises ValueError for row ids outside [0, N), plus the checks of ``dequantize_rows``.
     """
-    dim, nb = _check_pair(values, scales, block)
+    dim, _ = _check_pair(values, scales, block)
     _check_out_dtype(dtype)
     if values.dim() != 2:
         raise ValueError(f"values must be a table [N, D], got shape {tuple(values.shape)}")
