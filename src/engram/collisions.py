@@ -109,11 +109,10 @@ def _order_report(
 
 
 def analyze_collisions(hasher: NgramHasher, token_ids: Any) -> list[OrderReport]:
-    """Collision statistics of every (layer, order) over one token sequence ([T] tokenizer ids)."""
+    """Collision statistics of every (layer, order) over tokenizer ids: [T] one sequence, or [B, T]
+    B sequences, each starting with its own pads (the n-grams `hasher.hash` would produce)."""
     ids = check_token_ids(token_ids, hasher.config.vocab_size)
-    if ids.ndim != 1:
-        ids = ids.reshape(-1)
-    xc = hasher.compression.lookup[ids][None]  # (1, T)
+    xc = hasher.compression.lookup[ids if ids.ndim == 2 else ids[None]]  # (B, T): each row its own sequence
     cols = hasher.lookback(xc, None, None)
     reports = []
     for li, layer_id in enumerate(hasher.config.layer_ids):
