@@ -1,0 +1,348 @@
+"""Sparse, row-wise optimizers for Engram tables (parameters whose gradient touches few rows).
+
+Holds:
+- `SparseRowAdam`: Adam with a per-element momentum and a per-ROW second moment and step count;
+  the default for `TrainableTable` weights (SPEC §5: one momentum state per parameter, because
+  Adam's two full states would double a 196B-parameter table twice).
+- `SparseRowAdagrad`: row-wise Adagrad, one accumulator per row (no full-size state at all).
+- `split_param_groups(model)`: (dense params, table params), so a training loop can give the
+  backbone `torch.optim.AdamW` and the tables one of the above.
+
+Both optimizers take parameters [num_rows, dim] whose `.grad` is a sparse COO tensor (what
+`TrainableTable.gather` / `F.embedding(..., sparse=True)` produce); it is coalesced first, so
+repeated row ids are summed (a gradient whose rows are already sorted and distinct, as `gather`
+makes it, skips the sort). A dense gradient is refused with a TypeError: finding its touched
+rows would cost a pass over the whole table, which is exactly what these optimizers avoid.
+
+Cost: a step reads and writes only the touched rows (index_select / index_copy_ on U rows), so it
+does not depend on the table size; no full-size temporary is made after the first step (which
+allocates the state). On CUDA a step syncs with the host once per table (checking that the
+rows are sorted and distinct, or coalescing, which needs the touched-row count). Updates are lazy like `torch.optim.SparseAdam`: an untouched row's state
+does not decay, and each row keeps its own step count for bias correction.
+
+Precision: state is fp32 (fp64 for fp64 parameters, used by the reference tests); bf16/fp16
+parameters are updated in fp32 and written back rounded to their dtype (no master copy, no
+stochastic rounding: an update below half a bf16 ulp of a weight is lost).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.table import TrainableTable
+
+__all__ = ["SparseRowAdagrad", "SparseRowAdam", "split_param_groups"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _state_dtype(p: torch.Tensor) -> torch.dtype:
+    """fp64 parameters keep fp64 state (exact reference checks); every other dtype keeps fp32."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
+def _check_number(name: str, value: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        lo_s = f"> {lo}" if lo_open else f">= {lo}"
+        hi_s = "" if hi == math.inf else f" and <= {hi}"
+        raise ValueError(f"{name} must be a finite number {lo_s}{hi_s}, got {value!r}")
+
+
+def _check_table_param(p: torch.Tensor, opt_name: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{opt_name} params must be tensors, got {type(p).__name__}")
+    if p.dim() != 2:
+        raise ValueError(
+            f"{opt_name} updates tables [num_rows, dim]; got a parameter of shape {tuple(p.shape)}. "
+            "Give other parameters to torch.optim.AdamW (see engram.optim.split_param_groups)."
+        )
+    if p.dtype not in _PARAM_DTYPES:
+        raise TypeError(f"{opt_name} needs a fp32, bf16, fp16 or fp64 table, got {p.dtype}")
+
+
+def _touched_rows(p: torch.Tensor, dtype: torch.dtype, opt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows (U,) int64, distinct and sorted; grad rows (U, dim) in `dtype`) from p's sparse grad."""
+    grad = p.grad
+    assert grad is not None
+    if grad.layout != torch.sparse_coo:
+        raise TypeError(
+            f"{opt_name} needs a sparse COO gradient, got a {grad.layout} gradient for the parameter of "
+            f"shape {tuple(p.shape)}: look rows up with TrainableTable.gather (or "
+            "F.embedding(..., sparse=True)), or use torch.optim.AdamW for dense parameters"
+        )
+    if grad.shape != p.shape:
+        raise ValueError(f"gradient shape {tuple(grad.shape)} != parameter shape {tuple(p.shape)}")
+    if grad.sparse_dim() == 1 and not grad.is_coalesced():
+        # TrainableTable.gather's gradient lists sorted distinct rows but is not flagged coalesced;
+        # checking that (one pass over U ids) is far cheaper than the sort inside coalesce().
+        idx = grad._indices()[0]
+        if idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):  # sync point on CUDA
+            return idx, grad._values().to(dtype)
+    # Cast before coalescing so repeated rows of a bf16 gradient are summed in fp32.
+    grad = grad.to(dtype).coalesce()  # sync point on CUDA (the nnz of the result)
+    if grad.sparse_dim() == 1:  # hybrid: indices (1, U), values (U, dim); what embeddings produce
+        return grad.indices()[0], grad.values()
+    # Fully sparse: indices (2, nnz), values (nnz,). Scatter into one dense row per touched row.
+    idx = grad.indices()
+    rows, inverse = torch.unique(idx[0], return_inverse=True)  # (U,), (nnz,)
+    vals = grad.values().new_zeros(rows.numel(), p.shape[1])  # (U, dim)
+    vals[inverse, idx[1]] = grad.values()  # coalesced: each (row, col) once
+    return rows, vals
+
+
+def _mean_square(g: torch.Tensor) -> torch.Tensor:
+    """mean(g_r ** 2) per row, (U, dim) -> (U,), in one pass (no (U, dim) temporary)."""
+    return torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1])
+
+
+class _SparseRowOptimizer(torch.optim.Optimizer):
+    """Shared checks, state validation and the dtype-preserving `load_state_dict`."""
+
+    _name = "sparse row optimizer"
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Key -> (shape, dtype) of each state tensor of parameter `p`."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # fills defaults, refuses duplicated params
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            _check_table_param(p, self._name)
+        self._check_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()`; state keeps its fp32/int32 dtypes and is copied, not shared.
+
+        (torch's default casts floating state to the parameter's dtype, which would round the
+        fp32 momentum of a bf16 table, and int32 step counts to float.)
+        """
+        super().load_state_dict(state_dict)  # group checks, hyperparameters, param mapping
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(pid)
+            if saved is None:
+                continue
+            expected = self._expected_state(p)
+            if set(saved) != set(expected):
+                raise ValueError(
+                    f"saved state of parameter {pid} has keys {sorted(saved)}, {self._name} expects "
+                    f"{sorted(expected)}: was it saved by another optimizer?"
+                )
+            state = {}
+            for key, (shape, dtype) in expected.items():
+                value = saved[key]
+                if tuple(value.shape) != shape:
+                    raise ValueError(
+                        f"saved state {key!r} of parameter {pid} has shape {tuple(value.shape)}, "
+                        f"the parameter {tuple(p.shape)} needs {shape}: does the table size match?"
+                    )
+                state[key] = value.to(device=p.device, dtype=dtype, copy=True)
+            self.state[p] = state
+
+
+class SparseRowAdam(_SparseRowOptimizer):
+    """Adam for tables: per-element momentum, per-row second moment and step count, lazy.
+
+    For each row r present in the (coalesced) sparse gradient g, with its own count t_r:
+
+        m_r  = b1 * m_r + (1 - b1) * g_r                        # (dim,)
+        v_r  = b2 * v_r + (1 - b2) * mean(g_r ** 2)             # scalar per row
+        t_r  = t_r + 1
+        w_r -= lr * ( (m_r / (1 - b1**t_r)) / (sqrt(v_r / (1 - b2**t_r)) + eps) + weight_decay * w_r )
+
+    The weight decay is decoupled (AdamW-style, scaled by lr) and applies to touched rows only.
+    Rows absent from the gradient are not read or written (their m, v, t do not decay).
+
+    State per table [num_rows, dim] (keys of `optimizer.state[p]`):
+        "exp_avg"        [num_rows, dim]  fp32  momentum m (the only full-size state)
+        "exp_avg_sq_row" [num_rows]       fp32  second moment v
+        "step"           [num_rows]       int32 t
+    Memory: 4 * num_rows * dim + 8 * num_rows bytes, i.e. 4 + 8 / dim bytes per parameter
+    (4.03 at dim 256) for fp32/bf16/fp16 tables; fp64 tables keep fp64 m and v (8 + 12 / dim).
+    Allocated (zeros) at a table's first step.
+
+    Defaults: lr 1e-3 (as torch's Adam/SparseAdam; the normalised update moves each element by
+    about lr, i.e. 5% of the default 0.02 init std per step), betas (0.9, 0.95), eps 1e-8,
+    weight_decay 0.
+    """
+
+    _name = "SparseRowAdam"
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_number("lr", group["lr"], 0.0)
+        betas = group["betas"]
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, b in enumerate(betas):
+            _check_number(f"betas[{i}]", b, 0.0, 1.0)
+            if b == 1.0:
+                raise ValueError(f"betas[{i}] must be < 1 (bias correction divides by 1 - beta**t), got {b}")
+        # eps = 0 would make a touched row with an all-zero gradient and zero v compute 0 / 0.
+        _check_number("eps", group["eps"], 0.0, lo_open=True)
+        _check_number("weight_decay", group["weight_decay"], 0.0)
+
+    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        sd = _state_dtype(p)
+        return {
+            "exp_avg": (tuple(p.shape), sd),
+            "exp_avg_sq_row": ((p.shape[0],), sd),
+            "step": ((p.shape[0],), torch.int32),
+        }
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                sd = _state_dtype(p)
+                rows, g = _touched_rows(p, sd, self._name)  # (U,), (U, dim)
+                state = self.state[p]
+                if not state:  # first step: the one full-size allocation
+                    state["exp_avg"] = torch.zeros(p.shape, dtype=sd, device=p.device)
+                    state["exp_avg_sq_row"] = torch.zeros(p.shape[0], dtype=sd, device=p.device)
+                    state["step"] = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
+                if rows.numel() == 0:
+                    continue
+                m_all, v_all, t_all = state["exp_avg"], state["exp_avg_sq_row"], state["step"]
+
+                # Few passes over the (U, dim) rows: the step is memory-bound on gathers/scatters.
+                m = m_all.index_select(0, rows).lerp_(g, 1 - b1)  # (U, dim): b1 * m + (1 - b1) * g
+                m_all.index_copy_(0, rows, m)
+                v = v_all.index_select(0, rows).lerp_(_mean_square(g), 1 - b2)  # (U,)
+                v_all.index_copy_(0, rows, v)
+                t = t_all.index_select(0, rows).add_(1)  # (U,) int32
+                t_all.index_copy_(0, rows, t)
+
+                tf = t.to(sd)
+                bc1 = 1 - torch.pow(b1, tf)  # (U,)
+                bc2 = 1 - torch.pow(b2, tf)
+                denom = (v / bc2).sqrt_().add_(eps)  # (U,)
+                scale = denom.mul_(bc1).reciprocal_().mul_(-lr)  # (U,): -lr / (bc1 * denom)
+                w = p.index_select(0, rows).to(sd)  # (U, dim), a copy in the state dtype
+                if wd != 0:
+                    w.mul_(1 - lr * wd)  # w - lr * wd * w
+                w.addcmul_(m, scale[:, None])
+                p.index_copy_(0, rows, w.to(p.dtype))
+        return loss
+
+
+class SparseRowAdagrad(_SparseRowOptimizer):
+    """Row-wise Adagrad for tables: one accumulator per row, lazy.
+
+    For each row r present in the (coalesced) sparse gradient g:
+
+        acc_r  = acc_r + mean(g_r ** 2)                          # scalar per row
+        w_r   -= lr * g_r / (sqrt(acc_r) + eps)
+
+    Rows absent from the gradient are not read or written.
+
+    State per table [num_rows, dim]: "sum_row" [num_rows] fp32 (fp64 for fp64 tables), starting at
+    `initial_accumulator_value`. Memory: 4 * num_rows bytes, i.e. 4 / dim bytes per parameter
+    (0.016 at dim 256); allocated at a table's first step.
+
+    Defaults (torch.optim.Adagrad's): lr 1e-2, eps 1e-10, initial_accumulator_value 0.
+    """
+
+    _name = "SparseRowAdagrad"
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        initial_accumulator_value: float = 0.0,
+    ) -> None:
+        defaults = {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value}
+        super().__init__(params, defaults)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_number("lr", group["lr"], 0.0)
+        _check_number("eps", group["eps"], 0.0)
+        _check_number("initial_accumulator_value", group["initial_accumulator_value"], 0.0)
+        if group["eps"] == 0 and group["initial_accumulator_value"] == 0:
+            raise ValueError(
+                "eps and initial_accumulator_value are both 0: a touched row with an all-zero first "
+                "gradient would compute 0 / 0; make one of them > 0"
+            )
+
+    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"sum_row": ((p.shape[0],), _state_dtype(p))}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps = group["lr"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                sd = _state_dtype(p)
+                rows, g = _touched_rows(p, sd, self._name)  # (U,), (U, dim)
+                state = self.state[p]
+                if not state:
+                    init = group["initial_accumulator_value"]
+                    state["sum_row"] = torch.full((p.shape[0],), init, dtype=sd, device=p.device)
+                if rows.numel() == 0:
+                    continue
+                acc_all = state["sum_row"]
+                acc = acc_all.index_select(0, rows).add_(_mean_square(g))  # (U,)
+                acc_all.index_copy_(0, rows, acc)
+                scale = acc.sqrt().add_(eps).reciprocal_().mul_(-lr)  # (U,): -lr / (sqrt(acc) + eps)
+                w = p.index_select(0, rows).to(sd)  # (U, dim)
+                w.addcmul_(g, scale[:, None])
+                p.index_copy_(0, rows, w.to(p.dtype))
+        return loss
+
+
+def split_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense_params, table_params): `TrainableTable.weight`s apart from every other parameter.
+
+    Every parameter of `model` appears once (shared parameters are deduplicated, frozen ones are
+    kept; optimizers skip parameters without a gradient). Typical use:
+
+        dense, tables = split_param_groups(model)
+        opts = [torch.optim.AdamW(dense, lr=3e-4), SparseRowAdam(tables, lr=1e-3)]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"split_param_groups needs an nn.Module, got {type(model).__name__}")
+    table_ids: set[int] = set()
+    tables: list[nn.Parameter] = []
+    for module in model.modules():
+        if isinstance(module, TrainableTable) and id(module.weight) not in table_ids:
+            table_ids.add(id(module.weight))
+            tables.append(module.weight)
+    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    return dense, tables
