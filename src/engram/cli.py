@@ -269,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-chars", type=int, help="only the first N characters of the text")
     p.add_argument("--strict", action="store_true", help="exit 1 if the CRT property is violated")
     p.set_defaults(func=cmd_collisions)
+
+    from engram.checkpoint import add_convert_command
+
+    add_convert_command(sub)
     return parser
 
 

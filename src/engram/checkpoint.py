@@ -1,0 +1,683 @@
+"""The V4.1 checkpoint format for Engram modules: safetensors shards + config.json, no pickle.
+
+Holds:
+- Tensor names per Engram layer L (SPEC §5): `layers.{L}.engram.embed.weight` (F8_E4M3 [rows, head_dim])
+  and `layers.{L}.engram.embed.scale` (F8_E8M0 [rows, head_dim // 32]), or a float `embed.weight` alone
+  (a trainable table); the module's other weights under the same prefix with the module's own
+  state_dict names (V4.1: `wkv.weight`, `q_weight`, `k_weight`).
+- `engram_state_dict(modules, fp8)` / `save_checkpoint(dir, config, modules)`: write config.json, the
+  shards `model-0000i-of-0000N.safetensors` and, for more than one shard, `model.safetensors.index.json`;
+  every file is written under a temporary name in the same directory and moved into place (os.replace).
+- `load_engram_modules(dir)` (alias `load_checkpoint`): validate every expected tensor (presence,
+  dtype, shape against the config) before building anything, then build `Engram` modules on
+  `MmapFP8Table` (default), `FP8Table` or `TrainableTable` tables.
+- `convert_table(src, dst, to=...)`: FP8 <-> float tables; `add_convert_command` / `cmd_convert` for the CLI.
+- `make_scaled_v41_checkpoint(dir)`: a small random checkpoint in the V4.1 format (tests, examples).
+
+Table rows: a layer's table has either its own prime sum of rows, or, as V4.1's config.json declares
+one scalar `engram_num_embeddings` (the largest layer's prime sum), that many rows in every layer (the
+extra rows of a smaller layer are never addressed). Both forms load; any other row count is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import re
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from torch import nn
+
+from engram import quant
+from engram.config import EngramConfig, Variant
+from engram.layout import Layout
+from engram.module import Engram
+from engram.table import (
+    ST_DTYPES,
+    EngramTable,
+    FP8Table,
+    MmapFP8Table,
+    SafetensorsEntry,
+    TrainableTable,
+    read_safetensors_header,
+)
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "TableFormat",
+    "add_convert_command",
+    "cmd_convert",
+    "convert_table",
+    "engram_state_dict",
+    "layer_prefix",
+    "load_checkpoint",
+    "load_engram_modules",
+    "make_scaled_v41_checkpoint",
+    "read_checkpoint_config",
+    "save_checkpoint",
+]
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_ENGRAM_RE = re.compile(r"^layers\.(\d+)\.engram\.(.+)$")
+_WRITE_CHUNK = 1 << 26  # bytes per write: streams a memory-mapped table without loading it whole
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+
+
+class TableFormat(enum.StrEnum):
+    """How a checkpoint stores a table."""
+
+    FP8 = "fp8"  # F8_E4M3 values + F8_E8M0 scales (V4.1)
+    FLOAT = "float"  # one float embed.weight (a trainable table)
+
+
+def layer_prefix(layer_id: int) -> str:
+    """`layers.{L}.engram.`: the prefix of every tensor of layer L's Engram module."""
+    return f"layers.{layer_id}.engram."
+
+
+# ----------------------------------------------------------------------------------------- state dict
+
+
+def engram_state_dict(
+    modules: Mapping[int, Engram], fp8: bool, *, float_dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """{checkpoint name: tensor} for the modules {layer_id: Engram}.
+
+    fp8=True stores every table as FP8 values + scales (quantising a trainable table with
+    `FP8Table.from_float`); fp8=False stores one float `embed.weight` (a trainable table as is, or cast
+    to `float_dtype`; an FP8 table dequantised to `float_dtype`, default float32). Tensors are detached
+    and may share memory with the modules (an `MmapFP8Table`'s are views of its file).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for layer_id in sorted(modules):
+        m = modules[layer_id]
+        if not isinstance(m, Engram):
+            raise TypeError(f"modules[{layer_id}] is a {type(m).__name__}, expected engram.module.Engram")
+        if m.layer_id != layer_id:
+            raise ValueError(
+                f"modules[{layer_id}] is the Engram module of layer {m.layer_id}; key it by that"
+            )
+        p = layer_prefix(layer_id)
+        table = m.table
+        if not isinstance(table, FP8Table | MmapFP8Table | TrainableTable):
+            raise TypeError(f"layer {layer_id}: cannot store a table of type {type(table).__name__}")
+        if fp8:
+            if isinstance(table, TrainableTable):
+                table = FP8Table.from_float(table.weight)
+            assert isinstance(table, FP8Table | MmapFP8Table)
+            out[p + "embed.weight"], out[p + "embed.scale"] = table.weight, table.scale
+        elif isinstance(table, TrainableTable):
+            w = table.weight.detach()
+            out[p + "embed.weight"] = w if float_dtype is None else w.to(float_dtype)
+        else:
+            out[p + "embed.weight"] = table.to_float(float_dtype or torch.float32)
+        for k, v in m.state_dict().items():
+            if not k.startswith("table."):
+                out[p + k] = v
+    return out
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1).view(torch.uint8)  # (nbytes,), little-endian raw bytes
+    for start in range(0, flat.numel(), _WRITE_CHUNK):
+        f.write(flat[start : start + _WRITE_CHUNK].numpy().data)
+
+
+def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Write a safetensors file (streamed; widest dtypes first so every tensor is aligned). Returns bytes."""
+    items = sorted(tensors, key=lambda kv: -kv[1].element_size())  # stable: keeps order within a width
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in items:
+        if t.dtype not in _TORCH_TO_ST:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which the checkpoint format cannot hold")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _TORCH_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned, as safetensors does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in items:
+            _write_tensor(f, t)
+        f.flush()
+        os.fsync(f.fileno())
+    return offset
+
+
+def _shard(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Greedy shards in name order; a table's values and scales stay in one shard."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        key = name[: -len("scale")] + "weight" if name.endswith(".embed.scale") else name
+        groups.setdefault(key, []).append((name, t))
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for group in groups.values():
+        g_bytes = sum(t.numel() * t.element_size() for _, t in group)
+        if shards[-1] and size + g_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].extend(group)
+        size += g_bytes
+    return shards
+
+
+def _config_diffs(a: EngramConfig, b: EngramConfig, *, stored_only: bool = False) -> list[str]:
+    """Fields where a and b differ ("field: a vs b"), ignoring names; `stored_only`: only what config.json
+    records (to_hf_dict keeps neither norm_eps nor gate_clamp)."""
+    skip = {"name", "tokenizer", "declared_num_embeddings"}
+    if stored_only:
+        skip |= {"norm_eps", "gate_clamp"}
+    return [
+        f"{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+        for f in dataclasses.fields(EngramConfig)
+        if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)
+    ]
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    config: EngramConfig,
+    modules: Mapping[int, Engram],
+    fp8: bool = True,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    *,
+    float_dtype: torch.dtype | None = None,
+) -> list[Path]:
+    """Write `config.json`, the safetensors shard(s) and (for several shards) the index; return the shards.
+
+    Each file is written to a temporary name in `ckpt_dir` and moved into place with os.replace, so a
+    reader never sees a half-written file; shards of an earlier save that this one does not write are
+    removed afterwards. `fp8` and `float_dtype` as in `engram_state_dict`.
+    """
+    if set(modules) != set(config.layer_ids):
+        raise ValueError(
+            f"modules cover layers {sorted(modules)} but config {config.name!r} has Engram layers "
+            f"{list(config.layer_ids)}; pass one module per layer"
+        )
+    for layer_id, m in modules.items():
+        diffs = _config_diffs(m.config, config) if isinstance(m, Engram) else []
+        if diffs:
+            raise ValueError(f"modules[{layer_id}] was built for another config: " + "; ".join(diffs))
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+    state = engram_state_dict(modules, fp8, float_dtype=float_dtype)
+    shards = _shard(state, max_shard_bytes)
+
+    out_dir = Path(ckpt_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in [*names, INDEX_FILE, CONFIG_FILE]}
+    try:
+        total = 0
+        weight_map: dict[str, str] = {}
+        for name, shard in zip(names, shards, strict=True):
+            total += _write_safetensors(tmp[name], shard)
+            weight_map.update({t: name for t, _ in shard})
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            tmp[INDEX_FILE].write_text(json.dumps(index, indent=2) + "\n")
+        tmp[CONFIG_FILE].write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        for name in names:
+            os.replace(tmp[name], out_dir / name)
+        if n > 1:
+            os.replace(tmp[INDEX_FILE], out_dir / INDEX_FILE)
+        else:
+            (out_dir / INDEX_FILE).unlink(missing_ok=True)
+        os.replace(tmp[CONFIG_FILE], out_dir / CONFIG_FILE)
+    finally:
+        for p in tmp.values():
+            p.unlink(missing_ok=True)
+    for old in out_dir.iterdir():  # shards of an earlier save with another shard count
+        if _SHARD_RE.match(old.name) and old.name not in names:
+            old.unlink()
+    return [out_dir / name for name in names]
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str | None = None) -> EngramConfig:
+    """The EngramConfig of a checkpoint's config.json (refuses a num_embeddings its primes contradict)."""
+    path = Path(ckpt_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; pass config=... or save the checkpoint with one")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return EngramConfig.from_hf_dict(data, name=Path(ckpt_dir).name, tokenizer=tokenizer)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _scan(ckpt_dir: Path) -> tuple[dict[str, SafetensorsEntry], list[str], set[str]]:
+    """Headers of the checkpoint's files: ({tensor: entry}, problems, tensors whose file is unreadable)."""
+    found: dict[str, SafetensorsEntry] = {}
+    problems: list[str] = []
+    explained: set[str] = set()
+    index_path = ckpt_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not {tensor name: file name}")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path}: not a safetensors index ({e!r})") from None
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in sorted(by_file.items()):
+            path = ckpt_dir / file
+            try:
+                entries = read_safetensors_header(path)
+            except FileNotFoundError:
+                problems.append(
+                    f"{INDEX_FILE} maps {len(names)} tensor(s) (e.g. {names[0]}) to {file}, "
+                    f"which does not exist in {ckpt_dir}"
+                )
+                explained.update(names)
+                continue
+            except ValueError as e:
+                problems.append(str(e))
+                explained.update(names)
+                continue
+            for name in names:
+                if name in entries:
+                    found[name] = entries[name]
+                else:
+                    problems.append(f"{name}: {INDEX_FILE} maps it to {file}, which does not hold it")
+                    explained.add(name)
+        return found, problems, explained
+
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt_dir}: no *.safetensors files and no {INDEX_FILE}: not a checkpoint")
+    for path in files:
+        try:
+            entries = read_safetensors_header(path)
+        except ValueError as e:
+            problems.append(str(e))
+            with contextlib.suppress(ValueError):  # what the damaged file held: unreadable, not "missing"
+                explained.update(read_safetensors_header(path, allow_truncated=True))
+            continue
+        for name, entry in entries.items():
+            if name in found:
+                problems.append(
+                    f"{name}: in both {found[name].path.name} and {path.name}; remove one of them"
+                )
+            found[name] = entry
+    return found, problems, explained
+
+
+class _ShapeOnlyTable(EngramTable):
+    """A stand-in table with a size and no data: lets `Engram` be built on the meta device for its shapes."""
+
+    def __init__(self, num_rows: int, dim: int) -> None:
+        super().__init__()
+        self.num_rows, self.dim = num_rows, dim
+
+
+@dataclasses.dataclass
+class _LayerPlan:
+    fmt: TableFormat
+    weight: SafetensorsEntry
+    scale: SafetensorsEntry | None
+    others: dict[str, SafetensorsEntry]  # module state_dict key -> entry
+
+
+def _validate(
+    config: EngramConfig,
+    found: Mapping[str, SafetensorsEntry],
+    problems: list[str],
+    explained: set[str],
+) -> dict[int, _LayerPlan]:
+    """Check every expected tensor against `config`; append problems; return per-layer plans when clean."""
+    layout = Layout(config)
+    declared = config.declared_num_embeddings
+    dim, block = config.head_dim, quant.BLOCK
+    expected_names: set[str] = set()
+    plans: dict[int, _LayerPlan] = {}
+
+    def problem(name: str, what: str) -> None:
+        problems.append(f"{name}: {what}")
+
+    def missing(name: str, what: str) -> None:
+        if name not in explained:
+            problem(name, f"missing; expected {what}")
+
+    for layer_id in config.layer_ids:
+        p = layer_prefix(layer_id)
+        rows_ok = {layout.layer(layer_id).num_embeddings: f"layer {layer_id}'s prime sum"}
+        if not isinstance(declared, tuple):  # the scalar (max-size) form of V4.1's config.json
+            max_rows = declared if isinstance(declared, int) else max(layout.num_embeddings)
+            rows_ok.setdefault(max_rows, "engram_num_embeddings")
+        rows_txt = " or ".join(f"[{r}, {dim}] ({why})" for r, why in rows_ok.items())
+        ok = True
+
+        wname, sname = p + "embed.weight", p + "embed.scale"
+        expected_names.update((wname, sname))
+        w, s = found.get(wname), found.get(sname)
+        fmt = TableFormat.FP8
+        if w is None:
+            missing(wname, f"F8_E4M3 {rows_txt} (with {sname}) or a float table of that shape")
+            ok = False
+        else:
+            if w.dtype == "F8_E4M3":
+                fmt = TableFormat.FP8
+            elif w.dtype in _FLOAT_DTYPES:
+                fmt = TableFormat.FLOAT
+            else:
+                problem(
+                    wname,
+                    f"dtype {w.dtype}, expected F8_E4M3 (or {'/'.join(_FLOAT_DTYPES)} for a float table)",
+                )
+                ok = False
+            if len(w.shape) != 2 or w.shape[1] != dim or w.shape[0] not in rows_ok:
+                problem(wname, f"shape {list(w.shape)}, expected {rows_txt}")
+                ok = False
+        if w is not None and fmt is TableFormat.FP8:
+            if dim % block:
+                problem(wname, f"an FP8 table needs head_dim % {block} == 0, but head_dim={dim}")
+                ok = False
+            nb = dim // block
+            if len(w.shape) == 2 and w.shape[0] in rows_ok:
+                want_txt = f"[{w.shape[0]}, {nb}] (one ue8m0 scale per {block} values of {wname})"
+                want_rows = {w.shape[0]}
+            else:
+                want_txt = " or ".join(f"[{r}, {nb}] ({why})" for r, why in rows_ok.items())
+                want_rows = set(rows_ok)
+            if s is None:
+                missing(sname, f"F8_E8M0 {want_txt}")
+                ok = False
+            else:
+                if s.dtype != "F8_E8M0":
+                    problem(sname, f"dtype {s.dtype}, expected F8_E8M0")
+                    ok = False
+                if len(s.shape) != 2 or s.shape[0] not in want_rows or s.shape[1] != nb:
+                    problem(sname, f"shape {list(s.shape)}, expected {want_txt}")
+                    ok = False
+        elif w is not None and s is not None:
+            problem(sname, f"a scale beside a {w.dtype} (float) table; a float table has no scales")
+            ok = False
+
+        others: dict[str, SafetensorsEntry] = {}
+        stand_in = _ShapeOnlyTable(layout.layer(layer_id).num_embeddings, dim)
+        meta = Engram(config, layer_id, table=stand_in, device="meta")  # shapes only: allocates nothing
+        for key, t in meta.state_dict().items():
+            if key.startswith("table."):
+                continue
+            name = p + key
+            expected_names.add(name)
+            e = found.get(name)
+            if e is None:
+                missing(name, f"a float tensor {list(t.shape)}")
+                ok = False
+                continue
+            if e.dtype not in _FLOAT_DTYPES:
+                problem(name, f"dtype {e.dtype}, expected one of {', '.join(_FLOAT_DTYPES)}")
+                ok = False
+            if list(e.shape) != list(t.shape):
+                problem(name, f"shape {list(e.shape)}, expected {list(t.shape)}")
+                ok = False
+            others[key] = e
+        if ok and w is not None:
+            plans[layer_id] = _LayerPlan(fmt, w, s if fmt is TableFormat.FP8 else None, others)
+
+    for name in sorted(found):
+        mt = _ENGRAM_RE.match(name)
+        if mt and name not in expected_names:
+            layer = int(mt.group(1))
+            why = (
+                f"layer {layer} has no Engram module in this config (layers {list(config.layer_ids)})"
+                if layer not in config.layer_ids
+                else f"not a tensor of a {config.variant.value} Engram module"
+            )
+            problem(name, f"unexpected tensor: {why}")
+    return plans
+
+
+def load_engram_modules(
+    ckpt_dir: str | os.PathLike[str],
+    config: EngramConfig | None = None,
+    *,
+    mmap: bool = True,
+    dtype: torch.dtype | None = torch.float32,
+) -> tuple[EngramConfig, dict[int, Engram]]:
+    """Load the Engram modules of a checkpoint: (config, {layer_id: Engram}).
+
+    `config` defaults to the checkpoint's config.json (a given one must agree with it). Every expected
+    tensor is checked (present, dtype, shape) before anything is built; all problems are reported in one
+    ValueError. FP8 tables load as `MmapFP8Table` (mmap=True) or `FP8Table` (in memory), float tables as
+    `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"{ckpt_dir}: no such checkpoint directory")
+    file_config = read_checkpoint_config(ckpt_dir) if (ckpt_dir / CONFIG_FILE).is_file() else None
+    if config is None:
+        if file_config is None:
+            raise FileNotFoundError(f"{ckpt_dir / CONFIG_FILE}: no config.json; pass config=...")
+        config = file_config
+    elif file_config is not None:
+        diffs = _config_diffs(config, file_config, stored_only=True)
+        if diffs:
+            raise ValueError(
+                f"config {config.name!r} disagrees with {ckpt_dir / CONFIG_FILE} (given vs file): "
+                + "; ".join(diffs)
+            )
+        if config.declared_num_embeddings is None:
+            config = dataclasses.replace(config, declared_num_embeddings=file_config.declared_num_embeddings)
+
+    found, problems, explained = _scan(ckpt_dir)
+    plans = _validate(config, found, problems, explained)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"checkpoint {ckpt_dir} does not match config {config.name!r} "
+            f"({len(problems)} problem(s)):\n{lines}"
+        )
+
+    modules: dict[int, Engram] = {}
+    for layer_id, plan in plans.items():
+        table: FP8Table | MmapFP8Table | TrainableTable
+        if plan.fmt is TableFormat.FP8:
+            assert plan.scale is not None
+            if mmap:
+                table = MmapFP8Table(
+                    plan.weight.path, plan.weight.name, plan.scale.name, scale_path=plan.scale.path
+                )
+            else:
+                table = FP8Table(plan.weight.read(), plan.scale.read())
+        else:
+            data = plan.weight.read()
+            want = dtype if dtype is not None else data.dtype
+            if want not in (torch.float32, torch.bfloat16, torch.float64):
+                want = torch.float32  # a TrainableTable is fp32/bf16/fp64
+            rows, dim = data.shape
+            table = TrainableTable(rows, dim, dtype=want, device="meta")
+            table.weight = nn.Parameter(data.to(want))
+        module = Engram(config, layer_id, table=table, device="meta", dtype=dtype or torch.float32)
+        state = {k: (e.read() if dtype is None else e.read().to(dtype)) for k, e in plan.others.items()}
+        result = module.load_state_dict(state, strict=False, assign=True)
+        assert not result.unexpected_keys and all(k.startswith("table.") for k in result.missing_keys), result
+        assert not any(t.is_meta for t in module.state_dict().values()), (
+            "a weight was left on the meta device"
+        )
+        modules[layer_id] = module
+    return config, modules
+
+
+load_checkpoint = load_engram_modules  # the symmetric twin of save_checkpoint
+
+
+# ------------------------------------------------------------------------------------------- convert
+
+
+def convert_table(
+    src_dir: str | os.PathLike[str],
+    dst_dir: str | os.PathLike[str],
+    to: TableFormat | str = TableFormat.FP8,
+    dtype: torch.dtype = torch.float32,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Rewrite a checkpoint with FP8 tables (quantised, `to="fp8"`) or float ones (`to="float"`, in `dtype`).
+
+    The module weights keep their stored dtypes; config.json is carried over. Returns the shards written.
+    FP8 -> float dequantises exactly (float32); float -> FP8 rounds each value to e4m3 within its block's
+    power-of-two scale (relative error <= 2**-4 for all but the block's smallest values).
+    """
+    try:
+        fmt = TableFormat(to)
+    except ValueError:
+        raise ValueError(f"to={to!r}: choose one of {', '.join(f.value for f in TableFormat)}") from None
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype={dtype}: a float table is stored as float32, bfloat16 or float16")
+    src, dst = Path(src_dir), Path(dst_dir)
+    if dst.exists() and src.resolve() == dst.resolve():
+        raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
+    config, modules = load_engram_modules(src, mmap=True, dtype=None)
+    return save_checkpoint(
+        dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
+    )
+
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB, 2GiB or 1000000")
+    unit = m.group(2).upper().rstrip("B")
+    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+    if unit not in mult:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(2)!r}")
+    return max(1, int(float(m.group(1)) * mult[unit]))
+
+
+def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `convert SRC DST [--to fp8|float]` to an argparse subparsers object (engram's CLI)."""
+    p = subparsers.add_parser(
+        "convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables"
+    )
+    p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
+    p.add_argument("dst", help="directory to write (created; must differ from src)")
+    p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="float table dtype (--to float)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="e.g. 5GB (default), 500MB",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_convert)
+    return p
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Handler of `engram convert`."""
+    t0 = time.perf_counter()
+    shards = convert_table(
+        args.src, args.dst, args.to, getattr(torch, args.dtype), max_shard_bytes=args.max_shard_size
+    )
+    elapsed = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in shards)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "dst": str(args.dst),
+                    "to": args.to,
+                    "shards": [p.name for p in shards],
+                    "bytes": size,
+                    "seconds": elapsed,
+                }
+            )
+        )
+    else:
+        print(
+            f"wrote {len(shards)} shard(s), {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
+            f"({elapsed:.1f} s)"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- example
+
+
+def make_scaled_v41_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    base: int = 4096,
+    hidden_size: int = 64,
+    hc_mult: int = 4,
+    seed: int = 0,
+    *,
+    max_size_tables: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> EngramConfig:
+    """Write a scaled-down DeepSeek-V4.1 Engram checkpoint with random weights; return its config.
+
+    The deepseek-v4.1 preset with prime-search base `base` (instead of 16000000) for every order and a small
+    `hidden_size`: same layers (1, 14), orders, heads, 256-wide FP8 rows, tensor names and dtypes; the
+    compressed vocabulary (99092) and tokenizer are V4.1's, so real DeepSeek-V4 token ids hash into it.
+    `max_size_tables` gives every layer the largest layer's row count (the scalar engram_num_embeddings form).
+    """
+    config = EngramConfig.preset("deepseek-v4.1").replace(
+        engram_vocab_size=(base,) * 3,
+        hidden_size=hidden_size,
+        hc_mult=hc_mult,
+        name=f"deepseek-v4.1-scaled-{base}",
+    )
+    assert config.variant is Variant.V4_1
+    layout = Layout(config)
+    g = torch.Generator().manual_seed(seed)
+    modules: dict[int, Engram] = {}
+    for layer_id in config.layer_ids:
+        rows = max(layout.num_embeddings) if max_size_tables else layout.layer(layer_id).num_embeddings
+        # Row magnitudes spread over ~2 octaves so the ue8m0 scales differ from row to row.
+        spread = torch.exp(torch.randn(rows, 1, generator=g) * 0.7)
+        weight = torch.randn(rows, config.head_dim, generator=g) * (0.02 * spread)
+        module = Engram(config, layer_id, table=FP8Table.from_float(weight))
+        with torch.no_grad():
+            module.wkv.weight.normal_(0.0, config.engram_dim**-0.5, generator=g)
+            module.q_weight.copy_(1.0 + 0.1 * torch.randn(module.q_weight.shape, generator=g))
+            module.k_weight.copy_(1.0 + 0.1 * torch.randn(module.k_weight.shape, generator=g))
+        modules[layer_id] = module
+    save_checkpoint(ckpt_dir, config, modules, fp8=True, max_shard_bytes=max_shard_bytes)
+    return config

@@ -1,0 +1,452 @@
+"""Engram tables: one physical table per Engram layer, rows addressed by `NgramHasher` rows.
+
+Holds:
+- `EngramTable`: the interface every table kind implements: `num_rows`, `dim`, and
+  `gather(rows, dtype)` -> rows [..., dim] in the compute dtype, deduplicating repeated row ids.
+- `TrainableTable`: an fp32/bf16 parameter trained with sparse gradients (only looked-up rows).
+- `FP8Table`: frozen FP8 e4m3 values + ue8m0 scales (V4.1 inference), dequantised on gather.
+  Values and scales are buffers named `weight` and `scale` (so a module's state_dict reads
+  `...table.weight` / `...table.scale`), and move with `.to(device)`.
+- `MmapFP8Table`: the same, memory-mapped from a safetensors file: rows are read on demand, so a
+  table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
+  the gathered rows to the device asked for.
+- `read_safetensors_header(path)`: the parsed, validated header of a safetensors file (which
+  `MmapFP8Table` and `engram.checkpoint` share), and `SafetensorsEntry.mmap()` to map one tensor.
+
+Dequantisation is `engram.quant`'s; this file only stores tables and routes rows to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram import quant
+
+__all__ = [
+    "ST_DTYPES",
+    "EngramTable",
+    "FP8Table",
+    "MmapFP8Table",
+    "SafetensorsEntry",
+    "TrainableTable",
+    "check_rows",
+    "read_safetensors_header",
+]
+
+# Rows per chunk when quantising / dequantising a whole table: bounds the float temporaries to a
+# few tens of MiB whatever the table size.
+_CHUNK_ROWS = 1 << 16
+# safetensors refuses headers above 100 MB; so do we (a corrupt length would otherwise be read).
+_MAX_HEADER_BYTES = 100_000_000
+
+# safetensors dtype names <-> torch dtypes (the ones an Engram checkpoint can hold).
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_ST_ITEMSIZE = {"F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8} | {
+    k: torch.empty(0, dtype=v).element_size() for k, v in ST_DTYPES.items()
+}
+
+
+def check_rows(rows: torch.Tensor, num_rows: int) -> None:
+    """Raise for non-integer row ids or ids outside [0, num_rows) (names the first bad one)."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
+    if rows.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"rows must be int64 or int32 row ids, got {rows.dtype}")
+    if rows.numel() == 0:
+        return
+    bad = (rows < 0) | (rows >= num_rows)
+    if bool(bad.any()):  # sync point: boundary check
+        pos = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"row id {int(rows[pos])} at position {pos} is outside this table's rows [0, {num_rows}); "
+            "were the rows hashed for this layer with this config?"
+        )
+
+
+class EngramTable(nn.Module):
+    """Interface of a table: `gather(rows)` -> [..., dim]."""
+
+    num_rows: int
+    dim: int
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"num_rows={self.num_rows}, dim={self.dim}"
+
+
+class TrainableTable(EngramTable):
+    """A dense parameter [num_rows, dim] whose gradient is sparse: it touches only looked-up rows.
+
+    Repeated row ids in a batch are gathered once (torch.unique), which also makes the sparse
+    gradient carry one entry per distinct row.
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if num_rows < 1 or dim < 1:
+            raise ValueError(f"a table needs num_rows >= 1 and dim >= 1, got {num_rows} x {dim}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise TypeError(f"a trainable table is fp32, bf16 (or fp64 for checks), got {dtype}")
+        self.num_rows, self.dim = int(num_rows), int(dim)
+        self.weight = nn.Parameter(torch.empty(num_rows, dim, dtype=dtype, device=device))
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        check_rows(rows, self.num_rows)
+        uniq, inverse = torch.unique(rows, return_inverse=True)  # (U,), rows.shape
+        emb = F.embedding(uniq, self.weight, sparse=True)[inverse]  # (..., dim)
+        return emb if dtype is None or emb.dtype == dtype else emb.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ FP8 tables
+
+
+def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int]:
+    """Validate a stored FP8 table pair; return (num_rows, dim). `what` names it in errors."""
+    for t, name, expected in ((values, "values", quant.VALUE_DTYPE), (scales, "scales", quant.SCALE_DTYPE)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{what}: {name} must be a torch.Tensor of dtype {expected}, got {type(t).__name__}"
+            )
+        if t.dtype != expected:
+            raise TypeError(f"{what}: {name} has dtype {t.dtype}, expected {expected}")
+    if values.dim() != 2 or values.shape[0] < 1 or values.shape[1] < 1:
+        raise ValueError(
+            f"{what}: values must be a table [rows >= 1, dim >= 1], got shape {list(values.shape)}"
+        )
+    rows, dim = values.shape
+    if dim % quant.BLOCK:
+        raise ValueError(
+            f"{what}: row width {dim} is not a multiple of {quant.BLOCK} "
+            f"(one ue8m0 scale per {quant.BLOCK} values)"
+        )
+    expected_scales = [rows, dim // quant.BLOCK]
+    if list(scales.shape) != expected_scales:
+        raise ValueError(
+            f"{what}: scales have shape {list(scales.shape)}, expected {expected_scales} "
+            f"(one scale per {quant.BLOCK} values of each of the {rows} rows)"
+        )
+    if values.device != scales.device:
+        raise ValueError(f"{what}: values on {values.device} but scales on {scales.device}")
+    return int(rows), int(dim)
+
+
+def _gather_fp8(
+    values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """quant.dequantize_gather, plus float64 output (dequantised exactly in fp32, then widened)."""
+    dtype = torch.float32 if dtype is None else dtype
+    if dtype == torch.float64:
+        return quant.dequantize_gather(values, scales, rows, torch.float32).double()
+    return quant.dequantize_gather(values, scales, rows, dtype)
+
+
+def _dequantize_table(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole table [rows, dim] in `dtype`, dequantised chunk by chunk (bounded temporaries)."""
+    n, dim = values.shape
+    work = torch.float32 if dtype == torch.float64 else dtype
+    out = torch.empty((n, dim), dtype=dtype, device=values.device)
+    for start in range(0, n, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, n)
+        if work == dtype:
+            quant.dequantize_rows(values[start:stop], scales[start:stop], dtype, out=out[start:stop])
+        else:
+            out[start:stop] = quant.dequantize_rows(values[start:stop], scales[start:stop], work)
+    return out
+
+
+class FP8Table(EngramTable):
+    """A frozen table of FP8 e4m3 values [rows, dim] with one ue8m0 scale per 32 values [rows, dim // 32].
+
+    `weight` and `scale` are buffers, so `.to(device)` moves them and a state_dict holds them under
+    those names. `.to(torch.bfloat16)` / `.half()` / `.float()` on a parent model change the device only:
+    the stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.num_rows, self.dim = _check_fp8_pair(values, scales, "FP8Table")
+        self.register_buffer("weight", values)  # (rows, dim) float8_e4m3fn
+        self.register_buffer("scale", scales)  # (rows, dim // 32) float8_e8m0fnu
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> FP8Table:
+        """Quantise a float table [rows, dim] (fp32/bf16/fp16/fp64) with `quant.quantize_rows`, in chunks."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"from_float needs a float table [rows, dim], got {found}")
+        weight = weight.detach()
+        n, dim = weight.shape
+        if dim % quant.BLOCK:
+            raise ValueError(
+                f"row width {dim} is not a multiple of {quant.BLOCK}; FP8 rows need dim % 32 == 0"
+            )
+        values = torch.empty((n, dim), dtype=quant.VALUE_DTYPE, device=weight.device)
+        scales = torch.empty((n, dim // quant.BLOCK), dtype=quant.SCALE_DTYPE, device=weight.device)
+        for start in range(0, n, _CHUNK_ROWS):
+            stop = min(start + _CHUNK_ROWS, n)
+            v, s = quant.quantize_rows(weight[start:stop])
+            values[start:stop].copy_(v)
+            scales[start:stop].copy_(s)
+        return cls(values, scales)
+
+    def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole table [rows, dim] dequantised to `dtype` (exact in float32), chunk by chunk."""
+        return _dequantize_table(self.weight, self.scale, dtype)
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """rows (...) int64/int32 on the table's device -> (..., dim) in `dtype` (default fp32).
+
+        Repeated ids are dequantised once (quant.dequantize_gather); ids outside [0, rows) raise.
+        """
+        return _gather_fp8(self.weight, self.scale, rows, dtype)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Table:
+        # Probe what `fn` does on an empty tensor of the same kind: if it changes the dtype (a parent's
+        # .to(bf16) / .half()), only take its device; otherwise apply it (e.g. .cuda(), .to(device)).
+        for name in ("weight", "scale"):
+            t = self._buffers[name]
+            assert t is not None
+            probe = fn(torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=t.device))
+            self._buffers[name] = fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
+        return self
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a safetensors file: where its bytes are and what they are."""
+
+    path: Path
+    name: str
+    dtype: str  # safetensors name, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in ST_DTYPES:
+            raise TypeError(
+                f"{self.path}: tensor {self.name!r} has dtype {self.dtype}, which engram cannot read"
+            )
+        return ST_DTYPES[self.dtype]
+
+    def mmap(self) -> torch.Tensor:
+        """A read-only memory-mapped tensor over the file's bytes (nothing is read until indexed).
+
+        Never write to it: the pages are mapped read-only and a write would crash the process.
+        """
+        dtype = self.torch_dtype
+        if self.nbytes == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.start, shape=(self.nbytes,))
+        with warnings.catch_warnings():  # torch warns that the array is read-only: intended here
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(arr)
+        return flat.view(dtype).view(self.shape)
+
+    def read(self) -> torch.Tensor:
+        """The tensor copied into memory."""
+        return self.mmap().clone()
+
+
+def read_safetensors_header(
+    path: str | os.PathLike[str], *, allow_truncated: bool = False
+) -> dict[str, SafetensorsEntry]:
+    """Parse and validate a safetensors header: {name: SafetensorsEntry}; `__metadata__` is skipped.
+
+    Checks the 8-byte little-endian header length, the JSON, every entry's dtype / shape / data_offsets
+    (size consistent with shape and dtype), and that the file holds all the bytes the header promises:
+    a shorter file (an interrupted copy or download) raises ValueError naming the file, unless
+    `allow_truncated` (used to list what a damaged file was meant to hold).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(
+                    f"{path}: {size} bytes, too short for a safetensors file (8-byte header length)"
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n < 2 or n > _MAX_HEADER_BYTES:
+                raise ValueError(
+                    f"{path}: header length {n} is not a safetensors header length (2..{_MAX_HEADER_BYTES}); "
+                    "is this a safetensors file?"
+                )
+            if 8 + n > size:
+                raise ValueError(
+                    f"{path}: truncated: the header needs bytes 8..{8 + n} but the file has {size} bytes; "
+                    "copy or download the file again"
+                )
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such safetensors file") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(
+            f"{path}: the safetensors header is a JSON {type(header).__name__}, expected an object"
+        )
+    data_start = 8 + n
+    out: dict[str, SafetensorsEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = _parse_entry(path, name, info, data_start, None if allow_truncated else size)
+    return out
+
+
+def _parse_entry(path: Path, name: str, info: Any, data_start: int, size: int | None) -> SafetensorsEntry:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: tensor {name!r}: {what}")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise bad(f"header entry {info!r} lacks dtype, shape or data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in _ST_ITEMSIZE:
+        raise bad(f"unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative ints")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    nbytes = offsets[1] - offsets[0]
+    expected = math.prod(shape) * _ST_ITEMSIZE[dtype]
+    if nbytes != expected:
+        raise bad(f"data_offsets {offsets} hold {nbytes} bytes but {dtype} {shape} needs {expected}")
+    end = data_start + offsets[1]
+    if size is not None and end > size:
+        raise ValueError(
+            f"{path}: truncated: tensor {name!r} ends at byte {end} but the file has only {size} bytes "
+            "(an interrupted copy or download?); copy or download the file again"
+        )
+    return SafetensorsEntry(path, name, dtype, tuple(shape), data_start + offsets[0], nbytes)
+
+
+def _expect_entry(
+    entries: dict[str, SafetensorsEntry], path: Path, name: str, dtype: str, shape: list[int | str]
+) -> SafetensorsEntry:
+    if name not in entries:
+        have = ", ".join(sorted(entries)[:8]) + (" ..." if len(entries) > 8 else "")
+        raise ValueError(f"{path}: no tensor {name!r} (the file holds: {have or 'nothing'})")
+    e = entries[name]
+    if e.dtype != dtype:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {e.dtype}, expected {dtype}")
+    ok = len(e.shape) == len(shape) and all(
+        isinstance(s, str) or s == d for s, d in zip(shape, e.shape, strict=True)
+    )
+    if not ok:
+        raise ValueError(f"{path}: tensor {name!r} has shape {list(e.shape)}, expected {shape}")
+    return e
+
+
+class MmapFP8Table(EngramTable):
+    """An FP8 table memory-mapped from a safetensors file: `gather` reads only the requested rows.
+
+    `weight` (float8_e4m3fn [rows, dim]) and `scale` (float8_e8m0fnu [rows, dim // 32]) are read-only
+    views of the file, not buffers: they stay on the host (a state_dict does not hold them, `.to()` leaves
+    them), and `gather(rows, dtype, device)` returns rows on `device` (default: the rows' device). The
+    file's page cache is the only copy, so a table larger than RAM works (pages are read as touched).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        weight_name: str,
+        scale_name: str,
+        *,
+        scale_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.scale_path = self.path if scale_path is None else Path(scale_path)
+        self.weight_name, self.scale_name = weight_name, scale_name
+        w = _expect_entry(
+            read_safetensors_header(self.path), self.path, weight_name, "F8_E4M3", ["rows", "dim"]
+        )
+        if len(w.shape) != 2 or w.shape[0] < 1 or w.shape[1] % quant.BLOCK or w.shape[1] == 0:
+            raise ValueError(
+                f"{self.path}: tensor {weight_name!r} has shape {list(w.shape)}, expected [rows >= 1, dim] "
+                f"with dim a positive multiple of {quant.BLOCK}"
+            )
+        rows, dim = w.shape
+        scale_entries = read_safetensors_header(self.scale_path)
+        s = _expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // quant.BLOCK])
+        self.weight = w.mmap()  # (rows, dim) float8_e4m3fn, file-backed
+        self.scale = s.mmap()  # (rows, dim // 32) float8_e8m0fnu, file-backed
+        self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")
+
+    def gather(
+        self,
+        rows: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """rows (...) int64/int32 (any device) -> (..., dim) in `dtype` on `device` (default rows.device).
+
+        The rows are gathered and dequantised on the host, then copied once to the device.
+        """
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
+        target = rows.device if device is None else torch.device(device)
+        host_rows = rows if rows.device.type == "cpu" else rows.cpu()  # sync point: ids to the host
+        out = _gather_fp8(self.weight, self.scale, host_rows, dtype)
+        return out if target.type == "cpu" else out.to(target, non_blocking=False)
+
+    def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole table [rows, dim] dequantised to `dtype` in memory (reads the whole file)."""
+        return _dequantize_table(self.weight, self.scale, dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_rows={self.num_rows}, dim={self.dim}, path={str(self.path)!r}"
