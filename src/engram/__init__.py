@@ -1,22 +1,35 @@
 """engram-lm: Engram, conditional memory for language models, exact to DeepSeek-V4.1.
 
 Public names: `EngramConfig` (and its presets), `Layout`, `TokenizerCompression`, `NgramHasher`,
-`HashStream` (decode-time hashing with rollback).
+`HashStream` (decode-time hashing with rollback), the `Engram` module and its tables, the sparse
+table optimizers. Importing the package compiles nothing and sets no global state.
 """
 
 from engram.compression import TokenizerCompression
 from engram.config import PRESETS, EngramConfig, Variant
-from engram.hashing import NgramHasher
+from engram.hashing import HashBackend, NgramHasher
 from engram.layout import Layout
+from engram.module import Engram
+from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
 from engram.stream import HashStream
+from engram.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
 
 __all__ = [
     "PRESETS",
+    "Engram",
     "EngramConfig",
+    "EngramTable",
+    "FP8Table",
+    "HashBackend",
     "HashStream",
     "Layout",
+    "MmapFP8Table",
     "NgramHasher",
+    "SparseRowAdagrad",
+    "SparseRowAdam",
     "TokenizerCompression",
+    "TrainableTable",
     "Variant",
+    "split_param_groups",
 ]
 __version__ = "0.1.0"

@@ -3,8 +3,11 @@
 Holds:
 - `NgramHasher(config, compression)`: validates that the map fits the config, owns the layout's
   multipliers, primes and offsets as arrays, and hashes whole sequences with `hash()`.
-- `NgramHasher.hash_compressed(...)`: the vectorised core on compressed ids with an optional
-  carried look-back window; `engram.stream.HashStream` builds decode-time state on it.
+- `NgramHasher.hash_compressed(...)`: the core on compressed ids with an optional carried
+  look-back window; `engram.stream.HashStream` builds decode-time state on it. Two backends
+  (`HashBackend`): the numba kernels of `engram._hash_kernels` (one pass per token, an exact
+  division-free modulo, optionally over several threads), and `hash_compressed_numpy`, the
+  vectorised numpy twin they are tested against bit for bit. `AUTO` takes numba when it imports.
 - `check_token_ids`: the boundary check shared by every entry point.
 
 For position t and look-back i, the token is x_{t-i}, or the pad id P when t-i < 0 or when a dead
@@ -17,7 +20,10 @@ The multipliers keep every product below 2^63, so int64 arithmetic is exact and 
 
 from __future__ import annotations
 
+import enum
+import functools
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -26,7 +32,52 @@ from engram.compression import TokenizerCompression
 from engram.config import EngramConfig
 from engram.layout import Layout
 
-__all__ = ["NgramHasher", "check_token_ids"]
+__all__ = ["HashBackend", "NgramHasher", "check_token_ids"]
+
+# Below this many tokens `threads=None` stays on the calling thread: a thread hand-off costs tens
+# of microseconds, about what the kernel needs for 1000 tokens.
+_PARALLEL_MIN_TOKENS = 16_384
+
+
+class HashBackend(enum.StrEnum):
+    """Which implementation `NgramHasher` hashes with (all give identical rows)."""
+
+    AUTO = "auto"  # numba when it imports, else numpy
+    NUMBA = "numba"  # engram._hash_kernels: compiled on first use, cached on disk
+    NUMPY = "numpy"  # the vectorised reference twin
+
+
+@functools.cache
+def _kernel_module() -> ModuleType | None:
+    """engram._hash_kernels, or None without numba (imported on first use, not with engram)."""
+    try:
+        from engram import _hash_kernels
+    except ImportError:
+        return None
+    return _hash_kernels
+
+
+class _KernelTables:
+    """The layout as the kernels take it: C-contiguous, flat in (layer, order, head) order.
+
+    Built from the hasher's arrays on first use, and again if one of them is replaced (tests set
+    `hasher.multipliers`); change them by replacing, not in place.
+    """
+
+    def __init__(self, hasher: NgramHasher, module: ModuleType) -> None:
+        self.module = module
+        self.sources = hasher._layout_arrays()
+        self.mult = np.ascontiguousarray(hasher.multipliers, dtype=np.int64)  # (L, max_ngram)
+        self.primes = np.ascontiguousarray(hasher.primes.reshape(-1), dtype=np.int64)  # (L*orders*K,)
+        self.offsets = np.ascontiguousarray(hasher.offsets.reshape(-1), dtype=np.int64)
+        self.inv = 1.0 / self.primes  # correctly rounded, as the reduction's proof assumes
+        self.n_heads = hasher.config.n_heads
+        self.fast = bool(self.primes.min() >= module.FASTMOD_MIN_PRIME)  # else hardware %
+        self.lookup = np.ascontiguousarray(hasher.compression.lookup, dtype=np.int64)
+        self.pad = hasher.pad
+
+    def matches(self, hasher: NgramHasher) -> bool:
+        return all(a is b for a, b in zip(self.sources, hasher._layout_arrays(), strict=True))
 
 
 def _first_position(mask: np.ndarray) -> tuple[int, ...]:
@@ -82,9 +133,18 @@ class NgramHasher:
 
     `hash(ids)` returns int64 rows of shape [B, T, n_layers, heads_per_layer] (or [T, ...] for
     1-D input), columns in (order, head) order, each head's table offset included.
+    `backend` (a `HashBackend` or its value) and `threads` are the defaults of every call that
+    does not pass its own; `threads=None` uses every core for inputs of >= 16K tokens.
     """
 
-    def __init__(self, config: EngramConfig, compression: TokenizerCompression) -> None:
+    def __init__(
+        self,
+        config: EngramConfig,
+        compression: TokenizerCompression,
+        *,
+        backend: HashBackend | str = HashBackend.AUTO,
+        threads: int | None = None,
+    ) -> None:
         if compression.vocab_size != config.vocab_size:
             raise ValueError(
                 f"the compression map covers {compression.vocab_size} tokenizer ids but config {config.name!r} has "
@@ -106,6 +166,52 @@ class NgramHasher:
         orders, k = config.max_ngram_size - 1, config.n_heads
         self.primes = np.stack([layer.flat_primes for layer in self.layout.layers]).reshape(-1, orders, k)
         self.offsets = np.stack([layer.offsets for layer in self.layout.layers]).reshape(-1, orders, k)
+        self.backend = _check_backend(backend)  # defaults for calls that pass None
+        self.threads = _check_threads(threads)
+        self._tables: _KernelTables | None = None
+        self._int32_ok = max(self.layout.num_embeddings) < 2**31
+
+    def kernel_tables(self, backend: HashBackend | str | None = None) -> _KernelTables | None:
+        """The numba kernels with this layout for `backend` (default: the hasher's), or None for numpy.
+
+        Raises ImportError for `HashBackend.NUMBA` when numba does not import.
+        """
+        b = self.backend if backend is None else _check_backend(backend)
+        if b is HashBackend.NUMPY:
+            return None
+        if self._tables is None or not self._tables.matches(self):
+            module = _kernel_module()
+            if module is None:
+                if b is HashBackend.NUMBA:
+                    raise ImportError(
+                        "backend='numba' needs numba, which does not import here: `pip install numba`, or pass "
+                        "backend='numpy' (identical rows, about 10x slower)"
+                    )
+                return None
+            self._tables = _KernelTables(self, module)
+        return self._tables
+
+    def _layout_arrays(self) -> tuple[Any, ...]:
+        return (self.multipliers, self.primes, self.offsets, self.pad, self.compression.lookup)
+
+    @property
+    def int32_ok(self) -> bool:
+        """Whether rows fit int32: every layer's table has fewer than 2^31 rows (V4.1: 3.8e8)."""
+        return self._int32_ok
+
+    def check_out_dtype(self, out_dtype: Any) -> np.dtype:
+        """`out_dtype` (numpy or torch int64 / int32) as a numpy dtype; int32 only if `int32_ok`."""
+        dt = out_dtype if isinstance(out_dtype, np.dtype) else _as_dtype(out_dtype)
+        if dt == _INT64:
+            return dt
+        if dt != _INT32:
+            raise TypeError(f"out_dtype must be int64 or int32, got {out_dtype!r}")
+        if not self._int32_ok:
+            raise ValueError(
+                f"out_dtype=int32 cannot hold rows of tables with {max(self.layout.num_embeddings)} rows "
+                "(>= 2^31); use int64"
+            )
+        return dt
 
     @property
     def window_size(self) -> int:
@@ -116,17 +222,33 @@ class NgramHasher:
         return (*batch, self.config.n_layers, self.config.heads_per_layer)
 
     # ------------------------------------------------------------------ public entry
-    def hash(self, token_ids: Any, dead_mask: Any = None) -> Any:
+    def hash(
+        self,
+        token_ids: Any,
+        dead_mask: Any = None,
+        *,
+        out_dtype: Any = np.int64,
+        backend: HashBackend | str | None = None,
+        threads: int | None = None,
+    ) -> Any:
         """Physical rows for raw tokenizer ids ([T] or [B, T]; numpy, torch or a list).
 
         `dead_mask` (bool, same shape) marks dead (image) positions. A torch tensor input gives a
-        torch int64 tensor on the same device; anything else gives a numpy array.
+        torch tensor on the same device; anything else gives a numpy array. `out_dtype` int32
+        halves the output (allowed when every table has < 2^31 rows, as in V4.1); `backend` and
+        `threads` override the hasher's defaults (see `hash_compressed`).
         """
         ids = check_token_ids(token_ids, self.config.vocab_size)
         dead = _check_dead_mask(dead_mask, ids.shape)
         one_d = ids.ndim == 1
         xc = self.compression.lookup[ids.reshape(1, -1) if one_d else ids]
-        rows = self.hash_compressed(xc, None if dead is None else dead.reshape(xc.shape))
+        rows = self.hash_compressed(
+            xc,
+            None if dead is None else dead.reshape(xc.shape),
+            out_dtype=out_dtype,
+            backend=backend,
+            threads=threads,
+        )
         if one_d:
             rows = rows[0]
         return _like_input(rows, token_ids)
@@ -160,9 +282,67 @@ class NgramHasher:
         return cols
 
     def hash_compressed(
+        self,
+        xc: np.ndarray,
+        dead: np.ndarray | None = None,
+        window: np.ndarray | None = None,
+        *,
+        out: np.ndarray | None = None,
+        out_dtype: Any = np.int64,
+        backend: HashBackend | str | None = None,
+        threads: int | None = None,
+    ) -> np.ndarray:
+        """Rows (B, T, n_layers, heads_per_layer) for compressed ids xc (B, T); see `lookback`.
+
+        Writes into `out` when given (C-contiguous, int64 or int32, that shape) and returns it;
+        else allocates `out_dtype`. `threads`: None = all cores for large inputs (>= 16K tokens),
+        one otherwise; the rows never depend on it. Identical rows for every backend and input.
+        """
+        xc = np.asarray(xc)
+        if xc.ndim != 2:
+            raise ValueError(f"xc must have shape [B, T] (compressed ids), got shape {xc.shape}")
+        if dead is not None and np.shape(dead) != xc.shape:
+            raise ValueError(f"dead has shape {np.shape(dead)} but xc has shape {xc.shape}; they must match")
+        if window is not None and np.shape(window) != (xc.shape[0], self.window_size):
+            raise ValueError(
+                f"window has shape {np.shape(window)}; expected {(xc.shape[0], self.window_size)} "
+                "(batch, max_ngram_size - 1)"
+            )
+        shape = self.output_shape(xc.shape)
+        dtype = self.check_out_dtype(out_dtype if out is None else out.dtype)
+        if out is not None and (out.shape != shape or not out.flags.c_contiguous):
+            raise ValueError(f"out must be C-contiguous with shape {shape}, got {out.shape}")
+        tables = self.kernel_tables(backend)
+        if tables is None or xc.size == 0:
+            rows = self.hash_compressed_numpy(xc, dead, window)
+            if out is None:
+                return rows if dtype == _INT64 else rows.astype(dtype)
+            out[...] = rows
+            return out
+        if out is None:
+            out = np.empty(shape, dtype=dtype)
+        n_threads = self.threads if threads is None else _check_threads(threads)
+        if n_threads is None:
+            n_threads = 1 if xc.size < _PARALLEL_MIN_TOKENS else tables.module.available_cores()
+        return tables.module.hash_rows(
+            np.ascontiguousarray(xc, dtype=np.int64),
+            None if dead is None else np.ascontiguousarray(dead, dtype=np.bool_),
+            None if window is None else np.ascontiguousarray(window, dtype=np.int64),
+            tables.pad,
+            tables.mult,
+            tables.primes,
+            tables.offsets,
+            tables.inv,
+            tables.n_heads,
+            tables.fast,
+            out,
+            n_threads,
+        )
+
+    def hash_compressed_numpy(
         self, xc: np.ndarray, dead: np.ndarray | None = None, window: np.ndarray | None = None
     ) -> np.ndarray:
-        """Rows (B, T, n_layers, heads_per_layer) int64 for compressed ids xc (B, T); see `lookback`."""
+        """The numpy twin of `hash_compressed`: int64 rows from whole-array operations."""
         b, t = xc.shape
         cols = self.lookback(xc, dead, window)
         k = self.config.n_heads
@@ -216,10 +396,42 @@ class NgramHasher:
         return new
 
 
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
+
+
+def _as_dtype(out_dtype: Any) -> np.dtype | None:
+    """A numpy dtype from a numpy/torch dtype or a name; None when it names no numpy dtype."""
+    name = str(out_dtype).removeprefix("torch.")
+    try:
+        return np.dtype(name if name in ("int32", "int64") else out_dtype)
+    except TypeError:
+        return None
+
+
+def _check_backend(backend: HashBackend | str) -> HashBackend:
+    try:
+        return HashBackend(backend)
+    except ValueError:
+        raise ValueError(
+            f"backend={backend!r} is not one of {', '.join(repr(b.value) for b in HashBackend)}"
+        ) from None
+
+
+def _check_threads(threads: int | None) -> int | None:
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
+        raise TypeError(f"threads must be an int or None, got {threads!r}")
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1 (or None for all cores on large inputs)")
+    return int(threads)
+
+
 def _like_input(rows: np.ndarray, like: Any) -> Any:
     """Return rows as a torch tensor on `like`'s device when `like` is a tensor."""
     if hasattr(like, "detach") and hasattr(like, "device"):
         import torch
 
-        return torch.from_numpy(rows).to(like.device)
+        t = torch.from_numpy(rows)
+        return t if like.device.type == "cpu" else t.to(like.device)
     return rows

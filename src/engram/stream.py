@@ -5,6 +5,11 @@ Holds `HashStream`: for B sequences, the committed look-back window (B, max_ngra
 compressed ids with padding and dead-token blocking already applied, a committed-token count,
 and a small buffer of not-yet-committed draft tokens. Memory per sequence is O(max_ngram) plus
 the drafts in flight, never O(sequence length): the window is all the future can see.
+
+`step()` is the decode hot path: one numba kernel call (`engram._hash_kernels.step`) validates
+the ids, hashes every sequence's token and shifts the windows and positions in place; nothing is
+allocated but the output, and not even that when `out=` is passed. Without numba (or with the
+hasher's backend set to numpy) it goes through `feed`, as chunked prefill does.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class HashStream:
         self._draft_vals = np.zeros((batch_size, 0), dtype=np.int64)
         self._draft_dead = np.zeros((batch_size, 0), dtype=bool)
         self.n_draft = np.zeros(batch_size, dtype=np.int64)
+        # step() scratch: the kernel's look-back values, and a stand-in for an absent dead mask
+        self._look = np.zeros(hasher.config.max_ngram_size, dtype=np.uint64)
+        self._no_dead = np.zeros(1, dtype=np.bool_)
 
     # ------------------------------------------------------------------ helpers
     def _select(self, seqs: Any) -> np.ndarray:
@@ -100,21 +108,86 @@ class HashStream:
         self.position[idx] += xc.shape[1]
         return _like_input(rows[0] if one_d else rows, token_ids)
 
-    def step(self, token_ids: Any, dead_mask: Any = None) -> Any:
-        """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads]."""
-        ids = token_ids
-        shape = getattr(ids, "shape", None)
-        if shape is None:
-            ids = np.asarray(ids)
-            shape = ids.shape
-        if len(shape) != 1 or shape[0] != self.batch_size:
+    def step(self, token_ids: Any, dead_mask: Any = None, *, out: Any = None) -> Any:
+        """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads].
+
+        Without `out`, a torch input gives a torch int64 tensor (on the input's device), anything
+        else a numpy array. `out`: a preallocated C-contiguous int64 or int32 array (numpy, or a
+        CPU torch tensor) of shape [B, n_layers, heads]; the rows are written into it and it is
+        returned. Bad ids, a bad mask, or drafts pending raise and leave the state unchanged.
+        """
+        ids = _host_array(token_ids)
+        if ids.ndim != 1 or ids.shape[0] != self.batch_size:
             raise ValueError(
-                f"step() takes one token per sequence, shape [{self.batch_size}], got {tuple(shape)}"
+                f"step() takes one token per sequence, shape [{self.batch_size}], got {tuple(ids.shape)}"
             )
+        tables = self.hasher.kernel_tables()
+        if tables is None:
+            return self._step_feed(token_ids, ids, dead_mask, out)
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(check_token_ids(ids, self.hasher.config.vocab_size))
+        if dead_mask is None:
+            dead, has_dead = self._no_dead, False
+        else:
+            dead = _host_array(dead_mask)
+            if dead.dtype != np.bool_ or dead.shape != ids.shape:
+                _check_dead_mask(dead, ids.shape)  # raises with the reason
+            dead, has_dead = np.ascontiguousarray(dead), True
+        out_np, result = self._step_out(out, token_ids)
+        code, b = tables.module.step(
+            ids,
+            tables.lookup,
+            dead,
+            has_dead,
+            self.window,
+            self.position,
+            self.n_draft,
+            tables.pad,
+            tables.mult,
+            tables.primes,
+            tables.offsets,
+            tables.inv,
+            tables.n_heads,
+            tables.fast,
+            self._look,
+            out_np,
+        )
+        if code != tables.module.STEP_OK:
+            if code == tables.module.STEP_BAD_ID:
+                check_token_ids(ids, self.hasher.config.vocab_size)  # raises, naming the id and position
+            raise RuntimeError(
+                f"drafted tokens are pending for sequence {b}: commit() or rollback() them first"
+            )
+        return result
+
+    def _step_out(self, out: Any, like: Any) -> tuple[np.ndarray, Any]:
+        """(the numpy array the kernel writes, what step returns) for step's `out` argument."""
+        shape = self.hasher.output_shape((self.batch_size,))
+        if out is None:
+            rows = np.empty(shape, dtype=np.int64)
+            return rows, _like_input(rows, like)
+        is_tensor = hasattr(out, "detach") and hasattr(out, "numpy")
+        if is_tensor and out.device.type != "cpu":
+            raise ValueError(f"out must be a CPU tensor or a numpy array, got a tensor on {out.device}")
+        arr = out.numpy() if is_tensor else out
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"out must be a numpy array or a CPU torch tensor, got {type(out).__name__}")
+        self.hasher.check_out_dtype(arr.dtype)
+        if arr.shape != shape or not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise ValueError(f"out must be a writeable C-contiguous array of shape {shape}, got {arr.shape}")
+        return arr, out
+
+    def _step_feed(self, token_ids: Any, ids: np.ndarray, dead_mask: Any, out: Any) -> Any:
+        """step() without the kernel: a one-token chunk through `feed` (the numpy backend)."""
         col = ids.reshape(self.batch_size, 1)
-        dm = None if dead_mask is None else dead_mask.reshape(self.batch_size, 1)
+        dm = None if dead_mask is None else _host_array(dead_mask).reshape(self.batch_size, 1)
         rows = self.feed(col, dm)
-        return rows[:, 0]
+        rows_np = rows.cpu().numpy() if hasattr(rows, "cpu") else rows
+        if out is None:
+            return _like_input(np.ascontiguousarray(rows_np[:, 0]), token_ids)
+        arr, result = self._step_out(out, token_ids)
+        arr[...] = rows_np[:, 0]
+        return result
 
     # ------------------------------------------------------------------ speculative decoding
     def draft(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
@@ -167,3 +240,15 @@ class HashStream:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Committed state (window, position) for checkpointing a generation; drafts are not saved."""
         return {"window": self.window.copy(), "position": self.position.copy()}
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """x as a numpy array; a torch tensor is moved to the host first (a sync point on CUDA)."""
+    if type(x) is np.ndarray:
+        return x
+    device = getattr(x, "device", None)
+    if device is not None and hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
+        if device.type == "cpu" and not x.requires_grad:
+            return x.numpy()  # shares memory: no copy on the decode hot path
+        return x.detach().cpu().numpy()
+    return np.asarray(x)

@@ -1,0 +1,152 @@
+"""Decode-step hashing: `HashStream.step` (one numba call per step) against a straightforward torch
+decoder that keeps a per-position history of compressed ids, measured in the same run.
+
+    python benchmarks/bench_decode.py [--preset deepseek-v4.1] [--batch 1 256 1024] [--steps 300]
+                                      [--torch-threads 1]
+
+For each batch size: microseconds per step (median over `steps` steps after a warm-up) of
+- the baseline, V4.1 reference style: compress the new ids, write them into a (B, positions)
+  history, gather the last max_ngram ids (left-padded), multiply/XOR into the mixes, then one `%`
+  per head, stacked, plus the offsets; a torch CPU tensor in, a torch tensor out;
+- the same with one broadcast `%` over all heads (a stronger torch baseline);
+- `HashStream.step` with torch ids in and rows out, with numpy ids and a preallocated `out`, and
+  with `out` as int32.
+Every variant's rows are checked equal to `NgramHasher.hash` of the whole sequence. The torch
+baselines run on `--torch-threads` intra-op threads (default 1, like `step`; with more, OpenMP
+spin-waits make the larger batches erratic on a busy machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engram import EngramConfig, HashStream, NgramHasher, TokenizerCompression
+
+
+class TorchHistoryDecoder:
+    """The straightforward decoder: a growing (B, positions) history, last max_ngram ids gathered."""
+
+    def __init__(self, hasher: NgramHasher, batch: int, max_len: int, per_head: bool = True) -> None:
+        c = hasher.config
+        self.n = c.max_ngram_size
+        self.k = c.n_heads
+        self.per_head = per_head
+        self.lookup = torch.from_numpy(hasher.compression.lookup.copy())
+        # history[:, n-1+t] is position t; the first n-1 columns are the start-of-sequence pads
+        self.history = torch.full((batch, max_len + self.n - 1), hasher.pad, dtype=torch.int64)
+        self.pos = 0
+        self.mult = torch.from_numpy(hasher.multipliers)  # (L, n)
+        self.primes = torch.from_numpy(hasher.primes)  # (L, orders, K)
+        self.offsets = torch.from_numpy(hasher.offsets)
+        self.prime_list = hasher.primes.tolist()
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows (B, L, orders*K) of one token per sequence."""
+        x = self.lookup[ids]  # compress
+        col = self.pos + self.n - 1
+        self.history[:, col] = x
+        last = self.history[:, col - self.n + 1 : col + 1].flip(-1)  # (B, n): x_t, x_{t-1}, ...
+        self.pos += 1
+        prod = last[:, None, :] * self.mult  # (B, L, n)
+        mix = prod[..., 0]
+        mixes = []
+        for i in range(1, self.n):
+            mix = torch.bitwise_xor(mix, prod[..., i])
+            mixes.append(mix)
+        if not self.per_head:
+            mixed = torch.stack(mixes, dim=-1)  # (B, L, orders)
+            return (mixed[..., None] % self.primes + self.offsets).flatten(-2)
+        per_layer = []
+        for li, layer_primes in enumerate(self.prime_list):
+            heads = [mixes[o][:, li, None] % p for o, order in enumerate(layer_primes) for p in order]
+            per_layer.append(torch.cat(heads, dim=-1) + self.offsets[li].reshape(-1))
+        return torch.stack(per_layer, dim=1)
+
+
+def time_steps(step: Callable[[int], object], first: int, steps: int) -> float:
+    """Median seconds of step(pos) for pos in [first, first + steps)."""
+    times = []
+    for pos in range(first, first + steps):
+        t0 = time.perf_counter()
+        step(pos)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run(preset: str, batch: int, steps: int, warmup: int = 20) -> list[dict]:
+    hasher = NgramHasher(EngramConfig.preset(preset), TokenizerCompression.from_tokenizer("deepseek-v4"))
+    hasher.kernel_tables("numba")  # raises ImportError without numba
+    total = warmup + steps
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, hasher.config.vocab_size, size=(batch, total))
+    ids_t = torch.from_numpy(ids)
+    cols = [ids_t[:, p].contiguous() for p in range(total)]  # (B,) torch ids per step
+    cols_np = [np.ascontiguousarray(ids[:, p]) for p in range(total)]
+    want = hasher.hash(ids)  # (B, total, L, heads)
+    shape = hasher.output_shape((batch,))
+
+    def check_and_time(name: str, make: Callable[[], Callable[[int], object]]) -> dict:
+        step = make()
+        for pos in range(warmup):  # also checks the rows
+            rows = step(pos)
+            rows = rows.numpy() if isinstance(rows, torch.Tensor) else rows
+            if not np.array_equal(rows, want[:, pos]):
+                raise AssertionError(f"{name} disagrees with NgramHasher.hash at position {pos}")
+        return {"variant": name, "us_per_step": 1e6 * time_steps(step, warmup, steps)}
+
+    def torch_history(per_head: bool) -> Callable[[], Callable[[int], object]]:
+        def make() -> Callable[[int], object]:
+            dec = TorchHistoryDecoder(hasher, batch, total, per_head=per_head)
+            return lambda pos: dec.step(cols[pos])
+
+        return make
+
+    def stream(kind: str) -> Callable[[], Callable[[int], object]]:
+        def make() -> Callable[[int], object]:
+            s = HashStream(hasher, batch)
+            if kind == "torch":
+                return lambda pos: s.step(cols[pos])
+            out = np.empty(shape, dtype=np.int32 if kind == "int32" else np.int64)
+            return lambda pos: s.step(cols_np[pos], out=out)
+
+        return make
+
+    rows = [
+        check_and_time("torch history, % per head (baseline)", torch_history(True)),
+        check_and_time("torch history, one broadcast %", torch_history(False)),
+        check_and_time("HashStream.step, torch ids -> torch rows", stream("torch")),
+        check_and_time("HashStream.step, numpy ids, out= int64", stream("int64")),
+        check_and_time("HashStream.step, numpy ids, out= int32", stream("int32")),
+    ]
+    base = rows[0]["us_per_step"]
+    for r in rows:
+        r["batch"] = batch
+        r["ratio"] = base / r["us_per_step"]
+        r["tokens_per_s"] = batch / (r["us_per_step"] * 1e-6)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="deepseek-v4.1")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 256, 1024])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--torch-threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    print(f"decode step, {args.preset}, torch {torch.__version__} with {torch.get_num_threads()} threads")
+    for b in args.batch:
+        for r in run(args.preset, b, args.steps):
+            print(
+                f"B={r['batch']:<5} {r['variant']:<44} {r['us_per_step']:9.1f} us/step   "
+                f"{r['tokens_per_s'] / 1e6:7.2f} M tok/s   {r['ratio']:6.1f}x baseline"
+            )
+
+
+if __name__ == "__main__":
+    main()

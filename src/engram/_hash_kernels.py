@@ -1,0 +1,237 @@
+"""Numba kernels for the n-gram hash (SPEC §4): the CPU fast path of `engram.hashing`.
+
+Holds:
+- `hash_range(...)`: rows (B, T, L, orders*K) of the flat token range [start, end) of compressed
+  ids (B, T), with sticky dead-token blocking and an optional carried window; one pass per token,
+  no temporaries beyond a max_ngram scratch. `hash_rows(...)` splits the tokens over threads (the kernel releases the GIL).
+- `step(...)`: one decode step for B sequences: validate, hash the token after each carried
+  window, then shift the window in place (a dead token empties it) and advance the positions.
+- `fastmod(x, p, inv)`: the exact reduction both kernels use; `FASTMOD_MIN_PRIME` bounds it.
+
+Importing this module imports numba (about half a second) but compiles nothing: each kernel
+compiles on its first call (about a second, once per output dtype) and is cached on disk
+(`__pycache__` beside this file), so later processes only load it.
+
+The reduction. For 0 <= x < 2^63 and FASTMOD_MIN_PRIME <= p < 2^63, with inv = fl(1/p):
+    q = trunc(fl(fl(x) * inv));  r = x - q*p  (mod 2^64);  r += p if r < 0;  r -= p if r >= p
+gives r = x mod p exactly. Proof: each of the three roundings (x to double, 1/p, the product) has
+relative error <= u = 2^-53, so prod = (x/p)(1+e) with |e| <= (1+u)^3 - 1 < 3.0000001u, and
+q = floor(prod) because prod >= 0. Hence x - q*p = p(x/p - prod) + p(prod - q) lies in
+[-x*3.0000001u, p + x*3.0000001u), and x*3.0000001u < 3.0000001 * 2^10 < 3073 for x < 2^63. The
+true r therefore lies in (-3073, p + 3073): it fits int64, so the wrapping uint64 arithmetic gives
+it exactly, and for p >= 3073 one conditional +p or -p lands it in [0, p). FASTMOD_MIN_PRIME = 4096
+leaves a margin; smaller primes (never in a shipped preset) and negative x (only for out-of-range
+ids given straight to `hash_compressed`) take the hardware `%`, with Python's floor semantics
+like `np.remainder`. A double multiply, a convert and two selects replace a 64-bit division
+(tens of cycles), and the K heads of one order vectorise (two 4-lane passes for V4.1's 8 heads
+on an AVX-512 machine, where LLVM prefers 256-bit vectors).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+
+import numba
+import numpy as np
+
+__all__ = ["FASTMOD_MIN_PRIME", "available_cores", "fastmod", "hash_range", "hash_rows", "step"]
+
+FASTMOD_MIN_PRIME = 4096  # > 3073, the bound on |x - q*p| outside [0, p) proven above
+
+STEP_OK, STEP_BAD_ID, STEP_DRAFTS_PENDING = 0, 1, 2  # step()'s return codes
+
+_jit = numba.njit(cache=True, nogil=True)
+# Helpers are inlined into the kernels at numba's IR level: an out-of-line call would pass every
+# array with a reference count increment and decrement (atomics) per token.
+_inline = numba.njit(cache=True, nogil=True, inline="always")
+
+
+@_inline
+def fastmod(x: int, p: int, inv: float) -> int:
+    """x mod p for 0 <= x < 2^63 and FASTMOD_MIN_PRIME <= p < 2^63, inv = 1.0 / p (module doc)."""
+    q = np.int64(np.float64(x) * inv)  # floor(x/p) + {-1, 0, 1}
+    r = np.int64(np.uint64(x) - np.uint64(q) * np.uint64(p))  # exact mod 2^64; the true r fits int64
+    r += p & (r >> 63)  # + p where r < 0 (branch-free, so the head loop vectorises)
+    r -= p & ~((r - p) >> 63)  # - p where r >= p
+    return r
+
+
+@_inline
+def _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, dst):
+    """Rows of one token into out1[dst : dst + L*orders*K] from its look-back values look
+    (max_ngram,) uint64; primes, offsets, inv flat (L*orders*K,) in (layer, order, head) order.
+
+    Flat arrays and unsigned indices on purpose: numba adds a negative-index wrap to every signed
+    index, which turns the head loop's loads into gathers and stops it vectorising, and a per-token
+    array view would take a reference count (an atomic that threads sharing `out` fight over).
+    """
+    n_layers, n_gram = mult.shape
+    uk = np.uint64(n_heads)
+    col = np.uint64(0)  # (layer, order, head) column of the first head of this order
+    udst = np.uint64(dst)
+    for li in range(n_layers):
+        mix = look[0] * np.uint64(mult[li, 0])  # uint64: wraps exactly like numpy's int64 multiply
+        for o in range(n_gram - 1):
+            mix ^= look[o + 1] * np.uint64(mult[li, o + 1])
+            x = np.int64(mix)
+            if fast and x >= 0:
+                for k in range(uk):  # vectorises over the heads (4 or 8 lanes): no division
+                    c = col + k
+                    out1[udst + c] = fastmod(x, primes[c], inv[c]) + offsets[c]
+            else:
+                for k in range(uk):
+                    c = col + k
+                    out1[udst + c] = x % primes[c] + offsets[c]  # floor mod, as np.remainder
+            col += uk
+
+
+@_jit
+def hash_range(
+    xc, dead, has_dead, window, has_window, pad, mult, primes, offsets, inv, n_heads, fast, out, start, end
+):
+    """Rows of flat tokens [start, end) (token f is xc[f // T, f % T]) into out (B, T, L, orders*K).
+
+    xc (B, T) int64 compressed ids; dead (B, T) bool, read only if has_dead; window
+    (B, max_ngram-1) int64, the carried look-back before xc[:, 0] (column 0 most recent, read only
+    if has_window, else all pads); mult (L, max_ngram) int64; primes, offsets (L*orders*K,) int64
+    and inv = 1.0 / primes in (layer, order, head) order; fast: every prime >= FASTMOD_MIN_PRIME.
+    """
+    n_tok = xc.shape[1]
+    n_gram = mult.shape[1]
+    width = primes.shape[0]  # L * orders * K columns per token
+    out1 = out.reshape(-1)  # one view per call
+    look = np.empty(n_gram, dtype=np.uint64)
+    upad = np.uint64(pad)
+    b = start // n_tok
+    t = start - b * n_tok
+    for f in range(start, end):
+        blocked = has_dead and dead[b, t]  # a dead token sees only pads
+        look[0] = upad if blocked else np.uint64(xc[b, t])
+        for i in range(1, n_gram):
+            s = t - i
+            if s >= 0:
+                if not blocked and has_dead and dead[b, s]:
+                    blocked = True  # sticky: this look-back and every farther one are pads
+                look[i] = upad if blocked else np.uint64(xc[b, s])
+            elif blocked or not has_window:
+                look[i] = upad
+            else:
+                look[i] = np.uint64(window[b, -s - 1])  # carried values already carry their blocking
+        _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, f * width)
+        t += 1
+        if t == n_tok:
+            t = 0
+            b += 1
+
+
+@_jit
+def step(
+    ids,
+    lookup,
+    dead,
+    has_dead,
+    window,
+    position,
+    n_draft,
+    pad,
+    mult,
+    primes,
+    offsets,
+    inv,
+    n_heads,
+    fast,
+    look,
+    out,
+):
+    """One decode step of B sequences, in place: returns (0, -1), or (code, b) and changes nothing.
+
+    ids (B,) int64 tokenizer ids; lookup (vocab,) int64 compression map; dead (B,) bool (read if
+    has_dead); window (B, max_ngram-1) int64 and position (B,) int64 are updated in place;
+    n_draft (B,) int64 must be all 0; look (max_ngram,) uint64 scratch; out (B, L, orders*K);
+    the layout arrays as in `hash_range`.
+    Codes: STEP_BAD_ID (ids[b] outside [0, vocab)), STEP_DRAFTS_PENDING (sequence b has drafts).
+    """
+    n_seq = ids.shape[0]
+    vocab = lookup.shape[0]
+    n_win = window.shape[1]
+    width = primes.shape[0]
+    for b in range(n_seq):  # validate everything before touching any state: ids first, as feed()
+        if ids[b] < 0 or ids[b] >= vocab:
+            return STEP_BAD_ID, b
+    for b in range(n_seq):
+        if n_draft[b] != 0:
+            return STEP_DRAFTS_PENDING, b
+    out1 = out.reshape(-1)
+    upad = np.uint64(pad)
+    for b in range(n_seq):
+        is_dead = has_dead and dead[b]
+        x0 = pad if is_dead else lookup[ids[b]]
+        look[0] = np.uint64(x0)
+        for i in range(n_win):
+            look[i + 1] = upad if is_dead else np.uint64(window[b, i])
+        _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, b * width)
+        if is_dead:  # blocking is sticky: nothing before a dead token is visible after it
+            for i in range(n_win):
+                window[b, i] = pad
+        else:
+            for i in range(n_win - 1, 0, -1):
+                window[b, i] = window[b, i - 1]
+            if n_win > 0:
+                window[b, 0] = x0
+        position[b] += 1
+    return STEP_OK, -1
+
+
+@cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A lazily created pool per worker count (threads live for the process, idle when unused)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engram-hash")
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def hash_rows(
+    xc: np.ndarray,
+    dead: np.ndarray | None,
+    window: np.ndarray | None,
+    pad: int,
+    mult: np.ndarray,
+    primes: np.ndarray,
+    offsets: np.ndarray,
+    inv: np.ndarray,
+    n_heads: int,
+    fast: bool,
+    out: np.ndarray,
+    threads: int = 1,
+) -> np.ndarray:
+    """Fill out (B, T, L, orders*K) with the rows of xc (B, T), split over `threads` threads.
+
+    Every array must be C-contiguous with the dtypes `hash_range` documents; out int64 or int32.
+    Each thread takes a contiguous range of tokens: the result does not depend on `threads`.
+    """
+    n = xc.size
+    has_dead = dead is not None
+    has_window = window is not None
+    dead_arr = dead if dead is not None else np.zeros((1, 1), dtype=np.bool_)
+    win_arr = window if window is not None else np.zeros((1, 1), dtype=np.int64)
+    args = (xc, dead_arr, has_dead, win_arr, has_window, pad, mult, primes, offsets, inv, n_heads, fast, out)
+    threads = max(1, min(int(threads), n))
+    if threads == 1:
+        hash_range(*args, 0, n)
+        return out
+    bounds = [n * i // threads for i in range(threads + 1)]
+    futures = [
+        _pool(threads - 1).submit(hash_range, *args, bounds[i], bounds[i + 1]) for i in range(threads - 1)
+    ]
+    hash_range(*args, bounds[-2], bounds[-1])  # the calling thread takes the last range
+    for f in futures:
+        f.result()
+    return out
