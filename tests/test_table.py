@@ -1,4 +1,5 @@
-"""Tests for engram.table: TrainableTable, FP8Table and MmapFP8Table.
+"""Tests for engram.table: TrainableTable, FP8Table and MmapFP8Table (and engram.safetensors_io, the
+safetensors reader and writer MmapFP8Table stands on).
 
 The FP8 tables are checked against `quant.dequantize_rows` of the same rows (their plain twin), exactly.
 Memory-mapped tables are written with the `safetensors` package itself (an independent writer), and one
@@ -16,17 +17,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+import engram.safetensors_io as st_io
+import engram.table
 from engram import EngramConfig, quant
 from engram.module import Engram
-from engram.table import (
-    FP8Table,
-    MmapFP8Table,
-    TrainableTable,
-    check_rows,
-    read_safetensors_header,
-)
+from engram.safetensors_io import read_safetensors_header, write_safetensors
+from engram.table import FP8Table, MmapFP8Table, TrainableTable, check_rows
 
 ROWS, DIM = 1000, 64
 
@@ -377,6 +375,41 @@ def test_header_errors(tmp_path):
     (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(ValueError, match="is this a safetensors file"):
         read_safetensors_header(tmp_path / "huge.safetensors")
+
+
+def test_write_safetensors_is_read_by_the_safetensors_package(tmp_path, fp8, monkeypatch):
+    monkeypatch.setattr(st_io, "_WRITE_CHUNK", 1000)  # many chunks, a ragged last one
+    tensors = [
+        ("t.weight", fp8.weight),
+        ("t.scale", fp8.scale),
+        ("w", torch.randn(3, 5, dtype=torch.bfloat16)),
+        ("i", torch.arange(7)),
+        ("f", torch.randn(2, 2, 2, dtype=torch.float64)[:, 0]),  # not contiguous
+        ("b", torch.tensor([True, False])),
+    ]
+    path = tmp_path / "w.safetensors"
+    nbytes = write_safetensors(path, tensors)
+    assert nbytes == sum(t.numel() * t.element_size() for _, t in tensors)
+    theirs = load_file(str(path))
+    ours = read_safetensors_header(path)
+    assert sorted(theirs) == sorted(ours) == sorted(name for name, _ in tensors)
+    for name, t in tensors:
+        assert theirs[name].dtype == t.dtype and torch.equal(
+            theirs[name].view(torch.uint8), t.view(torch.uint8)
+        )
+        assert torch.equal(ours[name].read().view(torch.uint8), t.contiguous().view(torch.uint8))
+        assert ours[name].start % t.element_size() == 0  # widest first: every tensor aligned
+    with pytest.raises(TypeError, match=r"tensor 'u' has dtype torch\.uint16"):
+        write_safetensors(path, [("u", torch.zeros(2, dtype=torch.uint16))])
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        write_safetensors(path, [("a", torch.zeros(2)), ("a", torch.ones(2))])
+
+
+def test_old_import_paths():
+    """read_safetensors_header, SafetensorsEntry and ST_DTYPES lived in engram.table before."""
+    assert engram.table.read_safetensors_header is st_io.read_safetensors_header
+    assert engram.table.SafetensorsEntry is st_io.SafetensorsEntry
+    assert engram.table.ST_DTYPES is st_io.ST_DTYPES
 
 
 @pytest.mark.gpu

@@ -11,8 +11,10 @@ Holds:
 - `load_engram_modules(dir)` (alias `load_checkpoint`): validate every expected tensor (presence,
   dtype, shape against the config) before building anything, then build `Engram` modules on
   `MmapFP8Table` (default), `FP8Table` or `TrainableTable` tables.
-- `convert_table(src, dst, to=...)`: FP8 <-> float tables; `add_convert_command` / `cmd_convert` for the CLI.
-- `make_scaled_v41_checkpoint(dir)`: a small random checkpoint in the V4.1 format (tests, examples).
+
+Reading and writing the safetensors files themselves is `engram.safetensors_io`'s; converting a checkpoint
+(`convert_table`, the `engram convert` command) and building a scaled-down V4.1 checkpoint
+(`make_scaled_v41_checkpoint`) are `engram.convert`'s, still importable from here.
 
 Table rows: a layer's table has either its own prime sum of rows, or, as V4.1's config.json declares
 one scalar `engram_num_embeddings` (the largest layer's prime sum), that many rows in every layer (the
@@ -21,49 +23,35 @@ extra rows of a smaller layer are never addressed). Both forms load; any other r
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import enum
 import json
 import os
 import re
-import struct
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
 
 from engram import quant
-from engram.config import EngramConfig, Variant
+from engram.config import EngramConfig
 from engram.layout import Layout
 from engram.module import Engram
-from engram.table import (
-    ST_DTYPES,
-    EngramTable,
-    FP8Table,
-    MmapFP8Table,
-    SafetensorsEntry,
-    TrainableTable,
-    read_safetensors_header,
-)
+from engram.safetensors_io import SafetensorsEntry, read_safetensors_header, write_safetensors
+from engram.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
 
 __all__ = [
     "CONFIG_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_FILE",
     "TableFormat",
-    "add_convert_command",
-    "cmd_convert",
-    "convert_table",
     "engram_state_dict",
     "layer_prefix",
     "load_checkpoint",
     "load_engram_modules",
-    "make_scaled_v41_checkpoint",
     "read_checkpoint_config",
     "save_checkpoint",
 ]
@@ -73,9 +61,7 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _ENGRAM_RE = re.compile(r"^layers\.(\d+)\.engram\.(.+)$")
-_WRITE_CHUNK = 1 << 26  # bytes per write: streams a memory-mapped table without loading it whole
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
-_TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
 class TableFormat(enum.StrEnum):
@@ -133,42 +119,6 @@ def engram_state_dict(
 
 
 # ------------------------------------------------------------------------------------------- writing
-
-
-def _write_tensor(f: BinaryIO, t: torch.Tensor) -> None:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1).view(torch.uint8)  # (nbytes,), little-endian raw bytes
-    for start in range(0, flat.numel(), _WRITE_CHUNK):
-        f.write(flat[start : start + _WRITE_CHUNK].numpy().data)
-
-
-def _write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-    """Write a safetensors file (streamed; widest dtypes first so every tensor is aligned). Returns bytes."""
-    items = sorted(tensors, key=lambda kv: -kv[1].element_size())  # stable: keeps order within a width
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in items:
-        if t.dtype not in _TORCH_TO_ST:
-            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which the checkpoint format cannot hold")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _TORCH_TO_ST[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned, as safetensors does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in items:
-            _write_tensor(f, t)
-        f.flush()
-        os.fsync(f.fileno())
-    return offset
 
 
 def _shard(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -240,7 +190,7 @@ def save_checkpoint(
         total = 0
         weight_map: dict[str, str] = {}
         for name, shard in zip(names, shards, strict=True):
-            total += _write_safetensors(tmp[name], shard)
+            total += write_safetensors(tmp[name], shard)
             weight_map.update({t: name for t, _ in shard})
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -542,142 +492,16 @@ def load_engram_modules(
 load_checkpoint = load_engram_modules  # the symmetric twin of save_checkpoint
 
 
-# ------------------------------------------------------------------------------------------- convert
+# ------------------------------------------------------------------------------------------- moved
+
+# Names that moved to engram.convert, resolved on first use (engram.convert imports this module, so
+# importing it here at the top would be circular).
+_MOVED_TO_CONVERT = ("add_convert_command", "cmd_convert", "convert_table", "make_scaled_v41_checkpoint")
 
 
-def convert_table(
-    src_dir: str | os.PathLike[str],
-    dst_dir: str | os.PathLike[str],
-    to: TableFormat | str = TableFormat.FP8,
-    dtype: torch.dtype = torch.float32,
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> list[Path]:
-    """Rewrite a checkpoint with FP8 tables (quantised, `to="fp8"`) or float ones (`to="float"`, in `dtype`).
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CONVERT:
+        from engram import convert
 
-    The module weights keep their stored dtypes; config.json is carried over. Returns the shards written.
-    FP8 -> float dequantises exactly (float32); float -> FP8 rounds each value to e4m3 within its block's
-    power-of-two scale (relative error <= 2**-4 for all but the block's smallest values).
-    """
-    try:
-        fmt = TableFormat(to)
-    except ValueError:
-        raise ValueError(f"to={to!r}: choose one of {', '.join(f.value for f in TableFormat)}") from None
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype={dtype}: a float table is stored as float32, bfloat16 or float16")
-    src, dst = Path(src_dir), Path(dst_dir)
-    if dst.exists() and src.resolve() == dst.resolve():
-        raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
-    config, modules = load_engram_modules(src, mmap=True, dtype=None)
-    return save_checkpoint(
-        dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
-    )
-
-
-def _parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, flags=re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB, 2GiB or 1000000")
-    unit = m.group(2).upper().rstrip("B")
-    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
-    if unit not in mult:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(2)!r}")
-    return max(1, int(float(m.group(1)) * mult[unit]))
-
-
-def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `convert SRC DST [--to fp8|float]` to an argparse subparsers object (engram's CLI)."""
-    p = subparsers.add_parser(
-        "convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables"
-    )
-    p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
-    p.add_argument("dst", help="directory to write (created; must differ from src)")
-    p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="float table dtype (--to float)",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=_parse_size,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help="e.g. 5GB (default), 500MB",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
-    p.set_defaults(func=cmd_convert)
-    return p
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    """Handler of `engram convert`."""
-    t0 = time.perf_counter()
-    shards = convert_table(
-        args.src, args.dst, args.to, getattr(torch, args.dtype), max_shard_bytes=args.max_shard_size
-    )
-    elapsed = time.perf_counter() - t0
-    size = sum(p.stat().st_size for p in shards)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "dst": str(args.dst),
-                    "to": args.to,
-                    "shards": [p.name for p in shards],
-                    "bytes": size,
-                    "seconds": elapsed,
-                }
-            )
-        )
-    else:
-        print(
-            f"wrote {len(shards)} shard(s), {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
-            f"({elapsed:.1f} s)"
-        )
-    return 0
-
-
-# ------------------------------------------------------------------------------------------- example
-
-
-def make_scaled_v41_checkpoint(
-    ckpt_dir: str | os.PathLike[str],
-    base: int = 4096,
-    hidden_size: int = 64,
-    hc_mult: int = 4,
-    seed: int = 0,
-    *,
-    max_size_tables: bool = False,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> EngramConfig:
-    """Write a scaled-down DeepSeek-V4.1 Engram checkpoint with random weights; return its config.
-
-    The deepseek-v4.1 preset with prime-search base `base` (instead of 16000000) for every order and a small
-    `hidden_size`: same layers (1, 14), orders, heads, 256-wide FP8 rows, tensor names and dtypes; the
-    compressed vocabulary (99092) and tokenizer are V4.1's, so real DeepSeek-V4 token ids hash into it.
-    `max_size_tables` gives every layer the largest layer's row count (the scalar engram_num_embeddings form).
-    """
-    config = EngramConfig.preset("deepseek-v4.1").replace(
-        engram_vocab_size=(base,) * 3,
-        hidden_size=hidden_size,
-        hc_mult=hc_mult,
-        name=f"deepseek-v4.1-scaled-{base}",
-    )
-    assert config.variant is Variant.V4_1
-    layout = Layout(config)
-    g = torch.Generator().manual_seed(seed)
-    modules: dict[int, Engram] = {}
-    for layer_id in config.layer_ids:
-        rows = max(layout.num_embeddings) if max_size_tables else layout.layer(layer_id).num_embeddings
-        # Row magnitudes spread over ~2 octaves so the ue8m0 scales differ from row to row.
-        spread = torch.exp(torch.randn(rows, 1, generator=g) * 0.7)
-        weight = torch.randn(rows, config.head_dim, generator=g) * (0.02 * spread)
-        module = Engram(config, layer_id, table=FP8Table.from_float(weight))
-        with torch.no_grad():
-            module.wkv.weight.normal_(0.0, config.engram_dim**-0.5, generator=g)
-            module.q_weight.copy_(1.0 + 0.1 * torch.randn(module.q_weight.shape, generator=g))
-            module.k_weight.copy_(1.0 + 0.1 * torch.randn(module.k_weight.shape, generator=g))
-        modules[layer_id] = module
-    save_checkpoint(ckpt_dir, config, modules, fp8=True, max_shard_bytes=max_shard_bytes)
-    return config
+        return getattr(convert, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

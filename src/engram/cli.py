@@ -270,9 +270,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 if the CRT property is violated")
     p.set_defaults(func=cmd_collisions)
 
-    from engram.checkpoint import add_convert_command
+    from engram.cli_train import add_training_commands
+    from engram.convert import add_convert_command
+    from engram.run_layer import add_run_layer_command
 
     add_convert_command(sub)
+    add_run_layer_command(sub)
+    add_training_commands(sub)
     return parser
 
 

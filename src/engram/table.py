@@ -10,66 +10,35 @@ Holds:
 - `MmapFP8Table`: the same, memory-mapped from a safetensors file: rows are read on demand, so a
   table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
   the gathered rows to the device asked for.
-- `read_safetensors_header(path)`: the parsed, validated header of a safetensors file (which
-  `MmapFP8Table` and `engram.checkpoint` share), and `SafetensorsEntry.mmap()` to map one tensor.
 
-Dequantisation is `engram.quant`'s; this file only stores tables and routes rows to it.
+Dequantisation is `engram.quant`'s and safetensors parsing `engram.safetensors_io`'s (whose
+`read_safetensors_header`, `SafetensorsEntry` and `ST_DTYPES` are re-exported here for older imports);
+this file only stores tables and routes rows to them.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engram import quant
 
-__all__ = [
-    "ST_DTYPES",
-    "EngramTable",
-    "FP8Table",
-    "MmapFP8Table",
-    "SafetensorsEntry",
-    "TrainableTable",
-    "check_rows",
-    "read_safetensors_header",
-]
+# `X as X`: re-exported, as these lived here before engram.safetensors_io; older imports keep working.
+from engram.safetensors_io import ST_DTYPES as ST_DTYPES
+from engram.safetensors_io import SafetensorsEntry as SafetensorsEntry
+from engram.safetensors_io import expect_entry
+from engram.safetensors_io import read_safetensors_header as read_safetensors_header
+
+__all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable", "check_rows"]
 
 # Rows per chunk when quantising / dequantising a whole table: bounds the float temporaries to a
 # few tens of MiB whatever the table size.
 _CHUNK_ROWS = 1 << 16
-# safetensors refuses headers above 100 MB; so do we (a corrupt length would otherwise be read).
-_MAX_HEADER_BYTES = 100_000_000
-
-# safetensors dtype names <-> torch dtypes (the ones an Engram checkpoint can hold).
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_ST_ITEMSIZE = {"F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8} | {
-    k: torch.empty(0, dtype=v).element_size() for k, v in ST_DTYPES.items()
-}
 
 
 def check_rows(rows: torch.Tensor, num_rows: int) -> None:
@@ -255,142 +224,6 @@ class FP8Table(EngramTable):
         return self
 
 
-@dataclass(frozen=True)
-class SafetensorsEntry:
-    """One tensor of a safetensors file: where its bytes are and what they are."""
-
-    path: Path
-    name: str
-    dtype: str  # safetensors name, e.g. "F8_E4M3"
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset of the data in the file
-    nbytes: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in ST_DTYPES:
-            raise TypeError(
-                f"{self.path}: tensor {self.name!r} has dtype {self.dtype}, which engram cannot read"
-            )
-        return ST_DTYPES[self.dtype]
-
-    def mmap(self) -> torch.Tensor:
-        """A read-only memory-mapped tensor over the file's bytes (nothing is read until indexed).
-
-        Never write to it: the pages are mapped read-only and a write would crash the process.
-        """
-        dtype = self.torch_dtype
-        if self.nbytes == 0:
-            return torch.empty(self.shape, dtype=dtype)
-        arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.start, shape=(self.nbytes,))
-        with warnings.catch_warnings():  # torch warns that the array is read-only: intended here
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(arr)
-        return flat.view(dtype).view(self.shape)
-
-    def read(self) -> torch.Tensor:
-        """The tensor copied into memory."""
-        return self.mmap().clone()
-
-
-def read_safetensors_header(
-    path: str | os.PathLike[str], *, allow_truncated: bool = False
-) -> dict[str, SafetensorsEntry]:
-    """Parse and validate a safetensors header: {name: SafetensorsEntry}; `__metadata__` is skipped.
-
-    Checks the 8-byte little-endian header length, the JSON, every entry's dtype / shape / data_offsets
-    (size consistent with shape and dtype), and that the file holds all the bytes the header promises:
-    a shorter file (an interrupted copy or download) raises ValueError naming the file, unless
-    `allow_truncated` (used to list what a damaged file was meant to hold).
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(
-                    f"{path}: {size} bytes, too short for a safetensors file (8-byte header length)"
-                )
-            (n,) = struct.unpack("<Q", head)
-            if n < 2 or n > _MAX_HEADER_BYTES:
-                raise ValueError(
-                    f"{path}: header length {n} is not a safetensors header length (2..{_MAX_HEADER_BYTES}); "
-                    "is this a safetensors file?"
-                )
-            if 8 + n > size:
-                raise ValueError(
-                    f"{path}: truncated: the header needs bytes 8..{8 + n} but the file has {size} bytes; "
-                    "copy or download the file again"
-                )
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such safetensors file") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(
-            f"{path}: the safetensors header is a JSON {type(header).__name__}, expected an object"
-        )
-    data_start = 8 + n
-    out: dict[str, SafetensorsEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = _parse_entry(path, name, info, data_start, None if allow_truncated else size)
-    return out
-
-
-def _parse_entry(path: Path, name: str, info: Any, data_start: int, size: int | None) -> SafetensorsEntry:
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: tensor {name!r}: {what}")
-
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise bad(f"header entry {info!r} lacks dtype, shape or data_offsets")
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _ST_ITEMSIZE:
-        raise bad(f"unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative ints")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
-    nbytes = offsets[1] - offsets[0]
-    expected = math.prod(shape) * _ST_ITEMSIZE[dtype]
-    if nbytes != expected:
-        raise bad(f"data_offsets {offsets} hold {nbytes} bytes but {dtype} {shape} needs {expected}")
-    end = data_start + offsets[1]
-    if size is not None and end > size:
-        raise ValueError(
-            f"{path}: truncated: tensor {name!r} ends at byte {end} but the file has only {size} bytes "
-            "(an interrupted copy or download?); copy or download the file again"
-        )
-    return SafetensorsEntry(path, name, dtype, tuple(shape), data_start + offsets[0], nbytes)
-
-
-def _expect_entry(
-    entries: dict[str, SafetensorsEntry], path: Path, name: str, dtype: str, shape: list[int | str]
-) -> SafetensorsEntry:
-    if name not in entries:
-        have = ", ".join(sorted(entries)[:8]) + (" ..." if len(entries) > 8 else "")
-        raise ValueError(f"{path}: no tensor {name!r} (the file holds: {have or 'nothing'})")
-    e = entries[name]
-    if e.dtype != dtype:
-        raise ValueError(f"{path}: tensor {name!r} has dtype {e.dtype}, expected {dtype}")
-    ok = len(e.shape) == len(shape) and all(
-        isinstance(s, str) or s == d for s, d in zip(shape, e.shape, strict=True)
-    )
-    if not ok:
-        raise ValueError(f"{path}: tensor {name!r} has shape {list(e.shape)}, expected {shape}")
-    return e
-
-
 class MmapFP8Table(EngramTable):
     """An FP8 table memory-mapped from a safetensors file: `gather` reads only the requested rows.
 
@@ -412,7 +245,7 @@ class MmapFP8Table(EngramTable):
         self.path = Path(path)
         self.scale_path = self.path if scale_path is None else Path(scale_path)
         self.weight_name, self.scale_name = weight_name, scale_name
-        w = _expect_entry(
+        w = expect_entry(
             read_safetensors_header(self.path), self.path, weight_name, "F8_E4M3", ["rows", "dim"]
         )
         if len(w.shape) != 2 or w.shape[0] < 1 or w.shape[1] % quant.BLOCK or w.shape[1] == 0:
@@ -422,7 +255,7 @@ class MmapFP8Table(EngramTable):
             )
         rows, dim = w.shape
         scale_entries = read_safetensors_header(self.scale_path)
-        s = _expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // quant.BLOCK])
+        s = expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // quant.BLOCK])
         self.weight = w.mmap()  # (rows, dim) float8_e4m3fn, file-backed
         self.scale = s.mmap()  # (rows, dim // 32) float8_e8m0fnu, file-backed
         self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")

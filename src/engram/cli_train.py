@@ -1,0 +1,177 @@
+"""The training commands of `engram`: `demo`, `train`, `eval` (registered by `engram.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_training_commands"]
+
+
+def _threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from engram.demo import DEMO_CONFIG, print_summary, run_demo
+
+    _threads(args)
+    cfg = DEMO_CONFIG
+    if args.steps is not None:
+        cfg = cfg.replace(steps=args.steps, warmup=min(cfg.warmup, max(1, args.steps // 5)))
+    if args.corpus is not None:
+        cfg = cfg.replace(corpus=args.corpus)
+    if args.tokenizer is not None:
+        cfg = cfg.replace(tokenizer=args.tokenizer)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: give at least 1")
+    command = (
+        "engram demo " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        if sys.argv[1:2] == ["demo"]
+        else "engram demo"
+    )
+    results = run_demo(
+        cfg,
+        seeds=tuple(range(args.seeds)),
+        minutes=args.minutes,
+        out_dir=args.out,
+        progress=not args.no_progress,
+        command=command.strip(),
+    )
+    if args.json:
+        print(json.dumps({"summary": results["summary"], "report": str(Path(args.out) / "report.md")}))
+    else:
+        print_summary(results, args.out)
+    return 0
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    from engram.train import TrainConfig
+
+    cfg = TrainConfig.from_file(args.config) if args.config else TrainConfig()
+    overrides: dict[str, Any] = {}
+    for key in ("steps", "seed", "checkpoint_every"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
+    if args.no_engram:
+        overrides["engram"] = False
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from engram.train import Trainer, build_model, latest_checkpoint, prepare_data
+
+    _threads(args)
+    cfg = _train_config(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(cfg)
+    trainer = Trainer(cfg, data, build_model(cfg, data), out_dir=out)
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None:
+        if not args.resume:
+            raise ValueError(
+                f"{out} already holds checkpoint {ckpt.name}; pass --resume to continue it, "
+                "or choose another --out"
+            )
+        trainer.load_checkpoint(ckpt)
+        print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", unit="step", disable=args.no_progress)
+
+    def on_step(t: Trainer, loss: float) -> None:
+        bar.update(1)
+        held = t.history[-1].get("held_out_loss")
+        bar.set_postfix(loss=f"{loss:.3f}", **({"held_out": f"{held:.3f}"} if held is not None else {}))
+
+    trainer.run(on_step=on_step, until=args.until)
+    bar.close()
+    result = trainer.evaluate()
+    summary = {
+        "step": trainer.step,
+        "held_out": result,
+        "params": trainer.model.num_params(),
+        "checkpoint": str(latest_checkpoint(out)),
+    }
+    print(
+        json.dumps(summary)
+        if args.json
+        else f"step {trainer.step}: held-out loss {result['loss']:.4f} (ppl {result['ppl']:.2f}); "
+        f"checkpoint {summary['checkpoint']}"
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engram.train import evaluate, load_checkpoint, prepare_data
+
+    _threads(args)
+    cfg, model, state = load_checkpoint(args.checkpoint)
+    if args.mask_engram and not model.engrams:
+        raise ValueError(f"{state['path']} has no Engram modules to mask")
+    data = prepare_data(cfg)
+    rows = data.held_rows if model.engrams else None
+    scales = [("engram", 1.0), ("engram masked", 0.0)] if args.mask_engram else [("model", 1.0)]
+    results = {name: evaluate(model, data.held_out, rows, cfg.seq_len, engram_scale=s) for name, s in scales}
+    if args.json:
+        print(json.dumps({"checkpoint": state["path"], "step": state["step"], "results": results}))
+        return 0
+    print(
+        f"{state['path']} (step {state['step']}), held-out tokens {next(iter(results.values()))['tokens']:,}"
+    )
+    names = list(results)
+    print(f"{'category':<12} " + " ".join(f"{n:>14}" for n in names))
+    for cat in next(iter(results.values()))["per_category"]:
+        print(f"{cat:<12} " + " ".join(f"{results[n]['per_category'][cat]:>14.4f}" for n in names))
+    print(f"{'all':<12} " + " ".join(f"{results[n]['loss']:>14.4f}" for n in names))
+    return 0
+
+
+def add_training_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo", help="train a baseline and an Engram LM on the King James Bible and compare them"
+    )
+    p.add_argument("--steps", type=int, help="training steps per model (default 200)")
+    p.add_argument("--minutes", type=float, help="fit the step count to this many minutes of training")
+    p.add_argument("--seeds", type=int, default=2, help="seeds to run (the spread tells noise from effect)")
+    p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
+    p.add_argument("--tokenizer", help="'bpe' (default: trained on the training split) or 'deepseek-v4'")
+    p.add_argument("--out", default="reports/demo", help="report folder (default reports/demo)")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "train", help="train an LM (with Engram unless --no-engram) from a JSON config, with checkpoints"
+    )
+    p.add_argument("--config", help="JSON file of TrainConfig fields (default: the built-in defaults)")
+    p.add_argument("--out", required=True, help="run folder: checkpoints/, train_config.json")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--steps", type=int, help="override the config's total steps")
+    p.add_argument("--until", type=int, help="stop at this step (the schedule still spans --steps)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--no-engram", action="store_true", help="train the baseline backbone without Engram")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "eval", help="held-out loss of a checkpoint, per category; --mask-engram for the ablation"
+    )
+    p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
+    p.add_argument("--mask-engram", action="store_true", help="also score with Engram's output masked")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)

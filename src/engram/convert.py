@@ -1,0 +1,169 @@
+"""Making and converting Engram checkpoints (the format itself is `engram.checkpoint`'s).
+
+Holds:
+- `convert_table(src, dst, to=...)`: rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float tables.
+- `add_convert_command(subparsers)` / `cmd_convert(args)`: `engram convert SRC DST [--to fp8|float]`.
+- `make_scaled_v41_checkpoint(dir)`: a small random checkpoint in the V4.1 format (same tensor names,
+  dtypes and row width as V4.1, a few thousand rows per table) for tests, examples and `engram run-layer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engram.checkpoint import DEFAULT_MAX_SHARD_BYTES, TableFormat, load_engram_modules, save_checkpoint
+from engram.config import EngramConfig, Variant
+from engram.layout import Layout
+from engram.module import Engram
+from engram.table import FP8Table
+
+__all__ = ["add_convert_command", "cmd_convert", "convert_table", "make_scaled_v41_checkpoint"]
+
+
+# ------------------------------------------------------------------------------------------- convert
+
+
+def convert_table(
+    src_dir: str | os.PathLike[str],
+    dst_dir: str | os.PathLike[str],
+    to: TableFormat | str = TableFormat.FP8,
+    dtype: torch.dtype = torch.float32,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Rewrite a checkpoint with FP8 tables (quantised, `to="fp8"`) or float ones (`to="float"`, in `dtype`).
+
+    The module weights keep their stored dtypes; config.json is carried over. Returns the shards written.
+    FP8 -> float dequantises exactly (float32); float -> FP8 rounds each value to e4m3 within its block's
+    power-of-two scale (relative error <= 2**-4 for all but the block's smallest values).
+    """
+    try:
+        fmt = TableFormat(to)
+    except ValueError:
+        raise ValueError(f"to={to!r}: choose one of {', '.join(f.value for f in TableFormat)}") from None
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype={dtype}: a float table is stored as float32, bfloat16 or float16")
+    src, dst = Path(src_dir), Path(dst_dir)
+    if dst.exists() and src.resolve() == dst.resolve():
+        raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
+    config, modules = load_engram_modules(src, mmap=True, dtype=None)
+    return save_checkpoint(
+        dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
+    )
+
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB, 2GiB or 1000000")
+    unit = m.group(2).upper().rstrip("B")
+    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+    if unit not in mult:
+        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(2)!r}")
+    return max(1, int(float(m.group(1)) * mult[unit]))
+
+
+def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `convert SRC DST [--to fp8|float]` to an argparse subparsers object (engram's CLI)."""
+    p = subparsers.add_parser(
+        "convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables"
+    )
+    p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
+    p.add_argument("dst", help="directory to write (created; must differ from src)")
+    p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="float table dtype (--to float)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="e.g. 5GB (default), 500MB",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_convert)
+    return p
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """Handler of `engram convert`."""
+    t0 = time.perf_counter()
+    shards = convert_table(
+        args.src, args.dst, args.to, getattr(torch, args.dtype), max_shard_bytes=args.max_shard_size
+    )
+    elapsed = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in shards)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "dst": str(args.dst),
+                    "to": args.to,
+                    "shards": [p.name for p in shards],
+                    "bytes": size,
+                    "seconds": elapsed,
+                }
+            )
+        )
+    else:
+        print(
+            f"wrote {len(shards)} shard(s), {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
+            f"({elapsed:.1f} s)"
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- example
+
+
+def make_scaled_v41_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    base: int = 4096,
+    hidden_size: int = 64,
+    hc_mult: int = 4,
+    seed: int = 0,
+    *,
+    max_size_tables: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> EngramConfig:
+    """Write a scaled-down DeepSeek-V4.1 Engram checkpoint with random weights; return its config.
+
+    The deepseek-v4.1 preset with prime-search base `base` (instead of 16000000) for every order and a small
+    `hidden_size`: same layers (1, 14), orders, heads, 256-wide FP8 rows, tensor names and dtypes; the
+    compressed vocabulary (99092) and tokenizer are V4.1's, so real DeepSeek-V4 token ids hash into it.
+    `max_size_tables` gives every layer the largest layer's row count (the scalar engram_num_embeddings form).
+    """
+    config = EngramConfig.preset("deepseek-v4.1").replace(
+        engram_vocab_size=(base,) * 3,
+        hidden_size=hidden_size,
+        hc_mult=hc_mult,
+        name=f"deepseek-v4.1-scaled-{base}",
+    )
+    assert config.variant is Variant.V4_1
+    layout = Layout(config)
+    g = torch.Generator().manual_seed(seed)
+    modules: dict[int, Engram] = {}
+    for layer_id in config.layer_ids:
+        rows = max(layout.num_embeddings) if max_size_tables else layout.layer(layer_id).num_embeddings
+        # Row magnitudes spread over ~2 octaves so the ue8m0 scales differ from row to row.
+        spread = torch.exp(torch.randn(rows, 1, generator=g) * 0.7)
+        weight = torch.randn(rows, config.head_dim, generator=g) * (0.02 * spread)
+        module = Engram(config, layer_id, table=FP8Table.from_float(weight))
+        with torch.no_grad():
+            module.wkv.weight.normal_(0.0, config.engram_dim**-0.5, generator=g)
+            module.q_weight.copy_(1.0 + 0.1 * torch.randn(module.q_weight.shape, generator=g))
+            module.k_weight.copy_(1.0 + 0.1 * torch.randn(module.k_weight.shape, generator=g))
+        modules[layer_id] = module
+    save_checkpoint(ckpt_dir, config, modules, fp8=True, max_shard_bytes=max_shard_bytes)
+    return config

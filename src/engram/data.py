@@ -1,0 +1,246 @@
+"""Training data: a corpus split into train and held-out documents, a BPE tokenizer trained on the
+training split (cached), token streams, and deterministic batches.
+
+Holds:
+- `Document`, `load_corpus(spec)`: the default King James Bible (one document per book, with a
+  category) or any text files (`--corpus PATH`: a file, a folder of *.txt, or a glob).
+- `split_documents(docs)`: held-out books for the Bible (one or two per category); for other
+  corpora every tenth document, or the last 10 % of a single file.
+- `train_bpe(texts, vocab_size, cache_dir)`: a byte-level BPE from `tokenizers`, cached by a hash
+  of its training text and settings.
+- `TokenStream`: one split encoded as a single id stream with document boundaries (EOS) and
+  per-token category ids; `batch(step, ...)` samples windows as a pure function of (seed, step),
+  so a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engram.corpus import kjv_verses
+
+__all__ = [
+    "EOS",
+    "Document",
+    "TokenStream",
+    "cache_dir",
+    "load_corpus",
+    "split_documents",
+    "train_bpe",
+]
+
+EOS = "<|endoftext|>"
+
+_KJV_CATEGORIES = {
+    "law": ("Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy"),
+    "history": (
+        "Joshua",
+        "Judges",
+        "Ruth",
+        "1 Samuel",
+        "2 Samuel",
+        "1 Kings",
+        "2 Kings",
+        "1 Chronicles",
+        "2 Chronicles",
+        "Ezra",
+        "Nehemiah",
+        "Esther",
+    ),
+    "wisdom": ("Job", "Psalms", "Proverbs", "Ecclesiastes", "Song of Solomon"),
+    "prophets": (
+        "Isaiah",
+        "Jeremiah",
+        "Lamentations",
+        "Ezekiel",
+        "Daniel",
+        "Hosea",
+        "Joel",
+        "Amos",
+        "Obadiah",
+        "Jonah",
+        "Micah",
+        "Nahum",
+        "Habakkuk",
+        "Zephaniah",
+        "Haggai",
+        "Zechariah",
+        "Malachi",
+    ),
+    "gospels": ("Matthew", "Mark", "Luke", "John", "Acts"),
+    "epistles": (
+        "Romans",
+        "1 Corinthians",
+        "2 Corinthians",
+        "Galatians",
+        "Ephesians",
+        "Philippians",
+        "Colossians",
+        "1 Thessalonians",
+        "2 Thessalonians",
+        "1 Timothy",
+        "2 Timothy",
+        "Titus",
+        "Philemon",
+        "Hebrews",
+        "James",
+        "1 Peter",
+        "2 Peter",
+        "1 John",
+        "2 John",
+        "3 John",
+        "Jude",
+        "Revelation",
+    ),
+}
+# About 9 % of the text, one or two books from every category.
+KJV_HELD_OUT = (
+    "Deuteronomy",
+    "Ruth",
+    "Esther",
+    "Ecclesiastes",
+    "Hosea",
+    "Jonah",
+    "Mark",
+    "Galatians",
+    "Hebrews",
+)
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+    category: str = "text"
+
+
+def cache_dir() -> Path:
+    """Where trained tokenizers are cached: $ENGRAM_CACHE, else ~/.cache/engram-lm."""
+    return Path(os.environ.get("ENGRAM_CACHE", Path.home() / ".cache" / "engram-lm"))
+
+
+def _kjv_documents() -> list[Document]:
+    category = {book: cat for cat, books in _KJV_CATEGORIES.items() for book in books}
+    books: dict[str, list[str]] = {}
+    for v in kjv_verses():
+        books.setdefault(v["book"], []).append(v["text"])
+    return [Document(name, "\n".join(verses), category.get(name, "other")) for name, verses in books.items()]
+
+
+def load_corpus(spec: str | None = None) -> list[Document]:
+    """`None` or "kjv": the King James Bible by book. Otherwise a text file, a folder of *.txt
+    files, or a glob pattern; each file is one document of category "text"."""
+    if spec in (None, "kjv"):
+        return _kjv_documents()
+    path = Path(spec)
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+    elif path.is_file():
+        files = [path]
+    else:
+        files = sorted(Path(p) for p in glob.glob(spec))
+    if not files:
+        raise FileNotFoundError(
+            f"--corpus {spec!r} names no text file (give a file, a folder of *.txt, or a glob)"
+        )
+    docs = [Document(f.name, f.read_text(encoding="utf-8")) for f in files]
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        raise ValueError(f"--corpus {spec!r}: every file is empty")
+    return docs
+
+
+def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
+    """(train, held_out). The Bible splits by book; a single file by its last 10 %."""
+    names = {d.name for d in docs}
+    if set(KJV_HELD_OUT) <= names:
+        held = set(KJV_HELD_OUT)
+        return [d for d in docs if d.name not in held], [d for d in docs if d.name in held]
+    if len(docs) == 1:
+        d = docs[0]
+        cut = d.text.rfind("\n", 0, int(len(d.text) * 0.9))
+        cut = cut if cut > 0 else int(len(d.text) * 0.9)
+        return [Document(d.name, d.text[:cut], d.category)], [
+            Document(d.name + ":held-out", d.text[cut:], d.category)
+        ]
+    held_idx = set(range(9, len(docs), 10)) or {len(docs) - 1}
+    return [d for i, d in enumerate(docs) if i not in held_idx], [
+        d for i, d in enumerate(docs) if i in held_idx
+    ]
+
+
+def train_bpe(texts: list[str], vocab_size: int = 4096, cache: Path | None = None) -> Tokenizer:
+    """A byte-level BPE trained on `texts` (EOS as a special token), cached by content hash."""
+    h = hashlib.sha256(f"bpe-v1|{vocab_size}|".encode())
+    for t in texts:
+        h.update(t.encode("utf-8"))
+        h.update(b"\x00")
+    path = (cache or cache_dir()) / "tokenizers" / f"bpe{vocab_size}-{h.hexdigest()[:16]}.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tok.save(str(tmp))
+    os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+    return tok
+
+
+class TokenStream:
+    """One split as a single id stream: documents joined by EOS, with a category id per token."""
+
+    def __init__(self, docs: list[Document], tokenizer: Tokenizer) -> None:
+        eos = tokenizer.token_to_id(EOS)
+        if eos is None:
+            raise ValueError(
+                f"the tokenizer has no {EOS!r} token to separate documents; add it as a special token"
+            )
+        self.categories = sorted({d.category for d in docs})
+        ids, cats = [], []
+        # encode line by line (fast in batch), then join lines with their newline tokens
+        for d in docs:
+            encoded = tokenizer.encode_batch(
+                [line + "\n" for line in d.text.split("\n")], add_special_tokens=False
+            )
+            doc_ids = [i for e in encoded for i in e.ids] + [eos]
+            ids.append(np.array(doc_ids, dtype=np.int64))
+            cats.append(np.full(len(doc_ids), self.categories.index(d.category), dtype=np.int8))
+        self.ids = np.concatenate(ids)
+        self.category_ids = np.concatenate(cats)
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def batch_starts(self, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
+        """Window starts of training step `step`: a pure function of (seed, step)."""
+        if len(self) < seq_len + 2:
+            raise ValueError(f"the stream has {len(self)} tokens, fewer than one window of {seq_len + 1}")
+        rng = np.random.default_rng([seed, step])
+        return rng.integers(0, len(self) - seq_len - 1, size=batch_size)
+
+    def windows(self, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets), each (B, seq_len), for windows starting at `starts`."""
+        idx = starts[:, None] + np.arange(seq_len + 1)  # (B, T+1)
+        w = self.ids[idx]
+        return w[:, :-1], w[:, 1:]
+
+    def eval_starts(self, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
+        """Non-overlapping window starts covering the stream (or its first `max_tokens`)."""
+        n = len(self) - 1 if max_tokens is None else min(len(self) - 1, max_tokens)
+        return np.arange(0, n - seq_len + 1, seq_len)

@@ -1,0 +1,471 @@
+"""Training: config, data preparation, the training loop, evaluation and checkpoints.
+
+Holds:
+- `TrainConfig`: everything a run needs (data, model, Engram, optimisation, checkpoints); JSON
+  round trip for config files.
+- `prepare_data(cfg)` -> `DataBundle`: corpus split, tokenizer (trained BPE or DeepSeek-V4),
+  compression map, token streams and, when Engram is on, the rows of every token (hashed once:
+  rows depend only on token ids).
+- `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
+  Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints.
+- `evaluate(...)`: held-out loss per token, overall and per text category; `engram_scale=0`
+  masks Engram's output (the paper's ablation).
+
+Checkpoints (`<out>/checkpoints/step-NNNNNNN/`): `model.safetensors`, `optimizer.safetensors`
+(every optimizer state tensor), `state.json` (step, configs, history, optimizer groups). A
+checkpoint is written in a temporary folder and renamed into place, so a kill during the write
+leaves the previous one intact; the last `keep_checkpoints` are kept. Batches are a pure
+function of (seed, step) and the schedule of step, so a resumed run continues exactly as if it
+had never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from engram.compression import TokenizerCompression, resolve_tokenizer
+from engram.config import EngramConfig
+from engram.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
+from engram.hashing import NgramHasher
+from engram.lm import EngramLM, LMConfig
+from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
+
+__all__ = [
+    "DataBundle",
+    "TrainConfig",
+    "Trainer",
+    "build_model",
+    "evaluate",
+    "load_checkpoint",
+    "prepare_data",
+]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # data
+    corpus: str | None = None  # None: the King James Bible; else a text file, folder or glob
+    tokenizer: str = "bpe"  # "bpe" (trained on the training split), "deepseek-v4", or a tokenizer.json
+    bpe_vocab_size: int = 4096
+    # backbone
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_hidden: int = 384
+    seq_len: int = 128
+    hc: int = 1
+    tie_embeddings: bool = True
+    # Engram
+    engram: bool = True
+    engram_layers: tuple[int, ...] = (1,)
+    engram_max_ngram: int = 3
+    engram_heads: int = 4
+    engram_head_dim: int = 32
+    engram_base: int = 30000  # prime-search base per order (rows per head ~ base)
+    # optimisation
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    table_lr: float = 2e-2
+    table_optimizer: str = "adam"  # "adam" (SparseRowAdam) or "adagrad" (SparseRowAdagrad)
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    # evaluation and checkpoints
+    eval_every: int = 50
+    eval_tokens: int = 16384  # held-out tokens scored at each periodic evaluation
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engram_layers", tuple(self.engram_layers))
+        if self.table_optimizer not in ("adam", "adagrad"):
+            raise ValueError(f"table_optimizer={self.table_optimizer!r}: use 'adam' or 'adagrad'")
+        for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.engram and (not self.engram_layers or max(self.engram_layers) >= self.n_layers):
+            raise ValueError(
+                f"engram_layers={self.engram_layers} must name layers of the {self.n_layers}-layer model"
+            )
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["engram_layers"] = list(self.engram_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class DataBundle:
+    tokenizer: Tokenizer
+    compression: TokenizerCompression
+    train: TokenStream
+    held_out: TokenStream
+    engram_config: EngramConfig | None
+    train_rows: torch.Tensor | None  # (N_train, n_engram_layers, heads) int64
+    held_rows: torch.Tensor | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _engram_config(cfg: TrainConfig, tok: Tokenizer, comp: TokenizerCompression) -> EngramConfig:
+    pad = tok.token_to_id(EOS)
+    return EngramConfig(
+        name="lm",
+        layer_ids=cfg.engram_layers,
+        max_ngram_size=cfg.engram_max_ngram,
+        n_heads=cfg.engram_heads,
+        engram_vocab_size=(cfg.engram_base,) * (cfg.engram_max_ngram - 1),
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        compressed_vocab_size=comp.size,
+        pad_token_id=0 if pad is None else pad,
+        tokenizer=None,
+        head_dim=cfg.engram_head_dim,
+        hidden_size=cfg.dim,
+        hc_mult=cfg.hc,
+    )
+
+
+def prepare_data(cfg: TrainConfig, *, with_engram: bool | None = None) -> DataBundle:
+    """Load and split the corpus, get the tokenizer and its compression map, encode both splits,
+    and hash every token's Engram rows once (when Engram is on)."""
+    docs = load_corpus(cfg.corpus)
+    train_docs, held_docs = split_documents(docs)
+    if cfg.tokenizer == "bpe":
+        tok = train_bpe([d.text for d in train_docs], cfg.bpe_vocab_size)
+    else:
+        tok = resolve_tokenizer(cfg.tokenizer)
+        if tok.token_to_id(EOS) is None:
+            tok.add_special_tokens([EOS])
+    comp = TokenizerCompression.from_tokenizer(tok)
+    train, held = TokenStream(train_docs, tok), TokenStream(held_docs, tok)
+    use_engram = cfg.engram if with_engram is None else with_engram
+    ecfg = train_rows = held_rows = None
+    if use_engram:
+        ecfg = _engram_config(cfg, tok, comp)
+        hasher = NgramHasher(ecfg, comp)
+        train_rows = torch.from_numpy(hasher.hash(train.ids))
+        held_rows = torch.from_numpy(hasher.hash(held.ids))
+    return DataBundle(tok, comp, train, held, ecfg, train_rows, held_rows)
+
+
+def build_model(cfg: TrainConfig, data: DataBundle, *, engram: bool | None = None) -> EngramLM:
+    """The LM of `cfg` (seeded by cfg.seed); `engram=False` gives the identical backbone without Engram."""
+    use_engram = cfg.engram if engram is None else engram
+    if use_engram and data.engram_config is None:
+        raise ValueError(
+            "this DataBundle was prepared without Engram rows; call prepare_data(cfg, with_engram=True)"
+        )
+    lm_cfg = LMConfig(
+        vocab_size=data.vocab_size,
+        dim=cfg.dim,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        mlp_hidden=cfg.mlp_hidden,
+        max_seq_len=cfg.seq_len,
+        hc=cfg.hc,
+        tie_embeddings=cfg.tie_embeddings,
+        engram=data.engram_config if use_engram else None,
+    )
+    torch.manual_seed(cfg.seed)  # the backbone draws first, so both models share its initial weights
+    model = EngramLM(lm_cfg)
+    return model
+
+
+def _window_rows(rows: torch.Tensor | None, starts: np.ndarray, seq_len: int) -> torch.Tensor | None:
+    if rows is None:
+        return None
+    return rows[torch.from_numpy(starts[:, None] + np.arange(seq_len))]  # (B, T, layers, heads)
+
+
+@torch.no_grad()
+def evaluate(
+    model: EngramLM,
+    stream: TokenStream,
+    rows: torch.Tensor | None,
+    seq_len: int,
+    *,
+    max_tokens: int | None = None,
+    batch_size: int = 32,
+    engram_scale: float = 1.0,
+) -> dict[str, Any]:
+    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category."""
+    was_training = model.training
+    model.eval()
+    starts = stream.eval_starts(seq_len, max_tokens)
+    n_cat = len(stream.categories)
+    loss_sum = torch.zeros(n_cat, dtype=torch.float64)
+    count = torch.zeros(n_cat, dtype=torch.float64)
+    use_rows = rows if model.engrams else None
+    for i in range(0, len(starts), batch_size):
+        s = starts[i : i + batch_size]
+        x, y = stream.windows(s, seq_len)
+        logits = model(torch.from_numpy(x), _window_rows(use_rows, s, seq_len), engram_scale=engram_scale)
+        losses = F.cross_entropy(
+            logits.flatten(0, 1).float(), torch.from_numpy(y).flatten(), reduction="none"
+        )
+        cats = torch.from_numpy(
+            stream.category_ids[s[:, None] + 1 + np.arange(seq_len)].astype(np.int64)
+        ).flatten()
+        loss_sum.index_add_(0, cats, losses.double())
+        count.index_add_(0, cats, torch.ones_like(losses, dtype=torch.float64))
+    model.train(was_training)
+    total = float(loss_sum.sum() / count.sum())
+    per_cat = {c: float(loss_sum[j] / count[j]) for j, c in enumerate(stream.categories) if count[j] > 0}
+    return {"loss": total, "ppl": math.exp(total), "tokens": int(count.sum()), "per_category": per_cat}
+
+
+# ---------------------------------------------------------------------------- training
+class Trainer:
+    """Trains one model of `cfg` on `data`; `out_dir` (optional) receives checkpoints."""
+
+    def __init__(
+        self, cfg: TrainConfig, data: DataBundle, model: EngramLM, out_dir: str | Path | None = None
+    ) -> None:
+        self.cfg, self.data, self.model = cfg, data, model
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        dense, tables = split_param_groups(model)
+        no_decay = {
+            id(p)
+            for n, p in model.named_parameters()
+            if p.dim() < 2 or n.endswith(("q_weight", "k_weight", "mix_logits"))
+        }
+        decay = [p for p in dense if id(p) not in no_decay]
+        rest = [p for p in dense if id(p) in no_decay]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+        self.table_opt: torch.optim.Optimizer | None = None
+        if tables:
+            cls = SparseRowAdam if cfg.table_optimizer == "adam" else SparseRowAdagrad
+            self.table_opt = cls(tables, lr=cfg.table_lr)
+        self.dense_params = dense
+        self.step = 0
+        self._saved_step = -1
+        self.history: list[dict[str, Any]] = []
+        self.train_seconds = 0.0
+
+    @property
+    def rows(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.data.train_rows, self.data.held_rows) if self.model.engrams else (None, None)
+
+    def lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine from 1 to min_lr_ratio over the run."""
+        c = self.cfg
+        if step < c.warmup:
+            return (step + 1) / c.warmup
+        progress = (step - c.warmup) / max(1, c.steps - c.warmup)
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def train_step(self) -> float:
+        c = self.cfg
+        f = self.lr_factor(self.step)
+        for g in self.opt.param_groups:
+            g["lr"] = c.lr * f
+        if self.table_opt is not None:
+            for g in self.table_opt.param_groups:
+                g["lr"] = c.table_lr * f
+        starts = self.data.train.batch_starts(self.step, c.batch_size, c.seq_len, c.seed)
+        x, y = self.data.train.windows(starts, c.seq_len)
+        rows = _window_rows(self.rows[0], starts, c.seq_len)
+        logits = self.model(torch.from_numpy(x), rows)
+        loss = F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten())
+        self.opt.zero_grad(set_to_none=True)
+        if self.table_opt is not None:
+            self.table_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if c.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.dense_params, c.grad_clip)
+        self.opt.step()
+        if self.table_opt is not None:
+            self.table_opt.step()
+        self.step += 1
+        return float(loss.detach())
+
+    def evaluate(self, max_tokens: int | None = None, engram_scale: float = 1.0) -> dict[str, Any]:
+        return evaluate(
+            self.model,
+            self.data.held_out,
+            self.rows[1],
+            self.cfg.seq_len,
+            max_tokens=max_tokens,
+            engram_scale=engram_scale,
+        )
+
+    def run(self, on_step: Callable[[Trainer, float], None] | None = None, until: int | None = None) -> None:
+        """Train up to step `until` (default cfg.steps), evaluating and checkpointing as configured."""
+        c = self.cfg
+        end = c.steps if until is None else min(until, c.steps)
+        if c.threads:
+            torch.set_num_threads(c.threads)
+        while self.step < end:
+            t0 = time.perf_counter()
+            loss = self.train_step()
+            self.train_seconds += time.perf_counter() - t0
+            record: dict[str, Any] = {"step": self.step, "train_loss": loss}
+            if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
+                record["held_out_loss"] = self.evaluate(c.eval_tokens)["loss"]
+            self.history.append(record)
+            if on_step is not None:
+                on_step(self, loss)
+            if self.out_dir is not None and (
+                (c.checkpoint_every and self.step % c.checkpoint_every == 0) or self.step == c.steps
+            ):
+                self.save_checkpoint()
+        if self.out_dir is not None and until is not None and self._saved_step != self.step:
+            self.save_checkpoint()  # a run stopped early (--until) can be resumed from here
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        if self.out_dir is None:
+            raise ValueError("this Trainer has no out_dir to write checkpoints into")
+        root = self.out_dir / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step-{self.step:07d}"
+        tmp = root / f".tmp-step-{self.step:07d}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(
+            {k: v.contiguous() for k, v in self.model.state_dict().items()}, str(tmp / "model.safetensors")
+        )
+        tensors, groups = _flatten_optimizers({"dense": self.opt, "table": self.table_opt})
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        state = {
+            "step": self.step,
+            "train_config": self.cfg.to_dict(),
+            "lm_config": self.model.config.to_dict(),
+            "optimizer_groups": groups,
+            "history": self.history,
+            "train_seconds": self.train_seconds,
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        self.data.tokenizer.save(str(tmp / "tokenizer.json"))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: readers see the old set or the new one, never half
+        for old in sorted(root.glob("step-*"))[: -self.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._saved_step = self.step
+        return final
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore model, optimizers, step and history from a checkpoint folder."""
+        path = Path(path)
+        state = json.loads((path / "state.json").read_text())
+        if TrainConfig.from_dict(state["train_config"]).replace(steps=self.cfg.steps) != self.cfg.replace(
+            steps=self.cfg.steps
+        ):
+            raise ValueError(
+                f"{path} was written by a run with another training config; resume with that config"
+            )
+        self.model.load_state_dict(load_file(str(path / "model.safetensors")))
+        _load_optimizers(
+            {"dense": self.opt, "table": self.table_opt},
+            load_file(str(path / "optimizer.safetensors")),
+            state["optimizer_groups"],
+        )
+        self.step = int(state["step"])
+        self.history = list(state["history"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `out_dir` (or `out_dir` itself if it is one)."""
+    out_dir = Path(out_dir)
+    if (out_dir / "state.json").is_file():
+        return out_dir
+    found = sorted((out_dir / "checkpoints").glob("step-*"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
+    """(train config, model with its weights, state.json) of a checkpoint folder or a run folder."""
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
+    state = json.loads((ckpt / "state.json").read_text())
+    cfg = TrainConfig.from_dict(state["train_config"])
+    model = EngramLM(LMConfig.from_dict(state["lm_config"]))
+    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    state["path"] = str(ckpt)
+    return cfg, model, state
+
+
+def _flatten_optimizers(
+    opts: dict[str, torch.optim.Optimizer | None],
+) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, Any] = {}
+    for name, opt in opts.items():
+        if opt is None:
+            continue
+        sd = opt.state_dict()
+        groups[name] = {"param_groups": sd["param_groups"], "scalars": {}}
+        for idx, st in sd["state"].items():
+            for key, val in st.items():
+                if isinstance(val, torch.Tensor):
+                    tensors[f"{name}.{idx}.{key}"] = val.detach().contiguous().clone()
+                else:
+                    groups[name]["scalars"][f"{idx}.{key}"] = val
+    return tensors, groups
+
+
+def _load_optimizers(
+    opts: dict[str, torch.optim.Optimizer | None], tensors: dict[str, torch.Tensor], groups: dict
+) -> None:
+    for name, opt in opts.items():
+        if opt is None:
+            continue
+        if name not in groups:
+            raise ValueError(f"checkpoint has no state for the {name} optimizer")
+        state: dict[int, dict[str, Any]] = {}
+        for key, val in tensors.items():
+            owner, idx, field_name = key.split(".", 2)
+            if owner == name:
+                state.setdefault(int(idx), {})[field_name] = val
+        for key, val in groups[name]["scalars"].items():
+            idx, field_name = key.split(".", 1)
+            state.setdefault(int(idx), {})[field_name] = val
+        opt.load_state_dict({"state": state, "param_groups": groups[name]["param_groups"]})

@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engram.corpus import kjv_verses
+from engram.data import load_corpus, split_documents
+from engram.lm import EngramLM
+from engram.train import (
+    TrainConfig,
+    Trainer,
+    build_model,
+    evaluate,
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_data,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """12 short books of the Bible as text files (a corpus small enough for seconds-long runs)."""
+    root = tmp_path_factory.mktemp("corpus")
+    books: dict[str, list[str]] = {}
+    for v in kjv_verses():
+        books.setdefault(v["book"], []).append(v["text"])
+    for name in list(books)[:12]:
+        (root / f"{name}.txt").write_text("\n".join(books[name])[:12000], encoding="utf-8")
+    return str(root)
+
+
+def tiny_cfg(corpus: str, **kw) -> TrainConfig:
+    base = dict(
+        corpus=corpus,
+        bpe_vocab_size=512,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden=64,
+        seq_len=32,
+        engram_layers=(1,),
+        engram_heads=2,
+        engram_head_dim=8,
+        engram_base=500,
+        steps=30,
+        batch_size=8,
+        warmup=5,
+        eval_every=10,
+        eval_tokens=2048,
+        lr=1e-2,
+        table_lr=5e-2,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def data(corpus):
+    return prepare_data(tiny_cfg(corpus))
+
+
+def test_corpus_split(corpus):
+    docs = load_corpus(corpus)
+    train, held = split_documents(docs)
+    assert len(docs) == 12 and len(held) == 1 and not {d.name for d in train} & {d.name for d in held}
+    kjv_train, kjv_held = split_documents(load_corpus())
+    assert "Mark" in {d.name for d in kjv_held} and "Genesis" in {d.name for d in kjv_train}
+
+
+def test_tiny_run_reduces_loss(corpus, data):
+    cfg = tiny_cfg(corpus)
+    t = Trainer(cfg, data, build_model(cfg, data))
+    before = t.evaluate()["loss"]
+    t.run()
+    after = t.evaluate()["loss"]
+    assert after < before - 0.5, (before, after)
+    assert [h["step"] for h in t.history if "held_out_loss" in h] == [10, 20, 30]
+
+
+def test_resume_is_exact(corpus, data, tmp_path):
+    cfg = tiny_cfg(corpus, steps=12, eval_every=0)
+    straight = Trainer(cfg, data, build_model(cfg, data))
+    straight.run()
+
+    first = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    first.run(until=6)
+    first.save_checkpoint()
+    resumed = Trainer(cfg, data, build_model(cfg.replace(seed=99), data), out_dir=tmp_path)  # other init
+    resumed.load_checkpoint(latest_checkpoint(tmp_path))
+    assert resumed.step == 6
+    resumed.run()
+    for (name, a), (_, b) in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert [h["train_loss"] for h in straight.history] == [h["train_loss"] for h in resumed.history]
+
+
+def test_checkpoint_write_is_atomic(corpus, data, tmp_path, monkeypatch):
+    cfg = tiny_cfg(corpus, steps=8, eval_every=0)
+    t = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    t.run(until=2)  # stopping early writes a checkpoint
+    good = latest_checkpoint(tmp_path)
+    assert good is not None and good.name == "step-0000002"
+    t.train_step()
+    t.train_step()
+
+    import engram.train as train_mod
+
+    calls = {"n": 0}
+    real = train_mod.save_file
+
+    def dying_save(tensors, path, *a, **k):  # the process "dies" while writing the optimizer state
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("killed")
+        return real(tensors, path, *a, **k)
+
+    monkeypatch.setattr(train_mod, "save_file", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        t.save_checkpoint()
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == good
+    cfg2, _model, state = load_checkpoint(tmp_path)
+    assert state["step"] == 2 and cfg2 == cfg
+    t2 = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    t2.load_checkpoint(good)
+    assert t2.step == 2
+
+
+def test_keep_last_checkpoints(corpus, data, tmp_path):
+    cfg = tiny_cfg(corpus, steps=6, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
+
+
+def test_masked_engram_equals_baseline_path(corpus, data):
+    cfg = tiny_cfg(corpus)
+    model = build_model(cfg, data)
+    with torch.no_grad():  # make Engram's contribution non-zero
+        for m in model.engrams.values():
+            m.wkv.weight.normal_(std=0.5)
+    base = EngramLM(model.config.without_engram())
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("engrams.")})
+    x = torch.from_numpy(data.held_out.ids[None, :32])
+    rows = data.held_rows[None, :32]
+    ref = base(x)
+    assert not torch.allclose(model(x, rows), ref)
+    assert torch.equal(model(x, rows, engram_scale=0.0), ref)
+    dead = torch.ones(1, 32, dtype=torch.bool)  # every gate 0: Engram passes the streams through
+    assert torch.allclose(model(x, rows, dead_mask=dead), ref, atol=1e-6)
+    full = evaluate(model, data.held_out, data.held_rows, 32, engram_scale=0.0)
+    assert full["loss"] == pytest.approx(evaluate(base, data.held_out, None, 32)["loss"], abs=1e-6)
+
+
+def test_baseline_shares_backbone_init(corpus, data):
+    cfg = tiny_cfg(corpus)
+    a, b = build_model(cfg, data, engram=False), build_model(cfg, data, engram=True)
+    sb = b.state_dict()
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, sb[k]), k
+    assert b.num_params()["total"] > a.num_params()["total"]
+    assert b.num_params()["activated"] < a.num_params()["total"] * 1.2
+
+
+def test_eval_per_category(corpus, data):
+    cfg = tiny_cfg(corpus)
+    res = evaluate(build_model(cfg, data), data.held_out, data.held_rows, 32)
+    assert set(res["per_category"]) == {"text"} and res["tokens"] > 1000
+    assert np.isfinite(res["loss"]) and res["ppl"] == pytest.approx(np.exp(res["loss"]))
+
+
+def test_config_file_round_trip_and_errors(tmp_path):
+    cfg = TrainConfig(steps=7, engram_layers=(1, 2))
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert TrainConfig.from_file(path) == cfg
+    with pytest.raises(ValueError, match="unknown training config keys"):
+        TrainConfig.from_dict({"stepz": 3})
+    with pytest.raises(ValueError, match="engram_layers"):
+        TrainConfig(engram_layers=(9,))
+    with pytest.raises(ValueError, match="table_optimizer"):
+        TrainConfig(table_optimizer="sgd")
+
+
+def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
+    from engram.cli import main
+
+    cfg = tiny_cfg(corpus, steps=6, eval_every=0)
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    out = tmp_path / "run"
+    assert (
+        main(["train", "--config", str(conf), "--out", str(out), "--until", "3", "--no-progress", "--json"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
+    assert main(["train", "--config", str(conf), "--out", str(out), "--no-progress"]) == 2  # needs --resume
+    capsys.readouterr()
+    assert (
+        main(["train", "--config", str(conf), "--out", str(out), "--resume", "--no-progress", "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
+    assert main(["eval", "--checkpoint", str(out), "--mask-engram", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert set(res) == {"engram", "engram masked"}
+    assert res["engram"]["loss"] != res["engram masked"]["loss"]
