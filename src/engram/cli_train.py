@@ -86,7 +86,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer.load_checkpoint(ckpt)
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    bar = tqdm(total=cfg.steps, initial=trainer.step, desc="train", unit="step", disable=args.no_progress)
+    bar = tqdm(
+        total=cfg.steps,
+        initial=trainer.step,
+        desc="train",
+        unit="step",
+        disable=args.no_progress,
+        mininterval=0.5 if sys.stderr.isatty() else 10,
+    )
 
     def on_step(t: Trainer, loss: float) -> None:
         bar.update(1)
@@ -140,7 +147,7 @@ def add_training_commands(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="train a baseline and an Engram LM on the King James Bible and compare them"
     )
-    p.add_argument("--steps", type=int, help="training steps per model (default 200)")
+    p.add_argument("--steps", type=int, help="training steps per model (default 240)")
     p.add_argument("--minutes", type=float, help="fit the step count to this many minutes of training")
     p.add_argument("--seeds", type=int, default=2, help="seeds to run (the spread tells noise from effect)")
     p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from engram.train import DataBundle, TrainConfig, Trainer, build_model, prepare_
 __all__ = ["DEMO_CONFIG", "run_demo"]
 
 # Sized so that the default (2 seeds x 2 models) runs in under 10 minutes on 2 CPU cores.
-DEMO_CONFIG = TrainConfig(steps=200, eval_every=25, eval_tokens=16384)
+DEMO_CONFIG = TrainConfig(steps=240, eval_every=40, eval_tokens=16384, table_lr=0.05)
 
 GATE_SENTENCES = (
     "And the LORD spake unto Moses, saying,",
@@ -210,7 +211,13 @@ def run_demo(
             )
         cfg = cfg.replace(steps=steps, warmup=min(cfg.warmup, steps // 5))
     runs = []
-    bar = tqdm(total=cfg.steps * len(seeds), desc="demo", unit="step", disable=not progress)
+    bar = tqdm(
+        total=cfg.steps * len(seeds),
+        desc="demo",
+        unit="step",
+        disable=not progress,
+        mininterval=0.5 if sys.stderr.isatty() else 10,
+    )
     for seed in seeds:
         c = cfg.replace(seed=seed)
         trainers = {
