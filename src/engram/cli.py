@@ -270,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 if the CRT property is violated")
     p.set_defaults(func=cmd_collisions)
 
+    from engram.bench import add_bench_command
     from engram.cli_train import add_training_commands
     from engram.convert import add_convert_command
     from engram.run_layer import add_run_layer_command
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_command(sub)
     add_run_layer_command(sub)
     add_training_commands(sub)
+    add_bench_command(sub)
     return parser
 
 

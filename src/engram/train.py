@@ -81,7 +81,7 @@ class TrainConfig:
     steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
-    table_lr: float = 2e-2
+    table_lr: float = 5e-2
     table_optimizer: str = "adam"  # "adam" (SparseRowAdam) or "adagrad" (SparseRowAdagrad)
     warmup: int = 30
     min_lr_ratio: float = 0.1

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import pytest
+
+from engram.bench import SUITE, find_benchmarks, format_rows, run_suite
+
+
+def test_suite_files_exist_and_have_run():
+    root = find_benchmarks()
+    for file, _, _ in SUITE.values():
+        text = (root / file).read_text()
+        assert "def run(" in text, file
+
+
+def test_format_rows():
+    rows = [
+        {"op": "hash x", "tokens_per_s": 2.5e7, "baseline": "numpy demo", "ratio": 20.0},
+        {"op": "lookup y", "rows_per_s": 1.2e6, "gb_per_s": 0.31, "baseline": "torch", "ratio": 3.5},
+        {"op": "gate: skipped (no CUDA)", "skipped": True},
+    ]
+    lines = format_rows(rows)
+    assert "25.00 M tok/s" in lines[1] and "20.00x" in lines[1] and "numpy demo" in lines[1]
+    assert "1.20 M rows/s" in lines[2] and "0.31" in lines[2]
+    assert lines[3] == "gate: skipped (no CUDA)"
+
+
+def test_unknown_and_missing(tmp_path):
+    with pytest.raises(ValueError, match="unknown benchmark"):
+        run_suite(["nope"])
+    assert find_benchmarks(tmp_path / "x").name == "benchmarks"  # falls back to the checkout's
+
+
+def test_run_hash_quick(capsys):
+    from engram.cli import main
+
+    assert main(["bench", "--only", "hash", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "numba" in out and "x" in out
