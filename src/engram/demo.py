@@ -104,17 +104,37 @@ def _plot(results: dict[str, Any], out_dir: Path) -> None:
 
     gates = results["gates"]
     width = max(len(g["tokens"]) for g in gates)
-    fig, axes = plt.subplots(len(gates), 1, figsize=(min(18, 1.0 + 0.55 * width), 1.3 * len(gates) + 0.6))
+    fig, axes = plt.subplots(len(gates), 1, figsize=(min(20, 1.0 + 0.78 * width), 0.75 * len(gates) + 0.9))
     axes = np.atleast_1d(axes)
+    cmap = plt.get_cmap("viridis")
     for ax, g in zip(axes, gates, strict=True):
         vals = np.full((1, width), np.nan)
         vals[0, : len(g["gates"])] = g["gates"]
-        im = ax.imshow(vals, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
-        ax.set_xticks(range(len(g["tokens"])))
-        ax.set_xticklabels([t.replace("\n", "\\n") for t in g["tokens"]], rotation=60, ha="right", fontsize=8)
+        ax.imshow(vals, aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0)
+        for i, (tok, v) in enumerate(zip(g["tokens"], g["gates"], strict=True)):
+            # the token inside its cell, dark text on light cells
+            ax.text(
+                i,
+                0,
+                tok.strip().replace("\n", "\\n") or "␣",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="black" if v > 0.55 else "white",
+            )
+        ax.set_xticks([])
         ax.set_yticks([])
-    fig.colorbar(im, ax=list(axes), fraction=0.02, pad=0.01, label="gate")
-    fig.suptitle(f"Engram gate per token (layer {gates[0]['layer']}, mean over streams)", fontsize=10)
+    fig.colorbar(
+        plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, 1)),
+        ax=list(axes),
+        fraction=0.02,
+        pad=0.01,
+        label="gate",
+    )
+    fig.suptitle(
+        f"Engram gate per token (layer {gates[0]['layer']}, mean over streams)",
+        fontsize=10,
+    )
     fig.savefig(out_dir / "gates.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 

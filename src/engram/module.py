@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram import kernels
 from engram.config import EngramConfig, Variant
 from engram.hashing import NgramHasher
 from engram.layout import Layout
@@ -56,7 +57,14 @@ class ShortConv(nn.Module):
 
 
 class Engram(nn.Module):
-    """One Engram layer of `config` at `layer_id` (a member of `config.layer_ids`)."""
+    """One Engram layer of `config` at `layer_id` (a member of `config.layer_ids`).
+
+    On CUDA with triton installed, the V4.1 gate after `wkv` runs as the fused kernel
+    `engram.kernels.fused_gate` (its eager twin is `engram.kernels.reference.gate`); set
+    `use_kernels = False` on a module to keep the eager path.
+    """
+
+    use_kernels: bool = True
 
     def __init__(
         self,
@@ -177,6 +185,8 @@ class Engram(nn.Module):
         key, v = kv[:, :, : self.hc], kv[:, :, self.hc]  # (B, T, hc, dim), (B, T, dim)
         eps = self.config.norm_eps
         w = self.q_weight * self.k_weight  # (hc, dim)
+        if self.use_kernels and kernels.use_triton(h, kv):  # CUDA + triton: the gate as one fused kernel
+            return kernels.fused_gate(h, key, v, w, dead_mask, eps, self.config.gate_clamp)
         dot = (h * w * key).sum(-1)  # (B, T, hc)
         dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps)
         gates = signed_sqrt_gate(dot * self.dim**-0.5, self.config.gate_clamp)  # (B, T, hc)

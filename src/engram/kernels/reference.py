@@ -1,0 +1,87 @@
+"""Plain torch twins of the Triton kernels of `engram.kernels`: what each kernel must equal, and the
+eager path on devices without triton.
+
+Holds:
+- `hash_rows(xc, dead, window, multipliers, primes, offsets, pad)`: the n-gram hash on tensors,
+  bit-exact to `engram.hashing` (the same look-back construction as `NgramHasher.lookback`).
+- `fp8_gather(values, scales, rows, dtype)`: gather + ue8m0 dequantise, bit-exact to
+  `engram.quant.dequantize_gather` for finite values (no checks, so no device sync).
+- `gate(h, key, v, w, dead, eps, clamp)`: the V4.1 gate after wkv, exactly `Engram._forward_v41`'s
+  eager code: (h + gates * v, gates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engram import quant
+
+__all__ = ["fp8_gather", "gate", "hash_rows"]
+
+
+def hash_rows(
+    xc: torch.Tensor,
+    dead: torch.Tensor | None,
+    window: torch.Tensor | None,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor,
+    pad: int,
+) -> torch.Tensor:
+    """Rows (B, T, L, orders*K) int64 of compressed ids xc (B, T); see `triton_hash.hash_rows`."""
+    b, t = xc.shape
+    n_layers, n = multipliers.shape
+    k = primes.shape[-1]
+    xc = xc.long()
+    vals = xc if dead is None else torch.where(dead, pad, xc)
+    if window is None:
+        window = torch.full((b, n - 1), pad, dtype=torch.long, device=xc.device)
+    ext = torch.cat([window.long().flip(1), vals], dim=1)  # (B, n-1+T): ext[:, n-1+t] is position t
+    cols = [vals]  # look-back i = 0 .. n-1, each (B, T)
+    blocked = None if dead is None else dead.clone()
+    ext_dead = None if dead is None else torch.cat([torch.zeros_like(window, dtype=torch.bool), dead], dim=1)
+    for i in range(1, n):
+        col = ext[:, n - 1 - i : n - 1 - i + t]
+        if blocked is not None and ext_dead is not None:
+            blocked |= ext_dead[:, n - 1 - i : n - 1 - i + t]  # sticky: once blocked, farther is too
+            col = torch.where(blocked, pad, col)
+        cols.append(col)
+    out = torch.empty((b, t, n_layers, (n - 1) * k), dtype=torch.long, device=xc.device)
+    for li in range(n_layers):
+        mix = cols[0] * multipliers[li, 0]
+        for i in range(1, n):
+            mix = mix ^ (cols[i] * multipliers[li, i])  # exact: every product < 2^63
+            dst = out[:, :, li, (i - 1) * k : i * k]
+            torch.remainder(mix[..., None], primes[li, i - 1], out=dst)
+            dst += offsets[li, i - 1]
+    return out
+
+
+def fp8_gather(
+    values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """(..., D) in `dtype`: fp8 values of the rows times their blocks' 2^(b - 127), in float32, then cast."""
+    nb = scales.shape[1]
+    v = values.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()  # (..., D)
+    s = quant.scale_bytes_to_float(scales.view(torch.uint8)[rows])  # (..., nb)
+    return (v.unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
+
+
+def gate(
+    h: torch.Tensor,
+    key: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    dead: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    clamp: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (B, T, hc, dim), key (B, T, hc, dim), v (B, T, dim), w (hc, dim) -> (h + gates * v, gates)."""
+    dim = h.shape[-1]
+    dot = (h * w * key).sum(-1)  # (B, T, hc)
+    dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps)
+    z = dot * dim**-0.5
+    gates = torch.sigmoid(torch.copysign(z.abs().clamp_min(clamp).sqrt(), z))  # signed square root
+    if dead is not None:
+        gates = gates.masked_fill(dead[..., None], 0.0)
+    return h + gates[..., None] * v[:, :, None, :], gates

@@ -1,0 +1,250 @@
+"""The Triton kernels of engram.kernels against their torch twins (engram.kernels.reference).
+
+On a CUDA machine the kernels run compiled on the GPU; elsewhere under triton's interpreter on small
+CPU shapes. The interpreter must be on before triton itself is imported (its standard library is
+decorated then), and torch may import triton on its own in other tests, so without CUDA this file
+sets TRITON_INTERPRET=1 when it is collected (before any test runs) and removes it after its last
+test; the `kernels` fixture skips if triton was imported compiled all the same. Skipped when triton does not import. Exact for the
+hash (also against `NgramHasher`) and the FP8 lookup; a stated tolerance for the gate's forward and
+backward in float32.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from engram import EngramConfig, NgramHasher, quant
+from engram.kernels import reference
+
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # the interpreter's numpy overflow warnings
+]
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+_SET_INTERPRET = not CUDA and "TRITON_INTERPRET" not in os.environ
+if _SET_INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # at collection: before anything can import triton
+_KERNEL_MODULES = ("engram.kernels.triton_hash", "engram.kernels.triton_lookup", "engram.kernels.triton_gate")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[SimpleNamespace]:
+    """The three kernel modules: compiled on CUDA, interpreted elsewhere (see the module docstring)."""
+    try:
+        triton_language = pytest.importorskip("triton.language")
+        if not CUDA:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            if not isinstance(triton_language.zeros, InterpretedFunction):
+                pytest.skip(
+                    "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 "
+                    "in the environment"
+                )
+        mods = [
+            importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+            for name in _KERNEL_MODULES
+        ]
+        yield SimpleNamespace(hash=mods[0], lookup=mods[1], gate=mods[2])
+    finally:
+        if _SET_INTERPRET:
+            os.environ.pop("TRITON_INTERPRET", None)
+
+
+def to_dev(*arrays: np.ndarray | None) -> list[torch.Tensor | None]:
+    return [None if a is None else torch.from_numpy(a).to(DEVICE) for a in arrays]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# ------------------------------------------------------------------------------------------------ hash
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v4.1"])
+@pytest.mark.parametrize("with_dead", [False, True])
+@pytest.mark.parametrize("with_window", [False, True])
+def test_hash_exact(kernels, ds_compression, preset: str, with_dead: bool, with_window: bool) -> None:
+    hasher = NgramHasher(EngramConfig.preset(preset), ds_compression)
+    rng = np.random.default_rng(0)
+    b, t = 3, 150  # > one program's 128 tokens, not a multiple of it
+    xc = rng.integers(0, ds_compression.size, size=(b, t)).astype(np.int64)
+    xc[0, :5] = hasher.pad
+    dead = rng.random((b, t)) < 0.1 if with_dead else None
+    if dead is not None:
+        dead[1, :3] = True  # dead at the sequence start, next to the carried window
+    window = rng.integers(0, ds_compression.size, size=(b, hasher.window_size)) if with_window else None
+    tables = to_dev(hasher.multipliers, hasher.primes, hasher.offsets)
+    xc_t, dead_t, win_t = to_dev(xc, dead, window)
+    got = kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad)
+    want = hasher.hash_compressed(xc, dead, window, backend="numpy")
+    assert got.dtype == torch.int64 and tuple(got.shape) == want.shape
+    assert np.array_equal(got.cpu().numpy(), want)
+    assert torch.equal(reference.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad), got)
+    out32 = torch.empty(want.shape, dtype=torch.int32, device=DEVICE)
+    assert kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, out=out32) is out32
+    assert np.array_equal(out32.cpu().numpy(), want)
+
+
+def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) -> None:
+    """The published V4.1 rows of every golden case (one with dead image positions), through the kernel."""
+    tables = to_dev(v41_hasher.multipliers, v41_hasher.primes, v41_hasher.offsets)
+    layers = [str(lid) for lid in v41_hasher.config.layer_ids]
+    for case in vectors["cases"]:
+        xc = np.asarray(case["compressed_ids"], dtype=np.int64)[None]
+        dead = np.asarray(case["dead_mask"], dtype=bool)[None] if "dead_mask" in case else None
+        xc_t, dead_t = to_dev(xc, dead)
+        got = kernels.hash.hash_rows(xc_t, dead_t, None, *tables, vectors["compressed_pad_id"]).cpu().numpy()
+        for li, lid in enumerate(layers):
+            assert np.array_equal(got[0, :, li], np.asarray(case["rows"][lid])), (case["text"], lid)
+
+
+# ---------------------------------------------------------------------------------------------- lookup
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_gather_every_byte(kernels, dtype: torch.dtype) -> None:
+    """Row b: all 256 value bytes under scale byte b (0..254); exact, NaN bytes NaN."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1).view(quant.VALUE_DTYPE)
+    scales = (
+        torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(quant.SCALE_DTYPE)
+    )
+    rows = torch.randperm(255, generator=torch.Generator().manual_seed(0)).view(5, 51)
+    want = quant.dequantize_gather(values, scales, rows, dtype, backend="torch")
+    got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype).cpu()
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(bits(got)[~nan], bits(want)[~nan])
+
+
+@pytest.mark.parametrize("idt", [torch.int64, torch.int32])
+def test_fp8_gather_table(kernels, idt: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    values, scales = quant.quantize_rows(torch.randn(300, 96, generator=g) * 10)  # D = 96: a masked tile
+    rows = torch.randint(0, 300, (7, 24), generator=g).to(idt)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = quant.dequantize_gather(values, scales, rows, dtype, backend="torch")
+        got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype)
+        assert torch.equal(bits(got.cpu()), bits(want))
+        assert torch.equal(bits(reference.fp8_gather(values, scales, rows, dtype)), bits(want))
+    assert kernels.lookup.fp8_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, 96)
+
+
+# ------------------------------------------------------------------------------------------------ gate
+def gate_inputs(b: int, t: int, hc: int, dim: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(b, t, hc + 1, dim, generator=g)  # key and v are views of it, as in the module
+    kv[0, 0, :hc] = torch.randn(dim, generator=g) * 0.01  # a tiny |z|: the clamp's branch
+    h = torch.randn(b, t, hc, dim, generator=g)
+    h[-1, -1] = kv[-1, -1, :hc] * 3  # aligned h and key: a large gate
+    w = 1 + 0.1 * torch.randn(hc, dim, generator=g)
+    dead = torch.rand(b, t, generator=g) < 0.25
+    dead[0, 0] = dead[-1, -1] = False
+    return {"h": h, "kv": kv, "w": w, "dead": dead}
+
+
+def run_gate(fn, x: dict[str, torch.Tensor], with_dead: bool) -> tuple[torch.Tensor, ...]:
+    h, kv, w = (x[k].to(DEVICE).requires_grad_() for k in ("h", "kv", "w"))
+    hc = h.shape[2]
+    out, gates = fn(
+        h, kv[:, :, :hc], kv[:, :, hc], w, x["dead"].to(DEVICE) if with_dead else None, 1e-6, 1e-6
+    )
+    probe_out = torch.linspace(-1, 1, out.numel(), device=DEVICE).view_as(out)
+    probe_g = torch.linspace(2, -1, gates.numel(), device=DEVICE).view_as(gates)
+    loss = (out * probe_out).sum() + (gates * probe_g).sum()
+    grads = torch.autograd.grad(loss, (h, kv, w))
+    return (out, gates, *grads)
+
+
+@pytest.mark.parametrize("with_dead", [False, True])
+@pytest.mark.parametrize(("b", "t", "hc", "dim"), [(2, 5, 4, 96), (1, 40, 1, 64), (3, 1, 3, 300)])
+def test_gate_forward_backward(kernels, with_dead: bool, b: int, t: int, hc: int, dim: int) -> None:
+    """float32: outputs and the grads of h, kv (through the key / v views) and w within 1e-5 relative
+    to the largest value (different summation orders; the eager path rounds each product)."""
+    x = gate_inputs(b, t, hc, dim, seed=2)
+    got = run_gate(kernels.gate.fused_gate, x, with_dead)
+    want = run_gate(reference.gate, x, with_dead)
+    for name, a, e in zip(("out", "gates", "dh", "dkv", "dw"), got, want, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape, name
+        tol = 1e-5 * max(1.0, float(e.detach().abs().max()))
+        assert float((a - e).detach().abs().max()) <= tol, name
+    if with_dead:
+        dead = x["dead"].to(DEVICE)
+        assert bool((got[1][dead] == 0).all())  # a dead token's gates are 0 and its streams pass through
+        assert torch.equal(got[0][dead], x["h"].to(DEVICE)[dead])
+
+
+def test_gate_strided_inputs(kernels) -> None:
+    """key and v whose (B, T) do not flatten to one token axis (time-major storage) and a
+    non-contiguous h: read through copies, gradients still reach the originals."""
+    g = torch.Generator().manual_seed(5)
+    b, t, hc, dim = 3, 4, 2, 64
+    kv_tm = torch.randn(t, b, hc + 1, dim, generator=g).to(DEVICE).requires_grad_()  # time-major
+    h_tm = torch.randn(t, b, hc, dim, generator=g).to(DEVICE).requires_grad_()
+    w = (1 + 0.1 * torch.randn(hc, dim, generator=g)).to(DEVICE).requires_grad_()
+    results = []
+    for fn in (kernels.gate.fused_gate, reference.gate):
+        kv, h = kv_tm.transpose(0, 1), h_tm.transpose(0, 1)  # (B, T, ...) views
+        out, gates = fn(h, kv[:, :, :hc], kv[:, :, hc], w, None, 1e-6, 1e-6)
+        loss = (out * out).sum() + gates.sum()
+        results.append((out, gates, *torch.autograd.grad(loss, (h_tm, kv_tm, w))))
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)  # (out * out) doubles the rounding
+
+
+def test_gate_against_float64(kernels) -> None:
+    """The fused float32 kernel is as close to the float64 truth as the eager float32 code is."""
+    x = gate_inputs(2, 6, 4, 128, seed=3)
+    got = run_gate(kernels.gate.fused_gate, x, True)
+    eager = run_gate(reference.gate, x, True)
+    truth = run_gate(
+        reference.gate, {k: (v.double() if v.is_floating_point() else v) for k, v in x.items()}, True
+    )
+    for a, e, t in zip(got, eager, truth, strict=True):
+        err_fused = float((a.double() - t).detach().abs().max())
+        err_eager = float((e.double() - t).detach().abs().max())
+        assert err_fused <= 4 * err_eager + 1e-6
+
+
+def test_gate_matches_engram_module(kernels) -> None:
+    """The module's own V4.1 forward equals the fused gate fed its wkv output."""
+    from engram.module import Engram
+
+    config = EngramConfig.preset("tiny")
+    torch.manual_seed(4)
+    layer = Engram(config, config.layer_ids[0], device=DEVICE)
+    with torch.no_grad():
+        layer.q_weight.normal_(1, 0.2)
+    b, t = 2, 7
+    h = torch.randn(b, t, config.hc_mult, config.hidden_size, device=DEVICE)
+    rows = torch.randint(0, layer.table.num_rows, (b, t, config.heads_per_layer), device=DEVICE)
+    dead = torch.rand(b, t, device=DEVICE) < 0.3
+    want, want_g = layer(h, rows, dead, return_gates=True)
+    kv = layer.wkv(layer.lookup(rows, h.dtype)).view(b, t, config.hc_mult + 1, config.hidden_size)
+    w = layer.q_weight * layer.k_weight
+    got, got_g = kernels.gate.fused_gate(
+        h, kv[:, :, : config.hc_mult], kv[:, :, config.hc_mult], w, dead, config.norm_eps, config.gate_clamp
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_g, want_g, rtol=1e-5, atol=1e-6)
+
+
+def test_gate_bad_shapes(kernels) -> None:
+    h = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"v \(1, 2, 4\) \(expected \(1, 2, 8\)\)"):
+        kernels.gate.fused_gate(h, h, torch.zeros(1, 2, 4), torch.ones(4, 8))
+    with pytest.raises(ValueError, match="dead must be bool"):
+        kernels.gate.fused_gate(h, h, torch.zeros(1, 2, 8), torch.ones(4, 8), torch.zeros(1, 2))
+
+
+def test_dispatch_helpers() -> None:
+    from engram import kernels as k
+
+    assert isinstance(k.triton_available(), bool)
+    assert not k.use_triton(torch.zeros(1))  # CPU tensors never take the kernels
