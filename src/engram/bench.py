@@ -26,6 +26,7 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"preset": "deepseek-v4.1", "batch": 256, "steps": 50},
     ),
     "lookup": ("bench_lookup.py", {}, {"repeats": 1}),
+    "lookup-fast": ("bench_lookup_fast.py", {}, {"repeats": 2}),
     "optim": ("bench_optim.py", {}, {"large_rows": 16 << 20}),
     "gate": ("bench_gate.py", {}, {}),
 }
