@@ -208,3 +208,51 @@ def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)["results"]
     assert set(res) == {"engram", "engram masked"}
     assert res["engram"]["loss"] != res["engram masked"]["loss"]
+
+
+def test_hyper_connection_streams(corpus, data):
+    from engram.lm import HyperConnection
+
+    hc = HyperConnection(3)
+    with torch.no_grad():
+        hc.mix_logits.copy_(torch.randn(3, 3, generator=torch.Generator().manual_seed(0)))
+    m = hc.mix_matrix()  # Sinkhorn, 8 iterations: columns exact (normalised last), rows close
+    assert torch.allclose(m.sum(0), torch.ones(3), atol=1e-6) and torch.allclose(
+        m.sum(1), torch.ones(3), atol=1e-2
+    )
+    assert torch.allclose(HyperConnection(3).mix_matrix(), torch.eye(3), atol=0.06)  # near identity at init
+    cfg = tiny_cfg(corpus, hc=2, steps=15, eval_every=0)
+    d = prepare_data(cfg)
+    model = build_model(cfg, d)
+    assert model.engrams["1"].hc == 2
+    x = torch.from_numpy(d.held_out.ids[None, :32])
+    logits, gates = model(x, d.held_rows[None, :32], return_gates=True)
+    assert logits.shape == (1, 32, d.vocab_size) and gates[1].shape == (1, 32, 2)
+    t = Trainer(cfg, d, model)
+    before = t.evaluate()["loss"]
+    t.run()
+    assert t.evaluate()["loss"] < before - 0.3
+
+
+def test_untied_head(corpus, data):
+    cfg = tiny_cfg(corpus, tie_embeddings=False)
+    model = build_model(cfg, data)
+    assert model.head is not None
+    x = torch.from_numpy(data.held_out.ids[None, :16])
+    assert model(x, data.held_rows[None, :16]).shape == (1, 16, data.vocab_size)
+
+
+def test_demo_end_to_end(corpus, tmp_path):
+    from engram.demo import run_demo
+
+    cfg = tiny_cfg(corpus, steps=6, eval_every=3)
+    res = run_demo(cfg, seeds=(0, 1), out_dir=tmp_path, progress=False)
+    for name in ("report.md", "results.json", "loss.png", "gates.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    s = res["summary"]
+    assert len(s["gaps"]) == 2 and s["cost_ratio"] > 0
+    assert s["baseline"]["params"]["total"] < s["engram"]["params"]["total"]
+    assert set(s["per_category"]["text"]) == {"baseline", "engram", "engram_masked"}
+    report = (tmp_path / "report.md").read_text()
+    assert "baseline - Engram" in report and "| engram |" in report
+    assert len(res["gates"]) == 3 and all(len(g["tokens"]) == len(g["gates"]) for g in res["gates"])
