@@ -126,6 +126,7 @@ def run(preset: str, batch: int, steps: int, warmup: int = 20) -> list[dict]:
     base = rows[0]["us_per_step"]
     for r in rows:
         r["batch"] = batch
+        r["baseline"] = "torch history, % per head"
         r["ratio"] = base / r["us_per_step"]
         r["tokens_per_s"] = batch / (r["us_per_step"] * 1e-6)
     return rows

@@ -65,6 +65,8 @@ def step(fn: Callable, x: dict[str, torch.Tensor], backward: bool) -> tuple[torc
 def run(
     tokens: int = 8192, hc: int = 4, dim: int = 5120, dtype: str = "bf16", repeats: int = 20
 ) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise RuntimeError("needs a CUDA device (the fused gate is a Triton kernel)")
     dt = DTYPES[dtype]
     x = make_inputs(tokens, hc, dim, dt)
     # Check against float32 math on the same (rounded) inputs: in bf16 the eager backward rounds every
