@@ -256,3 +256,13 @@ def test_demo_end_to_end(corpus, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "baseline - Engram" in report and "| engram |" in report
     assert len(res["gates"]) == 3 and all(len(g["tokens"]) == len(g["gates"]) for g in res["gates"])
+
+
+def test_deepseek_tokenizer_training(corpus):
+    cfg = tiny_cfg(corpus, tokenizer="deepseek-v4", steps=3, eval_every=0, engram_base=2000)
+    d = prepare_data(cfg)
+    assert d.vocab_size == 129281  # the DeepSeek-V4 ids plus the document separator
+    assert d.engram_config.compressed_vocab_size == d.compression.size
+    t = Trainer(cfg, d, build_model(cfg, d))
+    t.run()
+    assert np.isfinite(t.evaluate(2048)["loss"])
