@@ -126,3 +126,9 @@ def test_layer_index():
     assert c.layer_index(14) == 1
     with pytest.raises(ValueError, match=r"layer 2 has no Engram module.*\(1, 14\)"):
         c.layer_index(2)
+
+
+def test_hf_round_trip_keeps_gate_numbers():
+    c = EngramConfig.preset("tiny").replace(norm_eps=1e-5, gate_clamp=1e-4)
+    back = EngramConfig.from_hf_dict(c.to_hf_dict(), name=c.name, tokenizer=c.tokenizer)
+    assert back.norm_eps == 1e-5 and back.gate_clamp == 1e-4

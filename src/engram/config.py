@@ -201,6 +201,8 @@ class EngramConfig:
             "engram_compressed_vocab_size": self.compressed_vocab_size,
             "engram_seed": self.seed,
             "engram_kernel_size": self.kernel_size,
+            "engram_norm_eps": self.norm_eps,
+            "engram_gate_clamp": self.gate_clamp,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "hc_mult": self.hc_mult,
@@ -245,6 +247,8 @@ class EngramConfig:
             ("hidden_size", "hidden_size"),
             ("hc_mult", "hc_mult"),
             ("kernel_size", "engram_kernel_size"),
+            ("norm_eps", "engram_norm_eps"),
+            ("gate_clamp", "engram_gate_clamp"),
         ):
             if hf_key in d:
                 kw[key] = d[hf_key]
