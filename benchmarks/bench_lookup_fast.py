@@ -1,4 +1,4 @@
-"""Lookup fast path: `quant.dequantize_gather(..., backend="numba")` (the fused gather + ue8m0 dequantise
+"""Lookup fast path: `lookup.dequantize_gather(..., backend="numba")` (the fused gather + ue8m0 dequantise
 kernel of `engram._lookup_kernels`) on a table several times larger than the last-level cache, against
 the baselines of `bench_lookup.py`, measured in the same run on the same ids:
 
@@ -38,7 +38,7 @@ from bench_lookup import (
     raw_gather,
     torch_reference,
 )
-from engram import quant
+from engram import lookup, quant
 from engram._hash_kernels import available_cores
 
 
@@ -96,7 +96,7 @@ def run(
             torch.index_select(scales.view(torch.uint8), 0, flat, out=raw_s)
 
         for dtype in (torch.float32, torch.bfloat16):
-            want = quant.dequantize_gather(values, scales, ids, dtype, backend="torch")
+            want = lookup.dequantize_gather(values, scales, ids, dtype, backend="torch")
             if not torch.equal(bits(torch_reference(table, ids, dtype)), bits(want)):
                 raise AssertionError(f"the torch backend and the plain torch reference disagree ({dtype})")
             out = torch.empty_like(want)
@@ -104,19 +104,19 @@ def run(
                 "raw": lambda ids=ids: raw_gather(table, ids),
                 "raw_into": raw_into,
                 "ref": lambda ids=ids, dtype=dtype: torch_reference(table, ids, dtype),
-                "twin": lambda ids=ids, dtype=dtype: quant.dequantize_gather(
+                "twin": lambda ids=ids, dtype=dtype: lookup.dequantize_gather(
                     values, scales, ids, dtype, backend="torch"
                 ),
             }
             labels = []
             for threads in sorted({1, cores}):
                 label = f"{threads} thread{'s' if threads > 1 else ''}"
-                fns[label] = lambda ids=ids, dtype=dtype, out=out, threads=threads: quant.dequantize_gather(
+                fns[label] = lambda ids=ids, dtype=dtype, out=out, threads=threads: lookup.dequantize_gather(
                     values, scales, ids, dtype, out, backend="numba", threads=threads
                 )
                 labels.append(label)
             label = f"{cores} threads, allocating"
-            fns[label] = lambda ids=ids, dtype=dtype: quant.dequantize_gather(
+            fns[label] = lambda ids=ids, dtype=dtype: lookup.dequantize_gather(
                 values, scales, ids, dtype, backend="numba"
             )
             labels.append(label)

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engram import EngramConfig, Layout, checkpoint, convert, quant
+from engram import EngramConfig, Layout, quant
 from engram.checkpoint import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -477,14 +477,3 @@ def test_convert_command(v41, tmp_path, capsys):
     assert out["to"] == "fp8" and out["shards"] == ["model-00001-of-00001.safetensors"]
     with pytest.raises(SystemExit):
         parser.parse_args(["convert", "a", "b", "--max-shard-size", "lots"])
-
-
-def test_moved_names_still_import_from_checkpoint():
-    """convert_table & co. moved to engram.convert; engram.checkpoint still resolves them."""
-    from engram.checkpoint import add_convert_command as old
-
-    assert old is convert.add_convert_command
-    for name in ("cmd_convert", "convert_table", "make_scaled_v41_checkpoint"):
-        assert getattr(checkpoint, name) is getattr(convert, name)
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        checkpoint.nope  # noqa: B018

@@ -1,9 +1,9 @@
 """The numba lookup fast path (engram._lookup_kernels) against its torch twin, bit for bit.
 
-`quant.dequantize_gather(..., backend="numba")` must write exactly the bits of `backend="torch"` (the
+`lookup.dequantize_gather(..., backend="numba")` must write exactly the bits of `backend="torch"` (the
 reference twin, itself tested against the definition in test_quant.py) for every value byte, every
 scale byte, NaN value bytes included, for float32 / bfloat16 / float16 output, any id shape and dtype,
-any thread count, with and without deduplication; and raise the same errors. `quant.gather_rows` must
+any thread count, with and without deduplication; and raise the same errors. `lookup.gather_rows` must
 equal `index_select`.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from engram import quant
-from engram.quant import dequantize_gather, gather_rows
+from engram import lookup, quant
+from engram.lookup import dequantize_gather, gather_rows
 
 numba = pytest.importorskip("numba")
 kernels = pytest.importorskip("engram._lookup_kernels")
@@ -169,7 +169,7 @@ def test_auto_backend_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TypeError, match="threads"):
         dequantize_gather(values, scales, rows, threads=1.5)  # type: ignore[arg-type]
     # without numba: auto falls back, numba says how to fix it
-    monkeypatch.setattr(quant, "_kernel_module", lambda: None)
+    monkeypatch.setattr(lookup, "_kernel_module", lambda: None)
     assert torch.equal(bits(dequantize_gather(values, scales, rows)), bits(ref))
     with pytest.raises(ImportError, match="pip install numba"):
         dequantize_gather(values, scales, rows, backend="numba")

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import engram.safetensors_io as st_io
-import engram.table
 from engram import EngramConfig, quant
 from engram.module import Engram
 from engram.safetensors_io import read_safetensors_header, write_safetensors
@@ -403,13 +402,6 @@ def test_write_safetensors_is_read_by_the_safetensors_package(tmp_path, fp8, mon
         write_safetensors(path, [("u", torch.zeros(2, dtype=torch.uint16))])
     with pytest.raises(ValueError, match="'a' is given twice"):
         write_safetensors(path, [("a", torch.zeros(2)), ("a", torch.ones(2))])
-
-
-def test_old_import_paths():
-    """read_safetensors_header, SafetensorsEntry and ST_DTYPES lived in engram.table before."""
-    assert engram.table.read_safetensors_header is st_io.read_safetensors_header
-    assert engram.table.SafetensorsEntry is st_io.SafetensorsEntry
-    assert engram.table.ST_DTYPES is st_io.ST_DTYPES
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram import EngramConfig, NgramHasher, quant
+from engram import EngramConfig, NgramHasher, lookup, quant
 from engram.kernels import reference
 
 pytestmark = [
@@ -116,7 +116,7 @@ def test_fp8_gather_every_byte(kernels, dtype: torch.dtype) -> None:
         torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(quant.SCALE_DTYPE)
     )
     rows = torch.randperm(255, generator=torch.Generator().manual_seed(0)).view(5, 51)
-    want = quant.dequantize_gather(values, scales, rows, dtype, backend="torch")
+    want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
     got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype).cpu()
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
@@ -129,7 +129,7 @@ def test_fp8_gather_table(kernels, idt: torch.dtype) -> None:
     values, scales = quant.quantize_rows(torch.randn(300, 96, generator=g) * 10)  # D = 96: a masked tile
     rows = torch.randint(0, 300, (7, 24), generator=g).to(idt)
     for dtype in (torch.float32, torch.bfloat16):
-        want = quant.dequantize_gather(values, scales, rows, dtype, backend="torch")
+        want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
         got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype)
         assert torch.equal(bits(got.cpu()), bits(want))
         assert torch.equal(bits(reference.fp8_gather(values, scales, rows, dtype)), bits(want))

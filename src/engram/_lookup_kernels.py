@@ -1,5 +1,5 @@
-"""Numba kernels for table lookups on the CPU: the fast path of `engram.quant.dequantize_gather` and
-`engram.quant.gather_rows`.
+"""Numba kernels for table lookups on the CPU: the fast path of `engram.lookup.dequantize_gather` and
+`engram.lookup.gather_rows`.
 
 Holds:
 - `fp8_gather(values, scales, ids, out, threads)`: rows `ids` of an FP8 e4m3 table with ue8m0 scales

@@ -14,7 +14,7 @@ Holds:
 
 Reading and writing the safetensors files themselves is `engram.safetensors_io`'s; converting a checkpoint
 (`convert_table`, the `engram convert` command) and building a scaled-down V4.1 checkpoint
-(`make_scaled_v41_checkpoint`) are `engram.convert`'s, still importable from here.
+(`make_scaled_v41_checkpoint`) are `engram.convert`'s.
 
 Table rows: a layer's table has either its own prime sum of rows, or, as V4.1's config.json declares
 one scalar `engram_num_embeddings` (the largest layer's prime sum), that many rows in every layer (the
@@ -31,7 +31,6 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -490,18 +489,3 @@ def load_engram_modules(
 
 
 load_checkpoint = load_engram_modules  # the symmetric twin of save_checkpoint
-
-
-# ------------------------------------------------------------------------------------------- moved
-
-# Names that moved to engram.convert, resolved on first use (engram.convert imports this module, so
-# importing it here at the top would be circular).
-_MOVED_TO_CONVERT = ("add_convert_command", "cmd_convert", "convert_table", "make_scaled_v41_checkpoint")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_CONVERT:
-        from engram import convert
-
-        return getattr(convert, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,12 +12,6 @@ This module holds:
   ``[..., D // block]``).  The scale of a block is the smallest power of two that keeps every scaled
   value within +-448, so nothing saturates (one exception near float32's max, below).
 - ``dequantize_rows(values, scales, dtype, out)``: the inverse, exact in float32.
-- ``dequantize_gather(values, scales, rows, dtype, out, backend, threads)``: dequantise selected rows of a
-  whole (possibly huge or memory-mapped) table without converting the rest of it.  Two backends
-  (``LookupBackend``): the fused, multi-threaded numba kernels of ``engram._lookup_kernels`` (CPU tables,
-  bit-identical, several times faster) and the torch path, their reference twin.
-- ``gather_rows(weight, rows, out, backend, threads)``: the same gather for a plain float table (fp32,
-  bf16, ...; no dequantisation, no autograd).
 - ``scale_bytes_to_float(scales)``: e8m0 scales -> float32 powers of two.
 - ``fp8_row_bytes(dim, block)``: bytes per stored row (256 -> 264).
 
@@ -44,26 +38,23 @@ Decisions (also stated where they apply):
   exact float32 result rounded once (round to nearest even).
 - NaN/inf in the input table is an error, as is a NaN (255) scale byte.  fp8 NaN value bytes are not
   checked (it would cost a pass over the values on every lookup).
+
+Gathering selected rows of a whole table (``dequantize_gather``, ``gather_rows``) is ``engram.lookup``'s,
+built on this module's checks and its chunked dequantiser.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import math
 from collections.abc import Callable
-from types import ModuleType
 
 import torch
 
 __all__ = [
     "BLOCK",
     "FP8_MAX",
-    "LookupBackend",
-    "dequantize_gather",
     "dequantize_rows",
     "fp8_row_bytes",
-    "gather_rows",
     "quantize_rows",
     "scale_bytes_to_float",
 ]
@@ -89,76 +80,6 @@ _CHUNK_ELEMS = 1 << 22
 
 _QUANT_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _DEQUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ROW_ID_DTYPES = (torch.int64, torch.int32)
-
-# Below this many rows `threads=None` stays on the calling thread: handing a chunk to the pool costs
-# tens of microseconds, about what the kernel needs for a thousand rows.
-_PARALLEL_MIN_ROWS = 2048
-
-
-class LookupBackend(enum.StrEnum):
-    """Which implementation `dequantize_gather` / `gather_rows` use (all give identical bytes)."""
-
-    AUTO = "auto"  # numba for CPU tables when it imports and the table is contiguous, else torch
-    NUMBA = "numba"  # engram._lookup_kernels: fused, multi-threaded, CPU only
-    TORCH = "torch"  # the reference twin, any device
-
-
-@functools.cache
-def _kernel_module() -> ModuleType | None:
-    """engram._lookup_kernels, or None without numba (imported on first use, not with engram)."""
-    try:
-        from engram import _lookup_kernels
-    except ImportError:
-        return None
-    return _lookup_kernels
-
-
-def _lookup_kernels(backend: LookupBackend | str, *tables: torch.Tensor) -> ModuleType | None:
-    """The numba kernel module if `backend` and the tables allow it, else None (the torch path).
-
-    AUTO falls back to torch for tables off the CPU, non-contiguous tables or without numba; NUMBA raises.
-    """
-    try:
-        b = LookupBackend(backend)
-    except ValueError:
-        raise ValueError(
-            f"backend={backend!r} is not one of {', '.join(repr(v.value) for v in LookupBackend)}"
-        ) from None
-    if b is LookupBackend.TORCH:
-        return None
-    device = tables[0].device
-    if device.type != "cpu" or not all(t.is_contiguous() for t in tables):
-        if b is LookupBackend.NUMBA:
-            where = f"on {device}" if device.type != "cpu" else "not contiguous"
-            raise ValueError(
-                f"backend='numba' gathers from contiguous CPU tables, but this table is {where}; "
-                "pass backend='auto' or 'torch'"
-            )
-        return None
-    module = _kernel_module()
-    if module is None and b is LookupBackend.NUMBA:
-        raise ImportError(
-            "backend='numba' needs numba, which does not import here: `pip install numba`, or pass "
-            "backend='torch' (identical rows, several times slower)"
-        )
-    return module
-
-
-def _check_threads(threads: int | None) -> None:
-    if threads is None:
-        return
-    if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(f"threads must be an int or None, got {threads!r}")
-    if threads < 1:
-        raise ValueError(f"threads={threads} must be >= 1 (or None: all cores for large gathers)")
-
-
-def _lookup_threads(threads: int | None, n: int, module: ModuleType) -> int:
-    """Threads for n rows: `threads`, or every core for n >= _PARALLEL_MIN_ROWS when None."""
-    if threads is None:
-        return 1 if n < _PARALLEL_MIN_ROWS else module.available_cores()
-    return threads
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -202,6 +123,16 @@ def _exp2_bits(b: torch.Tensor) -> torch.Tensor:
     bits = torch.where(bi == 0, torch.full_like(bits, 1 << 22), bits)
     bits = torch.where(bi == 255, torch.full_like(bits, 0x7FC00000), bits)
     return bits.view(torch.float32)
+
+
+def _row_width(t: torch.Tensor, name: str, block: int) -> int:
+    """D of rows ``t [..., D]``; raises unless t has a last dimension whose width is a multiple of block."""
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension [..., D]")
+    dim = t.shape[-1]
+    if dim % block:
+        raise ValueError(f"row width D={dim} is not divisible by block={block}")
+    return dim
 
 
 def _check_dtype(t: torch.Tensor, name: str, expected: torch.dtype) -> None:
@@ -311,11 +242,7 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
         raise TypeError(
             f"x has dtype {x.dtype}, expected one of {', '.join(str(d) for d in _QUANT_IN_DTYPES)}"
         )
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension [..., D]")
-    dim = x.shape[-1]
-    if dim % block:
-        raise ValueError(f"row width D={dim} is not divisible by block={block}")
+    dim = _row_width(x, "x", block)
     lead = tuple(x.shape[:-1])
     nb = dim // block
 
@@ -368,11 +295,7 @@ def _check_pair(values: torch.Tensor, scales: torch.Tensor, block: int) -> tuple
     _check_block(block)
     _check_dtype(values, "values", VALUE_DTYPE)
     _check_dtype(scales, "scales", SCALE_DTYPE)
-    if values.dim() == 0:
-        raise ValueError("values must have at least one dimension [..., D]")
-    dim = values.shape[-1]
-    if dim % block:
-        raise ValueError(f"row width D={dim} is not divisible by block={block}")
+    dim = _row_width(values, "values", block)
     nb = dim // block
     if scales.dim() != values.dim() or scales.shape[-1] != nb:
         raise ValueError(
@@ -412,125 +335,4 @@ def dequantize_rows(
     s_u8 = scales.view(torch.uint8).reshape(n_rows, nb)  # [R, nb]
     _check_scale_bytes(s_u8, lambda r: _row_name(r, lead), block)
     _dequant_2d(v_u8, s_u8, block, result.view(n_rows, dim))
-    return result
-
-
-def _check_gather_rows(rows: torch.Tensor, table: torch.Tensor) -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor of dtype torch.int64 or torch.int32, got {type(rows)}")
-    if rows.dtype not in _ROW_ID_DTYPES:
-        raise TypeError(f"rows has dtype {rows.dtype}, expected torch.int64 or torch.int32")
-    if rows.device != table.device:
-        raise ValueError(f"rows on {rows.device} but table on {table.device}")
-
-
-def _check_row_range(flat: torch.Tensor, n_table: int, row_shape: tuple[int, ...]) -> None:
-    bad = (flat < 0) | (flat >= n_table)
-    if bool(bad.any()):  # sync point on CUDA: boundary check
-        p = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"row id {int(flat[p])} at rows{list(_unravel(p, row_shape))} is out of range [0, {n_table})"
-        )
-
-
-def dequantize_gather(
-    values: torch.Tensor,
-    scales: torch.Tensor,
-    rows: torch.Tensor,
-    dtype: torch.dtype = torch.float32,
-    out: torch.Tensor | None = None,
-    *,
-    block: int = BLOCK,
-    backend: LookupBackend | str = LookupBackend.AUTO,
-    threads: int | None = None,
-) -> torch.Tensor:
-    """Dequantise the table rows ``rows`` (int64/int32, any shape ``[...]``) of a whole table
-    ``values [N, D]`` / ``scales [N, D // block]`` -> ``[..., D]`` in ``dtype``.
-
-    Only the requested rows' bytes are gathered (the table may be huge or memory-mapped and is never
-    converted as a whole).  ``backend``: ``"numba"`` runs the fused kernel of ``engram._lookup_kernels``
-    (CPU, contiguous tables; ``threads`` threads, None = all cores from 2048 rows; repeated ids are decoded
-    once per window of 1024 positions); ``"torch"`` is the reference twin (repeated ids are dequantised
-    once when that halves the work or better, then expanded); ``"auto"`` takes numba where it can.  Both
-    give identical bits, NaN values included.  Raises ValueError for row ids outside [0, N), plus the
-    checks of ``dequantize_rows``; after such an error ``out``'s contents are unspecified.
-    """
-    dim, _ = _check_pair(values, scales, block)
-    _check_out_dtype(dtype)
-    if values.dim() != 2:
-        raise ValueError(f"values must be a table [N, D], got shape {tuple(values.shape)}")
-    _check_gather_rows(rows, values)
-    _check_threads(threads)
-    n_table = values.shape[0]
-    row_shape = tuple(rows.shape)
-    result = _prepare_out(out, (*row_shape, dim), dtype, values.device)
-    n = rows.numel()
-    out2d = result.view(n, dim)  # [n, D]
-    flat = rows.reshape(n)  # [n]
-    if n == 0:
-        return result
-    module = _lookup_kernels(backend, values, scales)
-    if module is not None and module.fp8_gather(
-        values, scales, flat, out2d, _lookup_threads(threads, n, module)
-    ):
-        return result  # else a bad row id or NaN scale: the torch path below raises the reference's error
-
-    # The torch path (the reference twin); also raises the errors the kernel found.
-    _check_row_range(flat, n_table, row_shape)
-    v_u8 = values.view(torch.uint8)  # [N, D] bytes; index_select on bytes avoids any fp8 kernel support
-    s_u8 = scales.view(torch.uint8)  # [N, nb]
-
-    ids = flat
-    inverse: torch.Tensor | None = None
-    if n > 1:
-        uniq, inv = torch.unique(flat, return_inverse=True)  # sorted, also improves gather locality
-        if 2 * uniq.numel() <= n:
-            ids, inverse = uniq, inv
-
-    g_v = v_u8.index_select(0, ids)  # [u, D] uint8, only the requested rows
-    g_s = s_u8.index_select(0, ids)  # [u, nb]
-    _check_scale_bytes(g_s, lambda r: f"table row {int(ids[r])}", block)
-    if inverse is None:
-        _dequant_2d(g_v, g_s, block, out2d)
-    else:
-        uniq_rows = torch.empty((ids.numel(), dim), dtype=dtype, device=values.device)  # [u, D], u <= n/2
-        _dequant_2d(g_v, g_s, block, uniq_rows)
-        torch.index_select(uniq_rows, 0, inverse, out=out2d)
-    return result
-
-
-def gather_rows(
-    weight: torch.Tensor,
-    rows: torch.Tensor,
-    out: torch.Tensor | None = None,
-    *,
-    backend: LookupBackend | str = LookupBackend.AUTO,
-    threads: int | None = None,
-) -> torch.Tensor:
-    """Rows ``rows`` (int64/int32, any shape ``[...]``) of a plain table ``weight [N, D]`` (fp32, bf16, ...)
-    -> ``[..., D]`` in the table's dtype, into ``out`` if given.
-
-    The no-dequantisation twin of ``dequantize_gather`` (same backends and ``threads``), for inference
-    and prefetch: the result carries no autograd history (train through ``F.embedding``).  The torch
-    backend is ``index_select``.  Raises ValueError for row ids outside [0, N).
-    """
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
-        found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight)
-        raise TypeError(f"weight must be a floating-point table [N, D], got {found}")
-    _check_gather_rows(rows, weight)
-    _check_threads(threads)
-    weight = weight.detach()
-    row_shape = tuple(rows.shape)
-    result = _prepare_out(out, (*row_shape, weight.shape[1]), weight.dtype, weight.device)
-    n = rows.numel()
-    out2d = result.view(n, weight.shape[1])
-    flat = rows.reshape(n)
-    if n == 0:
-        return result
-    module = _lookup_kernels(backend, weight)
-    if module is not None and module.rows_gather(weight, flat, out2d, _lookup_threads(threads, n, module)):
-        return result
-    _check_row_range(flat, weight.shape[0], row_shape)
-    with torch.no_grad():
-        torch.index_select(weight, 0, flat, out=out2d)
     return result

@@ -11,9 +11,8 @@ Holds:
   table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
   the gathered rows to the device asked for.
 
-Dequantisation is `engram.quant`'s and safetensors parsing `engram.safetensors_io`'s (whose
-`read_safetensors_header`, `SafetensorsEntry` and `ST_DTYPES` are re-exported here for older imports);
-this file only stores tables and routes rows to them.
+Dequantisation is `engram.quant`'s, row gathers `engram.lookup`'s and safetensors parsing
+`engram.safetensors_io`'s; this file only stores tables and routes rows to them.
 """
 
 from __future__ import annotations
@@ -26,13 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import quant
-
-# `X as X`: re-exported, as these lived here before engram.safetensors_io; older imports keep working.
-from engram.safetensors_io import ST_DTYPES as ST_DTYPES
-from engram.safetensors_io import SafetensorsEntry as SafetensorsEntry
-from engram.safetensors_io import expect_entry
-from engram.safetensors_io import read_safetensors_header as read_safetensors_header
+from engram import lookup, quant
+from engram.safetensors_io import expect_entry, read_safetensors_header
 
 __all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable", "check_rows"]
 
@@ -143,11 +137,11 @@ def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tu
 def _gather_fp8(
     values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """quant.dequantize_gather, plus float64 output (dequantised exactly in fp32, then widened)."""
+    """lookup.dequantize_gather, plus float64 output (dequantised exactly in fp32, then widened)."""
     dtype = torch.float32 if dtype is None else dtype
     if dtype == torch.float64:
-        return quant.dequantize_gather(values, scales, rows, torch.float32).double()
-    return quant.dequantize_gather(values, scales, rows, dtype)
+        return lookup.dequantize_gather(values, scales, rows, torch.float32).double()
+    return lookup.dequantize_gather(values, scales, rows, dtype)
 
 
 def _dequantize_table(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -209,7 +203,7 @@ class FP8Table(EngramTable):
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """rows (...) int64/int32 on the table's device -> (..., dim) in `dtype` (default fp32).
 
-        Repeated ids are dequantised once (quant.dequantize_gather); ids outside [0, rows) raise.
+        Repeated ids are dequantised once (lookup.dequantize_gather); ids outside [0, rows) raise.
         """
         return _gather_fp8(self.weight, self.scale, rows, dtype)
 

@@ -7,7 +7,7 @@ Holds:
 - `hash_rows(...)` (`triton_hash`): compressed ids (B, T) -> rows (B, T, L, orders*K), bit-exact to
   `engram.hashing`.
 - `fp8_gather(...)` (`triton_lookup`): rows of an FP8 e4m3 table with ue8m0 scales -> dequantised
-  rows, bit-exact to `engram.quant.dequantize_gather` for finite values.
+  rows, bit-exact to `engram.lookup.dequantize_gather` for finite values.
 - `fused_gate(...)` (`triton_gate`): the V4.1 gate after wkv with its backward, an autograd function.
 
 Importing `engram.kernels` imports neither triton nor the kernel modules: each entry point imports

@@ -5,7 +5,7 @@ Holds:
 - `hash_rows(xc, dead, window, multipliers, primes, offsets, pad)`: the n-gram hash on tensors,
   bit-exact to `engram.hashing` (the same look-back construction as `NgramHasher.lookback`).
 - `fp8_gather(values, scales, rows, dtype)`: gather + ue8m0 dequantise, bit-exact to
-  `engram.quant.dequantize_gather` for finite values (no checks, so no device sync).
+  `engram.lookup.dequantize_gather` for finite values (no checks, so no device sync).
 - `gate(h, key, v, w, dead, eps, clamp)`: the V4.1 gate after wkv, exactly `Engram._forward_v41`'s
   eager code: (h + gates * v, gates).
 """

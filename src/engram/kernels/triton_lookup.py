@@ -4,7 +4,7 @@ per block of values -> dequantised rows in bfloat16, float32 or float16, in one 
 Holds:
 - `fp8_gather(values, scales, rows, dtype, out=None)`: values (R, D) float8_e4m3fn, scales
   (R, D // block) float8_e8m0fnu, rows (...) int64/int32 -> (..., D) in `dtype`. Bit-exact to
-  `engram.quant.dequantize_gather` (its torch twin `reference.fp8_gather`) for every finite value.
+  `engram.lookup.dequantize_gather` (its torch twin `reference.fp8_gather`) for every finite value.
 
 Decoding is integer bit manipulation, so it does not depend on the GPU's fp8 conversion support
 (sm_80 has none) nor on the interpreter's: e4m3 s.eeee.mmm -> float32 bits s | (eeee + 120) << 23 |
