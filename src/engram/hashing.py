@@ -76,6 +76,11 @@ class _KernelTables:
         self.lookup = np.ascontiguousarray(hasher.compression.lookup, dtype=np.int64)
         self.pad = hasher.pad
 
+    @property
+    def layout_args(self) -> tuple[Any, ...]:
+        """The layout arguments every kernel takes, in their order."""
+        return (self.pad, self.mult, self.primes, self.offsets, self.inv, self.n_heads, self.fast)
+
     def matches(self, hasher: NgramHasher) -> bool:
         return all(a is b for a, b in zip(self.sources, hasher._layout_arrays(), strict=True))
 
@@ -328,13 +333,7 @@ class NgramHasher:
             np.ascontiguousarray(xc, dtype=np.int64),
             None if dead is None else np.ascontiguousarray(dead, dtype=np.bool_),
             None if window is None else np.ascontiguousarray(window, dtype=np.int64),
-            tables.pad,
-            tables.mult,
-            tables.primes,
-            tables.offsets,
-            tables.inv,
-            tables.n_heads,
-            tables.fast,
+            *tables.layout_args,
             out,
             n_threads,
         )
