@@ -248,3 +248,53 @@ def test_dispatch_helpers() -> None:
 
     assert isinstance(k.triton_available(), bool)
     assert not k.use_triton(torch.zeros(1))  # CPU tensors never take the kernels
+
+
+def test_dispatch_gather_and_gate(kernels, monkeypatch):
+    """Where `use_triton` says yes (CUDA; forced here), lookup and the module take the kernels and
+    give what the eager paths give."""
+    import engram.kernels as kmod
+    from engram.module import Engram
+
+    monkeypatch.setattr(kmod, "use_triton", lambda *tensors: True)
+    gen = torch.Generator().manual_seed(5)
+    values, scales = quant.quantize_rows(torch.randn(300, 64, generator=gen))
+    values, scales = values.to(DEVICE), scales.to(DEVICE)
+    rows = torch.randint(0, 300, (4, 7), generator=gen).to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = lookup.dequantize_gather(values, scales, rows, dtype)
+        want = lookup.dequantize_gather(values.cpu(), scales.cpu(), rows.cpu(), dtype, backend="torch")
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="row id 300"):
+        lookup.dequantize_gather(values, scales, torch.full_like(rows, 300))
+
+    config = EngramConfig.preset("tiny")
+    m = Engram(config, 1).to(DEVICE)
+    with torch.no_grad():
+        m.q_weight.normal_(generator=None)
+    h = torch.randn(2, 5, config.hc_mult, config.hidden_size, device=DEVICE, requires_grad=True)
+    layer = m.table.num_rows
+    r = torch.randint(0, layer, (2, 5, config.heads_per_layer), device=DEVICE)
+    fused, g_fused = m(h, r, return_gates=True)
+    m.use_kernels = False
+    eager, g_eager = m(h, r, return_gates=True)
+    assert torch.allclose(fused, eager, atol=1e-5) and torch.allclose(g_fused, g_eager, atol=1e-6)
+
+
+def test_hasher_triton_path(kernels, ds_compression):
+    """`NgramHasher.hash` of CUDA tensors goes through `_hash_triton`; here it runs on CPU tensors."""
+    hasher = NgramHasher(EngramConfig.preset("deepseek-v4.1"), ds_compression)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 129280, (3, 40), generator=gen).to(DEVICE)
+    dead = (torch.rand(3, 40, generator=gen) < 0.1).to(DEVICE)
+    want = hasher.hash(ids.cpu().numpy(), dead.cpu().numpy())
+    got = hasher._hash_triton(ids, dead, np.dtype(np.int64))
+    assert got.dtype == torch.int64 and np.array_equal(got.cpu().numpy(), want)
+    got32 = hasher._hash_triton(ids[1], None, np.dtype(np.int32))
+    assert got32.dtype == torch.int32 and np.array_equal(
+        got32.cpu().numpy(), hasher.hash(ids[1].cpu().numpy())
+    )
+    with pytest.raises(ValueError, match=r"id 129280 at position \(0, 2\)"):
+        hasher._hash_triton(torch.tensor([[1, 2, 129280]], device=DEVICE), None, np.dtype(np.int64))
+    with pytest.raises(TypeError, match="integer token ids"):
+        hasher._hash_triton(torch.zeros(3, device=DEVICE), None, np.dtype(np.int64))

@@ -175,6 +175,7 @@ class NgramHasher:
         self.threads = _check_threads(threads)
         self._tables: _KernelTables | None = None
         self._int32_ok = max(self.layout.num_embeddings) < 2**31
+        self._device_tables: dict[Any, tuple[Any, ...]] = {}  # per CUDA device: lookup, layout (Triton path)
 
     def kernel_tables(self, backend: HashBackend | str | None = None) -> _KernelTables | None:
         """The numba kernels with this layout for `backend` (default: the hasher's), or None for numpy.
@@ -243,6 +244,11 @@ class NgramHasher:
         halves the output (allowed when every table has < 2^31 rows, as in V4.1); `backend` and
         `threads` override the hasher's defaults (see `hash_compressed`).
         """
+        if getattr(token_ids, "is_cuda", False) and backend in (None, HashBackend.AUTO, "auto"):
+            from engram import kernels  # lazy: triton is optional
+
+            if kernels.use_triton(token_ids):
+                return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype))
         ids = check_token_ids(token_ids, self.config.vocab_size)
         dead = _check_dead_mask(dead_mask, ids.shape)
         one_d = ids.ndim == 1
@@ -257,6 +263,51 @@ class NgramHasher:
         if one_d:
             rows = rows[0]
         return _like_input(rows, token_ids)
+
+    def _hash_triton(self, token_ids: Any, dead_mask: Any, dtype: np.dtype) -> Any:
+        """`hash` of a CUDA tensor with the Triton kernel: ids, compression and rows stay on the device.
+
+        The boundary checks run on the device (one sync); only an input that fails them is copied to
+        the host, to name the bad value and its position as the CPU path does.
+        """
+        import torch
+
+        from engram import kernels
+
+        ids = token_ids
+        if (
+            ids.is_floating_point()
+            or ids.is_complex()
+            or ids.dtype == torch.bool
+            or ids.dim() not in (1, 2)
+            or ids.numel() == 0
+            or bool(((ids < 0) | (ids >= self.config.vocab_size)).any())
+        ):
+            check_token_ids(ids, self.config.vocab_size)  # raises with the CPU path's message
+        if dead_mask is not None and (
+            not isinstance(dead_mask, torch.Tensor)
+            or dead_mask.dtype != torch.bool
+            or dead_mask.shape != ids.shape
+        ):
+            _check_dead_mask(dead_mask, tuple(ids.shape))  # raises
+        tables = self._device_tables.get(ids.device)
+        if tables is None:
+            tables = tuple(
+                torch.tensor(a, dtype=torch.int64, device=ids.device)  # copies (the lookup is read-only)
+                for a in (self.compression.lookup, self.multipliers, self.primes, self.offsets)
+            )
+            self._device_tables[ids.device] = tables
+        lut, mult, primes, offsets = tables
+        one_d = ids.dim() == 1
+        xc = lut[ids.reshape(1, -1) if one_d else ids]  # (B, T) compressed ids
+        dead = None if dead_mask is None else dead_mask.reshape(xc.shape).to(ids.device)
+        out = torch.empty(
+            (*xc.shape, self.config.n_layers, self.config.heads_per_layer),
+            dtype=torch.int32 if dtype == np.int32 else torch.int64,
+            device=ids.device,
+        )
+        kernels.hash_rows(xc, dead, None, mult, primes, offsets, self.pad, out)
+        return out[0] if one_d else out
 
     # ------------------------------------------------------------------ core
     def lookback(

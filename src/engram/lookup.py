@@ -152,8 +152,9 @@ def dequantize_gather(
     converted as a whole).  ``backend``: ``"numba"`` runs the fused kernel of ``engram._lookup_kernels``
     (CPU, contiguous tables; ``threads`` threads, None = all cores from 2048 rows; repeated ids are decoded
     once per window of 1024 positions); ``"torch"`` is the reference twin (repeated ids are dequantised
-    once when that halves the work or better, then expanded); ``"auto"`` takes numba where it can.  Both
-    give identical bits, NaN values included.  Raises ValueError for row ids outside [0, N), plus the
+    once when that halves the work or better, then expanded); ``"auto"`` takes numba where it can, and on CUDA
+    with triton the Triton gather (`engram.kernels.fp8_gather`, which skips the NaN-scale check).  All
+    give identical bits for finite tables.  Raises ValueError for row ids outside [0, N), plus the
     checks of ``dequantize_rows``; after such an error ``out``'s contents are unspecified.
     """
     dim, _ = _check_pair(values, scales, block)
@@ -170,6 +171,13 @@ def dequantize_gather(
     flat = rows.reshape(n)  # [n]
     if n == 0:
         return result
+    if backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16):
+        from engram import kernels  # lazy: triton is optional
+
+        if kernels.use_triton(values, scales, flat):  # CUDA + triton: the fused Triton gather
+            _check_row_range(flat, n_table, row_shape)  # sync point: the boundary check
+            kernels.fp8_gather(values, scales, flat, dtype, out=out2d)  # scale bytes are not checked
+            return result
     module = _lookup_kernels(backend, values, scales)
     if module is not None and module.fp8_gather(
         values, scales, flat, out2d, _lookup_threads(threads, n, module)
