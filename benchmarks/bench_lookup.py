@@ -109,6 +109,61 @@ def make_ids(rows: int, tokens: int, per_token: int, zipf: float | None, seed: i
     return torch.from_numpy(ids.astype(np.int64))
 
 
+def cuda_time(fn: Callable[[], object], repeats: int) -> float:
+    """Best seconds of `fn` on the current CUDA device (synchronised around each call)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_cuda(
+    rows: int = 16 << 20,
+    dim: int = 256,
+    tokens: int = 65536,
+    per_token: int = 24,
+    repeats: int = 10,
+    seed: int = 0,
+) -> list[dict]:
+    """The same comparison with the table resident on the GPU (the Triton gather on CUDA)."""
+    row_bytes = quant.fp8_row_bytes(dim)
+    table = make_table(rows, dim, seed).cuda()
+    ids = make_ids(rows, tokens, per_token, None, seed).cuda()
+    n = ids.numel()
+    results = []
+    raw_t = cuda_time(lambda: raw_gather(table, ids), repeats)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not torch.equal(table.gather(ids, dtype), torch_reference(table, ids, dtype)):
+            raise AssertionError(f"FP8Table.gather and the torch reference disagree on CUDA ({dtype})")
+        ours = cuda_time(lambda dtype=dtype: table.gather(ids, dtype), repeats)
+        ref = cuda_time(lambda dtype=dtype: torch_reference(table, ids, dtype), repeats)
+        # bytes moved: the rows read plus the dequantised rows written
+        moved = n * (row_bytes + dim * (4 if dtype == torch.float32 else 2))
+        results.append(
+            {
+                "op": f"CUDA FP8Table.gather -> {str(dtype).removeprefix('torch.')}, uniform ids",
+                "rows_per_s": n / ours,
+                "gb_per_s": moved / ours / 1e9,
+                "baseline": "F.embedding + dequantise (torch, CUDA)",
+                "baseline_rows_per_s": n / ref,
+                "ratio": ref / ours,
+                "raw_rows_per_s": n / raw_t,
+                "raw_gb_per_s": n * row_bytes / raw_t / 1e9,
+                "ratio_vs_raw": raw_t / ours,
+                "table_mb": rows * row_bytes / 1e6,
+                "llc_mb": 0.0,
+                "threads": 0,
+                "device": torch.cuda.get_device_name(),
+            }
+        )
+    return results
+
+
 def run(
     rows: int | None = None,
     dim: int = 256,
@@ -153,8 +208,11 @@ def run(
                     "table_mb": table_mb,
                     "llc_mb": llc / 1e6,
                     "threads": torch.get_num_threads(),
+                    "device": "cpu",
                 }
             )
+    if torch.cuda.is_available():
+        results += run_cuda(dim=dim, repeats=max(repeats, 5), seed=seed)
     return results
 
 

@@ -36,3 +36,28 @@ def test_run_hash_quick(capsys):
     assert main(["bench", "--only", "hash", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "numba" in out and "x" in out
+
+
+def test_fraction_of_peak_only_for_device_rows():
+    rows = [
+        {
+            "op": "cpu lookup",
+            "rows_per_s": 1e6,
+            "gb_per_s": 2.0,
+            "device": "cpu",
+            "ratio": 2.0,
+            "baseline": "t",
+        },
+        {
+            "op": "gpu lookup",
+            "rows_per_s": 1e9,
+            "gb_per_s": 3000.0,
+            "device": "NVIDIA H200",
+            "ratio": 3.0,
+            "baseline": "t",
+        },
+        {"op": "gate", "fused_ms": 1.0, "fused_gb_per_s": 1500.0, "device": "NVIDIA H200", "ratio": 2.0},
+    ]
+    lines = format_rows(rows, peak_gb_per_s=4000.0)
+    assert "of peak" not in lines[1]
+    assert "(75% of peak)" in lines[2] and "(38% of peak)" in lines[3]

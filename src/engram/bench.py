@@ -89,7 +89,30 @@ def run_suite(names: list[str], *, quick: bool = False, folder: Path | None = No
     return rows
 
 
-def format_rows(rows: list[dict[str, Any]]) -> list[str]:
+def device_copy_gb_per_s(nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
+    """Bandwidth of a plain device-to-device copy (bytes read + written per second) on CUDA: the
+    practical peak the GB/s column is compared with. None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / best / 1e9
+
+
+def format_rows(rows: list[dict[str, Any]], peak_gb_per_s: float | None = None) -> list[str]:
+    """One line per row; with `peak_gb_per_s`, rows that report GB/s also show the fraction of it."""
     lines = [f"{'operation':<70} {'throughput':>18} {'GB/s':>7} {'ratio':>8}  baseline (same run)"]
     for r in rows:
         if r.get("skipped"):
@@ -100,7 +123,10 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             if key in r:
                 thr = f"{r[key] * scale:,.2f} {unit}"
                 break
-        gbs = f"{r['gb_per_s']:.2f}" if "gb_per_s" in r else ""
+        gb = r.get("gb_per_s", r.get("fused_gb_per_s"))
+        gbs = "" if gb is None else f"{gb:.2f}"
+        if gbs and peak_gb_per_s and r.get("device", "cpu") != "cpu":
+            gbs += f" ({gb / peak_gb_per_s:.0%} of peak)"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""
         lines.append(f"{r['op'][:70]:<70} {thr:>18} {gbs:>7} {ratio:>8}  {r.get('baseline', '')}")
     return lines
@@ -109,10 +135,13 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
 def cmd_bench(args: Any) -> int:
     names = args.only.split(",") if args.only else list(SUITE)
     rows = run_suite(names, quick=args.quick, folder=Path(args.dir) if args.dir else None)
+    peak = device_copy_gb_per_s()
     if args.json:
-        print(json.dumps(rows, default=str))
+        print(json.dumps({"rows": rows, "device_copy_gb_per_s": peak}, default=str))
     else:
-        print("\n".join(format_rows(rows)))
+        if peak is not None:
+            print(f"device copy bandwidth (the peak GB/s is compared with): {peak:,.0f} GB/s")
+        print("\n".join(format_rows(rows, peak)))
     return 0
 
 
