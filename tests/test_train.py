@@ -266,3 +266,12 @@ def test_deepseek_tokenizer_training(corpus):
     t = Trainer(cfg, d, build_model(cfg, d))
     t.run()
     assert np.isfinite(t.evaluate(2048)["loss"])
+
+
+def test_presets_validate_and_demo_matches():
+    from engram.demo import DEMO_CONFIG
+    from engram.train import TRAIN_PRESETS
+
+    assert set(TRAIN_PRESETS) == {"tiny", "demo", "small"}
+    assert DEMO_CONFIG is TRAIN_PRESETS["demo"] and DEMO_CONFIG.steps == 240
+    assert TRAIN_PRESETS["small"].engram_layers == (1, 4)

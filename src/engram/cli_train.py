@@ -53,9 +53,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace) -> Any:
-    from engram.train import TrainConfig
+    from engram.train import TRAIN_PRESETS, TrainConfig
 
-    cfg = TrainConfig.from_file(args.config) if args.config else TrainConfig()
+    if args.config and args.preset:
+        raise ValueError("give --config or --preset, not both")
+    if args.config:
+        cfg = TrainConfig.from_file(args.config)
+    else:
+        cfg = TRAIN_PRESETS[args.preset or "demo"]
     overrides: dict[str, Any] = {}
     for key in ("steps", "seed", "checkpoint_every"):
         if getattr(args, key, None) is not None:
@@ -161,7 +166,8 @@ def add_training_commands(sub: Any) -> None:
     p = sub.add_parser(
         "train", help="train an LM (with Engram unless --no-engram) from a JSON config, with checkpoints"
     )
-    p.add_argument("--config", help="JSON file of TrainConfig fields (default: the built-in defaults)")
+    p.add_argument("--config", help="JSON file of TrainConfig fields")
+    p.add_argument("--preset", choices=["tiny", "demo", "small"], help="a named config (default: demo)")
     p.add_argument("--out", required=True, help="run folder: checkpoints/, train_config.json")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--steps", type=int, help="override the config's total steps")

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from engram.data import KJV_HELD_OUT
-from engram.train import DataBundle, TrainConfig, Trainer, build_model, prepare_data
+from engram.train import TRAIN_PRESETS, DataBundle, TrainConfig, Trainer, build_model, prepare_data
 
 __all__ = ["DEMO_CONFIG", "run_demo"]
 
 # Sized so that the default (2 seeds x 2 models) runs in under 10 minutes on 2 CPU cores.
-DEMO_CONFIG = TrainConfig(steps=240, eval_every=40, eval_tokens=16384, table_lr=0.05)
+DEMO_CONFIG = TRAIN_PRESETS["demo"]
 
 GATE_SENTENCES = (
     "And the LORD spake unto Moses, saying,",

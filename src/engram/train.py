@@ -131,6 +131,42 @@ class TrainConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+# Named configs sized for a 2-core CPU (tokens/s measured there: about 10K for "demo").
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    # a few seconds: smoke tests and examples
+    "tiny": TrainConfig(
+        bpe_vocab_size=1024,
+        dim=64,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden=192,
+        seq_len=64,
+        engram_base=5000,
+        steps=50,
+        batch_size=16,
+        eval_every=25,
+        eval_tokens=8192,
+    ),
+    # `engram demo`'s model: 4 layers of 128, Engram at layer 1 (about 3.5 minutes per model)
+    "demo": TrainConfig(steps=240, eval_every=40, eval_tokens=16384),
+    # a longer run: 6 layers of 192, two Engram layers (1 and 4); about an hour on 2 cores
+    "small": TrainConfig(
+        dim=192,
+        n_layers=6,
+        n_heads=6,
+        mlp_hidden=512,
+        seq_len=256,
+        engram_layers=(1, 4),
+        engram_max_ngram=4,
+        engram_base=60000,
+        steps=2000,
+        batch_size=16,
+        eval_every=200,
+        checkpoint_every=500,
+    ),
+}
+
+
 # ---------------------------------------------------------------------------- data
 @dataclass
 class DataBundle:
