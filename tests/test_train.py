@@ -275,3 +275,13 @@ def test_presets_validate_and_demo_matches():
     assert set(TRAIN_PRESETS) == {"tiny", "demo", "small"}
     assert DEMO_CONFIG is TRAIN_PRESETS["demo"] and DEMO_CONFIG.steps == 240
     assert TRAIN_PRESETS["small"].engram_layers == (1, 4)
+
+
+def test_demo_minutes_budget(corpus, tmp_path):
+    from engram.demo import run_demo
+
+    cfg = tiny_cfg(corpus, eval_every=0)
+    res = run_demo(cfg, seeds=(0,), minutes=0.05, out_dir=tmp_path, progress=False)
+    assert res["config"]["steps"] >= 10 and res["wall_seconds"] < 60
+    with pytest.raises(ValueError, match="give at least"):
+        run_demo(cfg, seeds=(0,), minutes=0.0001, out_dir=tmp_path, progress=False)
