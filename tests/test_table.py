@@ -412,3 +412,23 @@ def test_mmap_gather_to_cuda(tmp_path, fp8):
     out = m.gather(rows.cuda(), torch.bfloat16)  # rows on the GPU: result follows them
     assert out.is_cuda and torch.equal(out.cpu(), fp8.gather(rows, torch.bfloat16))
     assert m.gather(rows, device="cuda").is_cuda
+
+
+def test_trainable_gather_gradient_is_reproducible():
+    """Repeated rows' gradients are summed in a fixed order even with several threads (training
+    must be reproducible run to run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        gen = torch.Generator().manual_seed(0)
+        table = TrainableTable(50_000, 32)
+        rows = torch.randint(0, 3000, (32, 128, 12), generator=gen)
+        upstream = torch.randn(32, 128, 12, 32, generator=gen)
+        grads = []
+        for _ in range(4):
+            table.weight.grad = None
+            (table.gather(rows) * upstream).sum().backward()
+            grads.append(table.weight.grad.coalesce().values().clone())
+        assert all(torch.equal(grads[0], g) for g in grads[1:])
+    finally:
+        torch.set_num_threads(threads)
