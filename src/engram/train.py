@@ -44,6 +44,7 @@ from engram.data import EOS, TokenStream, load_corpus, split_documents, train_bp
 from engram.hashing import NgramHasher
 from engram.lm import EngramLM, LMConfig
 from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
+from engram.optim_io import optimizers_from_tensors, optimizers_to_tensors
 
 __all__ = [
     "DataBundle",
@@ -406,7 +407,7 @@ class Trainer:
         save_file(
             {k: v.contiguous() for k, v in self.model.state_dict().items()}, str(tmp / "model.safetensors")
         )
-        tensors, groups = _flatten_optimizers({"dense": self.opt, "table": self.table_opt})
+        tensors, groups = optimizers_to_tensors({"dense": self.opt, "table": self.table_opt})
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         state = {
             "step": self.step,
@@ -437,7 +438,7 @@ class Trainer:
                 f"{path} was written by a run with another training config; resume with that config"
             )
         self.model.load_state_dict(load_file(str(path / "model.safetensors")))
-        _load_optimizers(
+        optimizers_from_tensors(
             {"dense": self.opt, "table": self.table_opt},
             load_file(str(path / "optimizer.safetensors")),
             state["optimizer_groups"],
@@ -467,41 +468,3 @@ def load_checkpoint(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, 
     model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
     state["path"] = str(ckpt)
     return cfg, model, state
-
-
-def _flatten_optimizers(
-    opts: dict[str, torch.optim.Optimizer | None],
-) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors: dict[str, torch.Tensor] = {}
-    groups: dict[str, Any] = {}
-    for name, opt in opts.items():
-        if opt is None:
-            continue
-        sd = opt.state_dict()
-        groups[name] = {"param_groups": sd["param_groups"], "scalars": {}}
-        for idx, st in sd["state"].items():
-            for key, val in st.items():
-                if isinstance(val, torch.Tensor):
-                    tensors[f"{name}.{idx}.{key}"] = val.detach().contiguous().clone()
-                else:
-                    groups[name]["scalars"][f"{idx}.{key}"] = val
-    return tensors, groups
-
-
-def _load_optimizers(
-    opts: dict[str, torch.optim.Optimizer | None], tensors: dict[str, torch.Tensor], groups: dict
-) -> None:
-    for name, opt in opts.items():
-        if opt is None:
-            continue
-        if name not in groups:
-            raise ValueError(f"checkpoint has no state for the {name} optimizer")
-        state: dict[int, dict[str, Any]] = {}
-        for key, val in tensors.items():
-            owner, idx, field_name = key.split(".", 2)
-            if owner == name:
-                state.setdefault(int(idx), {})[field_name] = val
-        for key, val in groups[name]["scalars"].items():
-            idx, field_name = key.split(".", 1)
-            state.setdefault(int(idx), {})[field_name] = val
-        opt.load_state_dict({"state": state, "param_groups": groups[name]["param_groups"]})
