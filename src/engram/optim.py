@@ -104,7 +104,8 @@ def _mean_square(g: torch.Tensor) -> torch.Tensor:
 
 
 class _SparseRowOptimizer(torch.optim.Optimizer):
-    """Shared checks, state validation and the dtype-preserving `load_state_dict`."""
+    """The step loop (closure, touched rows, lazy state), shared checks, state validation and the
+    dtype-preserving `load_state_dict`; subclasses give `_init_state` and `_update`."""
 
     _name = "sparse row optimizer"
 
@@ -114,6 +115,40 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Key -> (shape, dtype) of each state tensor of parameter `p`."""
         raise NotImplementedError
+
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
+        """The state of `p` at its first step (the only allocation a step makes)."""
+        raise NotImplementedError
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        g: torch.Tensor,
+        sd: torch.dtype,
+    ) -> None:
+        """Update the touched `rows` (U,) of `p` and their state from their gradient g (U, dim)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                sd = _state_dtype(p)
+                rows, g = _touched_rows(p, sd, self._name)  # (U,), (U, dim)
+                if not self.state[p]:
+                    self.state[p] = self._init_state(group, p, sd)
+                if rows.numel():
+                    self._update(group, p, self.state[p], rows, g, sd)
+        return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # fills defaults, refuses duplicated params
@@ -212,48 +247,44 @@ class SparseRowAdam(_SparseRowOptimizer):
             "step": ((p.shape[0],), torch.int32),
         }
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                sd = _state_dtype(p)
-                rows, g = _touched_rows(p, sd, self._name)  # (U,), (U, dim)
-                state = self.state[p]
-                if not state:  # first step: the one full-size allocation
-                    state["exp_avg"] = torch.zeros(p.shape, dtype=sd, device=p.device)
-                    state["exp_avg_sq_row"] = torch.zeros(p.shape[0], dtype=sd, device=p.device)
-                    state["step"] = torch.zeros(p.shape[0], dtype=torch.int32, device=p.device)
-                if rows.numel() == 0:
-                    continue
-                m_all, v_all, t_all = state["exp_avg"], state["exp_avg_sq_row"], state["step"]
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
+        return {
+            "exp_avg": torch.zeros(p.shape, dtype=sd, device=p.device),  # the one full-size state
+            "exp_avg_sq_row": torch.zeros(p.shape[0], dtype=sd, device=p.device),
+            "step": torch.zeros(p.shape[0], dtype=torch.int32, device=p.device),
+        }
 
-                # Few passes over the (U, dim) rows: the step is memory-bound on gathers/scatters.
-                m = m_all.index_select(0, rows).lerp_(g, 1 - b1)  # (U, dim): b1 * m + (1 - b1) * g
-                m_all.index_copy_(0, rows, m)
-                v = v_all.index_select(0, rows).lerp_(_mean_square(g), 1 - b2)  # (U,)
-                v_all.index_copy_(0, rows, v)
-                t = t_all.index_select(0, rows).add_(1)  # (U,) int32
-                t_all.index_copy_(0, rows, t)
+    def _update(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        g: torch.Tensor,
+        sd: torch.dtype,
+    ) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        m_all, v_all, t_all = state["exp_avg"], state["exp_avg_sq_row"], state["step"]
 
-                tf = t.to(sd)
-                bc1 = 1 - torch.pow(b1, tf)  # (U,)
-                bc2 = 1 - torch.pow(b2, tf)
-                denom = (v / bc2).sqrt_().add_(eps)  # (U,)
-                scale = denom.mul_(bc1).reciprocal_().mul_(-lr)  # (U,): -lr / (bc1 * denom)
-                w = p.index_select(0, rows).to(sd)  # (U, dim), a copy in the state dtype
-                if wd != 0:
-                    w.mul_(1 - lr * wd)  # w - lr * wd * w
-                w.addcmul_(m, scale[:, None])
-                p.index_copy_(0, rows, w.to(p.dtype))
-        return loss
+        # Few passes over the (U, dim) rows: the step is memory-bound on gathers/scatters.
+        m = m_all.index_select(0, rows).lerp_(g, 1 - b1)  # (U, dim): b1 * m + (1 - b1) * g
+        m_all.index_copy_(0, rows, m)
+        v = v_all.index_select(0, rows).lerp_(_mean_square(g), 1 - b2)  # (U,)
+        v_all.index_copy_(0, rows, v)
+        t = t_all.index_select(0, rows).add_(1)  # (U,) int32
+        t_all.index_copy_(0, rows, t)
+
+        tf = t.to(sd)
+        bc1 = 1 - torch.pow(b1, tf)  # (U,)
+        bc2 = 1 - torch.pow(b2, tf)
+        denom = (v / bc2).sqrt_().add_(eps)  # (U,)
+        scale = denom.mul_(bc1).reciprocal_().mul_(-lr)  # (U,): -lr / (bc1 * denom)
+        w = p.index_select(0, rows).to(sd)  # (U, dim), a copy in the state dtype
+        if wd != 0:
+            w.mul_(1 - lr * wd)  # w - lr * wd * w
+        w.addcmul_(m, scale[:, None])
+        p.index_copy_(0, rows, w.to(p.dtype))
 
 
 class SparseRowAdagrad(_SparseRowOptimizer):
@@ -298,33 +329,27 @@ class SparseRowAdagrad(_SparseRowOptimizer):
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"sum_row": ((p.shape[0],), _state_dtype(p))}
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, eps = group["lr"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                sd = _state_dtype(p)
-                rows, g = _touched_rows(p, sd, self._name)  # (U,), (U, dim)
-                state = self.state[p]
-                if not state:
-                    init = group["initial_accumulator_value"]
-                    state["sum_row"] = torch.full((p.shape[0],), init, dtype=sd, device=p.device)
-                if rows.numel() == 0:
-                    continue
-                acc_all = state["sum_row"]
-                acc = acc_all.index_select(0, rows).add_(_mean_square(g))  # (U,)
-                acc_all.index_copy_(0, rows, acc)
-                scale = acc.sqrt().add_(eps).reciprocal_().mul_(-lr)  # (U,): -lr / (sqrt(acc) + eps)
-                w = p.index_select(0, rows).to(sd)  # (U, dim)
-                w.addcmul_(g, scale[:, None])
-                p.index_copy_(0, rows, w.to(p.dtype))
-        return loss
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
+        init = group["initial_accumulator_value"]
+        return {"sum_row": torch.full((p.shape[0],), init, dtype=sd, device=p.device)}
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        p: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        g: torch.Tensor,
+        sd: torch.dtype,
+    ) -> None:
+        lr, eps = group["lr"], group["eps"]
+        acc_all = state["sum_row"]
+        acc = acc_all.index_select(0, rows).add_(_mean_square(g))  # (U,)
+        acc_all.index_copy_(0, rows, acc)
+        scale = acc.sqrt().add_(eps).reciprocal_().mul_(-lr)  # (U,): -lr / (sqrt(acc) + eps)
+        w = p.index_select(0, rows).to(sd)  # (U, dim)
+        w.addcmul_(g, scale[:, None])
+        p.index_copy_(0, rows, w.to(p.dtype))
 
 
 def split_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
