@@ -52,6 +52,12 @@ def available_bytes() -> int:
     return 8 << 30
 
 
+def default_rows(row_bytes: int) -> int:
+    """Table rows for a CPU run: 4x the last-level cache (at least 2M), leaving room for outputs."""
+    rows = max(2_000_000, math.ceil(4 * llc_bytes() / row_bytes))
+    return min(rows, available_bytes() // 3 // row_bytes)
+
+
 def make_table(rows: int, dim: int, seed: int) -> FP8Table:
     """Random finite e4m3 bytes (|value| <= 448, NaN codes avoided) and scale bytes 2**-7 .. 2**7.
 
@@ -175,9 +181,7 @@ def run(
 ) -> list[dict]:
     row_bytes = quant.fp8_row_bytes(dim)
     llc = llc_bytes()
-    if rows is None:
-        rows = max(2_000_000, math.ceil(4 * llc / row_bytes))
-        rows = min(rows, available_bytes() // 3 // row_bytes)  # leave room for the outputs
+    rows = default_rows(row_bytes) if rows is None else rows
     table = make_table(rows, dim, seed)
     table_mb = rows * row_bytes / 1e6
     results = []

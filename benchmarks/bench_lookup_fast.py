@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lookup import (
-    available_bytes,
+    default_rows,
     llc_bytes,
     make_ids,
     make_table,
@@ -72,9 +72,7 @@ def run(
 ) -> list[dict]:
     row_bytes = quant.fp8_row_bytes(dim)
     llc = llc_bytes()
-    if rows is None:
-        rows = max(2_000_000, math.ceil(4 * llc / row_bytes))
-        rows = min(rows, available_bytes() // 3 // row_bytes)  # leave room for the outputs
+    rows = default_rows(row_bytes) if rows is None else rows
     table = make_table(rows, dim, seed)
     values, scales = table.weight, table.scale
     cores = available_cores()
