@@ -310,6 +310,17 @@ class NgramHasher:
         return out[0] if one_d else out
 
     # ------------------------------------------------------------------ core
+    def _extend(
+        self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(vals, ext): xc with pads at dead positions (B, T), and the same preceded by the carried
+        window, oldest first (B, n-1+T), so that ext[:, n-1+t] is position t."""
+        n, pad = self.config.max_ngram_size, self.pad
+        vals = xc if dead is None else np.where(dead, pad, xc)
+        if window is None:
+            window = np.full((xc.shape[0], n - 1), pad, dtype=np.int64)
+        return vals, np.concatenate([window[:, ::-1], vals], axis=1)
+
     def lookback(
         self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None
     ) -> list[np.ndarray]:
@@ -321,10 +332,7 @@ class NgramHasher:
         """
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
-        vals = xc if dead is None else np.where(dead, pad, xc)
-        if window is None:
-            window = np.full((b, n - 1), pad, dtype=np.int64)
-        ext = np.concatenate([window[:, ::-1], vals], axis=1)  # (B, n-1+T): ext[:, n-1+t] is position t
+        vals, ext = self._extend(xc, dead, window)
         cols = [vals]
         if dead is None:
             for i in range(1, n):
@@ -428,10 +436,7 @@ class NgramHasher:
         each row of xc (all T tokens by default), given the window before xc."""
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
-        vals = xc if dead is None else np.where(dead, pad, xc)
-        if window is None:
-            window = np.full((b, n - 1), pad, dtype=np.int64)
-        ext = np.concatenate([window[:, ::-1], vals], axis=1)
+        _, ext = self._extend(xc, dead, window)
         ext_dead = np.zeros_like(ext, dtype=bool)
         if dead is not None:
             ext_dead[:, n - 1 :] = dead
