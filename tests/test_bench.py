@@ -61,3 +61,19 @@ def test_fraction_of_peak_only_for_device_rows():
     lines = format_rows(rows, peak_gb_per_s=4000.0)
     assert "of peak" not in lines[1]
     assert "(75% of peak)" in lines[2] and "(38% of peak)" in lines[3]
+
+
+def test_hash_bench_torch_baseline_matches_numpy_baseline(v41_hasher):
+    """The GPU hash bench's baseline (the demo algorithm in torch) is checked here on the CPU."""
+    import importlib.util
+
+    import numpy as np
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_hash", find_benchmarks() / "bench_hash.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ids = np.random.default_rng(3).integers(0, v41_hasher.config.vocab_size, size=(3, 50))
+    want = mod.demo_baseline(v41_hasher, ids)
+    np.testing.assert_array_equal(mod.torch_demo_baseline(v41_hasher, torch.from_numpy(ids)).numpy(), want)
+    np.testing.assert_array_equal(want, v41_hasher.hash(ids))

@@ -1,0 +1,74 @@
+"""The GPU half of the benchmarks in one short run, for a session lent a CUDA device.
+
+    python benchmarks/gpu_check.py [--json PATH]
+
+Runs, each against its baseline measured in the same run: the hash on CUDA (`bench_hash.run_cuda`:
+the Triton path against the demo algorithm in torch on the GPU), the FP8 gather with the table on
+the device (`bench_lookup.run_cuda`: against `F.embedding` + dequantise, and a raw byte gather),
+and the fused gate forward and backward (`bench_gate.run`: against eager torch). Prints one table
+with each GB/s as a fraction of a device-to-device copy measured first. A benchmark that fails is
+reported as failed (with the error) and the others still run. `benchmarks/gpu_check.sh` wraps this
+with the CUDA tests for the `device` tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engram.bench import device_copy_gb_per_s, format_rows
+
+HERE = Path(__file__).resolve().parent
+
+# (name, file, function, arguments)
+CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("hash", "bench_hash.py", "run_cuda", {}),
+    ("lookup", "bench_lookup.py", "run_cuda", {}),
+    ("gate bf16", "bench_gate.py", "run", {"dtype": "bf16"}),
+    ("gate fp32", "bench_gate.py", "run", {"dtype": "fp32"}),
+]
+
+
+def _load(file: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"engram_gpu_{Path(file).stem}", HERE / file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--json", help="also write the rows here as JSON")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (nothing measured)")
+        return 1
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    peak = device_copy_gb_per_s()
+    print(f"device copy bandwidth (bytes read + written): {peak:,.0f} GB/s")
+    rows: list[dict[str, Any]] = []
+    failed = 0
+    for name, file, fn, kwargs in CHECKS:
+        try:
+            rows += getattr(_load(file), fn)(**kwargs)
+        except Exception as e:  # report it and go on: one device run must return every number it can
+            failed += 1
+            traceback.print_exc()
+            rows.append({"op": f"{name}: FAILED ({type(e).__name__}: {e})", "skipped": True})
+        torch.cuda.empty_cache()
+    print("\n".join(format_rows(rows, peak)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device_copy_gb_per_s": peak, "rows": rows}, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
