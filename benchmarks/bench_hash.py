@@ -107,17 +107,22 @@ def run_cuda(
     if not np.array_equal(got[:2, :4096].cpu().numpy(), hasher.hash(ids[:2, :4096].cpu().numpy())):
         raise AssertionError("the Triton hash and the CPU hash disagree")
     if not np.array_equal(
-        hasher.hash(ids[:2], dead[:2]).cpu().numpy(), hasher.hash(ids[:2].cpu().numpy(), dead[:2].cpu().numpy())
+        hasher.hash(ids[:2], dead[:2]).cpu().numpy(),
+        hasher.hash(ids[:2].cpu().numpy(), dead[:2].cpu().numpy()),
     ):
         raise AssertionError("the Triton hash and the CPU hash disagree with dead tokens")
     del got, want
 
-    dev = {a: torch.as_tensor(getattr(hasher, a), device="cuda") for a in ("multipliers", "primes", "offsets")}
+    dev = {
+        a: torch.as_tensor(getattr(hasher, a), device="cuda") for a in ("multipliers", "primes", "offsets")
+    }
     xc = torch.as_tensor(hasher.compression.lookup, device="cuda")[ids]
     out32 = torch.empty((batch, seq, c.n_layers, c.heads_per_layer), dtype=torch.int32, device="cuda")
 
     def kernel_only() -> None:
-        kernels.hash_rows(xc, None, None, dev["multipliers"], dev["primes"], dev["offsets"], hasher.pad, out32)
+        kernels.hash_rows(
+            xc, None, None, dev["multipliers"], dev["primes"], dev["offsets"], hasher.pad, out32
+        )
 
     base = cuda_time(lambda: torch_demo_baseline(hasher, ids), repeats)
     timed = [
