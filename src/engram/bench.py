@@ -29,6 +29,7 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "lookup-fast": ("bench_lookup_fast.py", {}, {"repeats": 2}),
     "optim": ("bench_optim.py", {}, {"large_rows": 16 << 20}),
     "gate": ("bench_gate.py", {}, {}),
+    "tiers": ("bench_tiers.py", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
 }
 
 # (key, unit, scale) in order of preference for the throughput column

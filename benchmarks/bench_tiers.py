@@ -1,0 +1,305 @@
+"""Storage tiers: `engram.systems.TieredTable` gathers from host DRAM and from SSD, with a hot-row cache
+and with prefetch, against the plain tables measured in the same run on the same row ids.
+
+V4.1-like rows: dim 256 (264 bytes a row with scales), 24 rows per token, Zipf(1.2) row ids scattered
+over the table, batches of `tokens` tokens.
+
+- host: `TieredTable(FP8Table, HOST, cache_rows=0 / 1 / 5 / 20 % of the rows)` vs `FP8Table.gather`
+  (the table in DRAM, dequantised in place); steady state: the cache is warmed by one pass over the
+  batches, then passes are timed. Reports the cache hit rate and bytes fetched per row asked.
+- ssd: the table written to a temporary safetensors file (deleted afterwards), its pages dropped
+  from the page cache (posix_fadvise DONTNEED) before each timed pass, so reads hit the device:
+  `TieredTable(MmapFP8Table, SSD)` with and without a cache vs `MmapFP8Table.gather`.
+- overlap: a loop of compute (a fixed matmul, torch on one thread) + gather of the next batch's rows:
+  synchronous vs prefetched one batch ahead (`prefetch` on the background thread: the FP8 bytes
+  only, or `prefetch(rows, torch.float32)`: bytes and dequantisation). Reports the ratio of loop
+  times and the ideal ratio (compute + gather) / max(compute, gather), each measured alone.
+
+    python benchmarks/bench_tiers.py [--rows 4000000] [--tokens 4096] [--batches 8] [--repeats 3] [--quick]
+
+On a CPU the "device" is the CPU itself, so this measures the host side of the tiers (dedup, cache
+index, byte gather, dequantisation); the PCIe copy of a CUDA device is not in these numbers. Timings
+are best of `repeats`, variants interleaved round by round; on a shared 2-core machine they are
+noisy: read the ratios. Every variant is first checked to be bit-identical to the plain gather.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lookup import make_ids, make_table
+from engram import quant
+from engram.safetensors_io import write_safetensors
+from engram.systems import Placement, TieredTable
+from engram.table import FP8Table, MmapFP8Table
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _pass_time(fn: Callable[[torch.Tensor], object], batches: list[torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for b in batches:
+        fn(b)
+    return time.perf_counter() - t0
+
+
+def _best(
+    fns: dict[str, Callable[[], float]], repeats: int, before: Callable[[], None] | None = None
+) -> dict:
+    """Best of `repeats` of each timed function (each returns its own seconds), interleaved round by round."""
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if before is not None:
+                before()
+            best[name] = min(best[name], fn())
+    return best
+
+
+def _drop_pages(path: Path) -> None:
+    """Evict the file's clean pages from the page cache, so the next reads go to the storage device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _check(table: TieredTable, ref: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> None:
+    if not torch.equal(_bits(table.gather(ids)), _bits(ref(ids))):
+        raise AssertionError(f"{table!r} disagrees with the plain gather")
+
+
+def bench_host(
+    table: FP8Table, batches: list[torch.Tensor], fractions: list[float], repeats: int
+) -> list[dict]:
+    n_rows = sum(b.numel() for b in batches)
+    row_bytes = quant.fp8_row_bytes(table.dim)
+    tiered = {f: TieredTable(table, Placement.HOST, cache_rows=int(f * table.num_rows)) for f in fractions}
+    for t in tiered.values():
+        _check(t, table.gather, batches[0])
+        _pass_time(t.gather, batches)  # warm the cache (and compile the kernels)
+        t.reset_stats()
+    _pass_time(table.gather, batches)
+    fns: dict[str, Callable[[], float]] = {"plain": lambda: _pass_time(table.gather, batches)}
+    for f, t in tiered.items():
+        fns[str(f)] = lambda t=t: _pass_time(t.gather, batches)
+    best = _best(fns, repeats)
+    out = []
+    for f, t in tiered.items():
+        s = t.stats()
+        hit = s.get("cache_hit_rate", 0.0)
+        out.append(
+            {
+                "op": f"tiers: host, cache {f:.0%} of rows (hit rate {hit:.0%})",
+                "rows_per_s": n_rows / best[str(f)],
+                "baseline": "FP8Table.gather (host)",
+                "baseline_rows_per_s": n_rows / best["plain"],
+                "ratio": best["plain"] / best[str(f)],
+                "cache_fraction": f,
+                "hit_rate": hit,
+                "distinct_fraction": s["rows_distinct"] / s["rows_requested"],
+                "fetched_bytes_per_row": s["bytes_fetched"] / s["rows_requested"],
+                "row_bytes": row_bytes,
+            }
+        )
+    return out
+
+
+def bench_ssd(
+    table: FP8Table, batches: list[torch.Tensor], fraction: float, repeats: int, folder: str | None
+) -> list[dict]:
+    n_rows = sum(b.numel() for b in batches)
+    with tempfile.TemporaryDirectory(dir=folder, prefix="engram-bench-tiers-") as tmp:
+        path = Path(tmp) / "table.safetensors"
+        write_safetensors(path, [("w", table.weight), ("s", table.scale)])
+        mm = MmapFP8Table(path, "w", "s")
+        variants = {
+            "ssd": lambda: TieredTable(mm, Placement.SSD),
+            "ssd_cache": lambda: TieredTable(mm, Placement.SSD, cache_rows=int(fraction * table.num_rows)),
+        }
+        _check(variants["ssd_cache"](), table.gather, batches[0])
+        stats: dict[str, dict] = {}
+
+        def cold(make: Callable[[], TieredTable], key: str) -> float:
+            t = make()  # a cold cache too: the whole pass is the first contact with these rows
+            seconds = _pass_time(t.gather, batches)
+            stats[key] = t.stats()
+            return seconds
+
+        fns: dict[str, Callable[[], float]] = {"plain": lambda: _pass_time(mm.gather, batches)}
+        for key, make in variants.items():
+            fns[key] = lambda make=make, key=key: cold(make, key)
+        best = _best(fns, repeats, before=lambda: _drop_pages(path))
+        size = path.stat().st_size
+    out = []
+    for key, label in (("ssd", "no cache"), ("ssd_cache", f"cache {fraction:.0%} of rows")):
+        s = stats[key]
+        out.append(
+            {
+                "op": f"tiers: ssd (cold pages), {label} (hit rate {s.get('cache_hit_rate', 0.0):.0%})",
+                "rows_per_s": n_rows / best[key],
+                "baseline": "MmapFP8Table.gather (cold pages)",
+                "baseline_rows_per_s": n_rows / best["plain"],
+                "ratio": best["plain"] / best[key],
+                "file_mb": size / 1e6,
+                "fetched_bytes_per_row": s["bytes_fetched"] / s["rows_requested"],
+            }
+        )
+    return out
+
+
+def bench_overlap(table: FP8Table, batches: list[torch.Tensor], fraction: float, repeats: int) -> list[dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # compute on one core; the fetch thread gets the other
+    try:
+        t = TieredTable(table, Placement.HOST, cache_rows=int(fraction * table.num_rows), fetch_threads=1)
+        _pass_time(t.gather, batches)  # warm the cache
+        gather_alone = min(_pass_time(t.gather, batches) for _ in range(2)) / len(batches)
+        # size the matmul so that one compute step takes about as long as one gather
+        n = 256
+        a = torch.randn(n, n)
+        while True:
+            t0 = time.perf_counter()
+            a @ a
+            step = time.perf_counter() - t0
+            if step > gather_alone / 4 or n >= 4096:
+                break
+            n *= 2
+            a = torch.randn(n, n)
+        reps = max(1, round(gather_alone / step))
+
+        def compute() -> None:
+            for _ in range(reps):
+                a @ a
+
+        compute_alone = min(_pass_time(lambda _b: compute(), batches) for _ in range(2)) / len(batches)
+
+        def sync_loop() -> float:
+            t0 = time.perf_counter()
+            for b in batches:
+                compute()
+                t.gather(b)
+            return time.perf_counter() - t0
+
+        def prefetch_loop(dtype: torch.dtype | None) -> float:
+            t0 = time.perf_counter()
+            t.prefetch(batches[0], dtype)
+            for i, b in enumerate(batches):
+                if i + 1 < len(batches):
+                    t.prefetch(batches[i + 1], dtype)  # fetched on the worker while this step computes
+                compute()
+                t.gather(b)
+            return time.perf_counter() - t0
+
+        for dtype in (None, torch.float32):  # both bit-identical to the synchronous gather
+            t.prefetch(batches[0], dtype)
+            if not torch.equal(_bits(t.gather(batches[0])), _bits(table.gather(batches[0]))):
+                raise AssertionError("a prefetched gather disagrees with FP8Table.gather")
+        t.reset_stats()
+        best = _best(
+            {
+                "sync": sync_loop,
+                "prefetch": lambda: prefetch_loop(None),
+                "prefetch_dq": lambda: prefetch_loop(torch.float32),
+            },
+            repeats,
+        )
+        s = t.stats()
+    finally:
+        torch.set_num_threads(threads)
+    k = len(batches)
+    ideal = (compute_alone + gather_alone) / max(compute_alone, gather_alone)
+    return [
+        {
+            "op": f"tiers: overlap, compute + gather, prefetch 1 ahead{label} (cache {fraction:.0%})",
+            "seconds": best[key] / k,
+            "baseline": "the same loop, synchronous gathers",
+            "baseline_seconds": best["sync"] / k,
+            "ratio": best["sync"] / best[key],
+            "ideal_ratio": ideal,
+            "compute_ms": compute_alone * 1e3,
+            "gather_ms": gather_alone * 1e3,
+            "prefetch_hits": s["prefetch_hits"],
+            "wait_ms_per_step": s["wait_seconds"] / max(1, s["prefetch_hits"]) * 1e3,
+        }
+        for key, label in (("prefetch", " (bytes)"), ("prefetch_dq", " + dequantise"))
+    ]
+
+
+def run(
+    rows: int = 4_000_000,
+    dim: int = 256,
+    tokens: int = 4096,
+    per_token: int = 24,
+    batches: int = 8,
+    repeats: int = 3,
+    zipf: float = 1.2,
+    fractions: tuple[float, ...] = (0.0, 0.01, 0.05, 0.2),
+    ssd: bool = True,
+    folder: str | None = None,
+    seed: int = 0,
+) -> list[dict]:
+    table = make_table(rows, dim, seed)
+    ids = [make_ids(rows, tokens, per_token, zipf, seed + i) for i in range(batches)]
+    results = bench_host(table, ids, list(fractions), repeats)
+    if ssd:
+        results += bench_ssd(table, ids, 0.05, repeats, folder)
+    results += bench_overlap(table, ids, 0.05, repeats)
+    for r in results:
+        r.update(table_mb=rows * quant.fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--rows", type=int, default=4_000_000, help="table rows (4M x 264 B = 1.06 GB)")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--per-token", type=int, default=24)
+    ap.add_argument("--batches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--zipf", type=float, default=1.2)
+    ap.add_argument("--no-ssd", action="store_true", help="skip the SSD tier (writes a table-sized file)")
+    ap.add_argument("--dir", help="folder for the temporary SSD file (default: the system temp folder)")
+    ap.add_argument("--quick", action="store_true", help="256K rows, 1024 tokens, 4 batches (seconds)")
+    args = ap.parse_args()
+    kw = dict(rows=args.rows, tokens=args.tokens, batches=args.batches, repeats=args.repeats)
+    if args.quick:
+        kw = dict(rows=1 << 18, tokens=1024, batches=4, repeats=2)
+    results = run(
+        dim=args.dim, per_token=args.per_token, zipf=args.zipf, ssd=not args.no_ssd, folder=args.dir, **kw
+    )
+    r0 = results[0]
+    print(
+        f"table {r0['table_mb']:.0f} MB, batches of {r0['tokens']} tokens x {r0['per_token']} rows, Zipf ids"
+    )
+    for r in results:
+        if "rows_per_s" in r:
+            print(
+                f"{r['op']:<66} {r['rows_per_s'] / 1e6:6.2f} M rows/s | {r['baseline']} "
+                f"{r['baseline_rows_per_s'] / 1e6:6.2f} M rows/s | ratio {r['ratio']:.2f}x | "
+                f"{r['fetched_bytes_per_row']:.1f} B fetched / row asked"
+            )
+        else:
+            print(
+                f"{r['op']:<66} {r['seconds'] * 1e3:7.1f} ms/step vs sync {r['baseline_seconds'] * 1e3:7.1f} | "
+                f"ratio {r['ratio']:.2f}x (ideal {r['ideal_ratio']:.2f}x; compute {r['compute_ms']:.1f} ms, "
+                f"gather {r['gather_ms']:.1f} ms, waited {r['wait_ms_per_step']:.1f} ms/step)"
+            )
+
+
+if __name__ == "__main__":
+    main()

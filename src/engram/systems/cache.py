@@ -1,0 +1,188 @@
+"""A hot-row cache of FP8 table rows on the compute device, with exact LRU eviction.
+
+Holds:
+- `RowCache(capacity, dim, device)`: `capacity` slots of raw FP8 bytes (values [C, dim] and ue8m0
+  scales [C, dim // 32], as uint8) on `device`, and a host-side index row -> slot (the numba map and
+  LRU list of `engram.systems._cache_kernels`, O(distinct rows) per call, no Python loop per row).
+  - `plan(uniq)`: the host half of a call: which of the sorted distinct rows are cached (hits), and
+    which slots the others (misses) are admitted to; updates the counters.
+  - `read(slots, out_values, out_scales)` / `write(slots, values, scales)`: the device half.
+  - First-class counters (plain ints): `hits`, `misses`, `evictions`, `bytes_fetched` (bytes read
+    from the backing tier for misses); `stats()` and `reset_stats()`.
+
+Decisions:
+- Exact LRU over calls. Within one call the hits are touched first, then misses are admitted in
+  ascending row order (so the call's misses count as more recent than its hits).
+- A call needing more distinct rows than the cache can hold (hits + misses > capacity) admits only
+  `capacity - hits` misses (never evicting a row the same call uses); the other misses are served
+  straight from the backing tier, uncached. Results are never wrong, only the hit rate suffers.
+- A miss counts once per distinct row per call (repeats within a call are one fetch); a cached row
+  is bit-for-bit the stored row, so the cache never changes what a gather returns.
+- The cache holds no locks: its owner (`TieredTable`) serialises `plan` + `read` + `write` of one
+  call against other calls, so that device writes happen in the order the index was updated.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from engram import lookup, quant
+
+__all__ = ["CachePlan", "RowCache"]
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """engram.systems._cache_kernels, imported (with numba) on first use, not with engram."""
+    from engram.systems import _cache_kernels
+
+    return _cache_kernels
+
+
+class CachePlan(NamedTuple):
+    """The host-side outcome of one call of `RowCache.plan` over sorted distinct rows uniq (U,)."""
+
+    hit_idx: np.ndarray  # (H,) int64 positions in uniq of the cached rows
+    hit_slots: np.ndarray  # (H,) their slots
+    miss_idx: np.ndarray  # (M,) positions in uniq of the rows to fetch, ascending
+    ins_slots: np.ndarray  # (I,) slots given to the first I misses (I <= M; I < M only on overflow)
+
+
+class RowCache:
+    """`capacity` rows of FP8 bytes on `device` with an exact-LRU host index (see the module docstring)."""
+
+    def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu") -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"a RowCache needs capacity >= 1 rows, got {capacity!r} (use no cache for 0)")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim % quant.BLOCK:
+            raise ValueError(f"row width dim={dim!r} must be a positive multiple of {quant.BLOCK}")
+        self.capacity, self.dim = capacity, dim
+        self.row_bytes = quant.fp8_row_bytes(dim)  # dim value bytes + dim // 32 scale bytes
+        self.device = torch.device(device)
+        self._values = torch.empty((capacity, dim), dtype=torch.uint8, device=self.device)  # (C, dim)
+        self._scales = torch.empty((capacity, dim // quant.BLOCK), dtype=torch.uint8, device=self.device)
+        self._state = _kernels().new_state(capacity)  # keys, vals, slot_row, prev, nxt, ends
+        self._slot_of = np.empty(0, dtype=np.int64)  # (U,) per-call scratch, grown as needed
+        self._ins_of = np.empty(0, dtype=np.int64)
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ counters
+    def reset_stats(self) -> None:
+        """Zero the counters (the cached rows stay)."""
+        self.hits = 0  # distinct rows of a call found cached
+        self.misses = 0  # distinct rows of a call fetched from the backing tier
+        self.evictions = 0  # cached rows replaced by a miss
+        self.bytes_fetched = 0  # bytes read from the backing tier (misses * row_bytes)
+
+    def stats(self) -> dict[str, float]:
+        """hits, misses, evictions, bytes_fetched, hit_rate, resident rows and capacity."""
+        lookups = self.hits + self.misses
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "bytes_fetched": self.bytes_fetched,
+            "hit_rate": self.hits / lookups if lookups else 0.0,
+            "resident": int((self._state[2] >= 0).sum()),
+            "capacity": self.capacity,
+        }
+
+    def clear(self) -> None:
+        """Forget every cached row (the counters stay)."""
+        self._state = _kernels().new_state(self.capacity)
+
+    # ------------------------------------------------------------------ host half
+    def plan(self, uniq: np.ndarray) -> CachePlan:
+        """Hits and admissions for sorted distinct row ids uniq (U,) int64; updates the counters."""
+        if uniq.dtype != np.int64 or uniq.ndim != 1:
+            raise TypeError(f"uniq must be a 1-D int64 array of distinct rows, got {uniq.dtype} {uniq.shape}")
+        n = uniq.shape[0]
+        if self._slot_of.shape[0] < n:
+            self._slot_of = np.empty(max(n, 2 * self._slot_of.shape[0]), dtype=np.int64)
+            self._ins_of = np.empty_like(self._slot_of)
+        slot_of, ins_of = self._slot_of[:n], self._ins_of[:n]
+        hits, inserted, evictions = _kernels().plan(uniq, *self._state, slot_of, ins_of)
+        hit_idx = np.flatnonzero(slot_of >= 0)
+        miss_idx = np.flatnonzero(slot_of < 0)
+        ins_slots = ins_of[miss_idx[:inserted]].copy()  # admitted misses are the first `inserted`
+        assert hit_idx.shape[0] == hits and (ins_slots >= 0).all()
+        self.hits += int(hits)
+        self.misses += int(miss_idx.shape[0])
+        self.evictions += int(evictions)
+        self.bytes_fetched += int(miss_idx.shape[0]) * self.row_bytes
+        return CachePlan(hit_idx, slot_of[hit_idx].copy(), miss_idx, ins_slots)
+
+    def slot_of(self, rows: np.ndarray) -> np.ndarray:
+        """The slot holding each row (-1: not cached); a read-only query, no counters or recency change."""
+        rows = np.asarray(rows, dtype=np.int64)
+        slot_row = self._state[2]  # (C,) row per slot, -1 when empty
+        order = np.argsort(slot_row, kind="stable")
+        keys = slot_row[order]  # sorted
+        pos = np.minimum(np.searchsorted(keys, rows), self.capacity - 1)
+        return np.where((keys[pos] == rows) & (rows >= 0), order[pos], -1)
+
+    def resident_rows(self) -> np.ndarray:
+        """Sorted row ids currently cached."""
+        rows = self._state[2]
+        return np.sort(rows[rows >= 0])
+
+    def lru_order(self) -> np.ndarray:
+        """Cached row ids from the least to the most recently used (for tests and inspection)."""
+        _, _, slot_row, prev, _, ends = self._state
+        out, s = [], ends[1]
+        while s >= 0:
+            if slot_row[s] >= 0:
+                out.append(int(slot_row[s]))
+            s = prev[s]
+        return np.array(out, dtype=np.int64)
+
+    # ------------------------------------------------------------------ device half
+    @property
+    def values(self) -> torch.Tensor:
+        """(C, dim) float8_e4m3fn view of the cached value bytes (rows of empty slots are garbage)."""
+        return self._values.view(quant.VALUE_DTYPE)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """(C, dim // 32) float8_e8m0fnu view of the cached scale bytes."""
+        return self._scales.view(quant.SCALE_DTYPE)
+
+    def read(self, slots: torch.Tensor, out_values: torch.Tensor, out_scales: torch.Tensor) -> None:
+        """out_values (H, dim) / out_scales (H, nb) uint8 <- the cached rows in `slots` (H,) int64.
+
+        On the CPU through `lookup.gather_rows`' numba byte copy (GIL released), else index_select.
+        """
+        if self.device.type == "cpu":
+            lookup.gather_rows(self.values, slots, out_values.view(quant.VALUE_DTYPE))
+            lookup.gather_rows(self.scales, slots, out_scales.view(quant.SCALE_DTYPE))
+        else:
+            torch.index_select(self._values, 0, slots, out=out_values)
+            torch.index_select(self._scales, 0, slots, out=out_scales)
+
+    def write(self, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """Store rows values (I, dim) / scales (I, nb) uint8 into `slots` (I,) int64 (from `plan`)."""
+        if self.device.type == "cpu":  # numba, GIL released (index_copy_ on byte rows is ~10x slower)
+            kernels = _kernels()
+            kernels.scatter_rows(self._values.numpy(), slots.numpy(), values.numpy())
+            kernels.scatter_rows(self._scales.numpy(), slots.numpy(), scales.numpy())
+        else:
+            self._values.index_copy_(0, slots, values)
+            self._scales.index_copy_(0, slots, scales)
+
+    def to(self, device: torch.device | str) -> RowCache:
+        """Move the cached bytes to `device` (the index stays on the host); returns self."""
+        self.device = torch.device(device)
+        self._values = self._values.to(self.device)
+        self._scales = self._scales.to(self.device)
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"RowCache(capacity={self.capacity}, dim={self.dim}, device={self.device}, "
+            f"hits={self.hits}, misses={self.misses}, evictions={self.evictions})"
+        )

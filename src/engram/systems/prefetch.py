@@ -1,0 +1,218 @@
+"""Wrap a model's Engram tables in tiers and feed it batches whose rows are already being fetched.
+
+Holds:
+- `offload_engram(model, placement, cache_rows=0, device=None, ...)`: replace the table of every
+  `engram.module.Engram` in `model` (an `EngramLM`, a bare `Engram`, any module holding them) by a
+  `TieredTable`, in place; returns {layer_id: table}. The model code is not touched: only the
+  `table` attribute of each Engram module is swapped.
+- `Prefetcher(batches, hasher, model, depth=1)`: iterate over token-id batches (B, T) and get
+  `PrefetchedBatch(token_ids, rows, handles)` with the rows of the next `depth` batches already
+  hashed and their prefetches running, so that the forward pass finds its rows on the device.
+- `engram_modules(model)`: the Engram modules of a model, by layer id.
+
+Example (inference on a GPU, table in host DRAM, 1M hot rows cached on the device):
+
+    from engram.systems import Placement, Prefetcher, offload_engram
+
+    offload_engram(model, Placement.HOST, cache_rows=1 << 20, device="cuda")
+    model.cuda()  # the backbone; host tables stay on the host
+    for batch in Prefetcher(loader, hasher, model, depth=1):
+        # rows stay on the host: the gathers match them to the prefetches without a device sync
+        logits = model(batch.token_ids.cuda(), batch.rows)
+
+Each TieredTable serves the forward's `table.gather(rows[:, :, i])` from the prefetch whose rows
+have the same values (see `engram.systems.tiered`), so nothing else in the loop changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from engram.hashing import NgramHasher
+from engram.module import Engram
+from engram.safetensors_io import write_safetensors
+from engram.systems.background import PrefetchHandle
+from engram.systems.placement import Placement, as_placement
+from engram.systems.tiered import TieredTable
+from engram.table import FP8Table, MmapFP8Table, TrainableTable
+
+__all__ = ["PrefetchedBatch", "Prefetcher", "engram_modules", "offload_engram"]
+
+
+def engram_modules(model: nn.Module) -> dict[int, Engram]:
+    """{layer_id: module} for every Engram module in `model` (itself included), in layer order."""
+    found: dict[int, Engram] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Engram):
+            if m.layer_id in found:
+                raise ValueError(f"two Engram modules for layer {m.layer_id} (the second at {name!r})")
+            found[m.layer_id] = m
+    if not found:
+        raise ValueError(f"{type(model).__name__} holds no engram.module.Engram module to offload")
+    return dict(sorted(found.items()))
+
+
+def _as_fp8(table: Any, layer_id: int, quantize: bool) -> FP8Table | MmapFP8Table:
+    if isinstance(table, FP8Table | MmapFP8Table):
+        return table
+    if isinstance(table, TieredTable):
+        raise ValueError(f"layer {layer_id}'s table is already a TieredTable; offload a model once")
+    if isinstance(table, TrainableTable):
+        if not quantize:
+            raise TypeError(
+                f"layer {layer_id}'s table is a float TrainableTable ({table.weight.dtype}); tiered tables are "
+                "frozen FP8 (inference only): pass quantize=True to quantise it (lossy: e4m3 + ue8m0 scales)"
+            )
+        return FP8Table.from_float(table.weight.detach().cpu())
+    raise TypeError(f"layer {layer_id}'s table is a {type(table).__name__}, not an FP8Table / MmapFP8Table")
+
+
+def offload_engram(
+    model: nn.Module,
+    placement: Placement | str,
+    cache_rows: int = 0,
+    device: torch.device | str | None = None,
+    *,
+    quantize: bool = False,
+    ssd_dir: str | os.PathLike[str] | None = None,
+    max_inflight: int = 2,
+    fetch_threads: int | None = None,
+) -> dict[int, TieredTable]:
+    """Swap every Engram module's table in `model` for a TieredTable on `placement`; returns them by layer.
+
+    `device`: where the model computes (default: where each table is now, host tables: the CPU).
+    `cache_rows`: hot-row cache slots per table (HOST / SSD). A float (trainable) table needs
+    `quantize=True`. SSD: an MmapFP8Table is used as is; an in-memory table is first written to
+    `ssd_dir/engram_layer{L}.safetensors` (which `ssd_dir` must name). HOST with an MmapFP8Table reads
+    the file into memory.
+    """
+    where = as_placement(placement)
+    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
+        raise ValueError(f"cache_rows={cache_rows!r} must be an int >= 0 (0: no cache)")
+    modules = engram_modules(model)
+    plans: dict[int, FP8Table | MmapFP8Table] = {}
+    for lid, m in modules.items():  # check everything before changing anything
+        table = _as_fp8(m.table, lid, quantize)
+        if where is Placement.SSD and not isinstance(table, MmapFP8Table) and ssd_dir is None:
+            raise ValueError(
+                f"placement SSD needs the table of layer {lid} in a file: pass ssd_dir=<folder> to write it "
+                "there, or give the module an MmapFP8Table"
+            )
+        plans[lid] = table
+    out: dict[int, TieredTable] = {}
+    for lid, table in plans.items():
+        if where is Placement.SSD and not isinstance(table, MmapFP8Table):
+            assert ssd_dir is not None
+            path = Path(ssd_dir) / f"engram_layer{lid}.safetensors"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_safetensors(path, [("weight", table.weight.cpu()), ("scale", table.scale.cpu())])
+            table = MmapFP8Table(path, "weight", "scale")
+        elif where is Placement.HOST:
+            if isinstance(table, MmapFP8Table):
+                table = FP8Table(table.weight.clone(), table.scale.clone())
+            elif table.weight.device.type != "cpu":
+                table = FP8Table(table.weight.cpu(), table.scale.cpu())
+        target = (
+            device if device is not None else (table.weight.device if where is Placement.DEVICE else "cpu")
+        )
+        tiered = TieredTable(
+            table,
+            where,
+            device=target,
+            cache_rows=cache_rows,
+            max_inflight=max_inflight,
+            fetch_threads=fetch_threads,
+        )
+        modules[lid].table = tiered
+        out[lid] = tiered
+    return out
+
+
+class PrefetchedBatch(NamedTuple):
+    """One batch from a `Prefetcher`."""
+
+    token_ids: Any  # as the iterable gave it: (B, T) torch or numpy
+    rows: torch.Tensor  # (B, T, n_layers, heads) int64 on the host, the hasher's layer order
+    handles: dict[int, PrefetchHandle]  # layer_id -> the prefetch of rows[:, :, index of that layer]
+
+
+class Prefetcher:
+    """Iterate over `batches` with the next `depth` batches hashed and their rows being prefetched.
+
+    `model`: the offloaded model (or a bare Engram module) whose TieredTables serve the batches;
+    each table prefetches its own layer's rows. `dead_masks`: an optional iterable of bool (B, T)
+    masks, one per batch, passed to the hasher. `dtype`: also dequantise in the background into the
+    dtype the model gathers in (its activations' dtype), worth it on a CPU compute device (see
+    `TieredTable.prefetch`). The iteration is single-use, like a generator.
+    """
+
+    def __init__(
+        self,
+        batches: Iterable[Any],
+        hasher: NgramHasher,
+        model: nn.Module,
+        depth: int = 1,
+        *,
+        dead_masks: Iterable[Any] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"depth={depth!r} must be an int >= 0 (batches prefetched ahead; 0: none)")
+        if not isinstance(hasher, NgramHasher):
+            raise TypeError(f"hasher must be an engram.hashing.NgramHasher, got {type(hasher).__name__}")
+        self.tables: dict[int, TieredTable] = {}
+        self.layer_index: dict[int, int] = {}
+        for lid, m in engram_modules(model).items():
+            if not isinstance(m.table, TieredTable):
+                raise TypeError(
+                    f"layer {lid}'s table is a {type(m.table).__name__}: wrap the model with "
+                    "offload_engram(model, placement, ...) first"
+                )
+            self.tables[lid] = m.table
+            self.layer_index[lid] = hasher.config.layer_index(lid)  # raises for a layer the hasher lacks
+            if depth + 1 > m.table.max_pending:
+                raise ValueError(
+                    f"depth={depth} keeps {depth + 1} prefetches per table pending but layer {lid}'s table "
+                    f"remembers max_pending={m.table.max_pending}; lower depth or raise max_pending"
+                )
+        self.hasher, self.depth, self.dtype = hasher, depth, dtype
+        self._batches = iter(batches)
+        self._masks = None if dead_masks is None else iter(dead_masks)
+
+    def _start(self, token_ids: Any, dead_mask: Any) -> PrefetchedBatch:
+        """Hash one batch on the host (numba, multi-threaded) and start each layer's prefetch."""
+        host_ids = token_ids.cpu() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
+        if isinstance(dead_mask, torch.Tensor):
+            dead_mask = dead_mask.cpu()
+        rows = self.hasher.hash(host_ids, dead_mask)  # (B, T, n_layers, heads)
+        rows = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(rows)
+        if rows.dim() != 4:
+            raise ValueError(f"token-id batches must be (B, T), got shape {tuple(host_ids.shape)}")
+        handles = {
+            lid: t.prefetch(rows[:, :, self.layer_index[lid]], self.dtype) for lid, t in self.tables.items()
+        }
+        return PrefetchedBatch(token_ids, rows, handles)
+
+    def __iter__(self) -> Iterator[PrefetchedBatch]:
+        ahead: collections.deque[PrefetchedBatch] = collections.deque()
+        exhausted = False
+        while True:
+            while not exhausted and len(ahead) <= self.depth:  # the current batch + `depth` ahead
+                try:
+                    ids = next(self._batches)
+                except StopIteration:
+                    exhausted = True
+                    break
+                mask = None if self._masks is None else next(self._masks)
+                ahead.append(self._start(ids, mask))
+            if not ahead:
+                return
+            yield ahead.popleft()

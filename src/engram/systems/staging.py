@@ -1,0 +1,116 @@
+"""The device side of a fetch: the block a gather dequantises, and the pinned staging that feeds a GPU.
+
+Holds:
+- `FetchedBlock`: distinct rows' FP8 bytes on the compute device, the inverse index into them, the
+  CUDA event marking them ready, and (for `prefetch(rows, dtype)`) the dequantised rows.
+- `Staging`: a growable host byte buffer (pinned for CUDA) plus the event of the last copy out of it,
+  so that it is rewritten only once that copy finished.
+- `align(n)`: `n` rounded up to the 64-byte alignment of each region of a staging buffer.
+- `assemble_cuda(...)`: pack the misses' bytes and the int64 indices into one staging buffer, copy it to
+  the device in ONE non_blocking copy on the fetch stream, then assemble [misses; hits] from the
+  copy and the cache and admit misses to the cache, all on that stream; returns the block and its event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from engram import quant
+from engram.systems.cache import RowCache
+
+__all__ = ["ALIGN", "FetchedBlock", "Staging", "align", "assemble_cuda"]
+
+ALIGN = 64  # byte alignment of each region of a staging buffer (int64 views need 8)
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class FetchedBlock(NamedTuple):
+    """Distinct rows' FP8 bytes on the compute device, ready for `dequantize_gather`."""
+
+    values: torch.Tensor  # (U, dim) float8_e4m3fn
+    scales: torch.Tensor  # (U, dim // 32) float8_e8m0fnu
+    inverse: torch.Tensor  # rows.shape int64: each requested row's position in the block
+    ready: torch.cuda.Event | None  # recorded on the fetch stream when the block is complete (CUDA)
+    out: torch.Tensor | None = None  # (*rows.shape, dim) already dequantised, for prefetch(rows, dtype)
+
+
+class Staging:
+    """A growable host buffer of bytes (pinned for a CUDA compute device) and the event of its last copy."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        self.copied: torch.cuda.Event | None = None  # the H2D copy that last read `buf`
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of the buffer, after the previous copy out of it finished (a host wait, rare)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # sync point: only if that copy (two fetches ago) still runs
+        if self.buf.numel() < nbytes:  # grow by 1.5x: pinned allocation is slow, do it rarely
+            size = align(max(nbytes, self.buf.numel() * 3 // 2))
+            self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.buf[:nbytes]
+
+
+def assemble_cuda(
+    staging: Staging,
+    stream: torch.cuda.Stream,
+    device: torch.device,
+    cache: RowCache | None,
+    gather_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    miss_rows: torch.Tensor,
+    inverse: np.ndarray,
+    hit_slots: np.ndarray,
+    ins_slots: np.ndarray,
+    u: int,
+    dim: int,
+    shape: torch.Size,
+) -> FetchedBlock:
+    """The block [misses; hits] (U rows) on `device` (see the module docstring).
+
+    miss_rows (M,) are gathered by `gather_misses(rows, out_values, out_scales)` straight into the
+    pinned staging; inverse (n,) indexes the block; hit_slots (H,) are read from `cache`; the first
+    len(ins_slots) misses are written to the cache at ins_slots.
+    """
+    nb, m, n = dim // quant.BLOCK, miss_rows.numel(), inverse.shape[0]
+    h, k = hit_slots.shape[0], ins_slots.shape[0]
+    # staging layout (bytes, each region 64-aligned): miss values | miss scales | inverse | hits | admits
+    off_s = align(m * dim)
+    off_i = align(off_s + m * nb)
+    nbytes = off_i + 8 * (n + h + k)
+    buf = staging.take(nbytes)  # pinned host bytes
+    gather_misses(miss_rows, buf[: m * dim].view(m, dim), buf[off_s : off_s + m * nb].view(m, nb))
+    idx = buf[off_i:nbytes].view(torch.int64)  # (n + h + k,)
+    idx[:n] = torch.from_numpy(inverse)
+    idx[n : n + h] = torch.from_numpy(hit_slots)
+    idx[n + h :] = torch.from_numpy(ins_slots)
+    with torch.cuda.stream(stream):
+        dev = buf.to(device, non_blocking=True)  # the one host -> device copy
+        staging.copied = torch.cuda.Event()
+        staging.copied.record(stream)
+        miss_v = dev[: m * dim].view(m, dim)
+        miss_s = dev[off_s : off_s + m * nb].view(m, nb)
+        dev_idx = dev[off_i:nbytes].view(torch.int64)
+        inv = dev_idx[:n].view(shape)
+        if h == 0:  # no hits: the misses are the block as copied
+            values, scales = miss_v, miss_s
+        else:
+            assert cache is not None
+            values = torch.empty((u, dim), dtype=torch.uint8, device=device)  # (U, dim): [misses; hits]
+            scales = torch.empty((u, nb), dtype=torch.uint8, device=device)
+            values[:m].copy_(miss_v)
+            scales[:m].copy_(miss_s)
+            cache.read(dev_idx[n : n + h], values[m:], scales[m:])
+        if k:
+            assert cache is not None
+            cache.write(dev_idx[n + h :], miss_v[:k], miss_s[:k])
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return FetchedBlock(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE), inv, ready)

@@ -1,0 +1,416 @@
+"""A frozen FP8 Engram table stored on a tier (device, host DRAM or SSD), with a hot-row cache and prefetch.
+
+Holds:
+- `TieredTable(table, placement, device=..., cache_rows=..., max_inflight=...)`: an `EngramTable` whose
+  `gather(rows, dtype)` returns exactly (bitwise) what `FP8Table.gather` returns for the same stored
+  table and rows, on the compute `device`, whatever tier the bytes come from. It drops into
+  `Engram.table` (see `engram.systems.prefetch.offload_engram`).
+  - `prefetch(rows) -> PrefetchHandle`: fetch those rows' FP8 bytes into device memory on a
+    background thread (at most `max_inflight` in flight; a further prefetch blocks until one ends).
+  - Counters: `stats()` (rows requested / distinct, bytes fetched, prefetch hits and misses, seconds
+    waited for prefetches, plus the cache's hits / misses / evictions), `reset_stats()`.
+
+How a HOST / SSD gather runs (the fetch, on the worker thread for a prefetch):
+1. row ids to the host (a sync point only for rows on CUDA; `Prefetcher` hashes on the host), then
+   `np.unique` -> distinct rows uniq (U,) and inverse (n,): each distinct row is fetched once;
+2. the cache (if any) splits uniq into hits (already on the device) and misses, and admits misses;
+3. the misses' raw bytes are gathered from the backing tier (numba, GIL released) into a staging
+   buffer laid out [miss values | miss scales | int64 indices]; on CUDA it is pinned, reused (two
+   of them, alternating) and crosses to the device in ONE non_blocking copy on a side stream
+   (`engram.systems.staging.assemble_cuda`); on a CPU it is the block itself;
+4. on the device the block [misses; hits] (U rows) is assembled and admitted misses are written to
+   the cache; on CUDA an event marks the block ready.
+`gather` then makes the current stream wait for that event (no host sync) and dequantises the block
+through the inverse index with `engram.lookup.dequantize_gather`, the same function `FP8Table`
+uses on the same bytes, hence the identical result.
+
+Decisions:
+- Inference only: V4.1 tables are frozen. A TieredTable has no parameters and no buffers (a
+  state_dict does not hold the table: save the backing table); gathers carry no autograd history.
+- The backing table is not a submodule: `model.to(device)` re-homes the compute side (device table,
+  cache bytes) but never copies a host / SSD table to the device.
+- A prefetch is matched to a gather either explicitly (`gather(rows, prefetched=handle)`, checked
+  to be for equal rows) or implicitly: the oldest pending prefetch of this table whose rows have
+  the same shape and values (so `rows[:, :, i]` slices of the batch `Prefetcher` prefetched match).
+  At most `max_pending` unconsumed prefetches are remembered (older ones are forgotten, not wrong).
+- Fetches are serialised by one lock (cache index, cache bytes and staging are updated in one
+  order); a gather that finds no prefetch waits for the worker's current fetch.
+- `gather` from several threads at once on one table is not supported (nn.Module forward isn't either).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from engram import lookup, quant
+from engram.systems.background import FetchWorker, PrefetchHandle
+from engram.systems.cache import RowCache
+from engram.systems.placement import Placement, as_device, as_placement
+from engram.systems.staging import FetchedBlock, Staging, align, assemble_cuda
+from engram.table import EngramTable, FP8Table, MmapFP8Table, check_rows
+
+__all__ = ["TieredTable"]
+
+
+def _check_row_ids(rows: object) -> None:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
+    if rows.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"rows must be int64 or int32 row ids, got {rows.dtype}; convert with rows.long()")
+
+
+class TieredTable(EngramTable):
+    """A frozen FP8 table on `placement`, computed on `device` (see the module docstring).
+
+    `table`: an `FP8Table` (DEVICE or HOST: moved to the device, resp. kept on the host) or an
+    `MmapFP8Table` (SSD; DEVICE reads it whole onto the device). `cache_rows`: slots of the device-side
+    hot-row cache (HOST / SSD only; 0 = none). `max_inflight`: prefetches in flight at once.
+    `fetch_threads`: threads of the host gather (None: 1 below 2048 rows, every core above).
+    """
+
+    def __init__(
+        self,
+        table: FP8Table | MmapFP8Table,
+        placement: Placement | str = Placement.HOST,
+        *,
+        device: torch.device | str | None = None,
+        cache_rows: int = 0,
+        max_inflight: int = 2,
+        max_pending: int = 8,
+        fetch_threads: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.placement = as_placement(placement)
+        if not isinstance(table, FP8Table | MmapFP8Table):
+            raise TypeError(
+                f"a TieredTable wraps an FP8Table or an MmapFP8Table, got {type(table).__name__}; quantise "
+                "a float table with FP8Table.from_float(weight) (or offload_engram(..., quantize=True))"
+            )
+        if self.placement is Placement.SSD and not isinstance(table, MmapFP8Table):
+            raise TypeError(
+                "placement SSD reads rows from a memory-mapped file: pass an MmapFP8Table (write the table "
+                "with engram.safetensors_io.write_safetensors, then MmapFP8Table(path, weight_name, scale_name))"
+            )
+        if self.placement is Placement.HOST and isinstance(table, MmapFP8Table):
+            raise TypeError(
+                "placement HOST keeps the table in DRAM but this is an MmapFP8Table: use placement SSD, or "
+                "load it: FP8Table(table.weight.clone(), table.scale.clone())"
+            )
+        if self.placement is Placement.HOST and table.weight.device.type != "cpu":
+            raise ValueError(
+                f"placement HOST needs the table in host memory, but it is on {table.weight.device}; "
+                "move it with table.cpu()"
+            )
+        if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
+            raise ValueError(f"cache_rows={cache_rows!r} must be an int >= 0 (0: no cache)")
+        if cache_rows and self.placement is Placement.DEVICE:
+            raise ValueError(
+                f"cache_rows={cache_rows} but placement DEVICE already holds every row on the device; "
+                "use cache_rows=0, or placement HOST / SSD"
+            )
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
+        if fetch_threads is not None and (not isinstance(fetch_threads, int) or fetch_threads < 1):
+            raise ValueError(f"fetch_threads={fetch_threads!r} must be None or an int >= 1")
+        self.num_rows, self.dim = table.num_rows, table.dim
+        self.row_bytes = quant.fp8_row_bytes(self.dim)
+        self.device = as_device(device)
+        self.cache_rows, self.max_pending, self.fetch_threads = cache_rows, max_pending, fetch_threads
+        # plain attributes, not a submodule: model.to(...) must not drag a host / SSD table along
+        self.__dict__["backing"] = table
+        self._host_values = table.weight  # (N, dim) float8_e4m3fn on the host (file-backed for SSD)
+        self._host_scales = table.scale  # (N, dim // 32) float8_e8m0fnu
+        self._worker = FetchWorker(max_inflight, name=f"engram-prefetch-{self.num_rows}x{self.dim}")
+        weakref.finalize(self, self._worker.close)  # stop the thread with the table
+        self._lock = threading.Lock()  # serialises fetches: cache index, cache bytes, staging
+        self._pending: collections.deque[PrefetchHandle] = collections.deque(maxlen=max_pending)
+        self.cache: RowCache | None = None
+        self._rehome(self.device)
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ placement and devices
+    @property
+    def max_inflight(self) -> int:
+        return self._worker.max_inflight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The stored FP8 values (N, dim): on the device for DEVICE, else the host / file copy."""
+        return self._dev_values if self.placement is Placement.DEVICE else self._host_values
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The stored ue8m0 scales (N, dim // 32), where `weight` is."""
+        return self._dev_scales if self.placement is Placement.DEVICE else self._host_scales
+
+    def _rehome(self, device: torch.device) -> None:
+        """Put the compute side (device table, cache bytes, staging, stream) on `device`."""
+        self.synchronize()
+        self._pending.clear()
+        self.device = device
+        cuda = device.type == "cuda"
+        if self.placement is Placement.DEVICE:
+            self._dev_values = self._host_values.to(device)
+            self._dev_scales = self._host_scales.to(device)
+        elif self.cache_rows:
+            if self.cache is None:
+                self.cache = RowCache(self.cache_rows, self.dim, device)
+            else:
+                self.cache.to(device)
+        self._stream = torch.cuda.Stream(device) if cuda else None  # the fetch stream
+        self._staging = [Staging(pinned=cuda) for _ in range(2)]  # alternating (CUDA: pinned)
+        self._next_staging = 0
+        self._cpu_block = torch.empty(0, dtype=torch.uint8)  # reused by synchronous CPU gathers
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # Probe where `fn` sends a byte tensor: a device move re-homes the compute side, a dtype change
+        # (a parent's .half()) is ignored: the stored bytes are FP8 whatever the model's dtype.
+        probe = fn(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if probe.device != self.device:
+            self._rehome(as_device(probe.device))
+        return self
+
+    def synchronize(self) -> None:
+        """Wait until every prefetch in flight has finished (their handles stay usable)."""
+        for h in list(getattr(self, "_pending", ())):
+            h._done.wait()
+        while getattr(self, "_worker", None) is not None and self._worker.inflight:
+            time.sleep(1e-4)
+
+    # ------------------------------------------------------------------ counters
+    def reset_stats(self) -> None:
+        """Zero every counter (the cache's too); cached rows stay."""
+        self.gathers = 0
+        self.rows_requested = 0  # row ids asked for by gathers (with repeats)
+        self.rows_distinct = 0  # distinct rows per fetch, summed
+        self.bytes_fetched = 0  # bytes read from the backing tier
+        self.prefetch_hits = 0  # gathers served by a prefetch
+        self.prefetch_misses = 0  # gathers that found no prefetch and fetched synchronously
+        self.wait_seconds = 0.0  # time gathers spent waiting for prefetches still in flight
+        if self.cache is not None:
+            self.cache.reset_stats()
+
+    def stats(self) -> dict[str, float | str]:
+        """The table's counters, plus the cache's (cache_hits, cache_misses, ...) when it has one."""
+        out: dict[str, float | str] = {
+            "placement": self.placement.value,
+            "gathers": self.gathers,
+            "rows_requested": self.rows_requested,
+            "rows_distinct": self.rows_distinct,
+            "bytes_fetched": self.bytes_fetched,
+            "prefetch_hits": self.prefetch_hits,
+            "prefetch_misses": self.prefetch_misses,
+            "wait_seconds": self.wait_seconds,
+        }
+        if self.cache is not None:
+            out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
+        return out
+
+    # ------------------------------------------------------------------ public API
+    def prefetch(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> PrefetchHandle:
+        """Start fetching `rows` (int64/int32, any shape, any device) in the background; returns a handle.
+
+        With `dtype`, the worker also dequantises the rows into that dtype, and a gather asking for the
+        same dtype returns that tensor: on a CPU compute device dequantisation (and the page faults of
+        a fresh output) is most of a gather, so this moves it off the critical path too. Without it,
+        the gather dequantises the fetched bytes (cheap on CUDA). Blocks while `max_inflight`
+        prefetches are in flight. A bad row id raises when the handle is waited for.
+        """
+        _check_row_ids(rows)
+        host = rows.detach().to("cpu", copy=True)  # private copy: the caller may reuse its tensor
+        handle = PrefetchHandle(host, self)
+        if self.placement is Placement.DEVICE:
+            handle._finish(None)  # nothing to fetch: every row is resident (not kept for matching)
+            return handle
+        self._pending.append(handle)  # before submitting: a gather may look for it at once
+        return self._worker.submit(lambda: self._fetch(host, reuse=False, dtype=dtype), handle)
+
+    def gather(
+        self,
+        rows: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        *,
+        prefetched: PrefetchHandle | None = None,
+    ) -> torch.Tensor:
+        """rows (...) int64/int32 on any device -> (..., dim) in `dtype` (default float32) on `device`.
+
+        Bitwise what `FP8Table.gather` gives for the stored table. Uses `prefetched` (which must be for
+        equal rows), else a pending prefetch of equal rows, else fetches now (see the module docstring).
+        """
+        _check_row_ids(rows)
+        self.gathers += 1
+        self.rows_requested += rows.numel()
+        if self.placement is Placement.DEVICE:  # every row resident: nothing to fetch or wait for
+            if prefetched is not None:
+                self._check_owner(prefetched)
+            self.prefetch_hits += prefetched is not None
+            self.prefetch_misses += prefetched is None
+            return self._dequantize(self._dev_values, self._dev_scales, rows.to(self.device), dtype)
+        host = rows if rows.device.type == "cpu" else rows.cpu()  # sync point for CUDA rows (module doc)
+        handle = self._claim(host, prefetched)
+        if handle is None:
+            self.prefetch_misses += 1
+            block = self._fetch(host, reuse=True)
+        else:
+            self.prefetch_hits += 1
+            t0 = time.perf_counter()
+            block = handle.wait()
+            self.wait_seconds += time.perf_counter() - t0
+        if block.ready is not None:  # CUDA: order the current stream after the fetch stream, no host sync
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(block.ready)
+            for t in (block.values, block.scales, block.inverse, block.out):
+                if t is not None:
+                    t.record_stream(current)  # the allocator must not reuse them before this stream is done
+        if block.out is not None and block.out.dtype == (torch.float32 if dtype is None else dtype):
+            return block.out  # dequantised by the worker (prefetch(rows, dtype))
+        return self._dequantize(block.values, block.scales, block.inverse, dtype)
+
+    # ------------------------------------------------------------------ internals
+    def _check_owner(self, handle: object) -> None:
+        if not isinstance(handle, PrefetchHandle) or handle.owner is not self:
+            raise ValueError(
+                f"prefetched= must be a handle returned by this table's prefetch(), got {handle!r}; "
+                "each Engram layer's table needs its own prefetch"
+            )
+
+    def _claim(self, host: torch.Tensor, prefetched: PrefetchHandle | None) -> PrefetchHandle | None:
+        """The prefetch serving `host` rows, removed from the pending ones; None if there is none."""
+        if prefetched is not None:
+            self._check_owner(prefetched)
+            if not prefetched.matches(host):
+                raise ValueError(
+                    f"the prefetched handle was made for other rows (shape {tuple(prefetched.rows.shape)}) than "
+                    f"these (shape {tuple(host.shape)}); prefetch exactly the rows you will gather"
+                )
+            if prefetched in self._pending:
+                self._pending.remove(prefetched)
+            return prefetched
+        for h in self._pending:  # oldest first
+            if h.matches(host):
+                self._pending.remove(h)
+                return h
+        return None
+
+    def _dequantize(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        index: torch.Tensor,
+        dtype: torch.dtype | None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """FP8Table.gather's dequantisation: index (...) into values / scales -> (..., dim) in dtype."""
+        dtype = torch.float32 if dtype is None else dtype
+        if dtype == torch.float64:  # as engram.table: exact in float32, then widened
+            return lookup.dequantize_gather(values, scales, index, torch.float32, threads=threads).double()
+        return lookup.dequantize_gather(values, scales, index, dtype, threads=threads)
+
+    def _fetch(self, host: torch.Tensor, *, reuse: bool, dtype: torch.dtype | None = None) -> FetchedBlock:
+        """Distinct rows of `host` (..., int) as a FetchedBlock on the device (module docstring, steps 1-4);
+        with `dtype`, also dequantised (on the fetch stream for CUDA)."""
+        block = self._fetch_block(host, reuse=reuse)
+        if dtype is None:
+            return block
+        if block.ready is None:
+            out = self._dequantize(block.values, block.scales, block.inverse, dtype, self.fetch_threads)
+            return block._replace(out=out)
+        with torch.cuda.stream(self._stream):
+            out = self._dequantize(block.values, block.scales, block.inverse, dtype)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return block._replace(out=out, ready=ready)
+
+    def _fetch_block(self, host: torch.Tensor, *, reuse: bool) -> FetchedBlock:
+        # torch.unique: sorted (ascending rows: file / DRAM locality), GIL released, faster than np.unique
+        uniq_t, inverse_t = torch.unique(host.reshape(-1), sorted=True, return_inverse=True)  # (U,), (n,)
+        uniq, inverse = uniq_t.numpy(), inverse_t.numpy()
+        if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
+            check_rows(host, self.num_rows)  # raises, naming the first bad id and its position
+        uniq = uniq.astype(np.int64, copy=False)
+        u = uniq.shape[0]
+        with self._lock:
+            if self.cache is not None:
+                plan = self.cache.plan(uniq)
+                miss_idx, hit_idx, hit_slots, ins_slots = (
+                    plan.miss_idx,
+                    plan.hit_idx,
+                    plan.hit_slots,
+                    plan.ins_slots,
+                )
+                if hit_idx.shape[0]:  # the block is [misses; hits]: re-point the inverse at it
+                    pos = np.empty(u, dtype=np.int64)
+                    pos[miss_idx] = np.arange(miss_idx.shape[0])
+                    pos[hit_idx] = np.arange(miss_idx.shape[0], u)
+                    inverse = pos[inverse]
+            else:
+                miss_idx = np.arange(u)
+                hit_idx = hit_slots = ins_slots = np.empty(0, dtype=np.int64)
+            m, h = miss_idx.shape[0], hit_idx.shape[0]
+            miss_rows = torch.from_numpy(uniq[miss_idx] if h else uniq)  # (M,) ascending
+            self.rows_distinct += u
+            self.bytes_fetched += m * self.row_bytes
+            if self.device.type == "cpu":
+                return self._assemble_cpu(miss_rows, inverse, hit_slots, ins_slots, u, reuse, host.shape)
+            assert self._stream is not None
+            staging = self._staging[self._next_staging]  # alternate: the other one may still be copying
+            self._next_staging ^= 1
+            return assemble_cuda(
+                staging, self._stream, self.device, self.cache, self._gather_misses,
+                miss_rows, inverse, hit_slots, ins_slots, u, self.dim, host.shape,
+            )  # fmt: skip
+
+    def _gather_misses(self, miss_rows: torch.Tensor, out_v: torch.Tensor, out_s: torch.Tensor) -> None:
+        """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""
+        if miss_rows.numel() == 0:
+            return
+        # numba byte copies (GIL released; file pages fault in for SSD), rows ascending for locality
+        threads = self.fetch_threads
+        lookup.gather_rows(self._host_values, miss_rows, out_v.view(quant.VALUE_DTYPE), threads=threads)
+        lookup.gather_rows(self._host_scales, miss_rows, out_s.view(quant.SCALE_DTYPE), threads=threads)
+
+    def _assemble_cpu(
+        self,
+        miss_rows: torch.Tensor,
+        inverse: np.ndarray,
+        hit_slots: np.ndarray,
+        ins_slots: np.ndarray,
+        u: int,
+        reuse: bool,
+        shape: torch.Size,
+    ) -> FetchedBlock:
+        dim, nb, m = self.dim, self.dim // quant.BLOCK, miss_rows.numel()
+        off_s = align(u * dim)
+        nbytes = off_s + u * nb
+        if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
+            if self._cpu_block.numel() < nbytes:
+                self._cpu_block = torch.empty(
+                    align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
+                )
+            buf = self._cpu_block
+        else:  # a prefetched block lives until its gather: its own buffer
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        values = buf[: u * dim].view(u, dim)  # (U, dim) bytes: [misses; hits]
+        scales = buf[off_s : off_s + u * nb].view(u, nb)
+        self._gather_misses(miss_rows, values[:m], scales[:m])
+        if self.cache is not None:
+            if hit_slots.shape[0]:
+                self.cache.read(torch.from_numpy(hit_slots), values[m:], scales[m:])
+            if ins_slots.shape[0]:
+                k = ins_slots.shape[0]
+                self.cache.write(torch.from_numpy(ins_slots), values[:k], scales[:k])
+        inv = torch.from_numpy(inverse).view(shape)
+        return FetchedBlock(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE), inv, None)
+
+    def extra_repr(self) -> str:
+        cache = f", cache_rows={self.cache_rows}" if self.cache_rows else ""
+        return (
+            f"num_rows={self.num_rows}, dim={self.dim}, placement={self.placement.value}, "
+            f"device={self.device}{cache}, max_inflight={self.max_inflight}"
+        )
