@@ -54,7 +54,7 @@ def demo_baseline(hasher: NgramHasher, token_ids: np.ndarray) -> np.ndarray:
 def torch_demo_baseline(hasher: NgramHasher, token_ids: torch.Tensor) -> torch.Tensor:
     """`demo_baseline` in torch, on the ids' device (the GPU baseline): (B, T, layers, heads) int64."""
     c = hasher.config
-    lut = torch.as_tensor(hasher.compression.lookup, device=token_ids.device)
+    lut = torch.tensor(hasher.compression.lookup, device=token_ids.device)  # a copy: the map is read-only
     x = lut[token_ids]
     t = x.shape[1]
     shifts = [x] + [F.pad(x, (k, 0), value=hasher.pad)[:, :t] for k in range(1, c.max_ngram_size)]
@@ -116,7 +116,7 @@ def run_cuda(
     dev = {
         a: torch.as_tensor(getattr(hasher, a), device="cuda") for a in ("multipliers", "primes", "offsets")
     }
-    xc = torch.as_tensor(hasher.compression.lookup, device="cuda")[ids]
+    xc = torch.tensor(hasher.compression.lookup, device="cuda")[ids]
     out32 = torch.empty((batch, seq, c.n_layers, c.heads_per_layer), dtype=torch.int32, device="cuda")
 
     def kernel_only() -> None:

@@ -10,6 +10,9 @@ over the table, batches of `tokens` tokens.
 - ssd: the table written to a temporary safetensors file (deleted afterwards), its pages dropped
   from the page cache (posix_fadvise DONTNEED) before each timed pass, so reads hit the device:
   `TieredTable(MmapFP8Table, SSD)` with and without a cache vs `MmapFP8Table.gather`.
+- CUDA (`run_cuda`, in `benchmarks/gpu_check.py`): the table in host DRAM and the rows needed on the
+  GPU, `TieredTable(HOST)` with and without a device cache against a host gather + copy, and the
+  overlap loop with a GPU matmul.
 - overlap: a loop of compute (a fixed matmul, torch on one thread) + gather of the next batch's rows:
   synchronous vs prefetched one batch ahead (`prefetch` on the background thread: the FP8 bytes
   only, or `prefetch(rows, torch.float32)`: bytes and dequantisation). Reports the ratio of loop
@@ -237,6 +240,127 @@ def bench_overlap(table: FP8Table, batches: list[torch.Tensor], fraction: float,
         }
         for key, label in (("prefetch", " (bytes)"), ("prefetch_dq", " + dequantise"))
     ]
+
+
+def run_cuda(
+    rows: int = 8_000_000,
+    dim: int = 256,
+    tokens: int = 16384,
+    per_token: int = 24,
+    batches: int = 8,
+    repeats: int = 3,
+    zipf: float = 1.2,
+    fraction: float = 0.05,
+    seed: int = 0,
+    device: str = "cuda",
+    matmul: int = 4096,
+) -> list[dict]:
+    """The tiers with a CUDA compute device: the table in host DRAM, rows needed on the GPU.
+
+    Baseline (same run): `FP8Table.gather` on the host, then one copy of the dequantised bf16 rows to
+    the device (what a table without tiers does). Ours: `TieredTable(HOST)` (distinct FP8 rows cross
+    PCIe, dequantised on the device) without and with a device cache, then the overlap loop of a GPU
+    matmul + gather, synchronous vs prefetched one batch ahead. (`device="cpu"` runs the same code on
+    the CPU: a smoke test of this function, not a measurement.)
+    """
+    dev = torch.device(device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    table = make_table(rows, dim, seed)
+    host_ids = [make_ids(rows, tokens, per_token, zipf, seed + i) for i in range(batches)]
+    n_rows = sum(b.numel() for b in host_ids)
+    bf16 = torch.bfloat16
+
+    def timed(fn: Callable[[torch.Tensor], object]) -> Callable[[], float]:
+        def one_pass() -> float:
+            sync()
+            t0 = time.perf_counter()
+            for b in host_ids:
+                fn(b)
+            sync()
+            return time.perf_counter() - t0
+
+        return one_pass
+
+    def baseline(b: torch.Tensor) -> torch.Tensor:
+        return table.gather(b, bf16).to(dev)
+
+    tiered = {
+        "none": TieredTable(table, Placement.HOST, device=dev),
+        "cache": TieredTable(table, Placement.HOST, device=dev, cache_rows=int(fraction * rows)),
+    }
+    for t in tiered.values():
+        if not torch.equal(t.gather(host_ids[0], bf16), baseline(host_ids[0])):
+            raise AssertionError(f"{t!r} on CUDA disagrees with the host gather")
+        timed(lambda b, t=t: t.gather(b, bf16))()  # warm: kernels, staging buffers, the cache
+        t.reset_stats()
+    fns = {"plain": timed(baseline)} | {k: timed(lambda b, t=t: t.gather(b, bf16)) for k, t in tiered.items()}
+    best = _best(fns, repeats)
+    out = []
+    for key, label in (("none", "no cache"), ("cache", f"cache {fraction:.0%} of rows")):
+        st = tiered[key].stats()
+        out.append(
+            {
+                "op": f"tiers CUDA: host table -> GPU, {label} (hit rate {st.get('cache_hit_rate', 0.0):.0%})",
+                "rows_per_s": n_rows / best[key],
+                "baseline": "host FP8Table.gather + copy of bf16 rows",
+                "baseline_rows_per_s": n_rows / best["plain"],
+                "ratio": best["plain"] / best[key],
+                "fetched_bytes_per_row": st["bytes_fetched"] / max(1, st["rows_requested"]),
+            }
+        )
+
+    # overlap: a GPU matmul about as long as one gather, then the gather; prefetch one batch ahead
+    t = tiered["cache"]
+    gather_alone = timed(lambda b: t.gather(b, bf16))() / batches
+    a = torch.randn(matmul, matmul, device=dev, dtype=bf16)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    sync()
+    reps = max(1, round(gather_alone / ((time.perf_counter() - t0) / 10)))
+
+    def sync_loop() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for b in host_ids:
+            for _ in range(reps):
+                a @ a
+            t.gather(b, bf16)
+        sync()
+        return time.perf_counter() - t0
+
+    def prefetch_loop() -> float:
+        sync()
+        t0 = time.perf_counter()
+        t.prefetch(host_ids[0])
+        for i, b in enumerate(host_ids):
+            if i + 1 < batches:
+                t.prefetch(host_ids[i + 1])
+            for _ in range(reps):
+                a @ a
+            t.gather(b, bf16)
+        sync()
+        return time.perf_counter() - t0
+
+    best = _best({"sync": sync_loop, "prefetch": prefetch_loop}, repeats)
+    out.append(
+        {
+            "op": f"tiers CUDA: overlap, GPU matmul + gather, prefetch 1 ahead (cache {fraction:.0%})",
+            "seconds": best["prefetch"] / batches,
+            "baseline": "the same loop, synchronous gathers",
+            "baseline_seconds": best["sync"] / batches,
+            "ratio": best["sync"] / best["prefetch"],
+            "gather_ms": gather_alone * 1e3,
+        }
+    )
+    for r in out:
+        r.update(table_mb=rows * quant.fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
+    return out
 
 
 def run(

@@ -5,7 +5,8 @@
 Runs, each against its baseline measured in the same run: the hash on CUDA (`bench_hash.run_cuda`:
 the Triton path against the demo algorithm in torch on the GPU), the FP8 gather with the table on
 the device (`bench_lookup.run_cuda`: against `F.embedding` + dequantise, and a raw byte gather),
-and the fused gate forward and backward (`bench_gate.run`: against eager torch). Prints one table
+the fused gate forward and backward (`bench_gate.run`: against eager torch), and the host tier with
+its device cache and prefetch (`bench_tiers.run_cuda`: against a host gather + copy). Prints one table
 with each GB/s as a fraction of a device-to-device copy measured first. A benchmark that fails is
 reported as failed (with the error) and the others still run. `benchmarks/gpu_check.sh` wraps this
 with the CUDA tests for the `device` tool.
@@ -33,6 +34,7 @@ CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("lookup", "bench_lookup.py", "run_cuda", {}),
     ("gate bf16", "bench_gate.py", "run", {"dtype": "bf16"}),
     ("gate fp32", "bench_gate.py", "run", {"dtype": "fp32"}),
+    ("tiers", "bench_tiers.py", "run_cuda", {}),
 ]
 
 

@@ -77,3 +77,17 @@ def test_hash_bench_torch_baseline_matches_numpy_baseline(v41_hasher):
     want = mod.demo_baseline(v41_hasher, ids)
     np.testing.assert_array_equal(mod.torch_demo_baseline(v41_hasher, torch.from_numpy(ids)).numpy(), want)
     np.testing.assert_array_equal(want, v41_hasher.hash(ids))
+
+
+def test_tiers_cuda_bench_runs_on_cpu():
+    """bench_tiers.run_cuda (measured on a GPU by benchmarks/gpu_check.py) runs end to end here too."""
+    import sys
+
+    sys.path.insert(0, str(find_benchmarks()))
+    try:
+        import bench_tiers
+    finally:
+        sys.path.pop(0)
+    rows = bench_tiers.run_cuda(rows=1 << 14, tokens=64, batches=2, repeats=1, device="cpu", matmul=32)
+    assert [r["ratio"] > 0 for r in rows] == [True] * 3
+    assert rows[1]["fetched_bytes_per_row"] < rows[0]["fetched_bytes_per_row"]  # the cache saves reads
