@@ -19,14 +19,18 @@ B*T = `cuda_batch` x `cuda_seq` tokens; GB/s counts the ids read and the rows wr
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engram import EngramConfig, NgramHasher, TokenizerCompression
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import best_time, cuda_time
 
 
 def demo_baseline(hasher: NgramHasher, token_ids: np.ndarray) -> np.ndarray:
@@ -71,19 +75,6 @@ def torch_demo_baseline(hasher: NgramHasher, token_ids: torch.Tensor) -> torch.T
         offsets = torch.as_tensor(np.asarray(layer.offsets).reshape(-1), device=token_ids.device)
         per_layer.append(torch.stack(heads, dim=2) + offsets)
     return torch.stack(per_layer, dim=2)
-
-
-def cuda_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best seconds of `fn` on the current CUDA device (synchronised around each call)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def run_cuda(
@@ -147,15 +138,6 @@ def run_cuda(
             }
         )
     return results
-
-
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def run(preset: str = "deepseek-v4.1", batch: int = 16, seq: int = 4096, repeats: int = 7) -> list[dict]:

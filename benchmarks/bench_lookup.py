@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,9 @@ import torch.nn.functional as F
 
 from engram import quant
 from engram.table import FP8Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import best_time, cuda_time
 
 
 def llc_bytes() -> int:
@@ -95,16 +97,6 @@ def raw_gather(table: FP8Table, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
     )
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: page faults, allocator
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def make_ids(rows: int, tokens: int, per_token: int, zipf: float | None, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     if zipf is None:
@@ -113,19 +105,6 @@ def make_ids(rows: int, tokens: int, per_token: int, zipf: float | None, seed: i
         rank = rng.zipf(zipf, size=(tokens, per_token)).astype(np.int64) % rows
         ids = (rank * 2_654_435_761) % rows
     return torch.from_numpy(ids.astype(np.int64))
-
-
-def cuda_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best seconds of `fn` on the current CUDA device (synchronised around each call)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def run_cuda(
