@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,11 @@ def _train_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    from engram.train import Trainer, build_model, latest_checkpoint, prepare_data
+    if args.distributed:
+        return _cmd_train_distributed(args)
+    if args.table_init is not None:
+        raise ValueError("--table-init applies to sharded tables: add --distributed (under torchrun)")
+    from engram.train import Trainer, build_model, prepare_data
 
     _threads(args)
     cfg = _train_config(args)
@@ -81,6 +84,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(cfg)
     trainer = Trainer(cfg, data, build_model(cfg, data), out_dir=out)
+    _resume(args, trainer, out, verbose=True)
+    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    _train_and_report(args, trainer, out, lambda m: m.num_params(), main_rank=True)
+    return 0
+
+
+def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) -> None:
+    from engram.train import latest_checkpoint
+
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
         if not args.resume:
@@ -89,18 +101,34 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "or choose another --out"
             )
         trainer.load_checkpoint(ckpt)
-        print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
-    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if verbose:
+            print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+
+
+def _train_and_report(
+    args: argparse.Namespace,
+    trainer: Any,
+    out: Path,
+    num_params: Callable[[Any], dict[str, int]],
+    main_rank: bool,
+) -> None:
+    """The training loop with a progress bar, then the final evaluation and the summary line
+    (bar and summary on the main rank only; every rank runs the loop and the evaluation)."""
+    from tqdm.auto import tqdm
+
+    from engram.train import latest_checkpoint
+
+    cfg = trainer.cfg
     bar = tqdm(
         total=cfg.steps,
         initial=trainer.step,
         desc="train",
         unit="step",
-        disable=args.no_progress,
+        disable=args.no_progress or not main_rank,
         mininterval=0.5 if sys.stderr.isatty() else 10,
     )
 
-    def on_step(t: Trainer, loss: float) -> None:
+    def on_step(t: Any, loss: float) -> None:
         bar.update(1)
         held = t.history[-1].get("held_out_loss")
         bar.set_postfix(loss=f"{loss:.3f}", **({"held_out": f"{held:.3f}"} if held is not None else {}))
@@ -108,10 +136,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer.run(on_step=on_step, until=args.until)
     bar.close()
     result = trainer.evaluate()
+    params = num_params(trainer.model)
+    if not main_rank:
+        return
     summary = {
         "step": trainer.step,
         "held_out": result,
-        "params": trainer.model.num_params(),
+        "params": params,
         "checkpoint": str(latest_checkpoint(out)),
     }
     print(
@@ -120,6 +151,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         else f"step {trainer.step}: held-out loss {result['loss']:.4f} (ppl {result['ppl']:.2f}); "
         f"checkpoint {summary['checkpoint']}"
     )
+
+
+def _cmd_train_distributed(args: argparse.Namespace) -> int:
+    """`engram train --distributed` on one rank of a torchrun launch: gloo on CPU, NCCL on GPU."""
+    import torch.distributed as dist
+
+    from engram.distributed import (
+        DistributedTrainer,
+        TableInit,
+        build_distributed_model,
+        global_num_params,
+        init_distributed,
+    )
+    from engram.train import prepare_data
+
+    cfg = _train_config(args)  # config errors before any process group is started
+    env = init_distributed(threads=args.threads)
+    try:
+        out = Path(args.out)
+        if env.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+        data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
+        init = TableInit(args.table_init or "copy")
+        model = build_distributed_model(cfg, data, init=init, device=env.device)
+        trainer = DistributedTrainer(cfg, data, model, out_dir=out, device=env.device)
+        dist.barrier()  # every rank sees the same checkpoints: none is written before all have looked
+        _resume(args, trainer, out, verbose=env.is_main)
+        if env.is_main:
+            (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        _train_and_report(args, trainer, out, global_num_params, main_rank=env.is_main)
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
@@ -175,7 +238,19 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--no-engram", action="store_true", help="train the baseline backbone without Engram")
-    p.add_argument("--threads", type=int)
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one rank of a data-parallel run with row-sharded Engram tables; launch with "
+        "`torchrun --nproc_per_node N -m engram train --distributed ...` (gloo on CPU, NCCL on GPU)",
+    )
+    p.add_argument(
+        "--table-init",
+        choices=["copy", "chunked"],
+        help="with --distributed: 'copy' (default) shards the single-process model's tables; 'chunked' "
+        "draws each rank's rows itself (no rank holds a full table; another initial table)",
+    )
+    p.add_argument("--threads", type=int, help="torch threads (per rank with --distributed: cores / ranks)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)

@@ -17,6 +17,7 @@ Engram rows are hashed outside the model (they depend only on token ids) and pas
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from engram.config import EngramConfig
 from engram.module import Engram
+from engram.table import EngramTable
 
 __all__ = ["EngramLM", "HyperConnection", "LMConfig"]
 
@@ -173,9 +175,19 @@ class Block(nn.Module):
 
 
 class EngramLM(nn.Module):
-    """Decoder LM; Engram modules (if configured) sit at the entrance of their blocks."""
+    """Decoder LM; Engram modules (if configured) sit at the entrance of their blocks.
 
-    def __init__(self, config: LMConfig) -> None:
+    `table_factory(engram_config, layer_id) -> EngramTable` gives each Engram layer its table
+    (default: a `TrainableTable`); systems code uses it to build tables that never exist whole on
+    one process (e.g. `engram.distributed`'s row-sharded tables) without this class knowing them.
+    """
+
+    def __init__(
+        self,
+        config: LMConfig,
+        *,
+        table_factory: Callable[[EngramConfig, int], EngramTable] | None = None,
+    ) -> None:
         super().__init__()
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.dim)
@@ -187,7 +199,8 @@ class EngramLM(nn.Module):
         self.reset_parameters()  # the backbone draws first: with or without Engram, same initial weights
         if c.engram is not None:
             for lid in c.engram.layer_ids:
-                self.engrams[str(lid)] = Engram(c.engram, lid)
+                table = None if table_factory is None else table_factory(c.engram, lid)
+                self.engrams[str(lid)] = Engram(c.engram, lid, table=table)
             self._init_engram()
         inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
         freqs = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float32), inv)  # (T, hd/2)

@@ -8,8 +8,11 @@ Holds:
   rows depend only on token ids).
 - `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
   Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints.
-- `evaluate(...)`: held-out loss per token, overall and per text category; `engram_scale=0`
-  masks Engram's output (the paper's ablation).
+- `evaluate` (from `engram.evaluation`): held-out loss per token, overall and per category.
+
+`Trainer.train_step` is split into overridable pieces (`_param_groups`, `_batch_starts`, `_batch`,
+`_backward`) and checkpointing into `_checkpoint_tensors` / `_write_checkpoint` /
+`_restore_tensors`, so `engram.distributed.train` reuses the loop without copying it.
 
 Checkpoints (`<out>/checkpoints/step-NNNNNNN/`): `model.safetensors`, `optimizer.safetensors`
 (every optimizer state tensor), `state.json` (step, configs, history, optimizer groups). A
@@ -41,6 +44,7 @@ from tokenizers import Tokenizer
 from engram.compression import TokenizerCompression, resolve_tokenizer
 from engram.config import EngramConfig
 from engram.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
+from engram.evaluation import evaluate, window_rows
 from engram.hashing import NgramHasher
 from engram.lm import EngramLM, LMConfig
 from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
@@ -248,49 +252,6 @@ def build_model(cfg: TrainConfig, data: DataBundle, *, engram: bool | None = Non
     return model
 
 
-def _window_rows(rows: torch.Tensor | None, starts: np.ndarray, seq_len: int) -> torch.Tensor | None:
-    if rows is None:
-        return None
-    return rows[torch.from_numpy(starts[:, None] + np.arange(seq_len))]  # (B, T, layers, heads)
-
-
-@torch.no_grad()
-def evaluate(
-    model: EngramLM,
-    stream: TokenStream,
-    rows: torch.Tensor | None,
-    seq_len: int,
-    *,
-    max_tokens: int | None = None,
-    batch_size: int = 32,
-    engram_scale: float = 1.0,
-) -> dict[str, Any]:
-    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category."""
-    was_training = model.training
-    model.eval()
-    starts = stream.eval_starts(seq_len, max_tokens)
-    n_cat = len(stream.categories)
-    loss_sum = torch.zeros(n_cat, dtype=torch.float64)
-    count = torch.zeros(n_cat, dtype=torch.float64)
-    use_rows = rows if model.engrams else None
-    for i in range(0, len(starts), batch_size):
-        s = starts[i : i + batch_size]
-        x, y = stream.windows(s, seq_len)
-        logits = model(torch.from_numpy(x), _window_rows(use_rows, s, seq_len), engram_scale=engram_scale)
-        losses = F.cross_entropy(
-            logits.flatten(0, 1).float(), torch.from_numpy(y).flatten(), reduction="none"
-        )
-        cats = torch.from_numpy(
-            stream.category_ids[s[:, None] + 1 + np.arange(seq_len)].astype(np.int64)
-        ).flatten()
-        loss_sum.index_add_(0, cats, losses.double())
-        count.index_add_(0, cats, torch.ones_like(losses, dtype=torch.float64))
-    model.train(was_training)
-    total = float(loss_sum.sum() / count.sum())
-    per_cat = {c: float(loss_sum[j] / count[j]) for j, c in enumerate(stream.categories) if count[j] > 0}
-    return {"loss": total, "ppl": math.exp(total), "tokens": int(count.sum()), "per_category": per_cat}
-
-
 # ---------------------------------------------------------------------------- training
 class Trainer:
     """Trains one model of `cfg` on `data`; `out_dir` (optional) receives checkpoints."""
@@ -300,7 +261,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.data, self.model = cfg, data, model
         self.out_dir = Path(out_dir) if out_dir is not None else None
-        dense, tables = split_param_groups(model)
+        dense, tables = self._param_groups()
         no_decay = {
             id(p)
             for n, p in model.named_parameters()
@@ -343,21 +304,40 @@ class Trainer:
         if self.table_opt is not None:
             for g in self.table_opt.param_groups:
                 g["lr"] = c.table_lr * f
-        starts = self.data.train.batch_starts(self.step, c.batch_size, c.seq_len, c.seed)
-        x, y = self.data.train.windows(starts, c.seq_len)
-        rows = _window_rows(self.rows[0], starts, c.seq_len)
-        logits = self.model(torch.from_numpy(x), rows)
-        loss = F.cross_entropy(logits.flatten(0, 1), torch.from_numpy(y).flatten())
+        x, y, rows = self._batch(self.step)
+        logits = self.model(x, rows)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         if self.table_opt is not None:
             self.table_opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_value = self._backward(loss)
         if c.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, c.grad_clip)
         self.opt.step()
         if self.table_opt is not None:
             self.table_opt.step()
         self.step += 1
+        return loss_value
+
+    # Pieces of train_step that a data-parallel trainer (engram.distributed) overrides.
+    def _param_groups(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """(dense params for AdamW, table params for the sparse row optimizer)."""
+        return split_param_groups(self.model)
+
+    def _batch_starts(self, step: int) -> np.ndarray:
+        """Window starts of this process's share of step `step`'s batch (here: all of it)."""
+        c = self.cfg
+        return self.data.train.batch_starts(step, c.batch_size, c.seq_len, c.seed)
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs (B, T), targets (B, T), Engram rows (B, T, layers, heads) or None) of step `step`."""
+        starts = self._batch_starts(step)
+        x, y = self.data.train.windows(starts, self.cfg.seq_len)
+        return torch.from_numpy(x), torch.from_numpy(y), window_rows(self.rows[0], starts, self.cfg.seq_len)
+
+    def _backward(self, loss: torch.Tensor) -> float:
+        """Backward pass of the step's loss (gradient sync, when there is one); returns the loss."""
+        loss.backward()
         return float(loss.detach())
 
     def evaluate(self, max_tokens: int | None = None, engram_scale: float = 1.0) -> dict[str, Any]:
@@ -397,6 +377,19 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         if self.out_dir is None:
             raise ValueError("this Trainer has no out_dir to write checkpoints into")
+        model_tensors, opt_tensors, groups = self._checkpoint_tensors()
+        return self._write_checkpoint(model_tensors, opt_tensors, groups)
+
+    def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        """(model state, optimizer state tensors, optimizer groups) as a checkpoint stores them."""
+        model_tensors = {k: v.contiguous() for k, v in self.model.state_dict().items()}
+        opt_tensors, groups = optimizers_to_tensors({"dense": self.opt, "table": self.table_opt})
+        return model_tensors, opt_tensors, groups
+
+    def _write_checkpoint(
+        self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
+    ) -> Path:
+        assert self.out_dir is not None
         root = self.out_dir / "checkpoints"
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"step-{self.step:07d}"
@@ -404,11 +397,8 @@ class Trainer:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        save_file(
-            {k: v.contiguous() for k, v in self.model.state_dict().items()}, str(tmp / "model.safetensors")
-        )
-        tensors, groups = optimizers_to_tensors({"dense": self.opt, "table": self.table_opt})
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        save_file(model_tensors, str(tmp / "model.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         state = {
             "step": self.step,
             "train_config": self.cfg.to_dict(),
@@ -437,15 +427,21 @@ class Trainer:
             raise ValueError(
                 f"{path} was written by a run with another training config; resume with that config"
             )
-        self.model.load_state_dict(load_file(str(path / "model.safetensors")))
-        optimizers_from_tensors(
-            {"dense": self.opt, "table": self.table_opt},
+        self._restore_tensors(
+            load_file(str(path / "model.safetensors")),
             load_file(str(path / "optimizer.safetensors")),
             state["optimizer_groups"],
         )
         self.step = int(state["step"])
         self.history = list(state["history"])
         self.train_seconds = float(state.get("train_seconds", 0.0))
+
+    def _restore_tensors(
+        self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
+    ) -> None:
+        """Load a checkpoint's model and optimizer tensors into this trainer's model and optimizers."""
+        self.model.load_state_dict(model_tensors)
+        optimizers_from_tensors({"dense": self.opt, "table": self.table_opt}, opt_tensors, groups)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:

@@ -1,0 +1,63 @@
+"""Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU).
+
+The only package that imports torch.distributed: the model code (`engram.module`, `engram.lm`)
+stays single-device, and this layer wraps it (torchtitan style).
+
+Holds (one concept per file):
+- `sharded_table`: `ShardedTable` (a table row-sharded over a process group) and the step's row
+  exchange (`prefetch_tables`, `sync_table_grads`, `release_tables`).
+- `parallelize`: `shard_engram_tables`, `build_sharded_model`, the dense all-reduce.
+- `train`: `init_distributed` (torchrun's environment) and `DistributedTrainer`.
+
+Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
+"""
+
+from engram.distributed.parallelize import (
+    TableInit,
+    all_reduce_grads,
+    build_sharded_model,
+    prefetch_model_rows,
+    shard_engram_tables,
+    sharded_tables,
+    split_sharded_params,
+)
+from engram.distributed.sharded_table import (
+    INIT_CHUNK_ROWS,
+    ShardedTable,
+    chunked_normal,
+    gather_shards,
+    prefetch_tables,
+    release_tables,
+    shard_bounds,
+    sync_table_grads,
+)
+from engram.distributed.train import (
+    DistEnv,
+    DistributedTrainer,
+    build_distributed_model,
+    global_num_params,
+    init_distributed,
+)
+
+__all__ = [
+    "INIT_CHUNK_ROWS",
+    "DistEnv",
+    "DistributedTrainer",
+    "ShardedTable",
+    "TableInit",
+    "all_reduce_grads",
+    "build_distributed_model",
+    "build_sharded_model",
+    "chunked_normal",
+    "gather_shards",
+    "global_num_params",
+    "init_distributed",
+    "prefetch_model_rows",
+    "prefetch_tables",
+    "release_tables",
+    "shard_bounds",
+    "shard_engram_tables",
+    "sharded_tables",
+    "split_sharded_params",
+    "sync_table_grads",
+]

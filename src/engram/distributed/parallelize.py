@@ -1,0 +1,188 @@
+"""Wrap a single-device EngramLM for distributed training, without editing the model code.
+
+Holds:
+- `TableInit`: how a sharded table starts: `COPY` (the owned rows of the model's full table, so
+  the sharded model equals the unsharded one) or `CHUNKED` (seeded chunks, see
+  `sharded_table.chunked_normal`: no rank materialises the whole table).
+- `shard_engram_tables(model, group)`: swap every `Engram` module's `TrainableTable` for a
+  `ShardedTable` (found by walking model.modules(), set as `module.table`).
+- `build_sharded_model(lm_config, seed=...)`: an EngramLM whose tables are born sharded (CHUNKED,
+  through EngramLM's `table_factory`). The full table never exists on any rank.
+- `split_sharded_params(model)`: (dense params, table shards), like optim.split_param_groups.
+- `prefetch_model_rows(model, rows)`: the step's one exchange for all Engram layers' rows.
+- `all_reduce_grads(params, group)`: data parallelism for the dense parameters.
+
+Dense parameters are data parallel with an explicit all-reduce of their gradients after backward
+(one flat buffer, one collective), not DDP: DDP would have to be told to ignore the table shards
+(their gradients are sparse and rank-local by design), it renames the state_dict keys
+("module."), and its overlap of communication with backward buys little at this model size. The
+explicit all-reduce also carries the step's loss in the same buffer, so logging costs no extra
+collective.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engram.config import EngramConfig
+from engram.distributed.sharded_table import ShardedTable, prefetch_tables
+from engram.layout import Layout
+from engram.lm import EngramLM, LMConfig
+from engram.module import Engram
+from engram.table import TrainableTable
+
+__all__ = [
+    "TableInit",
+    "all_reduce_grads",
+    "build_sharded_model",
+    "prefetch_model_rows",
+    "shard_engram_tables",
+    "sharded_tables",
+    "split_sharded_params",
+]
+
+
+class TableInit(enum.Enum):
+    COPY = "copy"  # owned rows of the model's existing full table
+    CHUNKED = "chunked"  # seeded per fixed-size chunk of rows (world-size independent)
+
+
+def _table_seed(seed: int, layer_id: int) -> int:
+    return seed + 10007 * layer_id  # one stream per layer (as the hash multipliers do)
+
+
+def shard_engram_tables(
+    model: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    init: TableInit = TableInit.COPY,
+    seed: int = 0,
+) -> list[ShardedTable]:
+    """Replace each Engram module's TrainableTable by a ShardedTable over `group`; returns them in
+    model order. COPY keeps the model's values (every rank must hold the same full table, e.g. built
+    with the same seed); CHUNKED draws new ones from `seed` (the full table is freed afterwards)."""
+    if not isinstance(init, TableInit):
+        raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
+    tables = []
+    for module in model.modules():
+        if not isinstance(module, Engram):
+            continue
+        old = module.table
+        if isinstance(old, ShardedTable):
+            tables.append(old)
+            continue
+        if not isinstance(old, TrainableTable):
+            raise TypeError(
+                f"layer {module.layer_id}'s table is a {type(old).__name__}; only TrainableTables are "
+                "trained, so only they can be sharded"
+            )
+        w = old.weight
+        if init is TableInit.COPY:
+            new = ShardedTable.from_full(w, group=group)
+        else:
+            new = ShardedTable(
+                old.num_rows,
+                old.dim,
+                group=group,
+                dtype=w.dtype,
+                device=w.device,
+                init_std=old.init_std,
+                seed=_table_seed(seed, module.layer_id),
+            )
+        module.table = new
+        tables.append(new)
+    return tables
+
+
+def build_sharded_model(
+    config: LMConfig,
+    *,
+    seed: int = 0,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> EngramLM:
+    """An EngramLM of `config` whose Engram tables are CHUNKED ShardedTables from the start.
+
+    Built under torch.manual_seed(seed) with EngramLM's `table_factory`: the backbone draws first (so
+    it matches build_model's), then the Engram modules' dense weights (no full table is drawn in
+    between, so they differ from build_model's), zero-initialised as EngramLM does. Not the same
+    initial model as build_model, but the same on every rank and for every world size.
+    """
+    if config.engram is None:
+        raise ValueError("build_sharded_model needs an LMConfig with an engram config; use EngramLM(config)")
+
+    def sharded(e: EngramConfig, layer_id: int) -> ShardedTable:
+        rows = Layout(e).layer(layer_id).num_embeddings
+        return ShardedTable(rows, e.head_dim, group=group, seed=_table_seed(seed, layer_id), device=device)
+
+    torch.manual_seed(seed)
+    model = EngramLM(config, table_factory=sharded)
+    return model if device is None else model.to(device)
+
+
+def sharded_tables(model: nn.Module) -> list[ShardedTable]:
+    """The model's ShardedTables, in model order (one per Engram layer)."""
+    return [m.table for m in model.modules() if isinstance(m, Engram) and isinstance(m.table, ShardedTable)]
+
+
+def split_sharded_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense params, table params): TrainableTable and ShardedTable weights apart from the rest,
+    in model.parameters() order (so optimizer state indices match a single-process run's)."""
+    table_ids = {id(m.weight) for m in model.modules() if isinstance(m, TrainableTable | ShardedTable)}
+    seen: set[int] = set()
+    dense, tables = [], []
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (tables if id(p) in table_ids else dense).append(p)
+    return dense, tables
+
+
+def prefetch_model_rows(model: EngramLM, rows: torch.Tensor | None) -> list[ShardedTable]:
+    """Prefetch every sharded Engram layer's rows of a batch (B, T, n_engram_layers, heads) in one
+    exchange (a collective). `rows=None` (a rank with no windows this round) takes part with no rows."""
+    pairs = []
+    e = model.config.engram
+    for key, module in model.engrams.items():
+        if not isinstance(module.table, ShardedTable):
+            continue
+        if rows is None:
+            r = torch.empty(0, dtype=torch.int64, device=module.table.weight.device)
+        else:
+            r = rows[:, :, e.layer_index(int(key))]  # (B, T, heads)
+        pairs.append((module.table, r))
+    prefetch_tables(pairs)
+    return [t for t, _ in pairs]
+
+
+def all_reduce_grads(
+    params: list[nn.Parameter],
+    group: dist.ProcessGroup | None = None,
+    *,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Sum the dense gradients of `params` over `group` in one flat all-reduce (the caller scales the
+    loss so the sum is the global mean's gradient). Parameters without a gradient are skipped; which
+    ones have one is the same on every rank (same model, same code path). `extra` (a small 1-d
+    tensor, e.g. the loss) rides in the same buffer; its sum is returned."""
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        if g.layout != torch.strided:
+            raise TypeError(f"all_reduce_grads takes dense gradients, got a {g.layout} one")
+    parts = [g.reshape(-1) for g in grads]
+    if extra is not None:
+        parts.append(extra.detach().reshape(-1).to(grads[0].dtype if grads else extra.dtype))
+    if not parts:
+        return None
+    flat = torch.cat(parts)  # (sum of numel,) one buffer, one collective
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat[offset:] if extra is not None else None

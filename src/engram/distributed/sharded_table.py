@@ -1,0 +1,381 @@
+"""A row-sharded Engram table for training over torch.distributed (SPEC §5, "Training").
+
+Holds:
+- `shard_bounds(num_rows, world)`: the contiguous row range [lo, hi) of every rank (the first
+  num_rows % world ranks hold one row more).
+- `chunked_normal(lo, hi, dim, ...)`: rows [lo, hi) of a normal(0, std) table drawn in fixed chunks
+  of `INIT_CHUNK_ROWS` rows, each from its own seeded generator: a rank draws only the chunks it
+  owns, and the table does not depend on the world size.
+- `ShardedTable`: a table [num_rows, dim] whose rank-local shard [hi - lo, dim] is the parameter
+  `weight` (fp32 / bf16; fp64 for checks). Its gradient is a sparse COO tensor over the shard's rows
+  (sorted, distinct), so `engram.optim.SparseRowAdam` / `SparseRowAdagrad` update it unchanged.
+- `prefetch_tables`, `sync_table_grads`, `release_tables`: the step's row exchange for several
+  tables at once (every Engram layer of the model: one all-to-all for the whole batch).
+- `gather_shards`: a per-rank tensor over a table's owned rows (weight, optimizer state) gathered
+  whole onto one rank (checkpoints).
+
+The training flow, per step and on every rank of the table's process group:
+
+    prefetch_tables([(table, rows), ...])  # all-to-all: counts, then ids, then the owners' rows
+    loss = model(...)                      # table.gather(rows) serves from the prefetched block
+    loss.backward()                        # row gradients accumulate in the block (no collectives)
+    sync_table_grads(tables)               # all-to-all: row gradients to their owners, summed there
+    table_optimizer.step()                 # updates the shard's touched rows
+
+Every call above that exchanges rows is a collective: all ranks of the group call it, with the
+same tables in the same order (each with its own rows, possibly none).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engram.table import EngramTable, check_rows
+
+__all__ = [
+    "INIT_CHUNK_ROWS",
+    "ShardedTable",
+    "chunked_normal",
+    "gather_shards",
+    "prefetch_tables",
+    "release_tables",
+    "shard_bounds",
+    "sync_table_grads",
+]
+
+# Rows per initialisation chunk: fixed, so a table's initial values do not depend on the world size.
+INIT_CHUNK_ROWS = 1 << 16
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def shard_bounds(num_rows: int, world: int) -> list[int]:
+    """world + 1 boundaries: rank r owns rows [bounds[r], bounds[r + 1])."""
+    if num_rows < 1 or world < 1:
+        raise ValueError(f"shard_bounds needs num_rows >= 1 and world >= 1, got {num_rows} and {world}")
+    return [r * num_rows // world for r in range(world + 1)]
+
+
+def chunked_normal(
+    lo: int,
+    hi: int,
+    dim: int,
+    *,
+    std: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Rows [lo, hi) (hi - lo, dim) of a normal(0, std) table whose chunk c (rows c*INIT_CHUNK_ROWS ..)
+    is drawn whole (in fp32, on the CPU) from a generator seeded with (seed, c): any split of the
+    rows, and any table length, gives the same values. Cost: up to one extra chunk drawn per end."""
+    if not 0 <= lo <= hi or dim < 1:
+        raise ValueError(f"chunked_normal needs 0 <= lo <= hi and dim >= 1, got lo={lo}, hi={hi}, dim={dim}")
+    out = torch.empty(hi - lo, dim, dtype=dtype, device=device)
+    gen = torch.Generator()
+    for c in range(lo // INIT_CHUNK_ROWS, (hi - 1) // INIT_CHUNK_ROWS + 1 if hi > lo else 0):
+        c0 = c * INIT_CHUNK_ROWS
+        a, b = max(lo, c0), min(hi, c0 + INIT_CHUNK_ROWS)
+        gen.manual_seed(seed * 1_000_003 + c)  # one stream per chunk (distinct for < 1e6 chunks)
+        # Always the whole chunk: randn's vectorised sampler makes a shorter draw no prefix of a longer one.
+        chunk = torch.randn(INIT_CHUNK_ROWS, dim, generator=gen).mul_(std)  # (INIT_CHUNK_ROWS, dim)
+        out[a - lo : b - lo].copy_(chunk[a - c0 : b - c0])
+    return out
+
+
+class ShardedTable(EngramTable):
+    """A table [num_rows, dim] row-sharded over `group` (default: the default process group).
+
+    Rank r of the group owns rows [lo, hi) = shard_bounds(num_rows, W)[r : r + 2]; `weight` is that
+    shard (hi - lo, dim). Build it with `ShardedTable(num_rows, dim, ...)` (chunked seeded init: no
+    rank ever holds the whole table) or `ShardedTable.from_full(weight)` (copy the owned rows of a
+    full table every rank already has: the sharded model starts identical to the unsharded one).
+
+    `state_dict()` holds the local shard; `load_state_dict` takes the shard or the full table
+    (it keeps the owned rows). `full_weight()` gathers the whole table on one rank (a collective).
+    The table's device must suit the backend: CPU for gloo, the rank's CUDA device for NCCL.
+    """
+
+    _starts: torch.Tensor
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        init_std: float = 0.02,
+        seed: int = 0,
+        shard: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "ShardedTable needs torch.distributed: call torch.distributed.init_process_group first "
+                "(or launch with torchrun and use engram.distributed.init_distributed())"
+            )
+        if num_rows < 1 or dim < 1:
+            raise ValueError(f"a table needs num_rows >= 1 and dim >= 1, got {num_rows} x {dim}")
+        if dtype not in _DTYPES:
+            raise TypeError(f"a sharded table is fp32, bf16 (or fp64 for checks), got {dtype}")
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError(
+                f"global rank {dist.get_rank()} is not a member of the table's process group: build the "
+                "table only on the group's ranks"
+            )
+        self.num_rows, self.dim = int(num_rows), int(dim)
+        self.bounds = shard_bounds(self.num_rows, self.world)
+        self.lo, self.hi = self.bounds[self.rank], self.bounds[self.rank + 1]
+        self.init_std, self.seed = init_std, seed
+        if shard is None:
+            shard = chunked_normal(self.lo, self.hi, dim, std=init_std, seed=seed, dtype=dtype, device=device)
+        elif tuple(shard.shape) != (self.hi - self.lo, dim):
+            raise ValueError(
+                f"rank {self.rank}'s shard must be rows [{self.lo}, {self.hi}) of the table: shape "
+                f"{(self.hi - self.lo, dim)}, got {tuple(shard.shape)}"
+            )
+        self.weight = nn.Parameter(shard.detach().to(dtype=dtype, device=device).contiguous())
+        # First row of ranks 1..W-1: owner(row) = bucketize(row, _starts, right=True). int64, so a
+        # parent's .to(bf16) leaves it alone; not saved (it follows from num_rows and the world size).
+        starts = torch.tensor(self.bounds[1:-1], dtype=torch.int64, device=device)  # (W - 1,)
+        self.register_buffer("_starts", starts, persistent=False)
+        # The pending prefetch: distinct rows (U,) sorted, their values (U, dim) as an autograd leaf,
+        # and the exchange they came from (shared with the other tables of that prefetch).
+        self._ids: torch.Tensor | None = None
+        self._block: torch.Tensor | None = None
+        self._exchange: _Exchange | None = None
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> ShardedTable:
+        """The shard of a full table [num_rows, dim] (every rank passes the same values)."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"from_full needs a table [num_rows, dim], got {found}")
+        n = weight.shape[0]
+        bounds = shard_bounds(n, dist.get_world_size(group) if dist.is_initialized() else 1)
+        r = dist.get_rank(group) if dist.is_initialized() else 0
+        shard = weight.detach()[bounds[r] : bounds[r + 1]].clone()
+        return cls(n, weight.shape[1], group=group, dtype=weight.dtype, device=weight.device, shard=shard)
+
+    def extra_repr(self) -> str:
+        return f"num_rows={self.num_rows}, dim={self.dim}, rank={self.rank}/{self.world}, rows=[{self.lo}, {self.hi})"
+
+    # ------------------------------------------------------------------ lookups
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Fetch this table's distinct `rows` from their owners (a collective; see prefetch_tables)."""
+        prefetch_tables([(self, rows)])
+
+    def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """rows (...) -> (..., dim) from the prefetched block; autograd-aware (the gradient lands in
+        the block until `sync_table_grads`).
+
+        Without a pending prefetch this prefetches `rows` itself, which is a collective: every rank of
+        the group must then call gather at the same point. Under torch.no_grad such a block is
+        dropped after the call; with grad enabled it stays until sync_table_grads / release.
+        """
+        transient = False
+        if self._block is None:
+            prefetch_tables([(self, rows)])
+            transient = not torch.is_grad_enabled()
+        assert self._ids is not None and self._block is not None
+        ids, block = self._ids, self._block
+        if transient:
+            release_tables([self])
+        flat = rows.reshape(-1).to(device=ids.device, dtype=torch.int64)  # (N,)
+        if flat.numel() and ids.numel() == 0:
+            raise ValueError("rows were not prefetched: the pending prefetch of this table holds no rows")
+        pos = torch.searchsorted(ids, flat).clamp_(max=max(ids.numel() - 1, 0))  # (N,)
+        if flat.numel() and not torch.equal(ids[pos], flat):  # sync point: boundary check
+            bad = int(flat[ids[pos] != flat][0])
+            raise ValueError(
+                f"row {bad} was not prefetched this step: prefetch (prefetch_tables) the rows the "
+                "forward pass will gather, or release_tables() the stale prefetch first"
+            )
+        # index_select: its backward sums repeated rows in a fixed order (as TrainableTable.gather's)
+        emb = block.index_select(0, pos).view(*rows.shape, self.dim)  # (..., dim)
+        return emb if dtype is None or emb.dtype == dtype else emb.to(dtype)
+
+    # ------------------------------------------------------------------ whole table
+    def full_weight(self, dst: int = 0) -> torch.Tensor | None:
+        """The whole table [num_rows, dim] on group rank `dst` (None elsewhere); a collective."""
+        return gather_shards(self, self.weight.detach(), dst)
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
+        key = prefix + "weight"
+        w = state_dict.get(key)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == self.num_rows != self.hi - self.lo:
+            state_dict[key] = w[self.lo : self.hi]  # a full table (a checkpoint): keep the owned rows
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+
+def gather_shards(table: ShardedTable, shard: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
+    """Concatenate a per-rank tensor whose dim 0 runs over `table`'s owned rows (the weight or an
+    optimizer state) into [num_rows, ...] on group rank `dst`; None on the other ranks. A collective.
+    Shards are padded to the largest one (dist.gather needs equal sizes): fine at checkpoint time."""
+    if shard.shape[0] != table.hi - table.lo:
+        raise ValueError(f"shard has {shard.shape[0]} rows, rank {table.rank} owns {table.hi - table.lo}")
+    sizes = [table.bounds[r + 1] - table.bounds[r] for r in range(table.world)]
+    padded = shard.new_zeros((max(sizes), *shard.shape[1:]))
+    padded[: shard.shape[0]] = shard
+    parts = [torch.empty_like(padded) for _ in sizes] if table.rank == dst else None
+    dist.gather(padded.contiguous(), parts, group=table.group, group_dst=dst)
+    if parts is None:
+        return None
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
+# ---------------------------------------------------------------------------- the row exchange
+class _Exchange:
+    """The layout of one prefetch (several tables) that sync_table_grads reuses in reverse.
+
+    Requester side: `order` (U,) permutes the tables' concatenated distinct rows into the send
+    order (by owner, then table, then row); `send_splits[o]` rows go to owner o.
+    Owner side: `recv_splits[s]` rows came from rank s; `served[t]` = (positions (n_t,) in the
+    received buffer, local shard rows (n_t,)) of table t.
+    """
+
+    def __init__(
+        self,
+        tables: list[ShardedTable],
+        order: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        served: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.tables, self.order = tables, order
+        self.send_splits, self.recv_splits, self.served = send_splits, recv_splits, served
+
+
+def _check_same_group(tables: list[ShardedTable]) -> None:
+    first = tables[0]
+    for t in tables:
+        if not isinstance(t, ShardedTable):
+            raise TypeError(f"the row exchange takes ShardedTables, got {type(t).__name__}")
+        key = (t.group, t.dim, t.weight.dtype, t.weight.device)
+        if key != (first.group, first.dim, first.weight.dtype, first.weight.device):
+            raise ValueError(
+                "tables exchanged together need one process group, row width, dtype and device; got "
+                f"dim {t.dim} / {t.weight.dtype} / {t.weight.device} beside dim {first.dim} / "
+                f"{first.weight.dtype} / {first.weight.device}: prefetch them in separate calls"
+            )
+    if len({id(t) for t in tables}) != len(tables):
+        raise ValueError("a table appears twice in one prefetch: concatenate its rows into one tensor")
+
+
+def prefetch_tables(pairs: list[tuple[ShardedTable, torch.Tensor]]) -> None:
+    """Fetch each table's distinct rows from their owners, all tables in one exchange. A collective:
+    every rank of the group calls it with the same tables, in the same order, each with its own
+    rows (any shape, possibly empty). Replaces any pending prefetch of these tables.
+
+    Rows outside a table raise ValueError on every rank (the bad rank names the row), after the
+    counts exchange, so no rank is left waiting in a collective.
+    """
+    if not pairs:
+        return
+    tables = [t for t, _ in pairs]
+    _check_same_group(tables)
+    first = tables[0]
+    world, group, device = first.world, first.group, first.weight.device
+    n_tab = len(tables)
+
+    # Local work: distinct sorted rows of each table and their owners. A bad row is not raised yet:
+    # the other ranks are about to enter the counts exchange, so it is signalled through it (-1).
+    error: Exception | None = None
+    ids, owners = [], []
+    for t, rows in pairs:
+        try:
+            check_rows(rows, t.num_rows)
+        except (TypeError, ValueError) as e:
+            error = error or ValueError(f"rank {t.rank}: {e}")
+            rows = torch.empty(0, dtype=torch.int64, device=device)
+        u = torch.unique(rows.reshape(-1).to(device=device, dtype=torch.int64))  # (U_t,) sorted
+        ids.append(u)
+        owners.append(torch.bucketize(u, t._starts, right=True))  # (U_t,) owner rank of each row
+    cat_ids, cat_owner = torch.cat(ids), torch.cat(owners)  # (U,)
+    cat_table = torch.repeat_interleave(
+        torch.arange(n_tab, device=device), torch.tensor([len(u) for u in ids], device=device)
+    )
+    order = torch.argsort(cat_owner * n_tab + cat_table, stable=True)  # (U,) send order
+    send_counts = torch.bincount(cat_owner * n_tab + cat_table, minlength=world * n_tab)  # (W * tables,)
+    if error is not None:
+        send_counts.fill_(-1)
+
+    # 1) counts: rank s sends owner o how many rows of each table it needs from o
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    recv_counts = recv_counts.view(world, n_tab).cpu()  # sync point: split sizes to the host
+    bad_ranks = [s for s in range(world) if bool((recv_counts[s] < 0).any())]
+    if bad_ranks:
+        if error is not None:
+            raise error
+        raise ValueError(f"rank(s) {bad_ranks} asked for rows outside their tables; see their error")
+    send_splits = send_counts.view(world, n_tab).sum(1).tolist()  # sync point on CUDA
+    recv_splits = recv_counts.sum(1).tolist()
+
+    # 2) ids: the owners learn which rows to serve
+    req = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)  # (R,) global rows
+    dist.all_to_all_single(req, cat_ids[order], recv_splits, send_splits, group=group)
+    req_table = torch.repeat_interleave(torch.arange(n_tab).repeat(world), recv_counts.flatten()).to(device)
+    served = []
+    out = torch.empty(req.numel(), first.dim, dtype=first.weight.dtype, device=device)  # (R, dim)
+    for i, t in enumerate(tables):
+        pos = (req_table == i).nonzero().squeeze(1)  # (n_t,) positions in the received buffer
+        local = req.index_select(0, pos) - t.lo  # (n_t,) rows of this rank's shard
+        out.index_copy_(0, pos, t.weight.detach().index_select(0, local))
+        served.append((pos, local))
+
+    # 3) rows: the owners send the values back, in the order they were asked for
+    got = torch.empty(cat_ids.numel(), first.dim, dtype=first.weight.dtype, device=device)  # (U, dim)
+    dist.all_to_all_single(got, out, send_splits, recv_splits, group=group)
+    values = torch.empty_like(got).index_copy_(0, order, got)  # back to the tables' concatenated order
+    exchange = _Exchange(tables, order, send_splits, recv_splits, served)
+    track = torch.is_grad_enabled()
+    for t, u, block in zip(tables, ids, values.split([len(u) for u in ids]), strict=True):
+        t._ids, t._exchange = u, exchange
+        t._block = block.detach().requires_grad_(track and t.weight.requires_grad)  # (U_t, dim) leaf
+
+
+def sync_table_grads(tables: list[ShardedTable]) -> None:
+    """After backward: send every pending block's row gradients to the rows' owners, which sum the
+    contributions of all ranks (in rank order) and set their shard's sparse gradient (added to an
+    existing one). Releases the prefetches. A collective: all ranks call it with the same tables.
+    Tables without a pending prefetch are skipped (the same on every rank: prefetch is collective)."""
+    exchanges: list[_Exchange] = []
+    for t in tables:
+        if t._exchange is not None and all(t._exchange is not e for e in exchanges):
+            exchanges.append(t._exchange)
+    for ex in exchanges:
+        first = ex.tables[0]
+        blocks = [t._block for t in ex.tables]
+        assert all(b is not None for b in blocks)
+        grads = torch.cat([b.grad if b.grad is not None else torch.zeros_like(b) for b in blocks])  # (U, dim)
+        recv = torch.empty(sum(ex.recv_splits), first.dim, dtype=grads.dtype, device=grads.device)  # (R, dim)
+        dist.all_to_all_single(recv, grads[ex.order], ex.recv_splits, ex.send_splits, group=first.group)
+        acc = torch.float32 if grads.dtype == torch.bfloat16 else grads.dtype  # sum bf16 rows in fp32
+        for t, (pos, local) in zip(ex.tables, ex.served, strict=True):
+            rows, inverse = torch.unique(local, return_inverse=True)  # (V,) sorted distinct, (n_t,)
+            summed = torch.zeros(rows.numel(), t.dim, dtype=acc, device=recv.device)  # (V, dim)
+            summed.index_add_(0, inverse, recv.index_select(0, pos).to(acc))  # rank order on CPU
+            grad = torch.sparse_coo_tensor(
+                rows[None],
+                summed.to(t.weight.dtype),
+                tuple(t.weight.shape),
+                is_coalesced=True,  # sorted distinct rows by construction
+                check_invariants=False,
+            )
+            t.weight.grad = grad if t.weight.grad is None else t.weight.grad + grad
+        release_tables(ex.tables)
+
+
+def release_tables(tables: list[ShardedTable]) -> None:
+    """Drop the pending prefetch of these tables (local; no collective)."""
+    for t in tables:
+        t._ids = t._block = t._exchange = None

@@ -1,0 +1,303 @@
+"""Data-parallel training with row-sharded Engram tables (launched with torchrun).
+
+Holds:
+- `DistEnv`, `init_distributed()`: read torchrun's environment, pick the backend (NCCL with one
+  CUDA device per LOCAL_RANK, else gloo on the CPU), start the process group, set torch threads.
+- `build_distributed_model(cfg, data, init=...)`: engram.train.build_model's model with its tables
+  sharded (COPY: identical to the single-process model) or born sharded (CHUNKED).
+- `DistributedTrainer`: engram.train.Trainer with its batch, backward and checkpoint pieces
+  replaced. W ranks with a global batch of B sequences train the model one process trains with
+  batch B: rank r takes the contiguous part [r*B/W, (r+1)*B/W) of the step's window starts, the
+  loss is scaled by 1/W, dense gradients are summed (all-reduce) and table gradients are summed
+  at the rows' owners (all-to-all), so both equal the global mean's gradient.
+- `global_num_params(model)`: EngramLM.num_params with the tables' full sizes.
+
+Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
+are all-reduced (float64), so the result equals single-process evaluation up to summation order.
+Checkpoints keep the single-process format (`engram eval` and `engram.train.load_checkpoint` read
+them): the table shards and their optimizer state are gathered to rank 0, which writes. That
+holds one full table on rank 0 for a moment: fine at this project's scale, not at V4.1's (a
+sharded checkpoint format would be needed there). Resuming reads the full files on every rank and
+keeps the owned rows; a checkpoint resumes on any world size, or in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engram.distributed.parallelize import (
+    TableInit,
+    all_reduce_grads,
+    build_sharded_model,
+    prefetch_model_rows,
+    shard_engram_tables,
+    sharded_tables,
+    split_sharded_params,
+)
+from engram.distributed.sharded_table import ShardedTable, gather_shards, release_tables, sync_table_grads
+from engram.evaluation import eval_summary, score_windows, window_rows
+from engram.lm import EngramLM
+from engram.table import TrainableTable
+from engram.train import DataBundle, TrainConfig, Trainer, build_model
+
+__all__ = [
+    "TORCHRUN_VARS",
+    "DistEnv",
+    "DistributedTrainer",
+    "build_distributed_model",
+    "global_num_params",
+    "init_distributed",
+]
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_EVAL_BATCH = 32  # windows per evaluation batch on each rank (engram.train.evaluate's default)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str | None = None, *, threads: int | None = None) -> DistEnv:
+    """Start the default process group from torchrun's environment variables.
+
+    backend: "nccl" when CUDA is available (device cuda:LOCAL_RANK), else "gloo" (CPU).
+    threads: torch threads of this rank (default: the cores split evenly over the node's ranks).
+    """
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"--distributed needs torchrun's environment, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: launch with "
+            "`torchrun --nproc_per_node N -m engram train --distributed ...`"
+        )
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)")
+    if backend == "nccl":
+        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"backend nccl needs a CUDA device for LOCAL_RANK={local_rank}, found "
+                f"{torch.cuda.device_count()}: start at most that many ranks per node, or use gloo"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, **kw)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    # Ranks of a node share its cores: oversubscribing them (each rank using all) is far slower.
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def build_distributed_model(
+    cfg: TrainConfig,
+    data: DataBundle,
+    *,
+    init: TableInit = TableInit.COPY,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> EngramLM:
+    """cfg's model on `device` with sharded Engram tables. COPY: build_model's model (the same as a
+    single process trains; each rank builds the full table once, then keeps its rows). CHUNKED:
+    build_sharded_model (no rank ever holds a full table; another, world-size independent, init)."""
+    if init is TableInit.COPY or not cfg.engram:
+        model = build_model(cfg, data).to(device)
+        shard_engram_tables(model, group)
+        return model
+    base = build_model(cfg, data, engram=False).config  # the LMConfig build_model would use
+    lm_cfg = dataclasses.replace(base, engram=data.engram_config)
+    return build_sharded_model(lm_cfg, seed=cfg.seed, group=group, device=device)
+
+
+def global_num_params(model: EngramLM) -> dict[str, int]:
+    """model.num_params() counting every ShardedTable at its full size (not this rank's shard)."""
+    counts = model.num_params()
+    extra = sum(t.num_rows * t.dim - t.weight.numel() for t in sharded_tables(model))
+    counts["total"] += extra
+    counts["engram_tables"] += extra
+    return counts
+
+
+def _data_checksum(data: DataBundle) -> int:
+    crc = zlib.crc32(data.tokenizer.to_str().encode())
+    for a in (data.train.ids, data.held_out.ids):
+        crc = zlib.crc32(np.ascontiguousarray(a).tobytes(), crc)
+    return crc
+
+
+class DistributedTrainer(Trainer):
+    """Trainer for one rank of a data-parallel run; every rank constructs it and calls the same
+    methods (run, evaluate, save_checkpoint, load_checkpoint are collectives).
+
+    `model` is cfg's model on `device`; Engram tables still unsharded are sharded here (COPY).
+    Only rank 0 writes checkpoints (out_dir must be the same shared folder on every rank).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        data: DataBundle,
+        model: EngramLM,
+        out_dir: str | Path | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise ValueError(
+                "DistributedTrainer needs torch.distributed: call engram.distributed.init_distributed() "
+                "(under torchrun) or torch.distributed.init_process_group first"
+            )
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if cfg.batch_size % self.world:
+            lo = cfg.batch_size // self.world * self.world
+            raise ValueError(
+                f"batch_size={cfg.batch_size} does not split evenly over {self.world} ranks: use a "
+                f"multiple of {self.world} (e.g. {lo or self.world} or {lo + self.world})"
+            )
+        self.local_batch = cfg.batch_size // self.world
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if any(isinstance(m.table, TrainableTable) for m in model.engrams.values()):
+            shard_engram_tables(model, group)
+        self.tables = sharded_tables(model)
+        super().__init__(cfg, data, model, out_dir)
+        self._check_same_data(data)
+        # table optimizer's param index -> its table (for gathering / slicing its state in checkpoints)
+        owner = {id(t.weight): t for t in self.tables}
+        self._opt_tables = (
+            [owner[id(p)] for g in self.table_opt.param_groups for p in g["params"]] if self.table_opt else []
+        )
+
+    def _check_same_data(self, data: DataBundle) -> None:
+        crc = _data_checksum(data)
+        both = torch.tensor([crc, -crc], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min)
+        if int(both[0]) != crc or int(-both[1]) != crc:
+            raise ValueError(
+                f"rank {self.rank}'s data (tokenizer and token streams) differs from another rank's: every "
+                "rank must prepare the same data (same corpus, tokenizer and config)"
+            )
+
+    # ------------------------------------------------------------------ the step's pieces
+    def _param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        return split_sharded_params(self.model)
+
+    def _batch_starts(self, step: int) -> np.ndarray:
+        starts = super()._batch_starts(step)  # (B,) the global batch, the same on every rank
+        return starts[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x, y, rows = super()._batch(step)  # (B/W, T), (B/W, T), (B/W, T, layers, heads)
+        x, y = x.to(self.device), y.to(self.device)
+        rows = None if rows is None else rows.to(self.device)
+        if self.tables:
+            prefetch_model_rows(self.model, rows)  # the step's one row exchange, before the forward
+        return x, y, rows
+
+    def _backward(self, loss: torch.Tensor) -> float:
+        (loss / self.world).backward()  # summed over ranks below: the global mean's gradient
+        sync_table_grads(self.tables)  # table rows' gradients to their owners
+        total = all_reduce_grads(self.dense_params, self.group, extra=loss.detach().reshape(1) / self.world)
+        assert total is not None
+        return float(total[0])  # the global batch's mean loss; sync point
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, max_tokens: int | None = None, engram_scale: float = 1.0) -> dict[str, Any]:
+        """engram.train.evaluate over the held-out split, the windows shared out among the ranks."""
+        model, stream, seq = self.model, self.data.held_out, self.cfg.seq_len
+        was_training = model.training
+        model.eval()
+        starts = stream.eval_starts(seq, max_tokens)
+        parts = np.array_split(starts, self.world)  # contiguous, sizes differ by at most one
+        mine = parts[self.rank]
+        rounds = max(math.ceil(len(p) / _EVAL_BATCH) for p in parts)  # the same on every rank
+        n_cat = len(stream.categories)
+        loss_sum = torch.zeros(n_cat, dtype=torch.float64)
+        count = torch.zeros(n_cat, dtype=torch.float64)
+        rows = self.rows[1]
+        for i in range(rounds):
+            s = mine[i * _EVAL_BATCH : (i + 1) * _EVAL_BATCH]
+            if self.tables:  # a rank out of windows still takes part in the exchange, with no rows
+                r = window_rows(rows, s, seq) if len(s) else None
+                prefetch_model_rows(model, None if r is None else r.to(self.device))
+            if len(s):
+                score_windows(model, stream, rows, s, seq, loss_sum, count, engram_scale, self.device)
+            release_tables(self.tables)
+        both = torch.cat([loss_sum, count]).to(self.device)
+        dist.all_reduce(both, group=self.group)
+        both = both.cpu()
+        model.train(was_training)
+        return eval_summary(stream, both[:n_cat], both[n_cat:])
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Gather shards to rank 0, which writes the single-process format; a collective."""
+        if self.out_dir is None:
+            raise ValueError("this Trainer has no out_dir to write checkpoints into")
+        tensors = self._checkpoint_tensors()
+        path = self.out_dir / "checkpoints" / f"step-{self.step:07d}"
+        if self.rank == 0:
+            path = self._write_checkpoint(*tensors)
+        dist.barrier(group=self.group)  # no rank reads the folder before rank 0 has renamed it into place
+        self._saved_step = self.step
+        return path
+
+    def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        model_tensors, opt_tensors, groups = super()._checkpoint_tensors()
+        names = {f"{n}.weight": m for n, m in self.model.named_modules() if isinstance(m, ShardedTable)}
+        for key in sorted(names):  # the same order on every rank
+            full = names[key].full_weight(0)
+            if full is not None:
+                model_tensors[key] = full
+        for key in sorted(k for k in opt_tensors if k.startswith("table.")):
+            full = gather_shards(self._opt_tables[int(key.split(".")[1])], opt_tensors[key], 0)
+            if full is not None:
+                opt_tensors[key] = full
+        if self.rank != 0:
+            return {}, {}, groups
+        cpu = {k: v.cpu().contiguous() for k, v in model_tensors.items()}
+        return cpu, {k: v.cpu().contiguous() for k, v in opt_tensors.items()}, groups
+
+    def _restore_tensors(
+        self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
+    ) -> None:
+        # The model keeps its owned rows itself (ShardedTable._load_from_state_dict); the table
+        # optimizer's state is cut here: each of its tensors runs over the table's rows.
+        sliced = dict(opt_tensors)
+        for key, value in opt_tensors.items():
+            if key.startswith("table."):
+                t = self._opt_tables[int(key.split(".")[1])]
+                if value.shape[0] != t.num_rows:
+                    raise ValueError(
+                        f"checkpoint optimizer state {key!r} has {value.shape[0]} rows, the table has "
+                        f"{t.num_rows}: was it written for another config?"
+                    )
+                sliced[key] = value[t.lo : t.hi]
+        super()._restore_tensors(model_tensors, sliced, groups)

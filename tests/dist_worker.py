@@ -1,0 +1,183 @@
+"""Worker processes for tests/test_distributed.py (spawned with torch.multiprocessing, gloo on CPU).
+
+`worker(rank, world, init_file, out_dir, cfg_dict)` runs every distributed check of one world size
+and saves what the parent compares with single-process references to `out_dir/rank-{rank}.pt`.
+The inputs (tables, rows, coefficients) are pure functions of fixed seeds, so the parent rebuilds
+them with `table_inputs` / `step_inputs`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Table checks: two tables (one exchange for both), a global batch of B sequences of T positions.
+SIZES = (1000, 777)
+DIM, B, T, HEADS = 8, 6, 5, 3
+ADAM_STEPS, ADAM_LR = 3, 0.1
+CHUNKED_ROWS = 150_000  # crosses two INIT_CHUNK_ROWS boundaries
+
+
+def table_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    """The full tables [rows, DIM] every rank starts from."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, DIM, generator=g, dtype=torch.float64).to(dtype) for n in SIZES]
+
+
+def step_inputs(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per table: global rows (B, T, HEADS), many repeated, and loss coefficients (B, T, HEADS, DIM)."""
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for n in SIZES:
+        rows = torch.randint(0, min(n, 60), (B, T, HEADS), generator=g)  # few distinct rows: repeats
+        rows[0, 0, 0] = n - 1  # the last row (owned by the last rank)
+        out.append((rows, torch.randn(B, T, HEADS, DIM, generator=g, dtype=torch.float64)))
+    return out
+
+
+def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    b = B // world
+    return t[rank * b : (rank + 1) * b]
+
+
+def _tables_part(rank: int, world: int) -> dict[str, Any]:
+    from engram.distributed import ShardedTable, chunked_normal, prefetch_tables, sync_table_grads
+    from engram.optim import SparseRowAdam
+
+    res: dict[str, Any] = {}
+    # gather: values served from the prefetched block, one exchange for both tables
+    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.float32)]
+    inputs = step_inputs(0)
+    local_rows = [_local(r, rank, world) for r, _ in inputs]
+    prefetch_tables(list(zip(tables, local_rows, strict=True)))
+    res["gathered"] = [t.gather(r) for t, r in zip(tables, local_rows, strict=True)]
+    with torch.no_grad():  # no pending prefetch needed: gather prefetches itself (a collective)
+        res["gathered_self"] = tables[1].gather(local_rows[1][:, :2])
+    res["bounds"] = [t.bounds for t in tables]
+    res["full"] = [t.full_weight(0) for t in tables]
+
+    # gradients: fp64 tables, loss = sum(gathered * coefficients) over the global batch
+    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.float64)]
+    opt = SparseRowAdam([t.weight for t in tables], lr=ADAM_LR)
+    for step in range(ADAM_STEPS):
+        inputs = step_inputs(step)
+        rows = [_local(r, rank, world) for r, _ in inputs]
+        prefetch_tables(list(zip(tables, rows, strict=True)))
+        loss = sum(
+            (t.gather(r) * _local(c, rank, world)).sum()
+            for t, r, (_, c) in zip(tables, rows, inputs, strict=True)
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_table_grads(tables)
+        if step == 0:
+            res["grads"] = [t.weight.grad.to_dense() for t in tables]
+            res["grad_layout"] = [(t.weight.grad.layout, t.weight.grad._indices().clone()) for t in tables]
+        opt.step()
+    res["adam"] = [t.full_weight(0) for t in tables]
+
+    # bf16 tables: rows served exactly; row gradients summed in fp32 at the owners
+    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.bfloat16)]
+    inputs = step_inputs(0)
+    prefetch_tables([(t, _local(r, rank, world)) for t, (r, _) in zip(tables, inputs, strict=True)])
+    outs = [t.gather(_local(r, rank, world), torch.float32) for t, (r, _) in zip(tables, inputs, strict=True)]
+    sum((o * _local(c, rank, world).float()).sum() for o, (_, c) in zip(outs, inputs, strict=True)).backward()
+    sync_table_grads(tables)
+    res["bf16_gathered"] = [o.detach() for o in outs]
+    res["bf16_grads"] = [t.weight.grad.to_dense() for t in tables]
+
+    # errors: a bad row on rank `world - 1` raises on every rank (no rank hangs in the exchange)
+    bad = local_rows[1].clone()
+    if rank == world - 1:
+        bad[0, 0, 0] = SIZES[1]
+    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.float32)]
+    try:
+        prefetch_tables([(tables[0], local_rows[0]), (tables[1], bad)])
+        res["bad_row_error"] = None
+    except ValueError as e:
+        res["bad_row_error"] = str(e)
+    tables[0].prefetch(local_rows[0][:1])  # the group still works; now gather rows not prefetched
+    try:
+        tables[0].gather(local_rows[0])
+        res["stale_error"] = None
+    except ValueError as e:
+        res["stale_error"] = str(e)
+
+    # chunked init: the same table whatever the world size
+    t = ShardedTable(CHUNKED_ROWS, 4, seed=3)
+    res["chunked"] = t.full_weight(0)
+    res["chunked_local_ok"] = torch.equal(t.weight.detach(), chunked_normal(t.lo, t.hi, 4, seed=3))
+    return res
+
+
+def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    from engram.distributed import (
+        DistributedTrainer,
+        TableInit,
+        build_distributed_model,
+        global_num_params,
+        sharded_tables,
+    )
+    from engram.train import TrainConfig, build_model, latest_checkpoint, prepare_data
+
+    res: dict[str, Any] = {}
+    cfg = TrainConfig.from_dict(cfg_dict)
+    data = prepare_data(cfg)
+    try:
+        DistributedTrainer(cfg.replace(batch_size=B + 1), data, build_distributed_model(cfg, data))
+        res["batch_error"] = None
+    except ValueError as e:
+        res["batch_error"] = str(e)
+
+    trainer = DistributedTrainer(cfg, data, build_distributed_model(cfg, data), out_dir=out_dir / "run")
+    res["initial_eval"] = trainer.evaluate(max_tokens=1024)
+    trainer.run(until=cfg.steps // 2)  # writes a checkpoint there
+    trainer.run()
+    res["history"] = trainer.history
+    res["final_eval"] = trainer.evaluate(max_tokens=1024)
+    res["num_params"] = global_num_params(trainer.model)
+
+    # resume the mid-run checkpoint into a differently initialised model; finish in another folder
+    half = out_dir / "run" / "checkpoints" / f"step-{cfg.steps // 2:07d}"
+    other = build_distributed_model(cfg.replace(seed=99), data)
+    resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "resumed")
+    resumed.load_checkpoint(half)
+    res["resumed_step"] = resumed.step
+    resumed.run()
+    res["resumed_history"] = resumed.history
+    res["latest"] = str(latest_checkpoint(out_dir / "run"))
+
+    # the same run in float64: equivalence up to summation order, without fp32 rounding noise
+    # (which Adam amplifies for rows whose gradient is near zero)
+    t64 = DistributedTrainer(cfg, data, build_model(cfg, data).double())
+    t64.run()
+    res["history64"] = t64.history
+    res["state64"] = t64._checkpoint_tensors()[0]  # the full model on rank 0
+
+    # a model born sharded (CHUNKED): its tables gathered whole, for the world-size comparison
+    chunked = build_distributed_model(cfg, data, init=TableInit.CHUNKED)
+    full = [t.full_weight(0) for t in sharded_tables(chunked)]
+    dense = {k: v for k, v in chunked.state_dict().items() if not k.endswith("table.weight")}
+    res["chunked_model"] = (full, dense)
+    return res
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, cfg_dict: dict[str, Any]) -> None:
+    torch.set_num_threads(1)  # 2 or 3 ranks share 2 cores
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),  # a hang fails the test instead of stalling it
+    )
+    try:
+        res = _tables_part(rank, world)
+        res.update(_train_part(rank, world, Path(out_dir), cfg_dict))
+        torch.save(res, Path(out_dir) / f"rank-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
