@@ -298,3 +298,47 @@ def test_hasher_triton_path(kernels, ds_compression):
         hasher._hash_triton(torch.tensor([[1, 2, 129280]], device=DEVICE), None, np.dtype(np.int64))
     with pytest.raises(TypeError, match="integer token ids"):
         hasher._hash_triton(torch.zeros(3, device=DEVICE), None, np.dtype(np.int64))
+
+
+def test_stream_device_step(kernels, ds_compression):
+    """`HashStream.step` of CUDA ids runs `_step_device` (the Triton kernel with the window kept on the
+    device); driven here on CPU tensors, it must give the host stream's rows through prefill, steps with
+    dead tokens, drafts (which bring the state back to the host) and more steps."""
+    from engram import HashStream
+
+    hasher = NgramHasher(EngramConfig.preset("deepseek-v4.1"), ds_compression)
+    gen = torch.Generator().manual_seed(8)
+    b, steps = 3, 9
+    prefix = torch.randint(0, 129280, (b, 5), generator=gen)
+    ids = torch.randint(0, 129280, (steps, b), generator=gen).to(DEVICE)
+    dead = (torch.rand(steps, b, generator=gen) < 0.25).to(DEVICE)
+    host, dev = HashStream(hasher, b), HashStream(hasher, b)
+    host.feed(prefix.numpy())
+    dev.feed(prefix.numpy())
+    out32 = torch.empty((b, 2, 24), dtype=torch.int32, device=DEVICE)
+    for t in range(steps):
+        if t == 4:  # a draft round in the middle: the state comes back to the host and goes out again
+            for s in (host, dev):
+                s.draft(np.array([[7, 8], [9, 10], [11, 12]]))
+                s.commit([0, 1, 2])
+        want = host.step(ids[t].cpu().numpy(), dead[t].cpu().numpy())
+        if t % 2:
+            got = dev._step_device(ids[t], dead[t], out32, True)
+        else:
+            got = dev._step_device(ids[t], None if not dead[t].any() else dead[t], None, t != 2)
+        assert got.device == ids.device
+        assert np.array_equal(got.cpu().numpy(), want), t
+        assert dev._dev is not None  # the state stays on the device between steps
+    assert np.array_equal(dev.window, host.window) and np.array_equal(dev.position, host.position)
+    assert dev._dev is None  # reading the window brought it back
+
+    with pytest.raises(ValueError, match=r"id 129280 at position \(1,\)"):
+        dev._step_device(torch.tensor([1, 129280, 2], device=DEVICE), None, None, True)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        dev._step_device(torch.zeros(2, dtype=torch.int64, device=DEVICE), None, None, True)
+    with pytest.raises(ValueError, match="out must be"):
+        dev._step_device(ids[0], None, torch.empty(3, 2, 5, dtype=torch.int64, device=DEVICE), True)
+    assert np.array_equal(dev.position, host.position)  # failed steps changed nothing
+    dev.draft(np.array([[1], [2], [3]]))
+    with pytest.raises(RuntimeError, match="drafted tokens are pending"):
+        dev._step_device(ids[0], None, None, True)

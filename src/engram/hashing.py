@@ -264,6 +264,20 @@ class NgramHasher:
             rows = rows[0]
         return _like_input(rows, token_ids)
 
+    def device_tables(self, device: Any) -> tuple[Any, ...]:
+        """(compression lookup, multipliers, primes, offsets) as int64 tensors on `device`, made once
+        per device: what the Triton hash kernel reads (`hash` of CUDA tensors, `HashStream.step`)."""
+        import torch
+
+        tables = self._device_tables.get(device)
+        if tables is None:
+            tables = tuple(
+                torch.tensor(a, dtype=torch.int64, device=device)  # copies (the lookup is read-only)
+                for a in (self.compression.lookup, self.multipliers, self.primes, self.offsets)
+            )
+            self._device_tables[device] = tables
+        return tables
+
     def _hash_triton(self, token_ids: Any, dead_mask: Any, dtype: np.dtype) -> Any:
         """`hash` of a CUDA tensor with the Triton kernel: ids, compression and rows stay on the device.
 
@@ -290,14 +304,7 @@ class NgramHasher:
             or dead_mask.shape != ids.shape
         ):
             _check_dead_mask(dead_mask, tuple(ids.shape))  # raises
-        tables = self._device_tables.get(ids.device)
-        if tables is None:
-            tables = tuple(
-                torch.tensor(a, dtype=torch.int64, device=ids.device)  # copies (the lookup is read-only)
-                for a in (self.compression.lookup, self.multipliers, self.primes, self.offsets)
-            )
-            self._device_tables[ids.device] = tables
-        lut, mult, primes, offsets = tables
+        lut, mult, primes, offsets = self.device_tables(ids.device)
         one_d = ids.dim() == 1
         xc = lut[ids.reshape(1, -1) if one_d else ids]  # (B, T) compressed ids
         dead = None if dead_mask is None else dead_mask.reshape(xc.shape).to(ids.device)

@@ -9,7 +9,10 @@ the drafts in flight, never O(sequence length): the window is all the future can
 `step()` is the decode hot path: one numba kernel call (`engram._hash_kernels.step`) validates
 the ids, hashes every sequence's token and shifts the windows and positions in place; nothing is
 allocated but the output, and not even that when `out=` is passed. Without numba (or with the
-hasher's backend set to numpy) it goes through `feed`, as chunked prefill does.
+hasher's backend set to numpy) it goes through `feed`, as chunked prefill does. With CUDA ids (and
+triton) the step runs on the device (`_step_device`: the Triton hash kernel reads the window kept
+there); the state moves to the device on the first such step and back to the host when a host
+method (feed, draft, commit, reset, `window`, ...) next needs it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engram.hashing import NgramHasher, _check_dead_mask, _like_input, check_token_ids
+from engram.hashing import HashBackend, NgramHasher, _check_dead_mask, _like_input, check_token_ids
 
 __all__ = ["HashStream"]
 
@@ -39,8 +42,11 @@ class HashStream:
         self.hasher = hasher
         self.batch_size = batch_size
         w = hasher.window_size
-        self.window = np.full((batch_size, w), hasher.pad, dtype=np.int64)  # (B, n-1), most recent first
-        self.position = np.zeros(batch_size, dtype=np.int64)  # committed tokens per sequence
+        self._window = np.full((batch_size, w), hasher.pad, dtype=np.int64)  # (B, n-1), most recent first
+        self._position = np.zeros(batch_size, dtype=np.int64)  # committed tokens per sequence
+        # After steps on a CUDA device the committed state lives there: (window, position) tensors;
+        # every other method brings it back first (`_to_host`, a sync point).
+        self._dev: tuple[Any, Any] | None = None
         # drafts: compressed ids (pad at dead positions) and dead flags, (B, capacity), n_draft used
         self._draft_vals = np.zeros((batch_size, 0), dtype=np.int64)
         self._draft_dead = np.zeros((batch_size, 0), dtype=bool)
@@ -48,6 +54,27 @@ class HashStream:
         # step() scratch: the kernel's look-back values, and a stand-in for an absent dead mask
         self._look = np.zeros(hasher.config.max_ngram_size, dtype=np.uint64)
         self._no_dead = np.zeros(1, dtype=np.bool_)
+
+    @property
+    def window(self) -> np.ndarray:
+        """(B, max_ngram-1) committed look-back, most recent first, pads and blocking applied (on the
+        host: reading it after decode steps on a GPU is a sync point)."""
+        self._to_host()
+        return self._window
+
+    @property
+    def position(self) -> np.ndarray:
+        """(B,) committed tokens per sequence (on the host, like `window`)."""
+        self._to_host()
+        return self._position
+
+    def _to_host(self) -> None:
+        """Bring the committed state back from the device after GPU decode steps (a sync point)."""
+        if self._dev is not None:
+            window, position = self._dev
+            self._window[...] = window.cpu().numpy()
+            self._position[...] = position.cpu().numpy()
+            self._dev = None
 
     # ------------------------------------------------------------------ helpers
     def _select(self, seqs: Any) -> np.ndarray:
@@ -89,33 +116,45 @@ class HashStream:
     def _current_window(self, idx: np.ndarray) -> np.ndarray:
         """Look-back window after the committed tokens and the drafts of sequences idx."""
         if self._draft_vals.shape[1] == 0 or not self.n_draft[idx].any():
-            return self.window[idx]
+            return self._window[idx]
         return self.hasher.next_window(
-            self._draft_vals[idx], self._draft_dead[idx], self.window[idx], lengths=self.n_draft[idx]
+            self._draft_vals[idx], self._draft_dead[idx], self._window[idx], lengths=self.n_draft[idx]
         )
 
     # ------------------------------------------------------------------ committed tokens
     def feed(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
         """Hash and commit a chunk; rows [T, n_layers, heads] (1-D input) or [B', T, ...]."""
+        self._to_host()
         xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
         if self.n_draft[idx].any():
             raise RuntimeError(
                 "drafted tokens are pending for these sequences: commit() or rollback() them first"
             )
-        window = self.window[idx]
+        window = self._window[idx]
         rows = self.hasher.hash_compressed(xc, dead, window)
-        self.window[idx] = self.hasher.next_window(xc, dead, window)
-        self.position[idx] += xc.shape[1]
+        self._window[idx] = self.hasher.next_window(xc, dead, window)
+        self._position[idx] += xc.shape[1]
         return _like_input(rows[0] if one_d else rows, token_ids)
 
-    def step(self, token_ids: Any, dead_mask: Any = None, *, out: Any = None) -> Any:
+    def step(self, token_ids: Any, dead_mask: Any = None, *, out: Any = None, check_ids: bool = True) -> Any:
         """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads].
 
         Without `out`, a torch input gives a torch int64 tensor (on the input's device), anything
         else a numpy array. `out`: a preallocated C-contiguous int64 or int32 array (numpy, or a
-        CPU torch tensor) of shape [B, n_layers, heads]; the rows are written into it and it is
-        returned. Bad ids, a bad mask, or drafts pending raise and leave the state unchanged.
+        torch tensor on the ids' device) of shape [B, n_layers, heads]; the rows are written into it
+        and it is returned. Bad ids, a bad mask, or drafts pending raise and leave the state unchanged.
+
+        CUDA ids (with triton) stay on the device: the Triton hash kernel reads the look-back window
+        kept there and the window shifts in place, so a step neither copies nor syncs, except for the
+        id range check (one sync; `check_ids=False` skips it for ids the model sampled itself, which
+        are in range by construction; an out-of-range id is then a device-side indexing error).
         """
+        if getattr(token_ids, "is_cuda", False) and self.hasher.backend is HashBackend.AUTO:
+            from engram import kernels  # lazy: triton is optional
+
+            if kernels.use_triton(token_ids):
+                return self._step_device(token_ids, dead_mask, out, check_ids)
+        self._to_host()
         ids = _host_array(token_ids)
         if ids.ndim != 1 or ids.shape[0] != self.batch_size:
             raise ValueError(
@@ -139,8 +178,8 @@ class HashStream:
             tables.lookup,
             dead,
             has_dead,
-            self.window,
-            self.position,
+            self._window,
+            self._position,
             self.n_draft,
             *tables.layout_args,
             self._look,
@@ -153,6 +192,73 @@ class HashStream:
                 f"drafted tokens are pending for sequence {b}: commit() or rollback() them first"
             )
         return result
+
+    def _step_device(self, token_ids: Any, dead_mask: Any, out: Any, check_ids: bool) -> Any:
+        """step() on the ids' device with the Triton kernel; the state moves there on the first call."""
+        import torch
+
+        from engram import kernels
+
+        b, cfg = self.batch_size, self.hasher.config
+        ids = token_ids
+        if ids.dim() != 1 or ids.shape[0] != b:
+            raise ValueError(f"step() takes one token per sequence, shape [{b}], got {tuple(ids.shape)}")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            check_token_ids(ids, cfg.vocab_size)  # raises, naming the dtype
+        if check_ids and bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):  # sync point: boundary check
+            check_token_ids(ids, cfg.vocab_size)  # raises, naming the id and its position
+        if dead_mask is not None and (
+            not isinstance(dead_mask, torch.Tensor)
+            or dead_mask.dtype != torch.bool
+            or dead_mask.shape != ids.shape
+        ):
+            _check_dead_mask(dead_mask, tuple(ids.shape))  # raises with the reason
+        if self.n_draft.any():
+            raise RuntimeError(
+                f"drafted tokens are pending for sequence {int(np.argmax(self.n_draft > 0))}: "
+                "commit() or rollback() them first"
+            )
+        shape = self.hasher.output_shape((b,))
+        if out is None:
+            out = torch.empty(shape, dtype=torch.int64, device=ids.device)
+        elif (
+            not isinstance(out, torch.Tensor)
+            or out.device != ids.device
+            or tuple(out.shape) != shape
+            or not out.is_contiguous()
+            or out.dtype not in (torch.int64, torch.int32)
+        ):
+            found = (
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+                if isinstance(out, torch.Tensor)
+                else type(out)
+            )
+            raise ValueError(
+                f"out must be a contiguous int64/int32 tensor of shape {shape} on {ids.device}, got {found}"
+            )
+        else:
+            self.hasher.check_out_dtype(out.dtype)  # int32 only where every row fits
+        if self._dev is None or self._dev[0].device != ids.device:
+            self._to_host()
+            self._dev = (
+                torch.from_numpy(self._window).to(ids.device),
+                torch.from_numpy(self._position).to(ids.device),
+            )
+        window, position = self._dev  # (B, n-1) most recent first, (B,)
+        lut, mult, primes, offsets = self.hasher.device_tables(ids.device)
+        xc = lut[ids].view(b, 1)  # (B, 1) compressed ids
+        dead = None if dead_mask is None else dead_mask.view(b, 1)
+        kernels.hash_rows(
+            xc, dead, window, mult, primes, offsets, self.hasher.pad, out.view(b, 1, *shape[1:])
+        )
+        # shift in place: the new token becomes the most recent; after a dead token every look-back
+        # is blocked (sticky), so the whole window is pad
+        new = torch.cat([xc, window[:, :-1]], dim=1)  # (B, n-1)
+        if dead is not None:
+            new.masked_fill_(dead, self.hasher.pad)
+        window.copy_(new)
+        position += 1
+        return out
 
     def _step_out(self, out: Any, like: Any) -> tuple[np.ndarray, Any]:
         """(the numpy array the kernel writes, what step returns) for step's `out` argument."""
@@ -186,6 +292,7 @@ class HashStream:
     # ------------------------------------------------------------------ speculative decoding
     def draft(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
         """Hash tentative tokens after the committed ones and any earlier drafts (nothing committed)."""
+        self._to_host()
         xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
         rows = self.hasher.hash_compressed(xc, dead, self._current_window(idx))
         k = xc.shape[1]
@@ -203,6 +310,7 @@ class HashStream:
 
     def commit(self, n_accepted: Any, seqs: Any = None) -> None:
         """Keep the first `n_accepted` drafted tokens (int or one per selected sequence); drop the rest."""
+        self._to_host()
         idx = self._select(seqs)
         n = np.broadcast_to(np.asarray(n_accepted), idx.shape)
         if not np.issubdtype(n.dtype, np.integer):
@@ -214,10 +322,10 @@ class HashStream:
                 f"cannot commit {int(n[j])} tokens of sequence {int(idx[j])}: it has {int(self.n_draft[idx[j]])} drafted"
             )
         if n.any():
-            self.window[idx] = self.hasher.next_window(
-                self._draft_vals[idx], self._draft_dead[idx], self.window[idx], lengths=n
+            self._window[idx] = self.hasher.next_window(
+                self._draft_vals[idx], self._draft_dead[idx], self._window[idx], lengths=n
             )
-            self.position[idx] += n
+            self._position[idx] += n
         self.n_draft[idx] = 0
 
     def rollback(self, seqs: Any = None) -> None:
@@ -226,14 +334,16 @@ class HashStream:
 
     def reset(self, seqs: Any = None) -> None:
         """Start the selected sequences afresh (a new request in that batch slot)."""
+        self._to_host()
         idx = self._select(seqs)
-        self.window[idx] = self.hasher.pad
-        self.position[idx] = 0
+        self._window[idx] = self.hasher.pad
+        self._position[idx] = 0
         self.n_draft[idx] = 0
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Committed state (window, position) for checkpointing a generation; drafts are not saved."""
-        return {"window": self.window.copy(), "position": self.position.copy()}
+        self._to_host()
+        return {"window": self._window.copy(), "position": self._position.copy()}
 
 
 def _host_array(x: Any) -> np.ndarray:
