@@ -31,18 +31,20 @@ from engram import EngramConfig, HashStream, NgramHasher, TokenizerCompression
 class TorchHistoryDecoder:
     """The straightforward decoder: a growing (B, positions) history, last max_ngram ids gathered."""
 
-    def __init__(self, hasher: NgramHasher, batch: int, max_len: int, per_head: bool = True) -> None:
+    def __init__(
+        self, hasher: NgramHasher, batch: int, max_len: int, per_head: bool = True, device: str = "cpu"
+    ) -> None:
         c = hasher.config
         self.n = c.max_ngram_size
         self.k = c.n_heads
         self.per_head = per_head
-        self.lookup = torch.from_numpy(hasher.compression.lookup.copy())
+        self.lookup = torch.tensor(hasher.compression.lookup, device=device)
         # history[:, n-1+t] is position t; the first n-1 columns are the start-of-sequence pads
-        self.history = torch.full((batch, max_len + self.n - 1), hasher.pad, dtype=torch.int64)
+        self.history = torch.full((batch, max_len + self.n - 1), hasher.pad, dtype=torch.int64, device=device)
         self.pos = 0
-        self.mult = torch.from_numpy(hasher.multipliers)  # (L, n)
-        self.primes = torch.from_numpy(hasher.primes)  # (L, orders, K)
-        self.offsets = torch.from_numpy(hasher.offsets)
+        self.mult = torch.tensor(hasher.multipliers, device=device)  # (L, n)
+        self.primes = torch.tensor(hasher.primes, device=device)  # (L, orders, K)
+        self.offsets = torch.tensor(hasher.offsets, device=device)
         self.prime_list = hasher.primes.tolist()
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
@@ -130,6 +132,67 @@ def run(preset: str, batch: int, steps: int, warmup: int = 20) -> list[dict]:
         r["ratio"] = base / r["us_per_step"]
         r["tokens_per_s"] = batch / (r["us_per_step"] * 1e-6)
     return rows
+
+
+def run_cuda(preset: str = "deepseek-v4.1", batch: int = 256, steps: int = 200) -> list[dict]:
+    """Decode steps on the GPU: `HashStream.step` of CUDA ids (the Triton kernel, window on the device)
+    against the torch history decoder on the same GPU. Microseconds per step are the time of `steps`
+    consecutive steps (one sync at the end, as a generation loop runs them) divided by `steps`."""
+    hasher = NgramHasher(EngramConfig.preset(preset), TokenizerCompression.from_tokenizer("deepseek-v4"))
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, hasher.config.vocab_size, (steps, batch), device=dev, generator=g)
+    want = hasher.hash(ids.T.cpu().numpy())  # (B, steps, L, heads)
+    shape = hasher.output_shape((batch,))
+
+    def loop(make: Callable[[], Callable[[torch.Tensor], torch.Tensor]], check: bool) -> float:
+        step = make()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = [step(ids[t]) for t in range(steps)]
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        if check:
+            rows = torch.stack([r.long() for r in got], dim=1).cpu().numpy()  # (B, steps, L, heads)
+            if not np.array_equal(rows, want):
+                raise AssertionError("a CUDA decode step disagrees with NgramHasher.hash")
+        return seconds / steps
+
+    def history(per_head: bool) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
+        return lambda: TorchHistoryDecoder(hasher, batch, steps, per_head=per_head, device=dev).step
+
+    def stream(check_ids: bool, int32: bool) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
+        def make() -> Callable[[torch.Tensor], torch.Tensor]:
+            s = HashStream(hasher, batch)
+            if not int32:
+                return lambda x: s.step(x, check_ids=check_ids)
+            out = torch.empty(shape, dtype=torch.int32, device=dev)
+            return lambda x: s.step(x, out=out, check_ids=check_ids).clone()
+
+        return make
+
+    variants = [
+        ("torch history on CUDA, % per head (baseline)", history(True)),
+        ("torch history on CUDA, one broadcast %", history(False)),
+        ("HashStream.step, CUDA ids, id check (1 sync)", stream(True, False)),
+        ("HashStream.step, CUDA ids, check_ids=False", stream(False, False)),
+        ("HashStream.step, CUDA ids, check_ids=False, out= int32", stream(False, True)),
+    ]
+    results = []
+    for name, make in variants:
+        loop(make, check=True)  # warm-up (compiles the kernel) and the exactness check
+        us = 1e6 * min(loop(make, check=False) for _ in range(3))
+        results.append({"variant": name, "us_per_step": us, "device": torch.cuda.get_device_name()})
+    base = results[0]["us_per_step"]
+    for r in results:
+        r.update(
+            op=f"CUDA decode step, B={batch}: {r['variant']}",
+            batch=batch,
+            baseline="torch history on CUDA, % per head",
+            ratio=base / r["us_per_step"],
+            tokens_per_s=batch / (r["us_per_step"] * 1e-6),
+        )
+    return results
 
 
 def main() -> None:

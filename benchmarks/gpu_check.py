@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py [--json PATH]
 
 Runs, each against its baseline measured in the same run: the hash on CUDA (`bench_hash.run_cuda`:
-the Triton path against the demo algorithm in torch on the GPU), the FP8 gather with the table on
+the Triton path against the demo algorithm in torch on the GPU), the decode step with the window on
+the device (`bench_decode.run_cuda`: against the torch history decoder on the GPU), the FP8 gather with the table on
 the device (`bench_lookup.run_cuda`: against `F.embedding` + dequantise, and a raw byte gather),
 the fused gate forward and backward (`bench_gate.run`: against eager torch), and the host tier with
 its device cache and prefetch (`bench_tiers.run_cuda`: against a host gather + copy). Prints one table
@@ -31,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 # (name, file, function, arguments)
 CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("hash", "bench_hash.py", "run_cuda", {}),
+    ("decode", "bench_decode.py", "run_cuda", {}),
     ("lookup", "bench_lookup.py", "run_cuda", {}),
     ("gate bf16", "bench_gate.py", "run", {"dtype": "bf16"}),
     ("gate fp32", "bench_gate.py", "run", {"dtype": "fp32"}),
