@@ -273,12 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     from engram.bench import add_bench_command
     from engram.cli_train import add_training_commands
     from engram.convert import add_convert_command
+    from engram.generate import add_generate_command
     from engram.run_layer import add_run_layer_command
     from engram.systems.cache_sim import add_cache_sim_command
 
     add_convert_command(sub)
     add_run_layer_command(sub)
     add_training_commands(sub)
+    add_generate_command(sub)
     add_bench_command(sub)
     add_cache_sim_command(sub)
     return parser

@@ -1,0 +1,253 @@
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engram.corpus import kjv_verses
+from engram.generate import add_generate_command, generate, load_generator
+from engram.hashing import NgramHasher
+from engram.lm import EngramLM
+from engram.train import TrainConfig, Trainer, build_model, prepare_data
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """12 short books of the Bible (the corpus of tests/test_train.py: its BPE is cached)."""
+    root = tmp_path_factory.mktemp("corpus")
+    books: dict[str, list[str]] = {}
+    for v in kjv_verses():
+        books.setdefault(v["book"], []).append(v["text"])
+    for name in list(books)[:12]:
+        (root / f"{name}.txt").write_text("\n".join(books[name])[:12000], encoding="utf-8")
+    return str(root)
+
+
+def tiny_cfg(corpus: str, **kw) -> TrainConfig:
+    base = dict(
+        corpus=corpus,
+        bpe_vocab_size=512,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden=64,
+        seq_len=SEQ,
+        engram_layers=(1,),
+        engram_heads=2,
+        engram_head_dim=8,
+        engram_base=500,
+        steps=3,
+        batch_size=8,
+        warmup=1,
+        eval_every=0,
+        lr=1e-2,
+        table_lr=5e-2,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def data(corpus):
+    return prepare_data(tiny_cfg(corpus))
+
+
+@pytest.fixture(scope="module")
+def hasher(data) -> NgramHasher:
+    return NgramHasher(data.engram_config, data.compression)
+
+
+@pytest.fixture(scope="module")
+def model(corpus, data) -> EngramLM:
+    """An untrained Engram model with an untied head, weights large enough that its greedy choices
+    vary and depend on Engram (whose output is made non-zero): rows and masking must matter."""
+    config = dataclasses.replace(
+        build_model(tiny_cfg(corpus, tie_embeddings=False), data).config, init_std=0.2
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        m = EngramLM(config)
+        with torch.no_grad():
+            for module in m.engrams.values():
+                module.wkv.weight.normal_()
+    return m.eval()
+
+
+def prompt(data, n: int) -> np.ndarray:
+    return data.held_out.ids[100 : 100 + n].copy()
+
+
+def reference_greedy(model, hasher, ids, n, engram_scale=1.0) -> list[int]:
+    """The plain twin: re-hash the whole text every step, run the last max_seq_len tokens."""
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            rows = torch.from_numpy(hasher.hash(np.array(seq)))[None, -SEQ:]
+            x = torch.tensor(seq)[None, -SEQ:]
+            seq.append(int(model(x, rows, engram_scale=engram_scale)[0, -1].argmax()))
+    return seq
+
+
+# ---------------------------------------------------------------------------- core loop
+@pytest.mark.parametrize("n_prompt", [45, 5])  # 45 > max_seq_len: the window slides from the start
+def test_stream_rows_equal_whole_sequence_hash(model, hasher, data, n_prompt):
+    out = generate(model, prompt(data, n_prompt), hasher, max_new_tokens=30, batch_size=3, seed=0)
+    assert out.token_ids.shape == (3, n_prompt + 30) and out.rows.shape == (3, n_prompt + 30, 1, 4)
+    assert len({tuple(s) for s in out.new_ids.tolist()}) == 3  # the sequences differ: each has its stream
+    for b in range(3):
+        np.testing.assert_array_equal(out.rows[b].numpy(), hasher.hash(out.token_ids[b].numpy()))
+
+
+@pytest.mark.parametrize("n_prompt", [40, 3])
+def test_greedy_equals_reference_loop(model, hasher, data, n_prompt):
+    ids = prompt(data, n_prompt)
+    out = generate(model, ids, hasher, max_new_tokens=20, greedy=True, batch_size=2)
+    ref = reference_greedy(model, hasher, ids, 20)
+    assert out.token_ids.tolist() == [ref, ref]
+    assert len(set(ref[n_prompt:])) > 1  # not a degenerate repetition of one token
+    # temperature 0 is greedy too, and the seed does not matter then
+    again = generate(model, ids, hasher, max_new_tokens=20, temperature=0, seed=5)
+    assert again.token_ids[0].tolist() == ref
+
+
+def test_seeded_sampling_is_reproducible(model, hasher, data):
+    ids = prompt(data, 10)
+    runs = [generate(model, ids, hasher, max_new_tokens=16, seed=s).new_ids for s in (0, 0, 1)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+    hot = generate(model, ids, hasher, max_new_tokens=16, seed=0, temperature=5.0).new_ids
+    assert not torch.equal(runs[0], hot)
+
+
+def test_top_k_one_is_greedy(model, hasher, data):
+    ids = prompt(data, 10)
+    greedy = generate(model, ids, hasher, max_new_tokens=12, greedy=True).new_ids
+    assert torch.equal(generate(model, ids, hasher, max_new_tokens=12, top_k=1, seed=3).new_ids, greedy)
+    assert not torch.equal(generate(model, ids, hasher, max_new_tokens=12, top_k=50, seed=3).new_ids, greedy)
+
+
+def test_mask_engram_is_the_baseline(model, hasher, data):
+    ids = prompt(data, 40)
+    base = EngramLM(model.config.without_engram())
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("engrams.")})
+    plain = generate(base, ids, max_new_tokens=20, greedy=True)  # a baseline needs no hasher
+    assert plain.rows is None
+    masked = generate(model, ids, hasher, max_new_tokens=20, greedy=True, engram_scale=0.0)
+    on = generate(model, ids, hasher, max_new_tokens=20, greedy=True)
+    assert torch.equal(masked.token_ids, plain.token_ids)
+    assert not torch.equal(on.token_ids, masked.token_ids)
+    assert masked.token_ids[0].tolist() == reference_greedy(model, hasher, ids, 20, engram_scale=0.0)
+
+
+def test_generate_errors(model, hasher, data):
+    ids = prompt(data, 5)
+    cases = [
+        (dict(max_new_tokens=0), "tokens=0"),
+        (dict(max_new_tokens=4, temperature=-1.0), "temperature=-1.0"),
+        (dict(max_new_tokens=4, temperature=float("nan")), "temperature=nan"),
+        (dict(max_new_tokens=4, top_k=0), "top_k=0"),
+        (dict(max_new_tokens=4, batch_size=0), "batch_size=0"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            generate(model, ids, hasher, **kw)
+    with pytest.raises(ValueError, match="non-empty"):
+        generate(model, [], hasher, max_new_tokens=4)
+    with pytest.raises(ValueError, match="512"):  # an id outside the vocabulary, named
+        generate(model, [1, 512], hasher, max_new_tokens=4)
+    with pytest.raises(ValueError, match="NgramHasher"):
+        generate(model, ids, None, max_new_tokens=4)
+    base = EngramLM(model.config.without_engram())
+    with pytest.raises(ValueError, match="no Engram layers"):
+        generate(base, ids, max_new_tokens=4, engram_scale=0.0)
+
+
+# ---------------------------------------------------------------------------- CLI
+@pytest.fixture(scope="module")
+def runs(corpus, data, tmp_path_factory) -> dict[str, str]:
+    """Checkpoints of 3-step runs: with Engram and the baseline."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, engram in (("engram", True), ("baseline", False)):
+        cfg = tiny_cfg(corpus, engram=engram)
+        Trainer(cfg, data, build_model(cfg, data), out_dir=root / name).run()
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.fixture
+def main(monkeypatch):
+    """engram.cli.main with `generate` registered (by cli.py itself, or here if it does not yet)."""
+    from engram import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "generate" not in sub.choices:
+        add_generate_command(sub)
+        monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    return cli.main
+
+
+def test_cli_json(main, runs, data, capsys):
+    text = "In the beginning God created the heaven and the earth. " * 3  # > 32 tokens
+    argv = ["generate", "--checkpoint", runs["engram"], "--prompt", text, "--tokens", "12", "--json"]
+    assert main([*argv, "--greedy"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    model, tok, hasher, _ = load_generator(runs["engram"])
+    prompt_ids = tok.encode(text, add_special_tokens=False).ids
+    assert res["prompt"] == text and res["prompt_ids"] == prompt_ids and len(prompt_ids) > SEQ
+    assert res["engram"] == "on" and res["greedy"] and res["step"] == 3 and res["tokens_per_s"] > 0
+    direct = generate(model, prompt_ids, hasher, max_new_tokens=12, greedy=True)
+    assert res["token_ids"] == direct.new_ids.tolist()
+    assert res["text"] == [tok.decode(res["token_ids"][0], skip_special_tokens=False)]
+    # the checkpoint's hasher hashes as training did
+    ids = data.held_out.ids[:300]
+    np.testing.assert_array_equal(hasher.hash(ids), data.held_rows[:300].numpy())
+
+    assert main([*argv, "--seed", "1", "--batch", "2", "--top-k", "20"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--seed", "1", "--batch", "2", "--top-k", "20"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == a["token_ids"]
+    assert len(a["token_ids"]) == 2 and all(len(s) == 12 for s in a["token_ids"])
+    assert main([*argv, "--greedy", "--mask-engram"]) == 0
+    assert json.loads(capsys.readouterr().out)["engram"] == "masked"
+
+
+def test_cli_human_and_baseline(main, runs, capsys):
+    assert (
+        main(["generate", "--checkpoint", runs["baseline"], "--prompt", "And God said", "--tokens", "8"]) == 0
+    )
+    out, err = capsys.readouterr()
+    assert out.startswith("And God said") and "tokens/s" in err and "engram none" in err
+    argv = ["generate", "--checkpoint", runs["engram"], "--prompt", "And", "--tokens", "4", "--batch", "2"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.count("--- sequence") == 2 and "engram on" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--checkpoint", "{missing}", "--prompt", "x"], "no such folder"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "x", "--tokens", "0"], "tokens=0"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0"),
+        (["--prompt", "x", "--top-k", "0"], "top_k=0"),
+        (["--prompt", "x", "--batch", "0"], "batch_size=0"),
+        (["--checkpoint", "{baseline}", "--prompt", "x", "--mask-engram"], "no Engram modules to mask"),
+    ],
+)
+def test_cli_errors(main, runs, tmp_path, capsys, args, match):
+    subs = {"{missing}": str(tmp_path / "nope"), "{baseline}": runs["baseline"]}
+    args = [subs.get(a, a) for a in args]
+    if "--checkpoint" not in args:
+        args = ["--checkpoint", runs["engram"], *args]
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engram generate: error: ") and match in err
