@@ -33,6 +33,14 @@ def v41_hasher(ds_compression) -> NgramHasher:
     return NgramHasher(EngramConfig.preset("deepseek-v4.1"), ds_compression)
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """A folder of 12 short books of the Bible (tests/training_setup.py), for seconds-long training."""
+    from training_setup import write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu`-marked tests on machines without CUDA."""
     import torch

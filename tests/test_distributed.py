@@ -20,24 +20,12 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from dist_worker import ADAM_LR, ADAM_STEPS, CHUNKED_ROWS, SIZES, step_inputs, table_inputs, worker
-from engram.corpus import kjv_verses
 from engram.distributed import chunked_normal, shard_bounds
 from engram.optim import SparseRowAdam
 from engram.table import TrainableTable
 from engram.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
 
 WORLDS = (2, 3)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("corpus")
-    books: dict[str, list[str]] = {}
-    for v in kjv_verses():
-        books.setdefault(v["book"], []).append(v["text"])
-    for name in list(books)[:12]:
-        (root / f"{name}.txt").write_text("\n".join(books[name])[:12000], encoding="utf-8")
-    return str(root)
 
 
 @pytest.fixture(scope="module")

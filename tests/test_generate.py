@@ -8,49 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from engram.corpus import kjv_verses
+import training_setup
 from engram.generate import add_generate_command, generate, load_generator
 from engram.hashing import NgramHasher
 from engram.lm import EngramLM
-from engram.train import TrainConfig, Trainer, build_model, prepare_data
+from engram.train import Trainer, build_model, prepare_data
 
 SEQ = 32
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """12 short books of the Bible (the corpus of tests/test_train.py: its BPE is cached)."""
-    root = tmp_path_factory.mktemp("corpus")
-    books: dict[str, list[str]] = {}
-    for v in kjv_verses():
-        books.setdefault(v["book"], []).append(v["text"])
-    for name in list(books)[:12]:
-        (root / f"{name}.txt").write_text("\n".join(books[name])[:12000], encoding="utf-8")
-    return str(root)
-
-
-def tiny_cfg(corpus: str, **kw) -> TrainConfig:
-    base = dict(
-        corpus=corpus,
-        bpe_vocab_size=512,
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        mlp_hidden=64,
-        seq_len=SEQ,
-        engram_layers=(1,),
-        engram_heads=2,
-        engram_head_dim=8,
-        engram_base=500,
-        steps=3,
-        batch_size=8,
-        warmup=1,
-        eval_every=0,
-        lr=1e-2,
-        table_lr=5e-2,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+def tiny_cfg(corpus: str, **kw):
+    """tests/training_setup.py's config, trained for 3 steps without evaluation."""
+    return training_setup.tiny_cfg(corpus, **({"steps": 3, "warmup": 1, "eval_every": 0} | kw))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from engram.corpus import kjv_verses
 from engram.data import load_corpus, split_documents
 from engram.lm import EngramLM
 from engram.train import (
@@ -18,43 +17,7 @@ from engram.train import (
     load_checkpoint,
     prepare_data,
 )
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """12 short books of the Bible as text files (a corpus small enough for seconds-long runs)."""
-    root = tmp_path_factory.mktemp("corpus")
-    books: dict[str, list[str]] = {}
-    for v in kjv_verses():
-        books.setdefault(v["book"], []).append(v["text"])
-    for name in list(books)[:12]:
-        (root / f"{name}.txt").write_text("\n".join(books[name])[:12000], encoding="utf-8")
-    return str(root)
-
-
-def tiny_cfg(corpus: str, **kw) -> TrainConfig:
-    base = dict(
-        corpus=corpus,
-        bpe_vocab_size=512,
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        mlp_hidden=64,
-        seq_len=32,
-        engram_layers=(1,),
-        engram_heads=2,
-        engram_head_dim=8,
-        engram_base=500,
-        steps=30,
-        batch_size=8,
-        warmup=5,
-        eval_every=10,
-        eval_tokens=2048,
-        lr=1e-2,
-        table_lr=5e-2,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+from training_setup import tiny_cfg
 
 
 @pytest.fixture(scope="module")

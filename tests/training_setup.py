@@ -1,0 +1,45 @@
+"""The small training setup several test files share: a corpus of 12 short books of the Bible and a
+tiny TrainConfig on it (seconds-long runs; the BPE trained on it is cached)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engram.corpus import kjv_verses
+from engram.train import TrainConfig
+
+
+def write_corpus(root: Path) -> str:
+    """12 short books of the Bible as text files under root (at most 12000 characters each)."""
+    books: dict[str, list[str]] = {}
+    for v in kjv_verses():
+        books.setdefault(v["book"], []).append(v["text"])
+    for name in list(books)[:12]:
+        (root / f"{name}.txt").write_text("\n".join(books[name])[:12000], encoding="utf-8")
+    return str(root)
+
+
+def tiny_cfg(corpus: str, **kw) -> TrainConfig:
+    """A 2-layer, 32-wide model with one small Engram layer on `corpus`; `kw` overrides any field."""
+    base = dict(
+        corpus=corpus,
+        bpe_vocab_size=512,
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden=64,
+        seq_len=32,
+        engram_layers=(1,),
+        engram_heads=2,
+        engram_head_dim=8,
+        engram_base=500,
+        steps=30,
+        batch_size=8,
+        warmup=5,
+        eval_every=10,
+        eval_tokens=2048,
+        lr=1e-2,
+        table_lr=5e-2,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
