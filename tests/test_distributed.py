@@ -24,31 +24,21 @@ from engram.distributed import chunked_normal, shard_bounds
 from engram.optim import SparseRowAdam
 from engram.table import TrainableTable
 from engram.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
+from training_setup import tiny_cfg
 
 WORLDS = (2, 3)
 
 
 @pytest.fixture(scope="module")
 def cfg(corpus) -> TrainConfig:
-    return TrainConfig(
-        corpus=corpus,
-        bpe_vocab_size=512,
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        mlp_hidden=64,
-        seq_len=32,
+    return tiny_cfg(
+        corpus,
         engram_layers=(0, 1),  # two tables: one exchange for both
-        engram_heads=2,
-        engram_head_dim=8,
-        engram_base=500,
         steps=6,
         batch_size=6,
         warmup=2,
         eval_every=3,
         eval_tokens=1024,
-        lr=1e-2,
-        table_lr=5e-2,
         threads=1,
     )
 
