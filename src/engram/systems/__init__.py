@@ -11,6 +11,8 @@ Holds:
 - `FetchedBlock` (`staging.py`): a fetch's result on the device; pinned staging and the CUDA copy.
 - `PrefetchHandle`, `FetchWorker` (`background.py`): the bounded-depth background fetch.
 - `offload_engram`, `Prefetcher`, `PrefetchedBatch`, `engram_modules` (`prefetch.py`).
+- `simulate_cache` (`cache_sim.py`, `engram cache-sim`): what deduplication and an LRU cache save
+  on a real text's rows (imported from its module, not here).
 
 Importing it compiles nothing: the cache's numba kernel compiles (or loads from disk) on first use.
 """
