@@ -2,6 +2,8 @@
 
 `worker(rank, world, init_file, out_dir, cfg_dict)` runs every distributed check of one world size
 and saves what the parent compares with single-process references to `out_dir/rank-{rank}.pt`.
+The table checks run once per owner set of OWNERS[world] (None: every rank owns rows), keyed by it
+under "tables"; the training checks once, with the tables on rank 0 only as well at W=2.
 The inputs (tables, rows, coefficients) are pure functions of fixed seeds, so the parent rebuilds
 them with `table_inputs` / `step_inputs`.
 """
@@ -20,6 +22,8 @@ SIZES = (1000, 777)
 DIM, B, T, HEADS = 8, 6, 5, 3
 ADAM_STEPS, ADAM_LR = 3, 0.1
 CHUNKED_ROWS = 150_000  # crosses two INIT_CHUNK_ROWS boundaries
+# Table owner sets per world size: all ranks, and dedicated table ranks (a non-owner is rank 0 at W=2).
+OWNERS: dict[int, tuple[tuple[int, ...] | None, ...]] = {2: (None, (1,)), 3: (None, (0,), (0, 1))}
 
 
 def table_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -44,13 +48,13 @@ def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * b : (rank + 1) * b]
 
 
-def _tables_part(rank: int, world: int) -> dict[str, Any]:
+def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[str, Any]:
     from engram.distributed import ShardedTable, chunked_normal, prefetch_tables, sync_table_grads
     from engram.optim import SparseRowAdam
 
     res: dict[str, Any] = {}
     # gather: values served from the prefetched block, one exchange for both tables
-    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.float32)]
+    tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.float32)]
     inputs = step_inputs(0)
     local_rows = [_local(r, rank, world) for r, _ in inputs]
     prefetch_tables(list(zip(tables, local_rows, strict=True)))
@@ -58,10 +62,11 @@ def _tables_part(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():  # no pending prefetch needed: gather prefetches itself (a collective)
         res["gathered_self"] = tables[1].gather(local_rows[1][:, :2])
     res["bounds"] = [t.bounds for t in tables]
+    res["shard_rows"] = [t.weight.shape[0] for t in tables]
     res["full"] = [t.full_weight(0) for t in tables]
 
     # gradients: fp64 tables, loss = sum(gathered * coefficients) over the global batch
-    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.float64)]
+    tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.float64)]
     opt = SparseRowAdam([t.weight for t in tables], lr=ADAM_LR)
     for step in range(ADAM_STEPS):
         inputs = step_inputs(step)
@@ -79,9 +84,10 @@ def _tables_part(rank: int, world: int) -> dict[str, Any]:
             res["grad_layout"] = [(t.weight.grad.layout, t.weight.grad._indices().clone()) for t in tables]
         opt.step()
     res["adam"] = [t.full_weight(0) for t in tables]
+    res["adam_state_rows"] = [tuple(v.shape[0] for v in opt.state[t.weight].values()) for t in tables]
 
     # bf16 tables: rows served exactly; row gradients summed in fp32 at the owners
-    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.bfloat16)]
+    tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.bfloat16)]
     inputs = step_inputs(0)
     prefetch_tables([(t, _local(r, rank, world)) for t, (r, _) in zip(tables, inputs, strict=True)])
     outs = [t.gather(_local(r, rank, world), torch.float32) for t, (r, _) in zip(tables, inputs, strict=True)]
@@ -94,7 +100,7 @@ def _tables_part(rank: int, world: int) -> dict[str, Any]:
     bad = local_rows[1].clone()
     if rank == world - 1:
         bad[0, 0, 0] = SIZES[1]
-    tables = [ShardedTable.from_full(w) for w in table_inputs(torch.float32)]
+    tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.float32)]
     try:
         prefetch_tables([(tables[0], local_rows[0]), (tables[1], bad)])
         res["bad_row_error"] = None
@@ -108,7 +114,7 @@ def _tables_part(rank: int, world: int) -> dict[str, Any]:
         res["stale_error"] = str(e)
 
     # chunked init: the same table whatever the world size
-    t = ShardedTable(CHUNKED_ROWS, 4, seed=3)
+    t = ShardedTable(CHUNKED_ROWS, 4, seed=3, owners=owners)
     res["chunked"] = t.full_weight(0)
     res["chunked_local_ok"] = torch.equal(t.weight.detach(), chunked_normal(t.lo, t.hi, 4, seed=3))
     return res
@@ -158,11 +164,47 @@ def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) 
     res["history64"] = t64.history
     res["state64"] = t64._checkpoint_tensors()[0]  # the full model on rank 0
 
+    if world == 2:  # --table-ranks 1: the tables on rank 0 only; resumed with them on rank 1 only
+        res.update(_table_ranks_part(cfg, data, out_dir))
+
     # a model born sharded (CHUNKED): its tables gathered whole, for the world-size comparison
     chunked = build_distributed_model(cfg, data, init=TableInit.CHUNKED)
     full = [t.full_weight(0) for t in sharded_tables(chunked)]
     dense = {k: v for k, v in chunked.state_dict().items() if not k.endswith("table.weight")}
     res["chunked_model"] = (full, dense)
+    return res
+
+
+def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
+    """The fp64 run with every table on rank 0 (checkpoints at steps 3 and 6), then its step-3
+    checkpoint resumed with every table on rank 1, to step 6."""
+    from engram.distributed import DistributedTrainer, table_owners
+    from engram.train import build_model
+
+    res: dict[str, Any] = {}
+    try:  # ranks disagreeing on the owners: refused on every rank (no rank left in an exchange)
+        DistributedTrainer(cfg, data, build_model(cfg, data), owners=(dist.get_rank(),))
+        res["owners_error"] = None
+    except ValueError as e:
+        res["owners_error"] = str(e)
+    run = DistributedTrainer(
+        cfg, data, build_model(cfg, data).double(), out_dir=out_dir / "owned64", owners=table_owners(1, 2)
+    )
+    run.run(until=cfg.steps // 2)
+    run.run()
+    opt = run.table_opt
+    assert opt is not None
+    res["owned_history64"] = run.history
+    res["owned_state64"] = run._checkpoint_tensors()[0]
+    res["owned_rows"] = [(t.owners, t.weight.shape[0]) for t in run.tables]
+    res["owned_opt_rows"] = [tuple(v.shape[0] for v in opt.state[t.weight].values()) for t in run.tables]
+
+    other = build_model(cfg.replace(seed=99), data).double()
+    resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "owned64_resumed", owners=(1,))
+    resumed.load_checkpoint(out_dir / "owned64" / "checkpoints" / f"step-{cfg.steps // 2:07d}")
+    res["owned_resumed_rows"] = [t.weight.shape[0] for t in resumed.tables]
+    resumed.run()
+    res["owned_resumed_history64"] = resumed.history
     return res
 
 
@@ -176,7 +218,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cfg_dict: dict[s
         timeout=datetime.timedelta(seconds=60),  # a hang fails the test instead of stalling it
     )
     try:
-        res = _tables_part(rank, world)
+        res = {"tables": {owners: _tables_part(rank, world, owners) for owners in OWNERS[world]}}
         res.update(_train_part(rank, world, Path(out_dir), cfg_dict))
         torch.save(res, Path(out_dir) / f"rank-{rank}.pt")
     finally:

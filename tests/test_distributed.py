@@ -1,7 +1,9 @@
 """engram.distributed against single-process references: 2 and 3 gloo ranks (3: uneven shards).
 
 Each world size is spawned once (module fixture `runs`); the worker (tests/dist_worker.py) saves
-what it saw and the tests compare it with TrainableTable / Trainer runs made here.
+what it saw and the tests compare it with TrainableTable / Trainer runs made here. The table checks
+run for every owner set of dist_worker.OWNERS (every rank, or dedicated table ranks) in that one
+spawn: `TABLE_CASES` parametrises them.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from dist_worker import ADAM_LR, ADAM_STEPS, CHUNKED_ROWS, SIZES, step_inputs, table_inputs, worker
-from engram.distributed import chunked_normal, shard_bounds
-from engram.optim import SparseRowAdam
+from dist_worker import ADAM_LR, ADAM_STEPS, CHUNKED_ROWS, OWNERS, SIZES, step_inputs, table_inputs, worker
+from engram.distributed import chunked_normal, shard_bounds, table_owners
+from engram.optim import SparseRowAdagrad, SparseRowAdam
 from engram.table import TrainableTable
 from engram.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
 from training_setup import tiny_cfg
 
 WORLDS = (2, 3)
+TABLE_CASES = [(w, o) for w in WORLDS for o in OWNERS[w]]  # (world, owners): None = every rank
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,11 @@ def runs(cfg, tmp_path_factory) -> dict[int, dict]:
     return out
 
 
+def _table_ranks(runs: dict[int, dict], world: int, owners: tuple[int, ...] | None) -> list[dict]:
+    """Each rank's table-check results for one owner set."""
+    return [r["tables"][owners] for r in runs[world]["ranks"]]
+
+
 # ------------------------------------------------------------------------------------ no processes
 def test_shard_bounds_and_chunked_normal():
     assert shard_bounds(10, 3) == [0, 3, 6, 10] and shard_bounds(5, 1) == [0, 5]
@@ -88,6 +96,47 @@ def test_shard_bounds_and_chunked_normal():
         shard_bounds(0, 2)
     with pytest.raises(ValueError, match="lo <= hi"):
         chunked_normal(5, 3, 2)
+
+
+def test_shard_bounds_with_owners():
+    """Owners split the rows in rank order; a non-owner's range is empty where it stands."""
+    assert shard_bounds(10, 3, owners=None) == shard_bounds(10, 3, owners=(0, 1, 2)) == [0, 3, 6, 10]
+    assert shard_bounds(10, 3, owners={0}) == [0, 10, 10, 10]
+    assert shard_bounds(10, 3, owners={0, 1}) == [0, 5, 10, 10]
+    assert shard_bounds(10, 3, owners=[2, 1]) == [0, 0, 5, 10]  # any order: rows follow rank order
+    assert shard_bounds(11, 4, owners=(0, 2)) == [0, 5, 5, 11, 11]
+    for bad in ((), (3,), (0, 0), (-1,)):
+        with pytest.raises(ValueError, match=r"world size is 3.*None for every rank"):
+            shard_bounds(10, 3, owners=bad)
+    with pytest.raises(TypeError, match="ints"):
+        shard_bounds(10, 3, owners=(True,))
+
+
+def test_table_ranks_validation():
+    assert (
+        table_owners(None, 3) == (0, 1, 2) and table_owners(1, 3) == (0,) and table_owners(3, 3) == (0, 1, 2)
+    )
+    for n in (0, 4, -1):
+        with pytest.raises(ValueError, match=rf"--table-ranks {n}:.*world size 3.*1 <= N <= 3"):
+            table_owners(n, 3)
+
+
+@pytest.mark.parametrize("cls", [SparseRowAdam, SparseRowAdagrad])
+def test_sparse_row_optimizers_take_an_empty_shard(cls):
+    """A non-owner's table parameter is (0, dim) and its row gradient empty: the step is a no-op,
+    the state is empty, and it survives a state_dict round trip (a checkpoint resume)."""
+    p = torch.nn.Parameter(torch.empty(0, 8, dtype=torch.float64))
+    opt = cls([p])
+    for _ in range(2):
+        none = torch.empty(1, 0, dtype=torch.int64)
+        p.grad = torch.sparse_coo_tensor(
+            none, torch.empty(0, 8, dtype=torch.float64), (0, 8), is_coalesced=True, check_invariants=False
+        )
+        opt.step()
+    assert opt.state[p] and all(v.shape[0] == 0 for v in opt.state[p].values())
+    again = cls([p])
+    again.load_state_dict(opt.state_dict())
+    assert {k: v.shape for k, v in again.state[p].items()} == {k: v.shape for k, v in opt.state[p].items()}
 
 
 def test_sharded_table_needs_process_group():
@@ -107,26 +156,33 @@ def test_distributed_flag_needs_torchrun(monkeypatch, capsys, tmp_path):
     assert "torchrun --nproc_per_node" in err and "RANK" in err
     assert main(["train", "--preset", "tiny", "--table-init", "chunked", "--out", str(tmp_path / "y")]) == 2
     assert "--distributed" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--table-ranks", "1", "--out", str(tmp_path / "z")]) == 2
+    assert "--table-ranks applies to sharded tables: add --distributed" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ tables
-@pytest.mark.parametrize("world", WORLDS)
-def test_gather_matches_unsharded(runs, world):
+@pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
+def test_gather_matches_unsharded(runs, world, owners):
     full = table_inputs(torch.float32)
     refs = [TrainableTable(n, 8) for n in SIZES]
     for ref, w in zip(refs, full, strict=True):
         ref.weight.data.copy_(w)
     rows = [r for r, _ in step_inputs(0)]
     b = len(rows[0]) // world
-    for rank, res in enumerate(runs[world]["ranks"]):
+    ranks = _table_ranks(runs, world, owners)
+    for rank, res in enumerate(ranks):
         for t, ref in enumerate(refs):
             local = rows[t][rank * b : (rank + 1) * b]
             assert torch.equal(res["gathered"][t].detach(), ref.gather(local).detach()), (rank, t)
-            assert res["bounds"][t] == shard_bounds(SIZES[t], world)
+            assert res["bounds"][t] == shard_bounds(SIZES[t], world, owners)
+            n_owners = world if owners is None else len(owners)
+            if owners is None or rank in owners:  # num_rows / N rows each (+ at most one)
+                assert SIZES[t] // n_owners <= res["shard_rows"][t] <= SIZES[t] // n_owners + 1, (rank, t)
+            else:
+                assert res["shard_rows"][t] == 0, (rank, t)  # a non-owner holds no row
         assert torch.equal(res["gathered_self"], refs[1].gather(rows[1][rank * b : (rank + 1) * b][:, :2]))
-    r0 = runs[world]["ranks"][0]
-    assert all(torch.equal(f, w) for f, w in zip(r0["full"], full, strict=True))
-    assert all(f is None for r in runs[world]["ranks"][1:] for f in r["full"])  # rank 0 only
+    assert all(torch.equal(f, w) for f, w in zip(ranks[0]["full"], full, strict=True))
+    assert all(f is None for r in ranks[1:] for f in r["full"])  # rank 0 only
 
 
 def _reference_table_run(steps: int) -> tuple[list[torch.Tensor], list[TrainableTable]]:
@@ -146,30 +202,36 @@ def _reference_table_run(steps: int) -> tuple[list[torch.Tensor], list[Trainable
     return grads, refs
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_sync_grads_match_unsharded(runs, world):
+@pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
+def test_sync_grads_match_unsharded(runs, world, owners):
     grads, _ = _reference_table_run(1)
-    for rank, res in enumerate(runs[world]["ranks"]):
+    ranks = _table_ranks(runs, world, owners)
+    for rank, res in enumerate(ranks):
         for t, g in enumerate(grads):
             lo, hi = res["bounds"][t][rank], res["bounds"][t][rank + 1]
             torch.testing.assert_close(res["grads"][t], g[lo:hi], rtol=0, atol=1e-12)
             layout, idx = res["grad_layout"][t]
             assert layout == torch.sparse_coo and bool((idx[0, 1:] > idx[0, :-1]).all())  # sorted, distinct
-        touched = sum(int((res["grads"][1].abs().sum(1) > 0).sum()) for res in runs[world]["ranks"])
-        assert touched == int((grads[1].abs().sum(1) > 0).sum())
+        touched = sum(int((res["grads"][1].abs().sum(1) > 0).sum()) for res in ranks)
+        assert touched == int((grads[1].abs().sum(1) > 0).sum())  # every touched row at its owner
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_sparse_row_adam_steps_match_unsharded(runs, world):
+@pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
+def test_sparse_row_adam_steps_match_unsharded(runs, world, owners):
     _, refs = _reference_table_run(ADAM_STEPS)
     start = table_inputs(torch.float64)
-    for got, ref, w0 in zip(runs[world]["ranks"][0]["adam"], refs, start, strict=True):
+    ranks = _table_ranks(runs, world, owners)
+    for got, ref, w0 in zip(ranks[0]["adam"], refs, start, strict=True):
         assert not torch.equal(got, w0)  # the steps moved rows
         torch.testing.assert_close(got, ref.weight.detach(), rtol=0, atol=1e-12)
+    for res in ranks:  # the optimizer state runs over the rank's own rows only: none on a non-owner
+        assert all(
+            set(rows) == {n} for rows, n in zip(res["adam_state_rows"], res["shard_rows"], strict=True)
+        )
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_bf16_tables(runs, world):
+@pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
+def test_bf16_tables(runs, world, owners):
     refs = [TrainableTable(n, 8, dtype=torch.bfloat16) for n in SIZES]
     for ref, w in zip(refs, table_inputs(torch.bfloat16), strict=True):
         ref.weight.data.copy_(w)
@@ -177,7 +239,7 @@ def test_bf16_tables(runs, world):
     outs = [t.gather(r, torch.float32) for t, (r, _) in zip(refs, inputs, strict=True)]
     sum((o * c.float()).sum() for o, (_, c) in zip(outs, inputs, strict=True)).backward()
     b = len(inputs[0][0]) // world
-    for rank, res in enumerate(runs[world]["ranks"]):
+    for rank, res in enumerate(_table_ranks(runs, world, owners)):
         for t, ref in enumerate(refs):
             assert torch.equal(res["bf16_gathered"][t], outs[t][rank * b : (rank + 1) * b].detach())
             lo, hi = res["bounds"][t][rank], res["bounds"][t][rank + 1]
@@ -186,20 +248,22 @@ def test_bf16_tables(runs, world):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)  # bf16 sums
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_bad_rows_raise_on_every_rank(runs, world):
-    errors = [r["bad_row_error"] for r in runs[world]["ranks"]]
+@pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
+def test_bad_rows_raise_on_every_rank(runs, world, owners):
+    ranks = _table_ranks(runs, world, owners)
+    errors = [r["bad_row_error"] for r in ranks]
     assert all(e is not None for e in errors)
     assert f"row id {SIZES[1]}" in errors[-1] and "outside" in errors[-1]
     assert all(f"rank(s) [{world - 1}]" in e for e in errors[:-1])
-    assert all("was not prefetched" in r["stale_error"] for r in runs[world]["ranks"])
+    assert all("was not prefetched" in r["stale_error"] for r in ranks)
 
 
 def test_chunked_init_is_world_size_independent(runs, cfg, data):
     expected = chunked_normal(0, CHUNKED_ROWS, 4, seed=3)
-    for world in WORLDS:
-        assert torch.equal(runs[world]["ranks"][0]["chunked"], expected)
-        assert all(r["chunked_local_ok"] for r in runs[world]["ranks"])
+    for world, owners in TABLE_CASES:  # any world size, any owners
+        ranks = _table_ranks(runs, world, owners)
+        assert torch.equal(ranks[0]["chunked"], expected), (world, owners)
+        assert all(r["chunked_local_ok"] for r in ranks)
     (t2, d2), (t3, d3) = (runs[w]["ranks"][0]["chunked_model"] for w in WORLDS)
     assert all(torch.equal(a, b) for a, b in zip(t2, t3, strict=True)) and len(t2) == 2
     assert d2.keys() == d3.keys() and all(torch.equal(d2[k], d3[k]) for k in d2)
@@ -286,6 +350,89 @@ def test_distributed_checkpoint_resumes_in_one_process(runs, cfg, data, single):
         torch.testing.assert_close(t.model.state_dict()[k], v, rtol=0, atol=2e-2, msg=k)
 
 
+def test_table_ranks_training_matches_single_process_fp64(runs, single64):
+    """--table-ranks 1 at W=2: rank 0 holds every table row and its optimizer state, rank 1 none,
+    and the run is the single-process one; its step-3 checkpoint resumed with the tables on rank 1
+    only (rank 0 restoring an empty shard) continues along it too."""
+    ranks = runs[2]["ranks"]
+    sizes = [m.table.num_rows for m in single64["model"].engrams.values()]
+    for r, owned in ((0, True), (1, False)):
+        assert [o for o, _ in ranks[r]["owned_rows"]] == [(0,)] * len(sizes)
+        rows = [n for _, n in ranks[r]["owned_rows"]]
+        assert rows == (sizes if owned else [0] * len(sizes))  # a non-owner's shard is empty
+        opt_rows = ranks[r]["owned_opt_rows"]  # per table: rows of each optimizer state tensor
+        assert [set(s) for s in opt_rows] == [{n} for n in rows]
+    assert ranks[0]["owned_resumed_rows"] == [0] * len(sizes) and ranks[1]["owned_resumed_rows"] == sizes
+    res = ranks[0]
+    _check_history(res["owned_history64"], single64["history"], 1e-10)
+    assert ranks[1]["owned_history64"] == res["owned_history64"]
+    want = single64["model"].state_dict()
+    assert res["owned_state64"].keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(res["owned_state64"][k], v, rtol=0, atol=1e-9, msg=k)
+    _check_history(res["owned_resumed_history64"], single64["history"], 1e-10)
+
+
+def test_table_ranks_checkpoint_resumes_in_one_process(runs, cfg, data, single64):
+    """The --table-ranks 1 checkpoints are in the single-process format: step 3 resumes in one
+    process along the single run; step 6 loads with load_checkpoint (what `engram eval` reads)."""
+    run = runs[2]["dir"] / "owned64"
+    t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data).double())
+    t.load_checkpoint(run / "checkpoints" / "step-0000003")
+    table = t.model.engrams["1"].table
+    assert t.table_opt.state[table.weight]["exp_avg"].shape == table.weight.shape
+    t.run()
+    _check_history(t.history, single64["history"], 1e-10)
+    _cfg, model, state = load_checkpoint(run)
+    assert state["step"] == 6
+    got, want = model.state_dict(), single64["model"].state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].double(), v, rtol=0, atol=1e-6, msg=k)  # loaded as fp32
+
+
+def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
+    """`--table-ranks N` under --distributed (a 1-rank group in this process): N out of range is a
+    ValueError naming N, the world size and the fix; N = 1 reaches the model as owners (0,)."""
+    import socket
+
+    import engram.distributed
+    from engram.cli import main
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    seen = []
+
+    def build(*args, **kw):
+        seen.append(kw.get("owners"))
+        raise ValueError("stopped before training")
+
+    monkeypatch.setattr(engram.distributed, "build_distributed_model", build)
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    base = ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run")]
+    threads = torch.get_num_threads()
+    try:
+        for n in ("2", "0"):
+            assert main([*base, "--table-ranks", n]) == 2
+            err = capsys.readouterr().err
+            assert f"--table-ranks {n}:" in err and "world size 1" in err and "1 <= N <= 1" in err, err
+        assert main([*base, "--table-ranks", "1"]) == 2
+        assert "stopped before training" in capsys.readouterr().err
+        assert main(base) == 2
+    finally:
+        torch.set_num_threads(threads)  # init_distributed sets this process's threads
+    assert seen == [(0,), None]
+
+
+def test_table_owners_must_agree(runs):
+    for r in runs[2]["ranks"]:
+        assert "sharded unlike another rank's" in r["owners_error"] and "--table-ranks" in r["owners_error"]
+
+
 def test_batch_size_must_split(runs):
     for world in WORLDS:
         err = runs[world]["ranks"][0]["batch_error"]
@@ -317,6 +464,7 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "engram", "train"]  # a free port
     cmd += ["--config", str(conf), "--distributed", "--out", str(out), "--no-progress", "--json"]
+    cmd += ["--table-ranks", "1"]  # rank 1 holds no table rows
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -76,6 +76,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _cmd_train_distributed(args)
     if args.table_init is not None:
         raise ValueError("--table-init applies to sharded tables: add --distributed (under torchrun)")
+    if args.table_ranks is not None:
+        raise ValueError("--table-ranks applies to sharded tables: add --distributed (under torchrun)")
     from engram.train import Trainer, build_model, prepare_data
 
     _threads(args)
@@ -163,18 +165,21 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         build_distributed_model,
         global_num_params,
         init_distributed,
+        table_owners,
     )
     from engram.train import prepare_data
 
     cfg = _train_config(args)  # config errors before any process group is started
     env = init_distributed(threads=args.threads)
     try:
+        # --table-ranks N: rows on ranks 0..N-1 only (None: the tables' default, every rank)
+        owners = None if args.table_ranks is None else table_owners(args.table_ranks, env.world)
         out = Path(args.out)
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
         data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
         init = TableInit(args.table_init or "copy")
-        model = build_distributed_model(cfg, data, init=init, device=env.device)
+        model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
         trainer = DistributedTrainer(cfg, data, model, out_dir=out, device=env.device)
         dist.barrier()  # every rank sees the same checkpoints: none is written before all have looked
         _resume(args, trainer, out, verbose=env.is_main)
@@ -249,6 +254,13 @@ def add_training_commands(sub: Any) -> None:
         choices=["copy", "chunked"],
         help="with --distributed: 'copy' (default) shards the single-process model's tables; 'chunked' "
         "draws each rank's rows itself (no rank holds a full table; another initial table)",
+    )
+    p.add_argument(
+        "--table-ranks",
+        type=int,
+        metavar="N",
+        help="with --distributed: only the first N ranks hold the Engram tables (num_rows / N rows each, "
+        "and their optimizer state); the others hold none and run the backbone (default: every rank)",
     )
     p.add_argument("--threads", type=int, help="torch threads (per rank with --distributed: cores / ranks)")
     p.add_argument("--no-progress", action="store_true")

@@ -6,7 +6,8 @@ stays single-device, and this layer wraps it (torchtitan style).
 Holds (one concept per file):
 - `sharded_table`: `ShardedTable` (a table row-sharded over a process group) and the step's row
   exchange (`prefetch_tables`, `sync_table_grads`, `release_tables`).
-- `parallelize`: `shard_engram_tables`, `build_sharded_model`, the dense all-reduce.
+- `parallelize`: `shard_engram_tables`, `build_sharded_model`, the dense all-reduce, and
+  `table_owners` (the tables on the first N ranks only: `engram train --distributed --table-ranks N`).
 - `train`: `init_distributed` (torchrun's environment) and `DistributedTrainer`.
 
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
@@ -20,10 +21,12 @@ from engram.distributed.parallelize import (
     shard_engram_tables,
     sharded_tables,
     split_sharded_params,
+    table_owners,
 )
 from engram.distributed.sharded_table import (
     INIT_CHUNK_ROWS,
     ShardedTable,
+    check_owners,
     chunked_normal,
     gather_shards,
     prefetch_tables,
@@ -48,6 +51,7 @@ __all__ = [
     "all_reduce_grads",
     "build_distributed_model",
     "build_sharded_model",
+    "check_owners",
     "chunked_normal",
     "gather_shards",
     "global_num_params",
@@ -60,4 +64,5 @@ __all__ = [
     "sharded_tables",
     "split_sharded_params",
     "sync_table_grads",
+    "table_owners",
 ]

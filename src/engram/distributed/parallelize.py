@@ -4,6 +4,7 @@ Holds:
 - `TableInit`: how a sharded table starts: `COPY` (the owned rows of the model's full table, so
   the sharded model equals the unsharded one) or `CHUNKED` (seeded chunks, see
   `sharded_table.chunked_normal`: no rank materialises the whole table).
+- `table_owners(table_ranks, world)`: the owner ranks of `--table-ranks N` (the first N ranks).
 - `shard_engram_tables(model, group)`: swap every `Engram` module's `TrainableTable` for a
   `ShardedTable` (found by walking model.modules(), set as `module.table`).
 - `build_sharded_model(lm_config, seed=...)`: an EngramLM whose tables are born sharded (CHUNKED,
@@ -18,11 +19,16 @@ Dense parameters are data parallel with an explicit all-reduce of their gradient
 ("module."), and its overlap of communication with backward buys little at this model size. The
 explicit all-reduce also carries the step's loss in the same buffer, so logging costs no extra
 collective.
+
+Every function that shards takes `owners` (group ranks; default: all): only they hold table rows,
+num_rows / N each for N owners, while the dense model stays replicated on every rank (see
+sharded_table: tables on dedicated processes, e.g. hosts with large DRAM).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,12 +49,28 @@ __all__ = [
     "shard_engram_tables",
     "sharded_tables",
     "split_sharded_params",
+    "table_owners",
 ]
 
 
 class TableInit(enum.Enum):
     COPY = "copy"  # owned rows of the model's existing full table
     CHUNKED = "chunked"  # seeded per fixed-size chunk of rows (world-size independent)
+
+
+def table_owners(table_ranks: int | None, world: int) -> tuple[int, ...]:
+    """The owners of `--table-ranks N`: ranks 0..N-1 (None: every rank). Each holds about
+    num_rows / N rows of every table; ranks N..W-1 hold none (no table memory, no table optimizer
+    state) and only run the backbone and the lookups."""
+    if table_ranks is None:
+        return tuple(range(world))
+    if isinstance(table_ranks, bool) or not isinstance(table_ranks, int) or not 1 <= table_ranks <= world:
+        raise ValueError(
+            f"--table-ranks {table_ranks!r}: the first N ranks own the tables, so N must be between 1 and "
+            f"the world size {world}; give --table-ranks N with 1 <= N <= {world}, or leave it out (every "
+            "rank owns rows)"
+        )
+    return tuple(range(table_ranks))
 
 
 def _table_seed(seed: int, layer_id: int) -> int:
@@ -61,10 +83,12 @@ def shard_engram_tables(
     *,
     init: TableInit = TableInit.COPY,
     seed: int = 0,
+    owners: Iterable[int] | None = None,
 ) -> list[ShardedTable]:
-    """Replace each Engram module's TrainableTable by a ShardedTable over `group`; returns them in
-    model order. COPY keeps the model's values (every rank must hold the same full table, e.g. built
-    with the same seed); CHUNKED draws new ones from `seed` (the full table is freed afterwards)."""
+    """Replace each Engram module's TrainableTable by a ShardedTable over `group` whose rows live on
+    `owners` (default: every rank); returns them in model order. COPY keeps the model's values
+    (every rank must hold the same full table, e.g. built with the same seed); CHUNKED draws new
+    ones from `seed` (the full table is freed afterwards). Tables already sharded keep theirs."""
     if not isinstance(init, TableInit):
         raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
     tables = []
@@ -82,7 +106,7 @@ def shard_engram_tables(
             )
         w = old.weight
         if init is TableInit.COPY:
-            new = ShardedTable.from_full(w, group=group)
+            new = ShardedTable.from_full(w, group=group, owners=owners)
         else:
             new = ShardedTable(
                 old.num_rows,
@@ -92,6 +116,7 @@ def shard_engram_tables(
                 device=w.device,
                 init_std=old.init_std,
                 seed=_table_seed(seed, module.layer_id),
+                owners=owners,
             )
         module.table = new
         tables.append(new)
@@ -104,8 +129,10 @@ def build_sharded_model(
     seed: int = 0,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    owners: Iterable[int] | None = None,
 ) -> EngramLM:
-    """An EngramLM of `config` whose Engram tables are CHUNKED ShardedTables from the start.
+    """An EngramLM of `config` whose Engram tables are CHUNKED ShardedTables from the start, their
+    rows on `owners` (default: every rank; a non-owner never draws or holds a table row).
 
     Built under torch.manual_seed(seed) with EngramLM's `table_factory`: the backbone draws first (so
     it matches build_model's), then the Engram modules' dense weights (no full table is drawn in
@@ -117,7 +144,9 @@ def build_sharded_model(
 
     def sharded(e: EngramConfig, layer_id: int) -> ShardedTable:
         rows = Layout(e).layer(layer_id).num_embeddings
-        return ShardedTable(rows, e.head_dim, group=group, seed=_table_seed(seed, layer_id), device=device)
+        return ShardedTable(
+            rows, e.head_dim, group=group, seed=_table_seed(seed, layer_id), device=device, owners=owners
+        )
 
     torch.manual_seed(seed)
     model = EngramLM(config, table_factory=sharded)

@@ -1,8 +1,9 @@
 """A row-sharded Engram table for training over torch.distributed (SPEC §5, "Training").
 
 Holds:
-- `shard_bounds(num_rows, world)`: the contiguous row range [lo, hi) of every rank (the first
-  num_rows % world ranks hold one row more).
+- `shard_bounds(num_rows, world, owners)`: the contiguous row range [lo, hi) of every rank; the
+  owner ranks (default: all) split the rows in rank order (sizes differ by at most one), the
+  others hold the empty range where they stand.
 - `chunked_normal(lo, hi, dim, ...)`: rows [lo, hi) of a normal(0, std) table drawn in fixed chunks
   of `INIT_CHUNK_ROWS` rows, each from its own seeded generator: a rank draws only the chunks it
   owns, and the table does not depend on the world size.
@@ -24,9 +25,19 @@ The training flow, per step and on every rank of the table's process group:
 
 Every call above that exchanges rows is a collective: all ranks of the group call it, with the
 same tables in the same order (each with its own rows, possibly none).
+
+Dedicated table ranks (`owners`, SPEC §5: "row-sharded over a dedicated group of processes"): only
+the owner ranks hold rows, num_rows / N each for N owners; every other rank's shard is empty
+(0, dim), and so is its sparse optimizer state (SparseRowAdam's momentum runs over the shard's
+rows). All ranks still request rows and return row gradients through the same exchange; a
+non-owner is simply never asked for a row. Why: the table is most of the parameters (196B in
+V4.1) and is only read by row, so it can live on processes chosen for memory (e.g. CPU hosts with
+large DRAM) while the others keep their device memory for the backbone. Default: every rank owns.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +48,7 @@ from engram.table import EngramTable, check_rows
 __all__ = [
     "INIT_CHUNK_ROWS",
     "ShardedTable",
+    "check_owners",
     "chunked_normal",
     "gather_shards",
     "prefetch_tables",
@@ -51,11 +63,40 @@ INIT_CHUNK_ROWS = 1 << 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def shard_bounds(num_rows: int, world: int) -> list[int]:
-    """world + 1 boundaries: rank r owns rows [bounds[r], bounds[r + 1])."""
+def check_owners(owners: Iterable[int] | None, world: int) -> tuple[int, ...]:
+    """The owner ranks as a sorted tuple (None: all `world` ranks); ValueError unless they are
+    distinct ranks in [0, world), at least one."""
+    if owners is None:
+        return tuple(range(world))
+    found = list(owners)
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in found):
+        raise TypeError(f"owners must be group ranks (ints), got {found!r}")
+    ranks = tuple(sorted(found))
+    if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= world:
+        raise ValueError(
+            f"owners={found!r}: the table needs at least one owner, each a distinct rank of the group "
+            f"in [0, {world}) (the world size is {world}); pass e.g. {list(range(min(world, 2)))}, or "
+            "None for every rank"
+        )
+    return ranks
+
+
+def shard_bounds(num_rows: int, world: int, owners: Iterable[int] | None = None) -> list[int]:
+    """world + 1 boundaries: rank r owns rows [bounds[r], bounds[r + 1]).
+
+    The i-th owner (in rank order; default: every rank) owns rows [i * n // N, (i + 1) * n // N)
+    of n = num_rows split among N owners; a non-owner's range is empty. The boundaries stay sorted,
+    so the owner of a row is the last rank whose range starts at or below it."""
     if num_rows < 1 or world < 1:
         raise ValueError(f"shard_bounds needs num_rows >= 1 and world >= 1, got {num_rows} and {world}")
-    return [r * num_rows // world for r in range(world + 1)]
+    ranks = check_owners(owners, world)
+    n_own = len(ranks)
+    bounds, i = [0], 0
+    for r in range(world):
+        if i < n_own and ranks[i] == r:
+            i += 1
+        bounds.append(i * num_rows // n_own)  # rows of the owners up to and including rank r
+    return bounds
 
 
 def chunked_normal(
@@ -88,10 +129,17 @@ def chunked_normal(
 class ShardedTable(EngramTable):
     """A table [num_rows, dim] row-sharded over `group` (default: the default process group).
 
-    Rank r of the group owns rows [lo, hi) = shard_bounds(num_rows, W)[r : r + 2]; `weight` is that
-    shard (hi - lo, dim). Build it with `ShardedTable(num_rows, dim, ...)` (chunked seeded init: no
-    rank ever holds the whole table) or `ShardedTable.from_full(weight)` (copy the owned rows of a
-    full table every rank already has: the sharded model starts identical to the unsharded one).
+    Rank r of the group owns rows [lo, hi) = shard_bounds(num_rows, W, owners)[r : r + 2]; `weight`
+    is that shard (hi - lo, dim). Build it with `ShardedTable(num_rows, dim, ...)` (chunked seeded
+    init: no rank ever holds the whole table) or `ShardedTable.from_full(weight)` (copy the owned
+    rows of a full table every rank already has: the sharded model starts identical to the
+    unsharded one).
+
+    `owners` (group ranks; default: all W) are the ranks that hold rows: num_rows / N each for N
+    owners (a dedicated table group, e.g. CPU hosts with large DRAM). A non-owner's `weight` is
+    empty (0, dim), so its table memory and its sparse optimizer state are nil, yet it looks rows up
+    and trains them like any rank (the exchange routes its requests to the owners). Every rank of
+    the group must pass the same owners. The values, gradients and updates do not depend on them.
 
     `state_dict()` holds the local shard; `load_state_dict` takes the shard or the full table
     (it keeps the owned rows). `full_weight()` gathers the whole table on one rank (a collective).
@@ -111,6 +159,7 @@ class ShardedTable(EngramTable):
         init_std: float = 0.02,
         seed: int = 0,
         shard: torch.Tensor | None = None,
+        owners: Iterable[int] | None = None,
     ) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -130,7 +179,8 @@ class ShardedTable(EngramTable):
                 "table only on the group's ranks"
             )
         self.num_rows, self.dim = int(num_rows), int(dim)
-        self.bounds = shard_bounds(self.num_rows, self.world)
+        self.owners = check_owners(owners, self.world)
+        self.bounds = shard_bounds(self.num_rows, self.world, self.owners)
         self.lo, self.hi = self.bounds[self.rank], self.bounds[self.rank + 1]
         self.init_std, self.seed = init_std, seed
         if shard is None:
@@ -141,8 +191,10 @@ class ShardedTable(EngramTable):
                 f"{(self.hi - self.lo, dim)}, got {tuple(shard.shape)}"
             )
         self.weight = nn.Parameter(shard.detach().to(dtype=dtype, device=device).contiguous())
-        # First row of ranks 1..W-1: owner(row) = bucketize(row, _starts, right=True). int64, so a
-        # parent's .to(bf16) leaves it alone; not saved (it follows from num_rows and the world size).
+        # First row of ranks 1..W-1: owner(row) = bucketize(row, _starts, right=True), the last rank
+        # starting at or below the row (so never a non-owner: its empty range shares the next start).
+        # int64, so a parent's .to(bf16) leaves it alone; not saved (it follows from num_rows, the
+        # world size and the owners).
         starts = torch.tensor(self.bounds[1:-1], dtype=torch.int64, device=device)  # (W - 1,)
         self.register_buffer("_starts", starts, persistent=False)
         # The pending prefetch: distinct rows (U,) sorted, their values (U, dim) as an autograd leaf,
@@ -152,19 +204,36 @@ class ShardedTable(EngramTable):
         self._exchange: _Exchange | None = None
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> ShardedTable:
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        *,
+        group: dist.ProcessGroup | None = None,
+        owners: Iterable[int] | None = None,
+    ) -> ShardedTable:
         """The shard of a full table [num_rows, dim] (every rank passes the same values)."""
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise ValueError(f"from_full needs a table [num_rows, dim], got {found}")
-        n = weight.shape[0]
-        bounds = shard_bounds(n, dist.get_world_size(group) if dist.is_initialized() else 1)
+        n, world = weight.shape[0], dist.get_world_size(group) if dist.is_initialized() else 1
+        owners = check_owners(owners, world)
+        bounds = shard_bounds(n, world, owners)
         r = dist.get_rank(group) if dist.is_initialized() else 0
         shard = weight.detach()[bounds[r] : bounds[r + 1]].clone()
-        return cls(n, weight.shape[1], group=group, dtype=weight.dtype, device=weight.device, shard=shard)
+        dtype, device = weight.dtype, weight.device
+        return cls(n, weight.shape[1], group=group, dtype=dtype, device=device, shard=shard, owners=owners)
+
+    @property
+    def is_owner(self) -> bool:
+        """Whether this rank holds rows of the table (one of `owners`)."""
+        return self.rank in self.owners
 
     def extra_repr(self) -> str:
-        return f"num_rows={self.num_rows}, dim={self.dim}, rank={self.rank}/{self.world}, rows=[{self.lo}, {self.hi})"
+        owners = "" if len(self.owners) == self.world else f", owners={list(self.owners)}"
+        return (
+            f"num_rows={self.num_rows}, dim={self.dim}, rank={self.rank}/{self.world}, "
+            f"rows=[{self.lo}, {self.hi}){owners}"
+        )
 
     # ------------------------------------------------------------------ lookups
     def prefetch(self, rows: torch.Tensor) -> None:
@@ -218,18 +287,28 @@ class ShardedTable(EngramTable):
 
 def gather_shards(table: ShardedTable, shard: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
     """Concatenate a per-rank tensor whose dim 0 runs over `table`'s owned rows (the weight or an
-    optimizer state) into [num_rows, ...] on group rank `dst`; None on the other ranks. A collective.
-    Shards are padded to the largest one (dist.gather needs equal sizes): fine at checkpoint time."""
+    optimizer state) into [num_rows, ...] on group rank `dst`; None on the other ranks.
+
+    Every rank of the group calls it (in the same order for successive tables); each rank holding
+    rows sends them to `dst` (point to point, in rank order, so nothing is padded: a non-owner
+    allocates nothing and, unless it is `dst`, does not communicate)."""
     if shard.shape[0] != table.hi - table.lo:
         raise ValueError(f"shard has {shard.shape[0]} rows, rank {table.rank} owns {table.hi - table.lo}")
-    sizes = [table.bounds[r + 1] - table.bounds[r] for r in range(table.world)]
-    padded = shard.new_zeros((max(sizes), *shard.shape[1:]))
-    padded[: shard.shape[0]] = shard
-    parts = [torch.empty_like(padded) for _ in sizes] if table.rank == dst else None
-    dist.gather(padded.contiguous(), parts, group=table.group, group_dst=dst)
-    if parts is None:
+    if not 0 <= dst < table.world:
+        raise ValueError(f"dst={dst} is not a rank of the table's group of {table.world}")
+    bounds = table.bounds
+    if table.rank != dst:
+        if shard.shape[0]:
+            dist.send(shard.contiguous(), group_dst=dst, group=table.group)
         return None
-    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+    out = shard.new_empty((table.num_rows, *shard.shape[1:]))  # (num_rows, ...) the whole table
+    for r in range(table.world):
+        part = out[bounds[r] : bounds[r + 1]]  # a contiguous view: received into place
+        if r == dst:
+            part.copy_(shard)
+        elif part.shape[0]:
+            dist.recv(part, group_src=r, group=table.group)
+    return out
 
 
 # ---------------------------------------------------------------------------- the row exchange

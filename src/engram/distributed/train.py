@@ -3,8 +3,9 @@
 Holds:
 - `DistEnv`, `init_distributed()`: read torchrun's environment, pick the backend (NCCL with one
   CUDA device per LOCAL_RANK, else gloo on the CPU), start the process group, set torch threads.
-- `build_distributed_model(cfg, data, init=...)`: engram.train.build_model's model with its tables
-  sharded (COPY: identical to the single-process model) or born sharded (CHUNKED).
+- `build_distributed_model(cfg, data, init=..., owners=...)`: engram.train.build_model's model with
+  its tables sharded (COPY: identical to the single-process model) or born sharded (CHUNKED), their
+  rows on `owners` (default: every rank).
 - `DistributedTrainer`: engram.train.Trainer with its batch, backward and checkpoint pieces
   replaced. W ranks with a global batch of B sequences train the model one process trains with
   batch B: rank r takes the contiguous part [r*B/W, (r+1)*B/W) of the step's window starts, the
@@ -18,7 +19,13 @@ Checkpoints keep the single-process format (`engram eval` and `engram.train.load
 them): the table shards and their optimizer state are gathered to rank 0, which writes. That
 holds one full table on rank 0 for a moment: fine at this project's scale, not at V4.1's (a
 sharded checkpoint format would be needed there). Resuming reads the full files on every rank and
-keeps the owned rows; a checkpoint resumes on any world size, or in one process.
+keeps the owned rows; a checkpoint resumes on any world size and any owners, or in one process.
+
+Table ranks (`owners`, `engram train --distributed --table-ranks N`): the tables' rows and their
+sparse optimizer state live on N owner ranks only (num_rows / N rows each); the other ranks hold an
+empty (0, dim) shard and no table optimizer state, but train on their share of the batch like the
+owners (their rows are looked up and their row gradients summed at the owners). The losses and the
+checkpoints are those of the default layout.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import dataclasses
 import math
 import os
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,17 +129,19 @@ def build_distributed_model(
     init: TableInit = TableInit.COPY,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    owners: Iterable[int] | None = None,
 ) -> EngramLM:
-    """cfg's model on `device` with sharded Engram tables. COPY: build_model's model (the same as a
-    single process trains; each rank builds the full table once, then keeps its rows). CHUNKED:
+    """cfg's model on `device` with sharded Engram tables whose rows live on `owners` (group ranks;
+    default: every rank). COPY: build_model's model (the same as a single process trains; each
+    rank builds the full table once, then keeps its rows, a non-owner none). CHUNKED:
     build_sharded_model (no rank ever holds a full table; another, world-size independent, init)."""
     if init is TableInit.COPY or not cfg.engram:
         model = build_model(cfg, data).to(device)
-        shard_engram_tables(model, group)
+        shard_engram_tables(model, group, owners=owners)
         return model
     base = build_model(cfg, data, engram=False).config  # the LMConfig build_model would use
     lm_cfg = dataclasses.replace(base, engram=data.engram_config)
-    return build_sharded_model(lm_cfg, seed=cfg.seed, group=group, device=device)
+    return build_sharded_model(lm_cfg, seed=cfg.seed, group=group, device=device, owners=owners)
 
 
 def global_num_params(model: EngramLM) -> dict[str, int]:
@@ -154,8 +164,9 @@ class DistributedTrainer(Trainer):
     """Trainer for one rank of a data-parallel run; every rank constructs it and calls the same
     methods (run, evaluate, save_checkpoint, load_checkpoint are collectives).
 
-    `model` is cfg's model on `device`; Engram tables still unsharded are sharded here (COPY).
-    Only rank 0 writes checkpoints (out_dir must be the same shared folder on every rank).
+    `model` is cfg's model on `device`; Engram tables still unsharded are sharded here (COPY, their
+    rows on `owners`, default every rank; tables already sharded keep their owners). Only rank 0
+    writes checkpoints (out_dir must be the same shared folder on every rank).
     """
 
     def __init__(
@@ -167,6 +178,7 @@ class DistributedTrainer(Trainer):
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        owners: Iterable[int] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError(
@@ -184,7 +196,7 @@ class DistributedTrainer(Trainer):
         self.local_batch = cfg.batch_size // self.world
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if any(isinstance(m.table, TrainableTable) for m in model.engrams.values()):
-            shard_engram_tables(model, group)
+            shard_engram_tables(model, group, owners=owners)
         self.tables = sharded_tables(model)
         super().__init__(cfg, data, model, out_dir)
         self._check_same_data(data)
@@ -195,13 +207,22 @@ class DistributedTrainer(Trainer):
         )
 
     def _check_same_data(self, data: DataBundle) -> None:
+        """One all-reduce: every rank has the same data and the same table layout (owners, rows);
+        ranks disagreeing on the owners would ask non-owners for rows they do not hold."""
         crc = _data_checksum(data)
-        both = torch.tensor([crc, -crc], dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min)
+        layout = zlib.crc32(repr([t.bounds for t in self.tables]).encode())
+        both = torch.tensor([crc, -crc, layout, -layout], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min) of each
         if int(both[0]) != crc or int(-both[1]) != crc:
             raise ValueError(
                 f"rank {self.rank}'s data (tokenizer and token streams) differs from another rank's: every "
                 "rank must prepare the same data (same corpus, tokenizer and config)"
+            )
+        if int(both[2]) != layout or int(-both[3]) != layout:
+            owners = [t.owners for t in self.tables]
+            raise ValueError(
+                f"rank {self.rank}'s Engram tables (owners {owners}) are sharded unlike another rank's: "
+                "every rank must shard them with the same owners (the same --table-ranks)"
             )
 
     # ------------------------------------------------------------------ the step's pieces
@@ -289,7 +310,8 @@ class DistributedTrainer(Trainer):
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
     ) -> None:
         # The model keeps its owned rows itself (ShardedTable._load_from_state_dict); the table
-        # optimizer's state is cut here: each of its tensors runs over the table's rows.
+        # optimizer's state is cut here: each of its tensors runs over the table's rows (a
+        # non-owner keeps none: an empty slice, matching its empty shard).
         sliced = dict(opt_tensors)
         for key, value in opt_tensors.items():
             if key.startswith("table."):
