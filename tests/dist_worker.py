@@ -187,6 +187,29 @@ def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
         res["owners_error"] = None
     except ValueError as e:
         res["owners_error"] = str(e)
+    try:  # ranks launched with different configs: refused on every rank
+        DistributedTrainer(cfg.replace(seed=cfg.seed + dist.get_rank()), data, build_model(cfg, data))
+        res["config_error"] = None
+    except ValueError as e:
+        res["config_error"] = str(e)
+    try:  # ranks resuming from different steps: refused on every rank before the first batch
+        other = DistributedTrainer(cfg, data, build_model(cfg, data))
+        other.step = dist.get_rank()
+        other.run(until=2)
+        res["step_error"] = None
+    except ValueError as e:
+        res["step_error"] = str(e)
+    # a frozen table gets no gradient (so no optimizer update), as a frozen TrainableTable gets none
+    from engram.distributed import ShardedTable, prefetch_tables, sync_table_grads
+
+    frozen = ShardedTable(50, 4, seed=1)
+    frozen.weight.requires_grad_(False)
+    rows = torch.tensor([[1, 2], [40, 2 + dist.get_rank()]])
+    prefetch_tables([(frozen, rows)])
+    x = torch.ones(4, requires_grad=True)
+    (frozen.gather(rows) * x).sum().backward()
+    sync_table_grads([frozen])
+    res["frozen_grad_is_none"] = frozen.weight.grad is None
     run = DistributedTrainer(
         cfg, data, build_model(cfg, data).double(), out_dir=out_dir / "owned64", owners=table_owners(1, 2)
     )

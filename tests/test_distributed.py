@@ -433,6 +433,16 @@ def test_table_owners_must_agree(runs):
         assert "sharded unlike another rank's" in r["owners_error"] and "--table-ranks" in r["owners_error"]
 
 
+def test_ranks_must_agree_on_config_and_step(runs):
+    for r in runs[2]["ranks"]:
+        assert "training config differs from another rank's" in r["config_error"]
+        assert "every rank must resume from the same checkpoint" in r["step_error"]
+
+
+def test_frozen_sharded_table_gets_no_gradient(runs):
+    assert all(r["frozen_grad_is_none"] for r in runs[2]["ranks"])
+
+
 def test_batch_size_must_split(runs):
     for world in WORLDS:
         err = runs[world]["ranks"][0]["batch_error"]

@@ -22,7 +22,7 @@ collective.
 
 Every function that shards takes `owners` (group ranks; default: all): only they hold table rows,
 num_rows / N each for N owners, while the dense model stays replicated on every rank (see
-sharded_table: tables on dedicated processes, e.g. hosts with large DRAM).
+sharded_table: tables on dedicated processes).
 """
 
 from __future__ import annotations

@@ -31,8 +31,10 @@ the owner ranks hold rows, num_rows / N each for N owners; every other rank's sh
 (0, dim), and so is its sparse optimizer state (SparseRowAdam's momentum runs over the shard's
 rows). All ranks still request rows and return row gradients through the same exchange; a
 non-owner is simply never asked for a row. Why: the table is most of the parameters (196B in
-V4.1) and is only read by row, so it can live on processes chosen for memory (e.g. CPU hosts with
-large DRAM) while the others keep their device memory for the backbone. Default: every rank owns.
+V4.1) and is only read by row, so it can live on processes chosen for memory while the others keep
+their memory for the backbone. Default: every rank owns. (Every rank of the group still runs the
+backbone, and one backend serves the group: with NCCL the shards are on the owners' GPUs, so
+placing them in CPU hosts' DRAM would need a gloo group for the tables, which this does not do.)
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class ShardedTable(EngramTable):
     unsharded one).
 
     `owners` (group ranks; default: all W) are the ranks that hold rows: num_rows / N each for N
-    owners (a dedicated table group, e.g. CPU hosts with large DRAM). A non-owner's `weight` is
+    owners (a dedicated table group). A non-owner's `weight` is
     empty (0, dim), so its table memory and its sparse optimizer state are nil, yet it looks rows up
     and trains them like any rank (the exchange routes its requests to the owners). Every rank of
     the group must pass the same owners. The values, gradients and updates do not depend on them.
@@ -424,14 +426,19 @@ def prefetch_tables(pairs: list[tuple[ShardedTable, torch.Tensor]]) -> None:
 
 def sync_table_grads(tables: list[ShardedTable]) -> None:
     """After backward: send every pending block's row gradients to the rows' owners, which sum the
-    contributions of all ranks (in rank order) and set their shard's sparse gradient (added to an
-    existing one). Releases the prefetches. A collective: all ranks call it with the same tables.
-    Tables without a pending prefetch are skipped (the same on every rank: prefetch is collective)."""
+    contributions of all ranks (in rank order on a CPU; CUDA's index_add_ sums in no fixed order)
+    and set their shard's sparse gradient (added to an existing one). Releases the prefetches. A
+    collective: all ranks call it with the same tables. Tables without a pending prefetch are
+    skipped (the same on every rank: prefetch is collective), and so are frozen tables
+    (`weight.requires_grad` False): they get no gradient, as a frozen TrainableTable gets none."""
     exchanges: list[_Exchange] = []
     for t in tables:
         if t._exchange is not None and all(t._exchange is not e for e in exchanges):
             exchanges.append(t._exchange)
     for ex in exchanges:
+        if not any(t.weight.requires_grad for t in ex.tables):  # frozen tables: nothing to send or set
+            release_tables(ex.tables)  # (the same decision on every rank: the same model)
+            continue
         first = ex.tables[0]
         blocks = [t._block for t in ex.tables]
         assert all(b is not None for b in blocks)
@@ -450,7 +457,8 @@ def sync_table_grads(tables: list[ShardedTable]) -> None:
                 is_coalesced=True,  # sorted distinct rows by construction
                 check_invariants=False,
             )
-            t.weight.grad = grad if t.weight.grad is None else t.weight.grad + grad
+            if t.weight.requires_grad:  # a frozen table of the exchange gets no gradient (nor update)
+                t.weight.grad = grad if t.weight.grad is None else t.weight.grad + grad
         release_tables(ex.tables)
 
 

@@ -31,10 +31,11 @@ checkpoints are those of the default layout.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,9 +190,10 @@ class DistributedTrainer(Trainer):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if cfg.batch_size % self.world:
             lo = cfg.batch_size // self.world * self.world
+            near = f"{lo} or {lo + self.world}" if lo else f"{self.world}"
             raise ValueError(
                 f"batch_size={cfg.batch_size} does not split evenly over {self.world} ranks: use a "
-                f"multiple of {self.world} (e.g. {lo or self.world} or {lo + self.world})"
+                f"multiple of {self.world} (e.g. {near})"
             )
         self.local_batch = cfg.batch_size // self.world
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -207,12 +209,20 @@ class DistributedTrainer(Trainer):
         )
 
     def _check_same_data(self, data: DataBundle) -> None:
-        """One all-reduce: every rank has the same data and the same table layout (owners, rows);
-        ranks disagreeing on the owners would ask non-owners for rows they do not hold."""
+        """One all-reduce: every rank has the same training config, data and table layout (owners,
+        rows); ranks disagreeing on the owners would ask non-owners for rows they do not hold, and on
+        the config (seed, steps, learning rates) would train different models or hang."""
         crc = _data_checksum(data)
         layout = zlib.crc32(repr([t.bounds for t in self.tables]).encode())
-        both = torch.tensor([crc, -crc, layout, -layout], dtype=torch.int64, device=self.device)
+        config = zlib.crc32(json.dumps(self.cfg.to_dict(), sort_keys=True).encode())
+        vals = [crc, -crc, layout, -layout, config, -config]
+        both = torch.tensor(vals, dtype=torch.int64, device=self.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min) of each
+        if int(both[4]) != config or int(-both[5]) != config:
+            raise ValueError(
+                f"rank {self.rank}'s training config differs from another rank's: launch every rank with "
+                "the same command line (or config file)"
+            )
         if int(both[0]) != crc or int(-both[1]) != crc:
             raise ValueError(
                 f"rank {self.rank}'s data (tokenizer and token streams) differs from another rank's: every "
@@ -247,6 +257,20 @@ class DistributedTrainer(Trainer):
         total = all_reduce_grads(self.dense_params, self.group, extra=loss.detach().reshape(1) / self.world)
         assert total is not None
         return float(total[0])  # the global batch's mean loss; sync point
+
+    def run(self, on_step: Callable[[Trainer, float], None] | None = None, until: int | None = None) -> None:
+        """Trainer.run, after checking that every rank starts from the same step (a rank that found
+        no checkpoint, or another one, in a folder not shared with the others would train other
+        batches and hang in a collective)."""
+        steps = torch.tensor([self.step, -self.step], dtype=torch.int64, device=self.device)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min)
+        if int(steps[0]) != self.step or int(-steps[1]) != self.step:
+            raise ValueError(
+                f"rank {self.rank} starts at step {self.step} but another rank at step "
+                f"{int(steps[0]) if int(steps[0]) != self.step else int(-steps[1])}: every rank must resume "
+                "from the same checkpoint (--out must be one folder that all ranks share)"
+            )
+        super().run(on_step, until)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
