@@ -89,7 +89,8 @@ class DistEnv:
 def init_distributed(backend: str | None = None, *, threads: int | None = None) -> DistEnv:
     """Start the default process group from torchrun's environment variables.
 
-    backend: "nccl" when CUDA is available (device cuda:LOCAL_RANK), else "gloo" (CPU).
+    backend: "nccl" when CUDA is available (device cuda:LOCAL_RANK, or cuda:0 when each rank sees
+    one device), else "gloo" (CPU).
     threads: torch threads of this rank (default: the cores split evenly over the node's ranks).
     """
     missing = [v for v in TORCHRUN_VARS if v not in os.environ]
@@ -105,12 +106,14 @@ def init_distributed(backend: str | None = None, *, threads: int | None = None) 
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)")
     if backend == "nccl":
-        if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (count > 1 and local_rank >= count):
             raise ValueError(
-                f"backend nccl needs a CUDA device for LOCAL_RANK={local_rank}, found "
-                f"{torch.cuda.device_count()}: start at most that many ranks per node, or use gloo"
+                f"backend nccl needs a CUDA device for LOCAL_RANK={local_rank}, found {count}: start at "
+                "most that many ranks per node, or use gloo"
             )
-        device = torch.device("cuda", local_rank)
+        # one visible device: the launcher gave each rank its own GPU (CUDA_VISIBLE_DEVICES per rank)
+        device = torch.device("cuda", local_rank if count > 1 else 0)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -119,7 +122,8 @@ def init_distributed(backend: str | None = None, *, threads: int | None = None) 
         dist.init_process_group(backend, **kw)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     # Ranks of a node share its cores: oversubscribing them (each rank using all) is far slower.
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(threads or max(1, cores // local_world))
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
 
 
