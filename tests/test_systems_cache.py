@@ -137,3 +137,48 @@ def test_map_survives_heavy_churn():
         ref.call(rows)
     assert c.lru_order().tolist() == list(ref.rows)
     assert (c.hits, c.misses, c.evictions) == (ref.hits, ref.misses, ref.evictions)
+
+
+@pytest.mark.parametrize(
+    ("uniq", "match"),
+    [
+        ([5, 5], r"uniq\[1\]=5 follows uniq\[0\]=5; pass np.unique"),
+        ([1, 7, 3], r"uniq\[2\]=3 follows uniq\[1\]=7"),
+        ([-1, 3], r"row id -1 at position 0 is negative"),
+    ],
+)
+def test_plan_rejects_repeated_unsorted_or_negative_rows(uniq, match):
+    """A repeated id used to take two slots for one row (and later serve another row's bytes)."""
+    c = RowCache(2, 32)
+    with pytest.raises(ValueError, match=match):
+        c.plan(np.array(uniq, dtype=np.int64))
+    assert c.resident_rows().tolist() == [] and (c.hits, c.misses) == (0, 0)  # nothing changed
+    plan(c, [5])
+    assert plan(c, [5]).hit_slots.tolist() == [0]
+
+
+def test_write_and_read_check_slots_and_shapes():
+    """The CPU write is an unchecked numba scatter: bad slots or lengths used to corrupt memory."""
+    c = RowCache(4, 32)
+    v, s = torch.full((1, 32), 7, dtype=torch.uint8), torch.full((1, 1), 9, dtype=torch.uint8)
+    c._values.zero_()
+    for slot in (-1, 4):
+        with pytest.raises(
+            ValueError, match=rf"slot {slot} at position 0 is outside this cache's slots \[0, 4\)"
+        ):
+            c.write(torch.tensor([slot]), v, s)
+    assert int(c._values.sum()) == 0  # nothing written
+    with pytest.raises(ValueError, match=r"values must be uint8 \(2, 32\) for 2 slots"):
+        c.write(torch.tensor([0, 1]), v, s)
+    with pytest.raises(ValueError, match=r"scales must be uint8 \(1, 1\)"):
+        c.write(torch.tensor([0]), v, torch.zeros(1, 2, dtype=torch.uint8))
+    with pytest.raises(TypeError, match=r"slots must be a 1-D int64 tensor"):
+        c.write(torch.tensor([0], dtype=torch.int32), v, s)
+    out_v, out_s = torch.empty(1, 32, dtype=torch.uint8), torch.empty(1, 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"4"):
+        c.read(torch.tensor([4]), out_v, out_s)
+    with pytest.raises(ValueError, match=r"values must be uint8 \(2, 32\)"):
+        c.read(torch.tensor([0, 1]), out_v, out_s)
+    c.write(torch.tensor([2]), v, s)
+    c.read(torch.tensor([2]), out_v, out_s)
+    assert torch.equal(out_v, v) and torch.equal(out_s, s)

@@ -73,3 +73,30 @@ def test_cli_on_real_text(capsys):
     assert large["bytes_per_token"]["no_dedup"] == 24 * 264
     with pytest.raises(SystemExit):
         main(["cache-sim", "--cache-rows", "lots"])
+
+
+def test_bad_rows_and_layer_ids():
+    rows = np.random.default_rng(0).integers(0, 50, (100, 2, 3))
+    with pytest.raises(ValueError, match=r"layer_ids \[7\] name 1 layer\(s\) but rows hold 2"):
+        simulate_cache(rows, 10, [4], 264, layer_ids=[7])
+    neg = rows.copy()
+    neg[3, 1, 2] = -1
+    with pytest.raises(ValueError, match=r"row id -1 at position \(3, 1, 2\) is negative"):
+        simulate_cache(neg, 10, [8], 264)
+    with pytest.raises(ValueError, match=r"integer row ids, got dtype float64"):
+        simulate_cache(rows.astype(np.float64), 10, [8], 264)
+
+
+def test_warm_rate_needs_two_batches(capsys):
+    rows = np.random.default_rng(0).integers(0, 50, (100, 1, 3))
+    one = simulate_cache(rows, 1000, [4], 264)[0]  # one batch: cold only
+    assert one.batches == 1 and one.warm_hit_rate is None and one.to_dict()["warm_hit_rate"] is None
+    assert (one.hits_second_half, one.distinct_second_half) == (0, 0)
+    two = simulate_cache(rows, 50, [64], 264)[0]  # two batches: the second one is the warm half
+    second = np.unique(rows[50:, 0])
+    assert two.batches == 2 and two.distinct_second_half == second.size
+    assert two.warm_hit_rate == pytest.approx(np.isin(second, np.unique(rows[:50, 0])).mean())
+    assert main(["cache-sim", "--max-chars", "300", "--batch-tokens", "100000", "--cache-rows", "1K"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    row = next(line for line in table if line.split()[:2] == ["1", "1,024"])
+    assert row.split()[5] == "-"  # the warm column

@@ -2,11 +2,16 @@
 
 Holds:
 - `PrefetchHandle`: one prefetch of a table's rows: `done()`, `wait()` (the fetched block, or the
-  fetch's error re-raised), and the host copy of the rows it was made for (`rows`, for matching).
+  fetch's error re-raised), the host copy of the rows it was made for (`rows`, for matching:
+  `matches`, `first_difference`) and the compute device it was fetched for (`device`).
+- `claim(pending, rows, prefetched, owner)`: the prefetch that serves a gather of `rows`: the
+  explicit handle (checked to be the owner's and for equal rows) or the oldest pending one of
+  equal rows; removed from `pending`.
 - `FetchWorker(max_inflight)`: one daemon thread running fetch jobs in submission order. `submit`
   blocks while `max_inflight` jobs are queued or running (a bounded queue, as torchrec's prefetch
   depth): a job completes without its consumer, so the bound can never deadlock a single thread
-  that prefetches ahead before it gathers.
+  that prefetches ahead before it gathers. `wait_idle()` blocks until no job is in flight;
+  `close()` stops the thread (joining it), and a later `submit` starts a new one.
 
 The work itself (dedup, cache lookup, host gather, host -> device copy) runs in numba kernels and torch
 ops that release the GIL, so the worker overlaps with the main thread's compute on a CPU as well.
@@ -14,6 +19,7 @@ ops that release the GIL, so the worker overlaps with the main thread's compute 
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -22,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FetchWorker", "PrefetchHandle"]
+__all__ = ["FetchWorker", "PrefetchHandle", "claim"]
 
 
 class PrefetchHandle:
@@ -32,9 +38,10 @@ class PrefetchHandle:
     values. `wait()` returns the fetched block (or raises the fetch's error, e.g. a bad row id).
     """
 
-    def __init__(self, rows: torch.Tensor, owner: object) -> None:
+    def __init__(self, rows: torch.Tensor, owner: object, device: torch.device | None = None) -> None:
         self.rows = rows  # host tensor, a private copy: the caller may reuse its own
         self.owner = owner  # the table it was made by (a handle only serves its own table)
+        self.device = device  # the compute device the rows were fetched to (a later .to() outdates it)
         self.submitted_at = time.perf_counter()
         self._done = threading.Event()
         self._result: Any = None
@@ -53,13 +60,19 @@ class PrefetchHandle:
         return self._result
 
     def matches(self, rows: torch.Tensor) -> bool:
-        """Whether host `rows` have this handle's shape and values (dtype int32/int64 alike)."""
+        """Whether host `rows` have this handle's shape and values (int32 / int64 alike, compared as int64)."""
         if rows is self.rows:
             return True
         if rows.shape != self.rows.shape:
             return False
-        mine = self.rows if rows.dtype == self.rows.dtype else self.rows.to(rows.dtype)
-        return torch.equal(mine, rows)
+        if rows.dtype == self.rows.dtype:
+            return torch.equal(self.rows, rows)
+        return torch.equal(self.rows.long(), rows.long())  # never narrow: int64 ids may not fit int32
+
+    def first_difference(self, rows: torch.Tensor) -> tuple[int, ...] | None:
+        """The first position where host `rows` (of this handle's shape) differ from its rows, else None."""
+        diff = torch.nonzero(self.rows.long() != rows.long())
+        return tuple(int(i) for i in diff[0]) if diff.shape[0] else None
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -68,6 +81,44 @@ class PrefetchHandle:
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self.done() else "in flight"
         return f"PrefetchHandle(rows={tuple(self.rows.shape)}, {state})"
+
+
+def claim(
+    pending: collections.deque[PrefetchHandle],
+    rows: torch.Tensor,
+    prefetched: PrefetchHandle | None,
+    owner: object,
+) -> PrefetchHandle | None:
+    """The prefetch serving host `rows` of `owner`'s gather, removed from `pending`; None if none.
+
+    `prefetched` (explicit) must be a handle of `owner` made for equal rows (ValueError naming the
+    first differing position otherwise); without it, the oldest pending handle of equal rows.
+    """
+    if prefetched is None:
+        for h in pending:  # oldest first
+            if h.matches(rows):
+                pending.remove(h)
+                return h
+        return None
+    if not isinstance(prefetched, PrefetchHandle) or prefetched.owner is not owner:
+        raise ValueError(
+            f"prefetched= must be a handle returned by this table's prefetch(), got {prefetched!r}; "
+            "each Engram layer's table needs its own prefetch"
+        )
+    if not prefetched.matches(rows):
+        mine = prefetched.rows
+        if mine.shape != rows.shape:
+            what = f"(shape {tuple(mine.shape)}) than these (shape {tuple(rows.shape)})"
+        else:
+            pos = prefetched.first_difference(rows)
+            assert pos is not None
+            what = f"than these: row {int(rows[pos])} at position {pos}, the handle's is {int(mine[pos])}"
+        raise ValueError(
+            f"the prefetched handle was made for other rows {what}; prefetch exactly the rows you gather"
+        )
+    if prefetched in pending:
+        pending.remove(prefetched)
+    return prefetched
 
 
 def _worker_loop(jobs: queue.SimpleQueue, release: Callable[[], None]) -> None:
@@ -97,6 +148,7 @@ class FetchWorker:
         self.name = name
         self._slots = threading.Semaphore(max_inflight)
         self._count_lock = threading.Lock()
+        self._idle = threading.Condition(self._count_lock)  # notified when the last job in flight ends
         self._inflight = 0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -109,24 +161,51 @@ class FetchWorker:
     def _release(self) -> None:
         with self._count_lock:
             self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
         self._slots.release()
 
+    def wait_idle(self) -> None:
+        """Block until every submitted job has finished (their handles are then done)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0)
+
     def submit(self, fn: Callable[[], Any], handle: PrefetchHandle) -> PrefetchHandle:
-        """Queue fn (its result goes to `handle`); blocks while `max_inflight` jobs are in flight."""
+        """Queue fn (its result goes to `handle`); blocks while `max_inflight` jobs are in flight.
+
+        Exception-safe: an interrupt (Ctrl-C while blocked on the bound) leaves no slot taken and no
+        job counted that will never run; the job is then not queued and `handle` never completes.
+        """
         self._slots.acquire()  # the depth bound: waits for a running job to finish
-        with self._count_lock:
-            self._inflight += 1
-            if self._thread is None or not self._thread.is_alive():
-                # the thread gets the queue and a bound method of this worker, never the table
-                self._thread = threading.Thread(
-                    target=_worker_loop, args=(self._jobs, self._release), name=self.name, daemon=True
-                )
-                self._thread.start()
-        self._jobs.put((fn, handle))
+        counted = queued = False
+        try:
+            with self._count_lock:
+                if self._thread is None or not self._thread.is_alive():
+                    # the thread gets the queue and a bound method of this worker, never the table
+                    self._thread = threading.Thread(
+                        target=_worker_loop, args=(self._jobs, self._release), name=self.name, daemon=True
+                    )
+                    self._thread.start()
+                # counted and queued under the lock: the worker's release() of this job waits for it
+                self._inflight += 1
+                counted = True
+                self._jobs.put((fn, handle))
+                queued = True
+        finally:
+            if not queued:  # interrupted (or the thread failed to start): give the slot back
+                if counted:
+                    self._release()
+                else:
+                    self._slots.release()
         return handle
 
     def close(self) -> None:
-        """Stop the thread after the jobs already queued (idempotent; a later submit restarts it)."""
-        if self._thread is not None and self._thread.is_alive():
+        """Stop the thread after the jobs already queued, waiting for it (idempotent; a later submit
+        starts a new thread, so jobs never run on two threads at once). From the worker thread itself
+        (a table collected there) it only asks the thread to stop."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._jobs.put(None)
+            if thread is not threading.current_thread():
+                thread.join()
         self._thread = None

@@ -99,9 +99,20 @@ class RowCache:
     # ------------------------------------------------------------------ host half
     def plan(self, uniq: np.ndarray) -> CachePlan:
         """Hits and admissions for sorted distinct row ids uniq (U,) int64; updates the counters."""
-        if uniq.dtype != np.int64 or uniq.ndim != 1:
-            raise TypeError(f"uniq must be a 1-D int64 array of distinct rows, got {uniq.dtype} {uniq.shape}")
+        if not isinstance(uniq, np.ndarray) or uniq.dtype != np.int64 or uniq.ndim != 1:
+            found = f"{uniq.dtype} {uniq.shape}" if isinstance(uniq, np.ndarray) else type(uniq).__name__
+            raise TypeError(f"uniq must be a 1-D int64 array of distinct rows, got {found}")
         n = uniq.shape[0]
+        # O(U) checks: a repeated or negative id would corrupt the index (two slots for one row)
+        if n and uniq[0] < 0:
+            raise ValueError(f"row id {int(uniq[0])} at position 0 is negative; row ids are >= 0")
+        unsorted = np.flatnonzero(uniq[1:] <= uniq[:-1])
+        if unsorted.shape[0]:
+            i = int(unsorted[0]) + 1
+            raise ValueError(
+                f"uniq must be strictly increasing (sorted distinct rows), but uniq[{i}]={int(uniq[i])} follows "
+                f"uniq[{i - 1}]={int(uniq[i - 1])}; pass np.unique(rows)"
+            )
         if self._slot_of.shape[0] < n:
             self._slot_of = np.empty(max(n, 2 * self._slot_of.shape[0]), dtype=np.int64)
             self._ins_of = np.empty_like(self._slot_of)
@@ -155,8 +166,10 @@ class RowCache:
     def read(self, slots: torch.Tensor, out_values: torch.Tensor, out_scales: torch.Tensor) -> None:
         """out_values (H, dim) / out_scales (H, nb) uint8 <- the cached rows in `slots` (H,) int64.
 
-        On the CPU through `lookup.gather_rows`' numba byte copy (GIL released), else index_select.
+        On the CPU through `lookup.gather_rows`' numba byte copy (GIL released, slots checked), else
+        index_select (which checks them on the device).
         """
+        self._check_rows_args("read", slots, out_values, out_scales)
         if self.device.type == "cpu":
             lookup.gather_rows(self.values, slots, out_values.view(quant.VALUE_DTYPE))
             lookup.gather_rows(self.scales, slots, out_scales.view(quant.SCALE_DTYPE))
@@ -166,13 +179,40 @@ class RowCache:
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
         """Store rows values (I, dim) / scales (I, nb) uint8 into `slots` (I,) int64 (from `plan`)."""
+        self._check_rows_args("write", slots, values, scales)
         if self.device.type == "cpu":  # numba, GIL released (index_copy_ on byte rows is ~10x slower)
+            s = slots.numpy()
+            if s.shape[0] and (s.min() < 0 or s.max() >= self.capacity):  # the numba scatter is unchecked
+                i = int(np.flatnonzero((s < 0) | (s >= self.capacity))[0])
+                raise ValueError(
+                    f"slot {int(s[i])} at position {i} is outside this cache's slots [0, {self.capacity}); "
+                    "write the slots RowCache.plan gave (ins_slots)"
+                )
             kernels = _kernels()
-            kernels.scatter_rows(self._values.numpy(), slots.numpy(), values.numpy())
-            kernels.scatter_rows(self._scales.numpy(), slots.numpy(), scales.numpy())
+            kernels.scatter_rows(self._values.numpy(), s, values.numpy())
+            kernels.scatter_rows(self._scales.numpy(), s, scales.numpy())
         else:
             self._values.index_copy_(0, slots, values)
             self._scales.index_copy_(0, slots, scales)
+
+    def _check_rows_args(
+        self, op: str, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
+    ) -> None:
+        """Shapes, dtypes and devices only (no device sync): slots (I,) int64, values (I, dim), scales (I, nb)."""
+        nb = self.dim // quant.BLOCK
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
+            found = f"{slots.dtype} {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots)
+            raise TypeError(f"{op}: slots must be a 1-D int64 tensor, got {found}")
+        i = slots.shape[0]
+        for name, t, width in (("values", values, self.dim), ("scales", scales, nb)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != (i, width):
+                found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{op}: {name} must be uint8 ({i}, {width}) for {i} slots of a dim={self.dim} cache, got {found}"
+                )
+        for name, t in (("slots", slots), ("values", values), ("scales", scales)):
+            if t.device != self._values.device:
+                raise ValueError(f"{op}: {name} are on {t.device} but the cache is on {self._values.device}")
 
     def to(self, device: torch.device | str) -> RowCache:
         """Move the cached bytes to `device` (the index stays on the host); returns self."""

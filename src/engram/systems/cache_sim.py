@@ -38,16 +38,20 @@ class CacheSimReport:
     rows_asked: int  # tokens * heads
     rows_distinct: int  # distinct rows per batch, summed over batches (what a deduplicated fetch reads)
     hits: int  # of those, found in the cache
-    hits_second_half: int  # hits over the second half of the batches (the cache warm)
+    hits_second_half: int  # hits over the second half of the batches (the cache warm; 0 for 1 batch)
     distinct_second_half: int
     row_bytes: int  # bytes of one stored row (V4.1: 256 FP8 values + 8 scales = 264)
+    batches: int  # calls replayed (a warm rate needs >= 2: the first batch is always cold)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.rows_distinct if self.rows_distinct else 0.0
 
     @property
-    def warm_hit_rate(self) -> float:
+    def warm_hit_rate(self) -> float | None:
+        """Hit rate over the second half of the batches; None with fewer than 2 batches (no warm half)."""
+        if self.batches < 2:
+            return None
         return self.hits_second_half / self.distinct_second_half if self.distinct_second_half else 0.0
 
     def bytes_per_token(self) -> dict[str, float]:
@@ -82,10 +86,21 @@ def simulate_cache(
         raise ValueError(f"batch_tokens={batch_tokens} must be >= 1")
     if not capacities or any(c < 1 for c in capacities):
         raise ValueError(f"capacities {capacities} must be one or more cache sizes >= 1 row")
+    if not np.issubdtype(rows.dtype, np.integer):
+        raise ValueError(f"rows must hold integer row ids, got dtype {rows.dtype}")
+    if rows.min() < 0:
+        pos = tuple(int(i) for i in np.argwhere(rows < 0)[0])
+        raise ValueError(f"row id {int(rows[pos])} at position {pos} is negative; row ids are >= 0")
     n, n_layers, _ = rows.shape
-    layer_ids = list(range(n_layers)) if layer_ids is None else layer_ids
+    layer_ids = list(range(n_layers)) if layer_ids is None else list(layer_ids)
+    if len(layer_ids) != n_layers:
+        raise ValueError(
+            f"layer_ids {layer_ids} name {len(layer_ids)} layer(s) but rows hold {n_layers} (axis 1 of "
+            f"shape {rows.shape}); give one id per layer, or layer_ids=None"
+        )
     starts = range(0, n, batch_tokens)
-    half = len(starts) // 2
+    # the warm half: the second half of the batches; with one batch there is none (it is cold)
+    half = len(starts) // 2 if len(starts) >= 2 else len(starts)
     reports = []
     for li in range(n_layers):
         # distinct rows of each batch, sorted int64 (what RowCache.plan takes), computed once per layer
@@ -110,6 +125,7 @@ def simulate_cache(
                     hits_second_half=hits_late,
                     distinct_second_half=distinct_late,
                     row_bytes=row_bytes,
+                    batches=len(starts),
                 )
             )
     return reports
@@ -169,9 +185,10 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
           f"{'warm':>6} {'B/token dedup':>13} {'B/token +cache':>14} {'saved':>6}")  # fmt: skip
     for r in reports:
         b = r.bytes_per_token()
+        warm = "-" if r.warm_hit_rate is None else f"{r.warm_hit_rate:.1%}"
         print(
             f"{r.layer_id:>5} {r.capacity:>11,} {r.capacity * r.row_bytes / 1e6:>9,.0f} "
-            f"{r.rows_distinct / r.rows_asked:>14.1%} {r.hit_rate:>8.1%} {r.warm_hit_rate:>6.1%} "
+            f"{r.rows_distinct / r.rows_asked:>14.1%} {r.hit_rate:>8.1%} {warm:>6} "
             f"{b['dedup']:>13,.0f} {b['dedup_and_cache']:>14,.0f} {1 - b['dedup_and_cache'] / b['no_dedup']:>6.1%}"
         )
     print("\nwarm: hit rate over the second half of the stream; saved: against fetching every row asked")

@@ -201,9 +201,22 @@ class Prefetcher:
         }
         return PrefetchedBatch(token_ids, rows, handles)
 
+    def _next_mask(self, index: int) -> Any:
+        """The dead mask of batch `index` (None without dead_masks); ValueError when they ran out."""
+        if self._masks is None:
+            return None
+        try:
+            return next(self._masks)
+        except StopIteration:
+            raise ValueError(
+                f"dead_masks ran out at batch {index}: it gave {index} mask(s) but the batches go on; "
+                "give one (B, T) bool mask per batch, or dead_masks=None"
+            ) from None
+
     def __iter__(self) -> Iterator[PrefetchedBatch]:
         ahead: collections.deque[PrefetchedBatch] = collections.deque()
         exhausted = False
+        index = 0  # of the next batch to start
         while True:
             while not exhausted and len(ahead) <= self.depth:  # the current batch + `depth` ahead
                 try:
@@ -211,8 +224,8 @@ class Prefetcher:
                 except StopIteration:
                     exhausted = True
                     break
-                mask = None if self._masks is None else next(self._masks)
-                ahead.append(self._start(ids, mask))
+                ahead.append(self._start(ids, self._next_mask(index)))
+                index += 1
             if not ahead:
                 return
             yield ahead.popleft()

@@ -6,6 +6,9 @@ Holds:
 - `Staging`: a growable host byte buffer (pinned for CUDA) plus the event of the last copy out of it,
   so that it is rewritten only once that copy finished.
 - `align(n)`: `n` rounded up to the 64-byte alignment of each region of a staging buffer.
+- `cpu_block_bytes(u, dim)` / `assemble_cpu(buf, ...)`: a CPU compute device's block: the misses'
+  bytes gathered straight into `buf` ([values | scales] of U rows), the hits read from the cache and
+  admitted misses written to it; no staging, no copy.
 - `assemble_cuda(...)`: pack the misses' bytes and the int64 indices into one staging buffer, copy it to
   the device in ONE non_blocking copy on the fetch stream, then assemble [misses; hits] from the
   copy and the cache and admit misses to the cache, all on that stream; returns the block and its event.
@@ -22,7 +25,7 @@ import torch
 from engram import quant
 from engram.systems.cache import RowCache
 
-__all__ = ["ALIGN", "FetchedBlock", "Staging", "align", "assemble_cuda"]
+__all__ = ["ALIGN", "FetchedBlock", "Staging", "align", "assemble_cpu", "assemble_cuda", "cpu_block_bytes"]
 
 ALIGN = 64  # byte alignment of each region of a staging buffer (int64 views need 8)
 
@@ -57,6 +60,40 @@ class Staging:
             size = align(max(nbytes, self.buf.numel() * 3 // 2))
             self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         return self.buf[:nbytes]
+
+
+def cpu_block_bytes(u: int, dim: int) -> int:
+    """Bytes of a CPU block of u rows: values (u, dim) | scales (u, dim // 32), 64-aligned regions."""
+    return align(u * dim) + u * (dim // quant.BLOCK)
+
+
+def assemble_cpu(
+    buf: torch.Tensor,
+    cache: RowCache | None,
+    gather_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    miss_rows: torch.Tensor,
+    inverse: np.ndarray,
+    hit_slots: np.ndarray,
+    ins_slots: np.ndarray,
+    u: int,
+    dim: int,
+    shape: torch.Size,
+) -> FetchedBlock:
+    """The block [misses; hits] (U rows) in host bytes `buf` (>= cpu_block_bytes(u, dim)); arguments
+    as `assemble_cuda`."""
+    nb, m = dim // quant.BLOCK, miss_rows.numel()
+    off_s = align(u * dim)
+    values = buf[: u * dim].view(u, dim)  # (U, dim) bytes: [misses; hits]
+    scales = buf[off_s : off_s + u * nb].view(u, nb)
+    gather_misses(miss_rows, values[:m], scales[:m])
+    if cache is not None:
+        if hit_slots.shape[0]:
+            cache.read(torch.from_numpy(hit_slots), values[m:], scales[m:])
+        if ins_slots.shape[0]:
+            k = ins_slots.shape[0]
+            cache.write(torch.from_numpy(ins_slots), values[:k], scales[:k])
+    inv = torch.from_numpy(inverse).view(shape)
+    return FetchedBlock(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE), inv, None)
 
 
 def assemble_cuda(

@@ -12,7 +12,7 @@ Holds:
 
 How a HOST / SSD gather runs (the fetch, on the worker thread for a prefetch):
 1. row ids to the host (a sync point only for rows on CUDA; `Prefetcher` hashes on the host), then
-   `np.unique` -> distinct rows uniq (U,) and inverse (n,): each distinct row is fetched once;
+   `torch.unique` -> distinct rows uniq (U,) and inverse (n,): each distinct row is fetched once;
 2. the cache (if any) splits uniq into hits (already on the device) and misses, and admits misses;
 3. the misses' raw bytes are gathered from the backing tier (numba, GIL released) into a staging
    buffer laid out [miss values | miss scales | int64 indices]; on CUDA it is pinned, reused (two
@@ -33,29 +33,48 @@ Decisions:
   to be for equal rows) or implicitly: the oldest pending prefetch of this table whose rows have
   the same shape and values (so `rows[:, :, i]` slices of the batch `Prefetcher` prefetched match).
   At most `max_pending` unconsumed prefetches are remembered (older ones are forgotten, not wrong).
+  A gather served by a prefetch counts as a prefetch hit, else as a miss; a bad row id raises at
+  that gather (`handle.wait()`). DEVICE placement behaves the same (its prefetch fetches nothing:
+  it checks the rows at once and keeps the handle for matching; only while a prefetch is pending
+  does its gather copy CUDA row ids to the host to match them, a sync point).
+- `prefetch(rows, dtype)`'s dequantised tensor is returned to the first gather that claims it, then
+  dropped (a later gather with the same handle dequantises the fetched bytes again: a fresh tensor).
+- `.to(device)` waits for the prefetches in flight and forgets the pending ones; an explicit handle
+  from before the move (stamped with the device it was fetched for) is refetched, a miss.
+- `copy.deepcopy` (of the table or a model holding it) shares the stored FP8 bytes (the backing
+  table and DEVICE's device copy: frozen, never written) and copies the counters and the cache; the
+  copy gets its own lock, worker thread and staging, and no pending prefetches. `__getstate__`
+  drops the same runtime state for pickling (which then copies the table, FP8 tensors permitting).
 - Fetches are serialised by one lock (cache index, cache bytes and staging are updated in one
-  order); a gather that finds no prefetch waits for the worker's current fetch.
+  order); a gather that finds no prefetch waits for the worker's current fetch. `stats()` and
+  `reset_stats()` take it too (the worker updates some counters).
 - `gather` from several threads at once on one table is not supported (nn.Module forward isn't either).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
 
 from engram import lookup, quant
-from engram.systems.background import FetchWorker, PrefetchHandle
+from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import RowCache
 from engram.systems.placement import Placement, as_device, as_placement
-from engram.systems.staging import FetchedBlock, Staging, align, assemble_cuda
+from engram.systems.staging import FetchedBlock, Staging, align, assemble_cpu, assemble_cuda, cpu_block_bytes
 from engram.table import EngramTable, FP8Table, MmapFP8Table, check_rows
 
 __all__ = ["TieredTable"]
+
+# never copied (rebuilt per instance), resp. shared by a deepcopy (the frozen stored bytes)
+_RUNTIME = ("_worker", "_lock", "_pending", "_stream", "_staging", "_next_staging", "_cpu_block")
+_SHARED = ("backing", "_host_values", "_host_scales", "_dev_values", "_dev_scales")
 
 
 def _check_row_ids(rows: object) -> None:
@@ -116,7 +135,9 @@ class TieredTable(EngramTable):
             )
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending={max_pending!r} must be an int >= 1")
-        if fetch_threads is not None and (not isinstance(fetch_threads, int) or fetch_threads < 1):
+        if fetch_threads is not None and (
+            isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1
+        ):
             raise ValueError(f"fetch_threads={fetch_threads!r} must be None or an int >= 1")
         self.num_rows, self.dim = table.num_rows, table.dim
         self.row_bytes = quant.fp8_row_bytes(self.dim)
@@ -126,13 +147,49 @@ class TieredTable(EngramTable):
         self.__dict__["backing"] = table
         self._host_values = table.weight  # (N, dim) float8_e4m3fn on the host (file-backed for SSD)
         self._host_scales = table.scale  # (N, dim // 32) float8_e8m0fnu
-        self._worker = FetchWorker(max_inflight, name=f"engram-prefetch-{self.num_rows}x{self.dim}")
-        weakref.finalize(self, self._worker.close)  # stop the thread with the table
-        self._lock = threading.Lock()  # serialises fetches: cache index, cache bytes, staging
-        self._pending: collections.deque[PrefetchHandle] = collections.deque(maxlen=max_pending)
+        self._start_runtime(max_inflight)
         self.cache: RowCache | None = None
         self._rehome(self.device)
         self.reset_stats()
+
+    def _start_runtime(self, max_inflight: int) -> None:
+        """The per-instance machinery that is never copied: worker thread, lock, pending prefetches."""
+        self._worker = FetchWorker(max_inflight, name=f"engram-prefetch-{self.num_rows}x{self.dim}")
+        weakref.finalize(self, self._worker.close)  # stop the thread with the table
+        self._lock = threading.Lock()  # serialises fetches: cache index, cache bytes, staging
+        self._pending: collections.deque[PrefetchHandle] = collections.deque(maxlen=self.max_pending)
+
+    def _make_staging(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None  # the fetch stream
+        self._staging = [Staging(pinned=cuda) for _ in range(2)]  # alternating (CUDA: pinned)
+        self._next_staging = 0
+        self._cpu_block = torch.empty(0, dtype=torch.uint8)  # reused by synchronous CPU gathers
+
+    # ------------------------------------------------------------------ copying
+    def __getstate__(self) -> dict[str, Any]:
+        """The state without the runtime machinery (rebuilt by __setstate__); waits for fetches in flight."""
+        self.synchronize()
+        with self._lock:
+            state = {k: v for k, v in super().__getstate__().items() if k not in _RUNTIME}
+        state["_max_inflight"] = self.max_inflight
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        max_inflight = state.pop("_max_inflight")
+        super().__setstate__(state)
+        self._start_runtime(max_inflight)
+        self._make_staging(self.device)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TieredTable:
+        """A copy sharing the stored FP8 bytes (read-only), with its own cache, counters and worker."""
+        state = self.__getstate__()
+        shared = {k: state.pop(k) for k in _SHARED if k in state}
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__({**copy.deepcopy(state, memo), **shared})
+        return new
 
     # ------------------------------------------------------------------ placement and devices
     @property
@@ -154,7 +211,6 @@ class TieredTable(EngramTable):
         self.synchronize()
         self._pending.clear()
         self.device = device
-        cuda = device.type == "cuda"
         if self.placement is Placement.DEVICE:
             self._dev_values = self._host_values.to(device)
             self._dev_scales = self._host_scales.to(device)
@@ -163,10 +219,9 @@ class TieredTable(EngramTable):
                 self.cache = RowCache(self.cache_rows, self.dim, device)
             else:
                 self.cache.to(device)
-        self._stream = torch.cuda.Stream(device) if cuda else None  # the fetch stream
-        self._staging = [Staging(pinned=cuda) for _ in range(2)]  # alternating (CUDA: pinned)
-        self._next_staging = 0
-        self._cpu_block = torch.empty(0, dtype=torch.uint8)  # reused by synchronous CPU gathers
+        self._make_staging(device)
+        if self._stream is not None:  # the bytes above were copied on the current stream: order the fetch
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # stream after it (no host sync)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # Probe where `fn` sends a byte tensor: a device move re-homes the compute side, a dtype change
@@ -178,14 +233,15 @@ class TieredTable(EngramTable):
 
     def synchronize(self) -> None:
         """Wait until every prefetch in flight has finished (their handles stay usable)."""
-        for h in list(getattr(self, "_pending", ())):
-            h._done.wait()
-        while getattr(self, "_worker", None) is not None and self._worker.inflight:
-            time.sleep(1e-4)
+        self._worker.wait_idle()  # every job submitted has finished, so every handle is done
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:
         """Zero every counter (the cache's too); cached rows stay."""
+        with self._lock:  # the worker updates rows_distinct / bytes_fetched and the cache's counters
+            self._zero_stats()
+
+    def _zero_stats(self) -> None:
         self.gathers = 0
         self.rows_requested = 0  # row ids asked for by gathers (with repeats)
         self.rows_distinct = 0  # distinct rows per fetch, summed
@@ -198,6 +254,10 @@ class TieredTable(EngramTable):
 
     def stats(self) -> dict[str, float | str]:
         """The table's counters, plus the cache's (cache_hits, cache_misses, ...) when it has one."""
+        with self._lock:  # a consistent snapshot: the worker updates some counters
+            return self._stats()
+
+    def _stats(self) -> dict[str, float | str]:
         out: dict[str, float | str] = {
             "placement": self.placement.value,
             "gathers": self.gathers,
@@ -224,12 +284,18 @@ class TieredTable(EngramTable):
         """
         _check_row_ids(rows)
         host = rows.detach().to("cpu", copy=True)  # private copy: the caller may reuse its tensor
-        handle = PrefetchHandle(host, self)
-        if self.placement is Placement.DEVICE:
-            handle._finish(None)  # nothing to fetch: every row is resident (not kept for matching)
-            return handle
-        self._pending.append(handle)  # before submitting: a gather may look for it at once
-        return self._worker.submit(lambda: self._fetch(host, reuse=False, dtype=dtype), handle)
+        handle = PrefetchHandle(host, self, self.device)
+        if self.placement is Placement.DEVICE:  # nothing to fetch: every row is resident
+            try:
+                check_rows(host, self.num_rows)  # a bad id raises at the gather, as for the other tiers
+                handle._finish(None)
+            except ValueError as e:
+                handle._finish(error=e)
+        else:
+            # submit may block on the depth bound (and be interrupted): only a queued job is pending
+            self._worker.submit(lambda: self._fetch(host, reuse=False, dtype=dtype), handle)
+        self._pending.append(handle)
+        return handle
 
     def gather(
         self,
@@ -246,22 +312,25 @@ class TieredTable(EngramTable):
         _check_row_ids(rows)
         self.gathers += 1
         self.rows_requested += rows.numel()
-        if self.placement is Placement.DEVICE:  # every row resident: nothing to fetch or wait for
-            if prefetched is not None:
-                self._check_owner(prefetched)
-            self.prefetch_hits += prefetched is not None
-            self.prefetch_misses += prefetched is None
+        resident = self.placement is Placement.DEVICE  # every row on the device: nothing to fetch
+        if resident and prefetched is None and not self._pending:  # nothing to match: no host copy
+            self.prefetch_misses += 1
             return self._dequantize(self._dev_values, self._dev_scales, rows.to(self.device), dtype)
         host = rows if rows.device.type == "cpu" else rows.cpu()  # sync point for CUDA rows (module doc)
-        handle = self._claim(host, prefetched)
+        handle = claim(self._pending, host, prefetched, self)
+        if handle is not None and not resident and handle.device != self.device:
+            handle = None  # fetched before a .to(): its bytes are on the old device, fetch again
         if handle is None:
             self.prefetch_misses += 1
-            block = self._fetch(host, reuse=True)
         else:
             self.prefetch_hits += 1
             t0 = time.perf_counter()
-            block = handle.wait()
+            block = handle.wait()  # raises the fetch's error (a bad row id)
             self.wait_seconds += time.perf_counter() - t0
+        if resident:
+            return self._dequantize(self._dev_values, self._dev_scales, rows.to(self.device), dtype)
+        if handle is None:
+            block = self._fetch(host, reuse=True)
         if block.ready is not None:  # CUDA: order the current stream after the fetch stream, no host sync
             current = torch.cuda.current_stream(self.device)
             current.wait_event(block.ready)
@@ -269,35 +338,12 @@ class TieredTable(EngramTable):
                 if t is not None:
                     t.record_stream(current)  # the allocator must not reuse them before this stream is done
         if block.out is not None and block.out.dtype == (torch.float32 if dtype is None else dtype):
+            assert handle is not None
+            handle._result = block._replace(out=None)  # the caller owns it now: serve it only once
             return block.out  # dequantised by the worker (prefetch(rows, dtype))
         return self._dequantize(block.values, block.scales, block.inverse, dtype)
 
     # ------------------------------------------------------------------ internals
-    def _check_owner(self, handle: object) -> None:
-        if not isinstance(handle, PrefetchHandle) or handle.owner is not self:
-            raise ValueError(
-                f"prefetched= must be a handle returned by this table's prefetch(), got {handle!r}; "
-                "each Engram layer's table needs its own prefetch"
-            )
-
-    def _claim(self, host: torch.Tensor, prefetched: PrefetchHandle | None) -> PrefetchHandle | None:
-        """The prefetch serving `host` rows, removed from the pending ones; None if there is none."""
-        if prefetched is not None:
-            self._check_owner(prefetched)
-            if not prefetched.matches(host):
-                raise ValueError(
-                    f"the prefetched handle was made for other rows (shape {tuple(prefetched.rows.shape)}) than "
-                    f"these (shape {tuple(host.shape)}); prefetch exactly the rows you will gather"
-                )
-            if prefetched in self._pending:
-                self._pending.remove(prefetched)
-            return prefetched
-        for h in self._pending:  # oldest first
-            if h.matches(host):
-                self._pending.remove(h)
-                return h
-        return None
-
     def _dequantize(
         self,
         values: torch.Tensor,
@@ -357,7 +403,18 @@ class TieredTable(EngramTable):
             self.rows_distinct += u
             self.bytes_fetched += m * self.row_bytes
             if self.device.type == "cpu":
-                return self._assemble_cpu(miss_rows, inverse, hit_slots, ins_slots, u, reuse, host.shape)
+                nbytes = cpu_block_bytes(u, self.dim)
+                if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
+                    if self._cpu_block.numel() < nbytes:
+                        self._cpu_block = torch.empty(align(max(nbytes, self._cpu_block.numel() * 3 // 2)),
+                                                      dtype=torch.uint8)  # fmt: skip
+                    buf = self._cpu_block
+                else:  # a prefetched block lives until its gather: its own buffer
+                    buf = torch.empty(nbytes, dtype=torch.uint8)
+                return assemble_cpu(
+                    buf, self.cache, self._gather_misses, miss_rows, inverse, hit_slots, ins_slots, u, self.dim,
+                    host.shape,
+                )  # fmt: skip
             assert self._stream is not None
             staging = self._staging[self._next_staging]  # alternate: the other one may still be copying
             self._next_staging ^= 1
@@ -374,39 +431,6 @@ class TieredTable(EngramTable):
         threads = self.fetch_threads
         lookup.gather_rows(self._host_values, miss_rows, out_v.view(quant.VALUE_DTYPE), threads=threads)
         lookup.gather_rows(self._host_scales, miss_rows, out_s.view(quant.SCALE_DTYPE), threads=threads)
-
-    def _assemble_cpu(
-        self,
-        miss_rows: torch.Tensor,
-        inverse: np.ndarray,
-        hit_slots: np.ndarray,
-        ins_slots: np.ndarray,
-        u: int,
-        reuse: bool,
-        shape: torch.Size,
-    ) -> FetchedBlock:
-        dim, nb, m = self.dim, self.dim // quant.BLOCK, miss_rows.numel()
-        off_s = align(u * dim)
-        nbytes = off_s + u * nb
-        if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
-            if self._cpu_block.numel() < nbytes:
-                self._cpu_block = torch.empty(
-                    align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
-                )
-            buf = self._cpu_block
-        else:  # a prefetched block lives until its gather: its own buffer
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        values = buf[: u * dim].view(u, dim)  # (U, dim) bytes: [misses; hits]
-        scales = buf[off_s : off_s + u * nb].view(u, nb)
-        self._gather_misses(miss_rows, values[:m], scales[:m])
-        if self.cache is not None:
-            if hit_slots.shape[0]:
-                self.cache.read(torch.from_numpy(hit_slots), values[m:], scales[m:])
-            if ins_slots.shape[0]:
-                k = ins_slots.shape[0]
-                self.cache.write(torch.from_numpy(ins_slots), values[:k], scales[:k])
-        inv = torch.from_numpy(inverse).view(shape)
-        return FetchedBlock(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE), inv, None)
 
     def extra_repr(self) -> str:
         cache = f", cache_rows={self.cache_rows}" if self.cache_rows else ""
