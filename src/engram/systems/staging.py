@@ -25,7 +25,16 @@ import torch
 from engram import quant
 from engram.systems.cache import RowCache
 
-__all__ = ["ALIGN", "FetchedBlock", "Staging", "align", "assemble_cpu", "assemble_cuda", "cpu_block_bytes"]
+__all__ = [
+    "ALIGN",
+    "FetchPlan",
+    "FetchedBlock",
+    "Staging",
+    "align",
+    "assemble_cpu",
+    "assemble_cuda",
+    "cpu_block_bytes",
+]
 
 ALIGN = 64  # byte alignment of each region of a staging buffer (int64 views need 8)
 
@@ -42,6 +51,17 @@ class FetchedBlock(NamedTuple):
     inverse: torch.Tensor  # rows.shape int64: each requested row's position in the block
     ready: torch.cuda.Event | None  # recorded on the fetch stream when the block is complete (CUDA)
     out: torch.Tensor | None = None  # (*rows.shape, dim) already dequantised, for prefetch(rows, dtype)
+
+
+class FetchPlan(NamedTuple):
+    """What one fetch moves: the distinct rows' split into cache misses and hits, and the index back."""
+
+    miss_rows: torch.Tensor  # (M,) int64 rows to read from the backing tier, ascending
+    inverse: np.ndarray  # (n,) each requested row's position in the block [misses; hits]
+    hit_slots: np.ndarray  # (H,) cache slots of the hits
+    ins_slots: np.ndarray  # (I,) cache slots the first I misses are admitted to
+    u: int  # distinct rows: M + H
+    shape: torch.Size  # the requested rows' shape (of the inverse index)
 
 
 class Staging:
@@ -71,16 +91,12 @@ def assemble_cpu(
     buf: torch.Tensor,
     cache: RowCache | None,
     gather_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-    miss_rows: torch.Tensor,
-    inverse: np.ndarray,
-    hit_slots: np.ndarray,
-    ins_slots: np.ndarray,
-    u: int,
+    plan: FetchPlan,
     dim: int,
-    shape: torch.Size,
 ) -> FetchedBlock:
     """The block [misses; hits] (U rows) in host bytes `buf` (>= cpu_block_bytes(u, dim)); arguments
     as `assemble_cuda`."""
+    miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
     nb, m = dim // quant.BLOCK, miss_rows.numel()
     off_s = align(u * dim)
     values = buf[: u * dim].view(u, dim)  # (U, dim) bytes: [misses; hits]
@@ -102,13 +118,8 @@ def assemble_cuda(
     device: torch.device,
     cache: RowCache | None,
     gather_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-    miss_rows: torch.Tensor,
-    inverse: np.ndarray,
-    hit_slots: np.ndarray,
-    ins_slots: np.ndarray,
-    u: int,
+    plan: FetchPlan,
     dim: int,
-    shape: torch.Size,
 ) -> FetchedBlock:
     """The block [misses; hits] (U rows) on `device` (see the module docstring).
 
@@ -116,6 +127,7 @@ def assemble_cuda(
     pinned staging; inverse (n,) indexes the block; hit_slots (H,) are read from `cache`; the first
     len(ins_slots) misses are written to the cache at ins_slots.
     """
+    miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
     nb, m, n = dim // quant.BLOCK, miss_rows.numel(), inverse.shape[0]
     h, k = hit_slots.shape[0], ins_slots.shape[0]
     # staging layout (bytes, each region 64-aligned): miss values | miss scales | inverse | hits | admits

@@ -67,7 +67,15 @@ from engram import lookup, quant
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import RowCache
 from engram.systems.placement import Placement, as_device, as_placement
-from engram.systems.staging import FetchedBlock, Staging, align, assemble_cpu, assemble_cuda, cpu_block_bytes
+from engram.systems.staging import (
+    FetchedBlock,
+    FetchPlan,
+    Staging,
+    align,
+    assemble_cpu,
+    assemble_cuda,
+    cpu_block_bytes,
+)
 from engram.table import EngramTable, FP8Table, MmapFP8Table, check_rows
 
 __all__ = ["TieredTable"]
@@ -402,6 +410,7 @@ class TieredTable(EngramTable):
             miss_rows = torch.from_numpy(uniq[miss_idx] if h else uniq)  # (M,) ascending
             self.rows_distinct += u
             self.bytes_fetched += m * self.row_bytes
+            fetch = FetchPlan(miss_rows, inverse, hit_slots, ins_slots, u, host.shape)
             if self.device.type == "cpu":
                 nbytes = cpu_block_bytes(u, self.dim)
                 if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
@@ -411,17 +420,13 @@ class TieredTable(EngramTable):
                     buf = self._cpu_block
                 else:  # a prefetched block lives until its gather: its own buffer
                     buf = torch.empty(nbytes, dtype=torch.uint8)
-                return assemble_cpu(
-                    buf, self.cache, self._gather_misses, miss_rows, inverse, hit_slots, ins_slots, u, self.dim,
-                    host.shape,
-                )  # fmt: skip
+                return assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim)
             assert self._stream is not None
             staging = self._staging[self._next_staging]  # alternate: the other one may still be copying
             self._next_staging ^= 1
             return assemble_cuda(
-                staging, self._stream, self.device, self.cache, self._gather_misses,
-                miss_rows, inverse, hit_slots, ins_slots, u, self.dim, host.shape,
-            )  # fmt: skip
+                staging, self._stream, self.device, self.cache, self._gather_misses, fetch, self.dim
+            )
 
     def _gather_misses(self, miss_rows: torch.Tensor, out_v: torch.Tensor, out_s: torch.Tensor) -> None:
         """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""
