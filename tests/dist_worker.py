@@ -141,6 +141,7 @@ def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) 
 
     trainer = DistributedTrainer(cfg, data, build_distributed_model(cfg, data), out_dir=out_dir / "run")
     res["initial_eval"] = trainer.evaluate(max_tokens=1024)
+    res["few_windows_eval"] = trainer.evaluate(max_tokens=2 * cfg.seq_len + 1)  # 2 windows, W ranks
     trainer.run(until=cfg.steps // 2)  # writes a checkpoint there
     trainer.run()
     res["history"] = trainer.history

@@ -439,6 +439,16 @@ def test_ranks_must_agree_on_config_and_step(runs):
         assert "every rank must resume from the same checkpoint" in r["step_error"]
 
 
+def test_eval_with_fewer_windows_than_ranks(runs, cfg, data):
+    """2 held-out windows over 2 or 3 ranks: ranks without a window still join the exchange, and the
+    result is one process's."""
+    want = Trainer(cfg, data, build_model(cfg, data)).evaluate(max_tokens=2 * cfg.seq_len + 1)
+    assert want["tokens"] == 2 * cfg.seq_len
+    for world in WORLDS:
+        got = runs[world]["ranks"][0]["few_windows_eval"]
+        assert got["tokens"] == want["tokens"] and got["loss"] == pytest.approx(want["loss"], abs=1e-9)
+
+
 def test_frozen_sharded_table_gets_no_gradient(runs):
     assert all(r["frozen_grad_is_none"] for r in runs[2]["ranks"])
 
