@@ -147,6 +147,11 @@ def runs(corpus, data, tmp_path_factory) -> dict[str, str]:
         cfg = tiny_cfg(corpus, engram=engram)
         Trainer(cfg, data, build_model(cfg, data), out_dir=root / name).run()
         out[name] = str(root / name)
+    # rows 32 wide (FP8 rows hold whole blocks of 32 values with one ue8m0 scale): for --offload
+    cfg = tiny_cfg(corpus, engram_head_dim=32)
+    wide = prepare_data(cfg)
+    Trainer(cfg, wide, build_model(cfg, wide), out_dir=root / "fp8able").run()
+    out["fp8able"] = str(root / "fp8able")
     return out
 
 
@@ -210,6 +215,9 @@ def test_cli_human_and_baseline(main, runs, capsys):
         (["--prompt", "x", "--top-k", "0"], "top_k=0"),
         (["--prompt", "x", "--batch", "0"], "batch_size=0"),
         (["--checkpoint", "{baseline}", "--prompt", "x", "--mask-engram"], "no Engram modules to mask"),
+        (["--checkpoint", "{baseline}", "--prompt", "x", "--offload", "host"], "has none; drop --offload"),
+        (["--prompt", "x", "--cache-rows", "8"], "add --offload host|ssd"),
+        (["--prompt", "x", "--offload", "host", "--cache-rows", "-1"], "--cache-rows -1"),
     ],
 )
 def test_cli_errors(main, runs, tmp_path, capsys, args, match):
@@ -220,3 +228,30 @@ def test_cli_errors(main, runs, tmp_path, capsys, args, match):
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engram generate: error: ") and match in err
+
+
+@pytest.mark.parametrize("where", ["host", "ssd"])
+def test_cli_offload_equals_fp8_tables(main, runs, capsys, tmp_path, where):
+    """--offload serves the tables as FP8 through engram.systems: the tokens are those of the same model
+    with its tables quantised in place (FP8Table.from_float), and the counters add up."""
+    from engram.table import FP8Table
+
+    text = "And God said, Let there be light"
+    argv = ["generate", "--checkpoint", runs["fp8able"], "--prompt", text, "--tokens", "10", "--greedy"]
+    extra = ["--offload-dir", str(tmp_path)] if where == "ssd" else []
+    assert main([*argv, "--json", "--offload", where, "--cache-rows", "64", *extra]) == 0
+    res = json.loads(capsys.readouterr().out)
+    model, tok, hasher, _ = load_generator(runs["fp8able"])
+    for m in model.engrams.values():
+        m.table = FP8Table.from_float(m.table.weight)
+    prompt_ids = tok.encode(text, add_special_tokens=False).ids
+    direct = generate(model, prompt_ids, hasher, max_new_tokens=10, greedy=True)
+    assert res["token_ids"] == direct.new_ids.tolist()
+    (stats,) = res["offload"].values()
+    assert stats["placement"] == where and stats["gathers"] == 10
+    assert stats["cache_hits"] + stats["cache_misses"] == stats["rows_distinct"] > 0
+    assert stats["bytes_fetched"] == stats["cache_misses"] * (32 + 1)  # 32 FP8 values + 1 scale a row
+    if where == "ssd":
+        assert list(tmp_path.glob("engram_layer*.safetensors"))
+    assert main([*argv, "--offload", where, *extra]) == 0
+    assert "table on " + where in capsys.readouterr().err
