@@ -1,7 +1,9 @@
 """Worker processes for tests/test_distributed.py (spawned with torch.multiprocessing, gloo on CPU).
 
-`worker(rank, world, init_file, out_dir, cfg_dict)` runs every distributed check of one world size
-and saves what the parent compares with single-process references to `out_dir/rank-{rank}.pt`.
+`worker(rank, world, init_file, out_dir, cfg_dict, prev_dir)` runs every distributed check of one
+world size and saves what the parent compares with single-process references to
+`out_dir/rank-{rank}.pt`; `prev_dir` is the out_dir of the world spawned before (W=2, for W=3),
+whose sharded checkpoint this world resumes.
 The table checks run once per owner set of OWNERS[world] (None: every rank owns rows), keyed by it
 under "tables"; the training checks once, with the tables on rank 0 only as well at W=2.
 The inputs (tables, rows, coefficients) are pure functions of fixed seeds, so the parent rebuilds
@@ -13,6 +15,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,8 @@ ADAM_STEPS, ADAM_LR = 3, 0.1
 CHUNKED_ROWS = 150_000  # crosses two INIT_CHUNK_ROWS boundaries
 # Table owner sets per world size: all ranks, and dedicated table ranks (a non-owner is rank 0 at W=2).
 OWNERS: dict[int, tuple[tuple[int, ...] | None, ...]] = {2: (None, (1,)), 3: (None, (0,), (0, 1))}
+# Table owners of the fp64 run with sharded checkpoints (W=3: a non-owner between the owners).
+SHARDED_OWNERS: dict[int, tuple[int, ...] | None] = {2: None, 3: (0, 2)}
 
 
 def table_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -120,7 +125,9 @@ def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[
     return res
 
 
-def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) -> dict[str, Any]:
+def _train_part(
+    rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any], prev_dir: Path | None
+) -> dict[str, Any]:
     from engram.distributed import (
         DistributedTrainer,
         TableInit,
@@ -128,7 +135,7 @@ def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) 
         global_num_params,
         sharded_tables,
     )
-    from engram.train import TrainConfig, build_model, latest_checkpoint, prepare_data
+    from engram.train import TrainConfig, latest_checkpoint, prepare_data
 
     res: dict[str, Any] = {}
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -159,11 +166,8 @@ def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) 
     res["latest"] = str(latest_checkpoint(out_dir / "run"))
 
     # the same run in float64: equivalence up to summation order, without fp32 rounding noise
-    # (which Adam amplifies for rows whose gradient is near zero)
-    t64 = DistributedTrainer(cfg, data, build_model(cfg, data).double())
-    t64.run()
-    res["history64"] = t64.history
-    res["state64"] = t64._checkpoint_tensors()[0]  # the full model on rank 0
+    # (which Adam amplifies for rows whose gradient is near zero); sharded checkpoints at 3 and 6
+    res.update(_sharded_part(cfg, data, out_dir, prev_dir))
 
     if world == 2:  # --table-ranks 1: the tables on rank 0 only; resumed with them on rank 1 only
         res.update(_table_ranks_part(cfg, data, out_dir))
@@ -173,6 +177,54 @@ def _train_part(rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any]) 
     full = [t.full_weight(0) for t in sharded_tables(chunked)]
     dense = {k: v for k, v in chunked.state_dict().items() if not k.endswith("table.weight")}
     res["chunked_model"] = (full, dense)
+    return res
+
+
+def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> dict[str, Any]:
+    """The fp64 run with sharded checkpoints (steps 3 and 6), its step-3 checkpoint resumed in this
+    world (exact) and, with `prev_dir`, the other world's step-3 checkpoint resumed here."""
+    from engram.checkpoint_shards import TableShards
+    from engram.distributed import DistributedTrainer
+    from engram.train import build_model
+
+    res: dict[str, Any] = {}
+    owners = SHARDED_OWNERS[dist.get_world_size()]
+    t64 = DistributedTrainer(
+        cfg,
+        data,
+        build_model(cfg, data).double(),
+        out_dir=out_dir / "sharded64",
+        owners=owners,
+        sharded_checkpoints=True,
+    )
+    t64.run(until=cfg.steps // 2)
+    t64.run()
+    res["history64"] = t64.history
+    res["state64"] = t64._checkpoint_tensors()[0]  # the full model on rank 0
+    res["sharded_rows"] = {name: (t.lo, t.hi) for name, t in t64._named_tables().items()}
+    half = f"checkpoints/step-{cfg.steps // 2:07d}"
+    # resumed in this world, into another model (not asked for sharded checkpoints: it keeps them)
+    other = build_model(cfg.replace(seed=99), data).double()
+    resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "sharded64_resumed", owners=owners)
+    resumed.load_checkpoint(out_dir / "sharded64" / half)
+    resumed.run()
+    res["sharded_resumed_history64"] = resumed.history
+    if prev_dir is not None:  # the other world's checkpoint, every rank of this one owning rows
+        other = build_model(cfg.replace(seed=99), data).double()
+        cross = DistributedTrainer(cfg, data, other, out_dir=out_dir / "cross64")
+        reads: list[tuple[str, int, int]] = []  # (table, lo, hi) of every read of shard files
+        read_rows = TableShards.read_rows
+
+        def spy(self: TableShards, folder: Any, key: str, lo: int, hi: int) -> torch.Tensor:
+            reads.append((self.name, lo, hi))
+            return read_rows(self, folder, key, lo, hi)
+
+        with mock.patch.object(TableShards, "read_rows", spy):
+            cross.load_checkpoint(prev_dir / "sharded64" / half)
+        res["cross_reads"] = reads
+        res["cross_rows"] = [t.weight.shape[0] for t in cross.tables]
+        cross.run()
+        res["cross_history64"] = cross.history
     return res
 
 
@@ -232,7 +284,9 @@ def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
     return res
 
 
-def worker(rank: int, world: int, init_file: str, out_dir: str, cfg_dict: dict[str, Any]) -> None:
+def worker(
+    rank: int, world: int, init_file: str, out_dir: str, cfg_dict: dict[str, Any], prev_dir: str | None
+) -> None:
     torch.set_num_threads(1)  # 2 or 3 ranks share 2 cores
     dist.init_process_group(
         "gloo",
@@ -243,7 +297,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, cfg_dict: dict[s
     )
     try:
         res = {"tables": {owners: _tables_part(rank, world, owners) for owners in OWNERS[world]}}
-        res.update(_train_part(rank, world, Path(out_dir), cfg_dict))
+        prev = None if prev_dir is None else Path(prev_dir)
+        res.update(_train_part(rank, world, Path(out_dir), cfg_dict, prev))
         torch.save(res, Path(out_dir) / f"rank-{rank}.pt")
     finally:
         dist.destroy_process_group()

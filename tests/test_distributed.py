@@ -21,7 +21,18 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from dist_worker import ADAM_LR, ADAM_STEPS, CHUNKED_ROWS, OWNERS, SIZES, step_inputs, table_inputs, worker
+from dist_worker import (
+    ADAM_LR,
+    ADAM_STEPS,
+    CHUNKED_ROWS,
+    OWNERS,
+    SHARDED_OWNERS,
+    SIZES,
+    step_inputs,
+    table_inputs,
+    worker,
+)
+from engram.checkpoint_shards import SHARDS_KEY, shard_file
 from engram.distributed import chunked_normal, shard_bounds, table_owners
 from engram.optim import SparseRowAdagrad, SparseRowAdam
 from engram.table import TrainableTable
@@ -73,7 +84,8 @@ def runs(cfg, tmp_path_factory) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for world in WORLDS:
         d = tmp_path_factory.mktemp(f"world{world}")
-        mp.spawn(worker, args=(world, str(d / "init"), str(d), cfg.to_dict()), nprocs=world)
+        prev = str(out[WORLDS[0]]["dir"]) if out else None  # W=3 resumes W=2's sharded checkpoint
+        mp.spawn(worker, args=(world, str(d / "init"), str(d), cfg.to_dict(), prev), nprocs=world)
         ranks = [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(world)]
         out[world] = {"dir": d, "ranks": ranks}
     return out
@@ -390,13 +402,111 @@ def test_table_ranks_checkpoint_resumes_in_one_process(runs, cfg, data, single64
         torch.testing.assert_close(got[k].double(), v, rtol=0, atol=1e-6, msg=k)  # loaded as fp32
 
 
-def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
-    """`--table-ranks N` under --distributed (a 1-rank group in this process): N out of range is a
-    ValueError naming N, the world size and the fix; N = 1 reaches the model as owners (0,)."""
-    import socket
+def _sharded(runs: dict[int, dict], world: int, run: str = "sharded64", step: int = 6) -> Path:
+    return runs[world]["dir"] / run / "checkpoints" / f"step-{step:07d}"
 
-    import engram.distributed
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_checkpoint_files_hold_only_their_ranks_rows(runs, world):
+    """--sharded-checkpoints: one tables-rank-R file per owner rank holding exactly that rank's rows
+    of every table and of its optimizer state (W=3: owners 0 and 2, none from rank 1); model and
+    optimizer files without table rows; state.json recording the layout."""
+    ckpt = _sharded(runs, world)
+    state = json.loads((ckpt / "state.json").read_text())
+    ranks = runs[world]["ranks"]
+    full = ranks[0]["state64"]  # the step-6 model, gathered whole
+    owners = SHARDED_OWNERS[world]
+    writers = sorted(range(world) if owners is None else owners)
+    assert sorted(p.name for p in ckpt.glob("tables-rank-*")) == [shard_file(r) for r in writers]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step-0000003", "step-0000006"]  # no .tmp-*
+    layout = {e["name"]: e for e in state[SHARDS_KEY]}
+    assert sorted(layout) == sorted(ranks[0]["sharded_rows"]) and len(layout) == 2
+    dense = load_file(str(ckpt / "model.safetensors"))
+    assert not any(f"{n}.weight" in dense for n in layout) and len(dense) == len(full) - 2
+    assert not any(k.startswith("table.") for k in load_file(str(ckpt / "optimizer.safetensors")))
+    for entry in layout.values():
+        bounds = shard_bounds(entry["num_rows"], world, owners)
+        assert entry["files"] == [
+            {"file": shard_file(r), "lo": bounds[r], "hi": bounds[r + 1]} for r in writers
+        ]
+        assert entry["optimizer_fields"] == ["exp_avg", "exp_avg_sq_row", "step"]
+    for r in range(world):
+        for name, (lo, hi) in ranks[r]["sharded_rows"].items():  # the rows rank r owned
+            if r not in writers:
+                assert lo == hi
+                continue
+            got = load_file(str(ckpt / shard_file(r)))
+            fields = layout[name]["optimizer_fields"]
+            mine = {k for k in got if k.startswith(f"{name}.")}
+            assert mine == {f"{name}.weight"} | {f"{name}.optimizer.{f}" for f in fields}
+            assert torch.equal(got[f"{name}.weight"], full[f"{name}.weight"][lo:hi])
+            assert all(got[f"{name}.optimizer.{f}"].shape[0] == hi - lo for f in fields)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_checkpoint_run_and_exact_resume(runs, single64, world):
+    """The run writing sharded checkpoints trains the single-process run (fp64, up to summation
+    order), and its step-3 checkpoint resumed in the same world continues it bit for bit (losses,
+    and every file of the step-6 checkpoint, which the resumed run writes sharded again)."""
+    res = runs[world]["ranks"][0]
+    _check_history(res["history64"], single64["history"], 1e-10)
+    assert res["sharded_resumed_history64"] == res["history64"]
+    a, b = _sharded(runs, world), _sharded(runs, world, "sharded64_resumed")
+    names = sorted(p.name for p in a.glob("*.safetensors"))
+    assert names == sorted(p.name for p in b.glob("*.safetensors")) and len(names) > 2
+    for name in names:
+        fa, fb = load_file(str(a / name)), load_file(str(b / name))
+        assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa), name
+    sa, sb = (json.loads((c / "state.json").read_text()) for c in (a, b))
+    assert sa[SHARDS_KEY] == sb[SHARDS_KEY]
+
+
+def test_sharded_checkpoint_resumes_in_another_world(runs, single64):
+    """W=2's step-3 sharded checkpoint (2 files) resumed by W=3 (every rank owning a third: ranges
+    spanning the files' boundary) continues along the W=2 run; each rank reads its own rows only."""
+    res = runs[3]["ranks"]
+    sizes = {f"engrams.{i}.table": m.table.num_rows for i, m in single64["model"].engrams.items()}
+    for r in range(3):
+        own = {name: tuple(shard_bounds(n, 3)[r : r + 2]) for name, n in sizes.items()}
+        assert res[r]["cross_rows"] == [hi - lo for lo, hi in own.values()]
+        reads = res[r]["cross_reads"]  # weight and 3 optimizer states per table
+        assert len(reads) == 4 * len(own) and all((lo, hi) == own[name] for name, lo, hi in reads), reads
+    _check_history(res[0]["cross_history64"], runs[2]["ranks"][0]["history64"], 1e-10)
+    _check_history(res[0]["cross_history64"], single64["history"], 1e-10)
+
+
+def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, capsys):
+    """A sharded checkpoint (W=3, owners 0 and 2) resumes in one Trainer with whole tables and
+    optimizer state, along the single run; load_checkpoint and `engram eval` read one too."""
     from engram.cli import main
+
+    path = _sharded(runs, 3, step=3)
+    t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data).double())
+    t.load_checkpoint(path)
+    assert t.step == 3
+    for m in t.model.engrams.values():
+        st = t.table_opt.state[m.table.weight]
+        assert st["exp_avg"].shape == m.table.weight.shape and st["step"].shape == (m.table.num_rows,)
+        assert int(st["step"].max()) >= 1
+    t.run()
+    _check_history(t.history, single64["history"], 1e-10)
+    run = runs[2]["dir"] / "sharded64"
+    _cfg, model, state = load_checkpoint(run)
+    assert state["step"] == 6 and SHARDS_KEY in state
+    got, want = model.state_dict(), single64["model"].state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].double(), v, rtol=0, atol=1e-6, msg=k)  # loaded as fp32
+    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]["model"]
+    assert res["loss"] == pytest.approx(
+        evaluate(model, data.held_out, data.held_rows, cfg.seq_len)["loss"], abs=1e-9
+    )
+
+
+def _one_rank_env(monkeypatch) -> None:
+    """torchrun's environment for a 1-rank group in this process (a free port)."""
+    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -404,6 +514,45 @@ def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
+
+
+def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
+    """`--sharded-checkpoints` reaches the DistributedTrainer (default off); without --distributed it
+    is refused with the fix."""
+    import engram.distributed
+    from engram.cli import main
+
+    _one_rank_env(monkeypatch)
+    seen = []
+
+    def trainer(*args, **kw):
+        seen.append(kw.get("sharded_checkpoints"))
+        raise ValueError("stopped before training")
+
+    monkeypatch.setattr(engram.distributed, "build_distributed_model", lambda *a, **kw: None)
+    monkeypatch.setattr(engram.distributed, "DistributedTrainer", trainer)
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    base = ["train", "--config", str(conf), "--out", str(tmp_path / "run")]
+    assert main([*base, "--sharded-checkpoints"]) == 2
+    assert "--sharded-checkpoints applies to sharded tables: add --distributed" in capsys.readouterr().err
+    threads = torch.get_num_threads()
+    try:
+        for extra in (["--sharded-checkpoints"], []):
+            assert main([*base, "--distributed", *extra]) == 2
+            assert "stopped before training" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)  # init_distributed sets this process's threads
+    assert seen == [True, False]
+
+
+def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
+    """`--table-ranks N` under --distributed (a 1-rank group in this process): N out of range is a
+    ValueError naming N, the world size and the fix; N = 1 reaches the model as owners (0,)."""
+    import engram.distributed
+    from engram.cli import main
+
+    _one_rank_env(monkeypatch)
     seen = []
 
     def build(*args, **kw):
@@ -484,7 +633,7 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "engram", "train"]  # a free port
     cmd += ["--config", str(conf), "--distributed", "--out", str(out), "--no-progress", "--json"]
-    cmd += ["--table-ranks", "1"]  # rank 1 holds no table rows
+    cmd += ["--table-ranks", "1", "--sharded-checkpoints"]  # rank 1 holds no table rows, writes no shard
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -497,3 +646,4 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     assert held["loss"] == pytest.approx(summary["held_out"]["loss"], abs=1e-5)
     ckpt = json.loads((Path(summary["checkpoint"]) / "state.json").read_text())
     assert ckpt["train_config"]["steps"] == 2 and sys.executable
+    assert [p.name for p in Path(summary["checkpoint"]).glob("tables-rank-*")] == [shard_file(0)]

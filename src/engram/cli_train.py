@@ -78,6 +78,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("--table-init applies to sharded tables: add --distributed (under torchrun)")
     if args.table_ranks is not None:
         raise ValueError("--table-ranks applies to sharded tables: add --distributed (under torchrun)")
+    if args.sharded_checkpoints:
+        raise ValueError(
+            "--sharded-checkpoints applies to sharded tables: add --distributed (under torchrun); one "
+            "process writes whole tables"
+        )
     from engram.train import Trainer, build_model, prepare_data
 
     _threads(args)
@@ -180,7 +185,9 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
         init = TableInit(args.table_init or "copy")
         model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
-        trainer = DistributedTrainer(cfg, data, model, out_dir=out, device=env.device)
+        trainer = DistributedTrainer(
+            cfg, data, model, out_dir=out, device=env.device, sharded_checkpoints=args.sharded_checkpoints
+        )
         dist.barrier()  # every rank sees the same checkpoints: none is written before all have looked
         _resume(args, trainer, out, verbose=env.is_main)
         if env.is_main:
@@ -261,6 +268,13 @@ def add_training_commands(sub: Any) -> None:
         metavar="N",
         help="with --distributed: only the first N ranks hold the Engram tables (num_rows / N rows each, "
         "and their optimizer state); the others hold none and run the backbone (default: every rank)",
+    )
+    p.add_argument(
+        "--sharded-checkpoints",
+        action="store_true",
+        help="with --distributed: each table-owning rank writes its own rows (tables-rank-R.safetensors) "
+        "instead of gathering every table onto rank 0; resumes on any world size, and `engram eval` "
+        "reads it (a run resumed from such a checkpoint keeps writing them)",
     )
     p.add_argument("--threads", type=int, help="torch threads (per rank with --distributed: cores / ranks)")
     p.add_argument("--no-progress", action="store_true")

@@ -19,7 +19,8 @@ Checkpoints (`<out>/checkpoints/step-NNNNNNN/`): `model.safetensors`, `optimizer
 checkpoint is written in a temporary folder and renamed into place, so a kill during the write
 leaves the previous one intact; the last `keep_checkpoints` are kept. Batches are a pure
 function of (seed, step) and the schedule of step, so a resumed run continues exactly as if it
-had never stopped.
+had never stopped. Every reader here also takes a distributed run's sharded checkpoint (its tables
+in one file per owner rank, see `engram.checkpoint_shards`) and assembles the whole tables.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from engram.checkpoint_shards import read_checkpoint
 from engram.compression import TokenizerCompression, resolve_tokenizer
 from engram.config import EngramConfig
 from engram.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
@@ -386,17 +388,34 @@ class Trainer:
         opt_tensors, groups = optimizers_to_tensors({"dense": self.opt, "table": self.table_opt})
         return model_tensors, opt_tensors, groups
 
-    def _write_checkpoint(
-        self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
-    ) -> Path:
+    def _checkpoint_tmp(self, tag: str) -> Path:
+        """A fresh temporary folder `.tmp-step-NNNNNNN-<tag>` for this step's checkpoint."""
         assert self.out_dir is not None
         root = self.out_dir / "checkpoints"
         root.mkdir(parents=True, exist_ok=True)
-        final = root / f"step-{self.step:07d}"
-        tmp = root / f".tmp-step-{self.step:07d}-{os.getpid()}"
+        tmp = root / f".tmp-step-{self.step:07d}-{tag}"
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+        return tmp
+
+    def _write_checkpoint(
+        self,
+        model_tensors: dict[str, torch.Tensor],
+        opt_tensors: dict[str, torch.Tensor],
+        groups: dict,
+        *,
+        tmp: Path | None = None,
+        extra_state: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write the checkpoint into `tmp` (default: a fresh one; a distributed run passes the folder
+        its ranks already wrote their table shards into) and rename it into place; `extra_state`:
+        more state.json entries."""
+        assert self.out_dir is not None
+        root = self.out_dir / "checkpoints"
+        final = root / f"step-{self.step:07d}"
+        if tmp is None:
+            tmp = self._checkpoint_tmp(str(os.getpid()))
         save_file(model_tensors, str(tmp / "model.safetensors"))
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         state = {
@@ -406,6 +425,7 @@ class Trainer:
             "optimizer_groups": groups,
             "history": self.history,
             "train_seconds": self.train_seconds,
+            **(extra_state or {}),
         }
         (tmp / "state.json").write_text(json.dumps(state))
         self.data.tokenizer.save(str(tmp / "tokenizer.json"))
@@ -427,14 +447,16 @@ class Trainer:
             raise ValueError(
                 f"{path} was written by a run with another training config; resume with that config"
             )
-        self._restore_tensors(
-            load_file(str(path / "model.safetensors")),
-            load_file(str(path / "optimizer.safetensors")),
-            state["optimizer_groups"],
-        )
+        self._restore_tensors(*self._read_checkpoint(path, state), state["optimizer_groups"])
         self.step = int(state["step"])
         self.history = list(state["history"])
         self.train_seconds = float(state.get("train_seconds", 0.0))
+
+    def _read_checkpoint(
+        self, path: Path, state: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(model tensors, optimizer tensors) of checkpoint `path`, whole tables (also from shard files)."""
+        return read_checkpoint(path, state)
 
     def _restore_tensors(
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
@@ -461,6 +483,6 @@ def load_checkpoint(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, 
     state = json.loads((ckpt / "state.json").read_text())
     cfg = TrainConfig.from_dict(state["train_config"])
     model = EngramLM(LMConfig.from_dict(state["lm_config"]))
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    model.load_state_dict(read_checkpoint(ckpt, state, optimizer=False)[0])  # tables whole, also if sharded
     state["path"] = str(ckpt)
     return cfg, model, state

@@ -8,7 +8,8 @@ Holds (one concept per file):
   exchange (`prefetch_tables`, `sync_table_grads`, `release_tables`).
 - `parallelize`: `shard_engram_tables`, `build_sharded_model`, the dense all-reduce, and
   `table_owners` (the tables on the first N ranks only: `engram train --distributed --table-ranks N`).
-- `train`: `init_distributed` (torchrun's environment) and `DistributedTrainer`.
+- `train`: `init_distributed` (torchrun's environment) and `DistributedTrainer` (checkpoints in the
+  single-process format, or sharded: one file of table rows per owner rank, `--sharded-checkpoints`).
 
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 """

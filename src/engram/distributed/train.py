@@ -15,11 +15,17 @@ Holds:
 
 Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
 are all-reduced (float64), so the result equals single-process evaluation up to summation order.
-Checkpoints keep the single-process format (`engram eval` and `engram.train.load_checkpoint` read
-them): the table shards and their optimizer state are gathered to rank 0, which writes. That
-holds one full table on rank 0 for a moment: fine at this project's scale, not at V4.1's (a
-sharded checkpoint format would be needed there). Resuming reads the full files on every rank and
-keeps the owned rows; a checkpoint resumes on any world size and any owners, or in one process.
+Checkpoints, two formats (both resume on any world size and any owners, or in one process, and
+`engram eval` / `engram.train.load_checkpoint` read both):
+- default, the single-process format: the table shards and their optimizer state are gathered to
+  rank 0, which writes. That holds one full table on rank 0 for a moment: fine at this project's
+  scale, not at V4.1's. Resuming reads the full files on every rank and keeps the owned rows.
+- sharded (`sharded_checkpoints=True`, `--sharded-checkpoints`; see engram.checkpoint_shards): each
+  owner rank writes its own rows of every table and of their optimizer state to
+  `tables-rank-R.safetensors` in the shared temporary folder, rank 0 the rest; rank 0 renames the
+  folder into place after all have written. No rank holds more than its own rows, and on resume
+  each rank reads only the rows it now owns (slices of the files overlapping them). A run resumed
+  from a sharded checkpoint keeps writing sharded ones.
 
 Table ranks (`owners`, `engram train --distributed --table-ranks N`): the tables' rows and their
 sparse optimizer state live on N owner ranks only (num_rows / N rows each); the other ranks hold an
@@ -45,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engram.checkpoint_shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -171,7 +178,8 @@ class DistributedTrainer(Trainer):
 
     `model` is cfg's model on `device`; Engram tables still unsharded are sharded here (COPY, their
     rows on `owners`, default every rank; tables already sharded keep their owners). Only rank 0
-    writes checkpoints (out_dir must be the same shared folder on every rank).
+    writes checkpoints (out_dir must be the same shared folder on every rank), unless
+    `sharded_checkpoints`: then every owner rank writes its table rows too (module docstring).
     """
 
     def __init__(
@@ -184,6 +192,7 @@ class DistributedTrainer(Trainer):
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         owners: Iterable[int] | None = None,
+        sharded_checkpoints: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError(
@@ -204,6 +213,7 @@ class DistributedTrainer(Trainer):
         if any(isinstance(m.table, TrainableTable) for m in model.engrams.values()):
             shard_engram_tables(model, group, owners=owners)
         self.tables = sharded_tables(model)
+        self.sharded_checkpoints = bool(sharded_checkpoints)
         super().__init__(cfg, data, model, out_dir)
         self._check_same_data(data)
         # table optimizer's param index -> its table (for gathering / slicing its state in checkpoints)
@@ -218,7 +228,8 @@ class DistributedTrainer(Trainer):
         the config (seed, steps, learning rates) would train different models or hang."""
         crc = _data_checksum(data)
         layout = zlib.crc32(repr([t.bounds for t in self.tables]).encode())
-        config = zlib.crc32(json.dumps(self.cfg.to_dict(), sort_keys=True).encode())
+        setup = [self.cfg.to_dict(), self.sharded_checkpoints]
+        config = zlib.crc32(json.dumps(setup, sort_keys=True).encode())
         vals = [crc, -crc, layout, -layout, config, -config]
         both = torch.tensor(vals, dtype=torch.int64, device=self.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min) of each
@@ -307,9 +318,12 @@ class DistributedTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Gather shards to rank 0, which writes the single-process format; a collective."""
+        """Gather shards to rank 0, which writes the single-process format (or, with
+        sharded_checkpoints, every owner rank writes its rows); a collective."""
         if self.out_dir is None:
             raise ValueError("this Trainer has no out_dir to write checkpoints into")
+        if self.sharded_checkpoints:
+            return self._save_sharded_checkpoint()
         tensors = self._checkpoint_tensors()
         path = self.out_dir / "checkpoints" / f"step-{self.step:07d}"
         if self.rank == 0:
@@ -334,20 +348,112 @@ class DistributedTrainer(Trainer):
         cpu = {k: v.cpu().contiguous() for k, v in model_tensors.items()}
         return cpu, {k: v.cpu().contiguous() for k, v in opt_tensors.items()}, groups
 
+    def _named_tables(self) -> dict[str, ShardedTable]:
+        """Module path -> sharded table, sorted (the same order on every rank)."""
+        found = {n: m for n, m in self.model.named_modules() if isinstance(m, ShardedTable)}
+        return dict(sorted(found.items()))
+
+    def _table_layout(self, opt_tensors: dict[str, torch.Tensor]) -> list[TableShards]:
+        """Every table's entry of a sharded checkpoint's state.json (the same on every rank)."""
+        index = {id(t): i for i, t in enumerate(self._opt_tables)}
+        layout = []
+        for name, t in self._named_tables().items():
+            i = index.get(id(t))
+            prefix = f"table.{i}."
+            fields = sorted(k[len(prefix) :] for k in opt_tensors if i is not None and k.startswith(prefix))
+            files = [(shard_file(r), t.bounds[r], t.bounds[r + 1]) for r in range(t.world)]
+            layout.append(TableShards(name, t.num_rows, t.dim, [f for f in files if f[2] > f[1]], i, fields))
+        return layout
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """One all-reduce: raise on every rank if `what` failed on any (no rank left in a barrier)."""
+        failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if error is not None:
+            raise error
+        if int(failed[0]):
+            raise RuntimeError(f"another rank failed to {what}; see its error")
+
+    def _save_sharded_checkpoint(self) -> Path:
+        """Each owner rank writes its rows of every table (and of their optimizer state) to
+        tables-rank-R.safetensors in the shared temporary folder; rank 0 then writes the rest and
+        renames the folder into place. No rank holds more than its own rows."""
+        assert self.out_dir is not None
+        model_tensors, opt_tensors, groups = Trainer._checkpoint_tensors(self)  # tables: this rank's rows
+        layout = self._table_layout(opt_tensors)
+        tables = self._named_tables()
+        mine: dict[str, torch.Tensor] = {}
+        for entry in layout:
+            weight = model_tensors.pop(f"{entry.name}.weight")  # (hi - lo, dim) this rank's rows
+            t = tables[entry.name]
+            if t.hi > t.lo:
+                mine[f"{entry.name}.weight"] = weight
+                for key, dest in entry.tensors.items():
+                    if dest.startswith("table."):
+                        assert opt_tensors[dest].shape[0] == t.hi - t.lo, dest  # per-row state only
+                        mine[key] = opt_tensors[dest]
+        opt_tensors = {k: v for k, v in opt_tensors.items() if not k.startswith("table.")}
+        tmp = self.out_dir / "checkpoints" / f".tmp-step-{self.step:07d}-sharded"
+        error: BaseException | None = None
+        try:
+            if self.rank == 0:
+                tmp = self._checkpoint_tmp("sharded")
+        except OSError as e:
+            error = e
+        self._agree(error, "create the checkpoint's temporary folder")  # the folder exists for all
+        try:
+            if mine:
+                save_shard(tmp, self.rank, mine)
+        except OSError as e:
+            error = e
+        self._agree(error, "write its table shard")  # every shard file is in the folder
+        path = self.out_dir / "checkpoints" / f"step-{self.step:07d}"
+        try:
+            if self.rank == 0:
+                model_tensors = {k: v.cpu().contiguous() for k, v in model_tensors.items()}
+                opt_tensors = {k: v.cpu().contiguous() for k, v in opt_tensors.items()}
+                extra = {SHARDS_KEY: [e.to_json() for e in layout]}
+                path = self._write_checkpoint(model_tensors, opt_tensors, groups, tmp=tmp, extra_state=extra)
+        except OSError as e:
+            error = e
+        self._agree(error, "write the checkpoint")  # no rank reads the folder before it is in place
+        self._saved_step = self.step
+        return path
+
+    def _read_checkpoint(
+        self, path: Path, state: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A sharded checkpoint: only this rank's rows of each table (and of its optimizer state) are
+        read; a run resumed from one keeps writing sharded checkpoints."""
+        if SHARDS_KEY not in state:
+            return super()._read_checkpoint(path, state)
+        tables = self._named_tables()
+        saved = {e["name"]: (e["num_rows"], e["dim"]) for e in state[SHARDS_KEY]}
+        mine = {n: (t.num_rows, t.dim) for n, t in tables.items()}
+        if saved != mine:
+            raise ValueError(
+                f"{path} holds tables {saved} (name: (rows, dim)), this model {mine}: was it written for "
+                "another config? Resume with that run's config"
+            )
+        self.sharded_checkpoints = True
+        return read_checkpoint(path, state, {n: (t.lo, t.hi) for n, t in tables.items()})
+
     def _restore_tensors(
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
     ) -> None:
         # The model keeps its owned rows itself (ShardedTable._load_from_state_dict); the table
         # optimizer's state is cut here: each of its tensors runs over the table's rows (a
-        # non-owner keeps none: an empty slice, matching its empty shard).
+        # non-owner keeps none: an empty slice, matching its empty shard). A sharded checkpoint's
+        # state arrives already cut (hi - lo rows).
         sliced = dict(opt_tensors)
         for key, value in opt_tensors.items():
             if key.startswith("table."):
                 t = self._opt_tables[int(key.split(".")[1])]
-                if value.shape[0] != t.num_rows:
+                if value.shape[0] == t.num_rows:
+                    sliced[key] = value[t.lo : t.hi]
+                elif value.shape[0] != t.hi - t.lo:
                     raise ValueError(
                         f"checkpoint optimizer state {key!r} has {value.shape[0]} rows, the table has "
                         f"{t.num_rows}: was it written for another config?"
                     )
-                sliced[key] = value[t.lo : t.hi]
         super()._restore_tensors(model_tensors, sliced, groups)

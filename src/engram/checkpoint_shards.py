@@ -1,0 +1,241 @@
+"""Sharded training checkpoints: every Engram table's rows split over one file per owner rank.
+
+A distributed run's table is row-sharded (SPEC §5: ~100 GB a table at V4.1 scale), so its
+checkpoint cannot gather it onto one process. With sharded checkpoints (`engram train
+--distributed --sharded-checkpoints`) a checkpoint folder holds, beside the usual files:
+
+    model.safetensors, optimizer.safetensors   everything but the tables' rows (rank 0 writes them)
+    tables-rank-R.safetensors                  rank R's rows [lo, hi) of every table it owns rows of:
+        "{name}.weight"            (hi - lo, dim)  the rows of table `name` (its module path)
+        "{name}.optimizer.{field}" (hi - lo, ...)  its per-row table optimizer state (SparseRowAdam:
+                                                   exp_avg, exp_avg_sq_row, step)
+    state.json                                 as usual, plus "table_shards": one `TableShards` per table
+                                               (name, num_rows, dim, optimizer index and fields, and
+                                               for each file the row range [lo, hi) it holds)
+
+Holds:
+- `TableShards`: one table's entry of that layout (JSON round trip; `check` validates it against the
+  files' headers: every file present, the ranges covering [0, num_rows) exactly, shapes and dtypes).
+- `shard_file(rank)`, `save_shard(folder, rank, tensors)`: one rank's file.
+- `read_table_rows(folder, tables, ranges)`: rows [lo, hi) of every table and of its optimizer
+  state, assembled from whichever files overlap the range; `safe_open(...).get_slice(name)[a:b]`
+  reads only those bytes, so a rank resuming reads only the rows it now owns (any world size, any
+  owners) and a single process (`engram eval`, `Trainer.load_checkpoint`) gets the whole tables.
+- `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format.
+
+Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and
+`table.{index}.{field}` (engram.optim_io's), so readers merge them with the other two files.
+Plain file logic: no torch.distributed here (engram.distributed.train writes the files).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "SHARDS_KEY",
+    "TableShards",
+    "read_checkpoint",
+    "read_table_rows",
+    "save_shard",
+    "shard_file",
+    "tables_of_state",
+]
+
+SHARDS_KEY = "table_shards"  # state.json's entry: present only in a sharded checkpoint
+
+
+def shard_file(rank: int) -> str:
+    """The file name of rank `rank`'s table rows."""
+    return f"tables-rank-{rank}.safetensors"
+
+
+@dataclass(frozen=True)
+class TableShards:
+    """Where one table's rows are: `files` holds (file name, lo, hi), rows [lo, hi) in each, sorted
+    by lo. `optimizer_index` is the table's parameter index in the table optimizer (None: it has
+    none), `optimizer_fields` its per-row state tensors (empty before the first step)."""
+
+    name: str
+    num_rows: int
+    dim: int
+    files: tuple[tuple[str, int, int], ...]
+    optimizer_index: int | None = None
+    optimizer_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        files = sorted(((str(f), int(a), int(b)) for f, a, b in self.files), key=lambda e: e[1:])
+        object.__setattr__(self, "files", tuple(files))
+        object.__setattr__(self, "optimizer_fields", tuple(self.optimizer_fields))
+
+    @property
+    def tensors(self) -> dict[str, str]:
+        """Shard-file key -> the key the unsharded format gives it (model or optimizer file)."""
+        out = {f"{self.name}.weight": f"{self.name}.weight"}
+        for f in self.optimizer_fields:
+            out[f"{self.name}.optimizer.{f}"] = f"table.{self.optimizer_index}.{f}"
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_rows": self.num_rows,
+            "dim": self.dim,
+            "optimizer_index": self.optimizer_index,
+            "optimizer_fields": list(self.optimizer_fields),
+            "files": [{"file": f, "lo": a, "hi": b} for f, a, b in self.files],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TableShards:
+        files = tuple((e["file"], e["lo"], e["hi"]) for e in d["files"])
+        fields = tuple(d.get("optimizer_fields", ()))
+        return cls(d["name"], d["num_rows"], d["dim"], files, d.get("optimizer_index"), fields)
+
+    def check(self, folder: str | Path) -> None:
+        """ValueError unless the files are in `folder`, their ranges cover [0, num_rows) exactly and
+        every tensor has (hi - lo) rows and one dtype and row shape across files (reads headers only)."""
+        folder = Path(folder)
+        where = f"checkpoint {folder}, table {self.name!r}"
+        at, prev = 0, None
+        for f, lo, hi in self.files:
+            if lo > at:
+                raise ValueError(
+                    f"{where}: rows [{at}, {lo}) are in no shard file ({f} starts at row {lo}); the "
+                    "checkpoint's state.json does not match its files: resume from another checkpoint"
+                )
+            if lo < at:
+                raise ValueError(
+                    f"{where}: rows [{lo}, {min(at, hi)}) are in both {prev} and {f}; the checkpoint's "
+                    "state.json does not match its files: resume from another checkpoint"
+                )
+            if hi <= lo:
+                raise ValueError(f"{where}: {f} is listed with the empty row range [{lo}, {hi}); remove it")
+            at, prev = hi, f
+        if at != self.num_rows:
+            raise ValueError(
+                f"{where}: the shard files cover rows [0, {at}) of {self.num_rows}; rows [{at}, "
+                f"{self.num_rows}) are missing: resume from another checkpoint"
+            )
+        seen: dict[str, tuple[str, list[int], str]] = {}  # key -> (dtype, row shape, first file)
+        for f, lo, hi in self.files:
+            path = folder / f
+            if not path.is_file():
+                raise ValueError(
+                    f"{where}: shard file {f} (rows [{lo}, {hi})) is missing; copy every "
+                    "tables-rank-*.safetensors of the checkpoint into the folder (each owner rank wrote one)"
+                )
+            with safe_open(str(path), "pt") as fh:
+                keys = set(fh.keys())
+                for key in self.tensors:
+                    if key not in keys:
+                        raise ValueError(
+                            f"{where}: {f} has no tensor {key!r}; the file belongs to another checkpoint: "
+                            "copy this checkpoint's own shard files"
+                        )
+                    sl = fh.get_slice(key)
+                    shape, dtype = list(sl.get_shape()), sl.get_dtype()
+                    if (
+                        not shape
+                        or shape[0] != hi - lo
+                        or (key.endswith(".weight") and shape[1:] != [self.dim])
+                    ):
+                        want = f"({hi - lo}, {self.dim})" if key.endswith(".weight") else f"({hi - lo}, ...)"
+                        raise ValueError(
+                            f"{where}: {f} holds {key!r} of shape {tuple(shape)}, expected {want} for rows "
+                            f"[{lo}, {hi}); the file belongs to another checkpoint: copy this one's own"
+                        )
+                    first = seen.setdefault(key, (dtype, shape[1:], f))
+                    if (dtype, shape[1:]) != first[:2]:
+                        raise ValueError(
+                            f"{where}: {key!r} is {dtype} {shape[1:]} per row in {f} but {first[0]} "
+                            f"{first[1]} in {first[2]}; the files come from different runs: copy this "
+                            "checkpoint's own shard files"
+                        )
+
+    def read_rows(self, folder: str | Path, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of shard tensor `key` (see `tensors`), from the files overlapping them;
+        only those rows are read. Assumes `check` passed."""
+        if not 0 <= lo <= hi <= self.num_rows:
+            raise ValueError(
+                f"rows [{lo}, {hi}) of table {self.name!r} are outside its {self.num_rows} rows: "
+                "is the model of another config?"
+            )
+        folder = Path(folder)
+        out: torch.Tensor | None = None
+        for f, a, b in self.files:
+            s, e = max(lo, a), min(hi, b)
+            if out is not None and s >= e:
+                continue
+            with safe_open(str(folder / f), "pt") as fh:
+                sl = fh.get_slice(key)
+                if out is None:  # dtype and row shape from the first file (an empty slice reads nothing)
+                    empty = sl[0:0]
+                    out = empty.new_empty((hi - lo, *empty.shape[1:]))  # (hi - lo, ...)
+                if s < e:
+                    out[s - lo : e - lo] = sl[s - a : e - a]  # only these rows are read
+        assert out is not None  # check() made sure there is at least one file
+        return out
+
+
+def tables_of_state(state: dict[str, Any]) -> list[TableShards] | None:
+    """The table layout of a checkpoint's state.json (None: the unsharded format)."""
+    entries = state.get(SHARDS_KEY)
+    return None if entries is None else [TableShards.from_json(d) for d in entries]
+
+
+def save_shard(folder: str | Path, rank: int, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write rank `rank`'s table rows (keys as `TableShards.tensors` names them) into `folder`."""
+    path = Path(folder) / shard_file(rank)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    return path
+
+
+def read_table_rows(
+    folder: str | Path,
+    tables: list[TableShards],
+    ranges: dict[str, tuple[int, int]] | None = None,
+    *,
+    optimizer: bool = True,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model tensors, optimizer tensors) of the tables, keyed as the unsharded format keys them:
+    rows `ranges[name]` = (lo, hi) of each (default: the whole table); `optimizer=False` skips the
+    optimizer state. Validates every table's files first (ValueError naming the file and the fix)."""
+    model: dict[str, torch.Tensor] = {}
+    opt: dict[str, torch.Tensor] = {}
+    for t in tables:
+        t.check(folder)
+    for t in tables:
+        lo, hi = (0, t.num_rows) if ranges is None else ranges[t.name]
+        for key, dest in t.tensors.items():
+            if key.endswith(".weight"):
+                model[dest] = t.read_rows(folder, key, lo, hi)
+            elif optimizer:
+                opt[dest] = t.read_rows(folder, key, lo, hi)
+    return model, opt
+
+
+def read_checkpoint(
+    folder: str | Path,
+    state: dict[str, Any],
+    ranges: dict[str, tuple[int, int]] | None = None,
+    *,
+    optimizer: bool = True,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(model tensors, optimizer tensors) of a checkpoint folder whose state.json is `state`, in either
+    format; a sharded one's tables as `read_table_rows` gives them (ranges: see there)."""
+    folder = Path(folder)
+    model = load_file(str(folder / "model.safetensors"))
+    opt = load_file(str(folder / "optimizer.safetensors")) if optimizer else {}
+    tables = tables_of_state(state)
+    if tables is not None:
+        rows, opt_rows = read_table_rows(folder, tables, ranges, optimizer=optimizer)
+        model.update(rows)
+        opt.update(opt_rows)
+    return model, opt
