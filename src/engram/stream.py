@@ -17,6 +17,7 @@ method (feed, draft, commit, reset, `window`, ...) next needs it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,7 @@ class HashStream:
         # step() scratch: the kernel's look-back values, and a stand-in for an absent dead mask
         self._look = np.zeros(hasher.config.max_ngram_size, dtype=np.uint64)
         self._no_dead = np.zeros(1, dtype=np.bool_)
+        self._shape = hasher.output_shape((batch_size,))  # (B, n_layers, heads) of a step's rows
 
     @property
     def window(self) -> np.ndarray:
@@ -149,13 +151,18 @@ class HashStream:
         id range check (one sync; `check_ids=False` skips it for ids the model sampled itself, which
         are in range by construction; an out-of-range id is then a device-side indexing error).
         """
-        if getattr(token_ids, "is_cuda", False) and self.hasher.backend is HashBackend.AUTO:
-            from engram import kernels  # lazy: triton is optional
+        torch = sys.modules.get("torch")  # a tensor's module is loaded; engram does not import it here
+        cpu_tensor = False
+        if torch is not None and type(token_ids) is torch.Tensor:
+            if token_ids.is_cuda and self.hasher.backend is HashBackend.AUTO:
+                from engram import kernels  # lazy: triton is optional
 
-            if kernels.use_triton(token_ids):
-                return self._step_device(token_ids, dead_mask, out, check_ids)
-        self._to_host()
-        ids = _host_array(token_ids)
+                if kernels.use_triton(token_ids):
+                    return self._step_device(token_ids, dead_mask, out, check_ids)
+            cpu_tensor = token_ids.is_cpu and not token_ids.requires_grad
+        if self._dev is not None:
+            self._to_host()
+        ids = token_ids.numpy() if cpu_tensor else _host_array(token_ids)  # .numpy(): a view, no copy
         if ids.ndim != 1 or ids.shape[0] != self.batch_size:
             raise ValueError(
                 f"step() takes one token per sequence, shape [{self.batch_size}], got {tuple(ids.shape)}"
@@ -172,7 +179,11 @@ class HashStream:
             if dead.dtype != np.bool_ or dead.shape != ids.shape:
                 _check_dead_mask(dead, ids.shape)  # raises with the reason
             dead, has_dead = np.ascontiguousarray(dead), True
-        out_np, result = self._step_out(out, token_ids)
+        if out is None and (cpu_tensor or type(token_ids) is np.ndarray):  # the common case, kept short
+            out_np = np.empty(self._shape, dtype=np.int64)
+            result = torch.from_numpy(out_np) if cpu_tensor else out_np
+        else:
+            out_np, result = self._step_out(out, token_ids)
         code, b = tables.module.step(
             ids,
             tables.lookup,
@@ -262,7 +273,7 @@ class HashStream:
 
     def _step_out(self, out: Any, like: Any) -> tuple[np.ndarray, Any]:
         """(the numpy array the kernel writes, what step returns) for step's `out` argument."""
-        shape = self.hasher.output_shape((self.batch_size,))
+        shape = self._shape
         if out is None:
             rows = np.empty(shape, dtype=np.int64)
             return rows, _like_input(rows, like)
