@@ -9,11 +9,6 @@ spawn: `TABLE_CASES` parametrises them.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,11 +28,11 @@ from dist_worker import (
     worker,
 )
 from engram.checkpoint_shards import SHARDS_KEY, shard_file
-from engram.distributed import chunked_normal, shard_bounds, table_owners
-from engram.optim import SparseRowAdagrad, SparseRowAdam
+from engram.distributed import chunked_normal, shard_bounds
+from engram.optim import SparseRowAdam
 from engram.table import TrainableTable
 from engram.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
-from training_setup import tiny_cfg
+from training_setup import dist_cfg
 
 WORLDS = (2, 3)
 TABLE_CASES = [(w, o) for w in WORLDS for o in OWNERS[w]]  # (world, owners): None = every rank
@@ -45,16 +40,7 @@ TABLE_CASES = [(w, o) for w in WORLDS for o in OWNERS[w]]  # (world, owners): No
 
 @pytest.fixture(scope="module")
 def cfg(corpus) -> TrainConfig:
-    return tiny_cfg(
-        corpus,
-        engram_layers=(0, 1),  # two tables: one exchange for both
-        steps=6,
-        batch_size=6,
-        warmup=2,
-        eval_every=3,
-        eval_tokens=1024,
-        threads=1,
-    )
+    return dist_cfg(corpus)
 
 
 @pytest.fixture(scope="module")
@@ -97,82 +83,6 @@ def _table_ranks(runs: dict[int, dict], world: int, owners: tuple[int, ...] | No
 
 
 # ------------------------------------------------------------------------------------ no processes
-def test_shard_bounds_and_chunked_normal():
-    assert shard_bounds(10, 3) == [0, 3, 6, 10] and shard_bounds(5, 1) == [0, 5]
-    full = chunked_normal(0, CHUNKED_ROWS, 2, seed=1)
-    parts = [chunked_normal(a, b, 2, seed=1) for a, b in ((0, 7), (7, 70_000), (70_000, CHUNKED_ROWS))]
-    assert torch.equal(torch.cat(parts), full)
-    assert not torch.equal(chunked_normal(0, 10, 2, seed=2), full[:10])
-    assert abs(float(full.std()) - 0.02) < 1e-3
-    with pytest.raises(ValueError, match="num_rows >= 1"):
-        shard_bounds(0, 2)
-    with pytest.raises(ValueError, match="lo <= hi"):
-        chunked_normal(5, 3, 2)
-
-
-def test_shard_bounds_with_owners():
-    """Owners split the rows in rank order; a non-owner's range is empty where it stands."""
-    assert shard_bounds(10, 3, owners=None) == shard_bounds(10, 3, owners=(0, 1, 2)) == [0, 3, 6, 10]
-    assert shard_bounds(10, 3, owners={0}) == [0, 10, 10, 10]
-    assert shard_bounds(10, 3, owners={0, 1}) == [0, 5, 10, 10]
-    assert shard_bounds(10, 3, owners=[2, 1]) == [0, 0, 5, 10]  # any order: rows follow rank order
-    assert shard_bounds(11, 4, owners=(0, 2)) == [0, 5, 5, 11, 11]
-    for bad in ((), (3,), (0, 0), (-1,)):
-        with pytest.raises(ValueError, match=r"world size is 3.*None for every rank"):
-            shard_bounds(10, 3, owners=bad)
-    with pytest.raises(TypeError, match="ints"):
-        shard_bounds(10, 3, owners=(True,))
-
-
-def test_table_ranks_validation():
-    assert (
-        table_owners(None, 3) == (0, 1, 2) and table_owners(1, 3) == (0,) and table_owners(3, 3) == (0, 1, 2)
-    )
-    for n in (0, 4, -1):
-        with pytest.raises(ValueError, match=rf"--table-ranks {n}:.*world size 3.*1 <= N <= 3"):
-            table_owners(n, 3)
-
-
-@pytest.mark.parametrize("cls", [SparseRowAdam, SparseRowAdagrad])
-def test_sparse_row_optimizers_take_an_empty_shard(cls):
-    """A non-owner's table parameter is (0, dim) and its row gradient empty: the step is a no-op,
-    the state is empty, and it survives a state_dict round trip (a checkpoint resume)."""
-    p = torch.nn.Parameter(torch.empty(0, 8, dtype=torch.float64))
-    opt = cls([p])
-    for _ in range(2):
-        none = torch.empty(1, 0, dtype=torch.int64)
-        p.grad = torch.sparse_coo_tensor(
-            none, torch.empty(0, 8, dtype=torch.float64), (0, 8), is_coalesced=True, check_invariants=False
-        )
-        opt.step()
-    assert opt.state[p] and all(v.shape[0] == 0 for v in opt.state[p].values())
-    again = cls([p])
-    again.load_state_dict(opt.state_dict())
-    assert {k: v.shape for k, v in again.state[p].items()} == {k: v.shape for k, v in opt.state[p].items()}
-
-
-def test_sharded_table_needs_process_group():
-    from engram.distributed import ShardedTable
-
-    with pytest.raises(ValueError, match="init_process_group"):
-        ShardedTable(10, 4)
-
-
-def test_distributed_flag_needs_torchrun(monkeypatch, capsys, tmp_path):
-    from engram.cli import main
-
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    assert main(["train", "--preset", "tiny", "--distributed", "--out", str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err
-    assert "torchrun --nproc_per_node" in err and "RANK" in err
-    assert main(["train", "--preset", "tiny", "--table-init", "chunked", "--out", str(tmp_path / "y")]) == 2
-    assert "--distributed" in capsys.readouterr().err
-    assert main(["train", "--preset", "tiny", "--table-ranks", "1", "--out", str(tmp_path / "z")]) == 2
-    assert "--table-ranks applies to sharded tables: add --distributed" in capsys.readouterr().err
-
-
-# ------------------------------------------------------------------------------------ tables
 @pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
 def test_gather_matches_unsharded(runs, world, owners):
     full = table_inputs(torch.float32)
@@ -504,79 +414,6 @@ def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, ca
     )
 
 
-def _one_rank_env(monkeypatch) -> None:
-    """torchrun's environment for a 1-rank group in this process (a free port)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
-
-
-def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
-    """`--sharded-checkpoints` reaches the DistributedTrainer (default off); without --distributed it
-    is refused with the fix."""
-    import engram.distributed
-    from engram.cli import main
-
-    _one_rank_env(monkeypatch)
-    seen = []
-
-    def trainer(*args, **kw):
-        seen.append(kw.get("sharded_checkpoints"))
-        raise ValueError("stopped before training")
-
-    monkeypatch.setattr(engram.distributed, "build_distributed_model", lambda *a, **kw: None)
-    monkeypatch.setattr(engram.distributed, "DistributedTrainer", trainer)
-    conf = tmp_path / "train.json"
-    conf.write_text(json.dumps(cfg.to_dict()))
-    base = ["train", "--config", str(conf), "--out", str(tmp_path / "run")]
-    assert main([*base, "--sharded-checkpoints"]) == 2
-    assert "--sharded-checkpoints applies to sharded tables: add --distributed" in capsys.readouterr().err
-    threads = torch.get_num_threads()
-    try:
-        for extra in (["--sharded-checkpoints"], []):
-            assert main([*base, "--distributed", *extra]) == 2
-            assert "stopped before training" in capsys.readouterr().err
-    finally:
-        torch.set_num_threads(threads)  # init_distributed sets this process's threads
-    assert seen == [True, False]
-
-
-def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
-    """`--table-ranks N` under --distributed (a 1-rank group in this process): N out of range is a
-    ValueError naming N, the world size and the fix; N = 1 reaches the model as owners (0,)."""
-    import engram.distributed
-    from engram.cli import main
-
-    _one_rank_env(monkeypatch)
-    seen = []
-
-    def build(*args, **kw):
-        seen.append(kw.get("owners"))
-        raise ValueError("stopped before training")
-
-    monkeypatch.setattr(engram.distributed, "build_distributed_model", build)
-    conf = tmp_path / "train.json"
-    conf.write_text(json.dumps(cfg.to_dict()))
-    base = ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run")]
-    threads = torch.get_num_threads()
-    try:
-        for n in ("2", "0"):
-            assert main([*base, "--table-ranks", n]) == 2
-            err = capsys.readouterr().err
-            assert f"--table-ranks {n}:" in err and "world size 1" in err and "1 <= N <= 1" in err, err
-        assert main([*base, "--table-ranks", "1"]) == 2
-        assert "stopped before training" in capsys.readouterr().err
-        assert main(base) == 2
-    finally:
-        torch.set_num_threads(threads)  # init_distributed sets this process's threads
-    assert seen == [(0,), None]
-
-
 def test_table_owners_must_agree(runs):
     for r in runs[2]["ranks"]:
         assert "sharded unlike another rank's" in r["owners_error"] and "--table-ranks" in r["owners_error"]
@@ -622,28 +459,3 @@ def test_eval_reads_distributed_checkpoint(runs, capsys):
 
 
 # ------------------------------------------------------------------------------------ torchrun
-def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
-    conf = tmp_path / "train.json"
-    conf.write_text(json.dumps(cfg.replace(steps=2, eval_every=0).to_dict()))
-    out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "engram", "train"]  # a free port
-    cmd += ["--config", str(conf), "--distributed", "--out", str(out), "--no-progress", "--json"]
-    cmd += ["--table-ranks", "1", "--sharded-checkpoints"]  # rank 1 holds no table rows, writes no shard
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])  # printed by rank 0 only
-    assert summary["step"] == 2 and len(proc.stdout.strip().splitlines()) == 1
-    print(f"torchrun run: {time.perf_counter() - t0:.1f} s")
-    _cfg, model, state = load_checkpoint(out)
-    assert state["step"] == 2
-    held = evaluate(model, data.held_out, data.held_rows, cfg.seq_len)
-    assert held["loss"] == pytest.approx(summary["held_out"]["loss"], abs=1e-5)
-    ckpt = json.loads((Path(summary["checkpoint"]) / "state.json").read_text())
-    assert ckpt["train_config"]["steps"] == 2 and sys.executable
-    assert [p.name for p in Path(summary["checkpoint"]).glob("tables-rank-*")] == [shard_file(0)]

@@ -43,3 +43,18 @@ def tiny_cfg(corpus: str, **kw) -> TrainConfig:
     )
     base.update(kw)
     return TrainConfig(**base)
+
+
+def dist_cfg(corpus: str) -> TrainConfig:
+    """The distributed tests' run: two Engram layers (two tables, one exchange for both), 6 steps of
+    6 sequences (splits over 2 and 3 ranks), evaluation every 3 steps, one thread."""
+    return tiny_cfg(
+        corpus,
+        engram_layers=(0, 1),
+        steps=6,
+        batch_size=6,
+        warmup=2,
+        eval_every=3,
+        eval_tokens=1024,
+        threads=1,
+    )
