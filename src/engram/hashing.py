@@ -85,6 +85,27 @@ class _KernelTables:
         return all(a is b for a, b in zip(self.sources, hasher._layout_arrays(), strict=True))
 
 
+def check_device_inputs(ids: Any, dead_mask: Any, vocab_size: int, *, check_range: bool = True) -> None:
+    """Boundary checks of token ids (and a dead mask) that stay on their device (CUDA): the dtype, and
+    with `check_range` every id in [0, vocab_size) (one sync). Only an input that fails is copied to
+    the host, so that the error names the bad value and its position as the CPU path does."""
+    import torch
+
+    if (
+        ids.is_floating_point()
+        or ids.is_complex()
+        or ids.dtype == torch.bool
+        or (check_range and bool(((ids < 0) | (ids >= vocab_size)).any()))  # sync point
+    ):
+        check_token_ids(ids, vocab_size)  # raises with the CPU path's message
+    if dead_mask is not None and (
+        not isinstance(dead_mask, torch.Tensor)
+        or dead_mask.dtype != torch.bool
+        or dead_mask.shape != ids.shape
+    ):
+        _check_dead_mask(dead_mask, tuple(ids.shape))  # raises with the reason
+
+
 def _first_position(mask: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
@@ -289,21 +310,9 @@ class NgramHasher:
         from engram import kernels
 
         ids = token_ids
-        if (
-            ids.is_floating_point()
-            or ids.is_complex()
-            or ids.dtype == torch.bool
-            or ids.dim() not in (1, 2)
-            or ids.numel() == 0
-            or bool(((ids < 0) | (ids >= self.config.vocab_size)).any())
-        ):
+        if ids.dim() not in (1, 2) or ids.numel() == 0:
             check_token_ids(ids, self.config.vocab_size)  # raises with the CPU path's message
-        if dead_mask is not None and (
-            not isinstance(dead_mask, torch.Tensor)
-            or dead_mask.dtype != torch.bool
-            or dead_mask.shape != ids.shape
-        ):
-            _check_dead_mask(dead_mask, tuple(ids.shape))  # raises
+        check_device_inputs(ids, dead_mask, self.config.vocab_size)
         lut, mult, primes, offsets = self.device_tables(ids.device)
         one_d = ids.dim() == 1
         xc = lut[ids.reshape(1, -1) if one_d else ids]  # (B, T) compressed ids

@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from engram.hashing import HashBackend, NgramHasher, _check_dead_mask, _like_input, check_token_ids
+from engram.hashing import (
+    HashBackend,
+    NgramHasher,
+    _check_dead_mask,
+    _like_input,
+    check_device_inputs,
+    check_token_ids,
+)
 
 __all__ = ["HashStream"]
 
@@ -214,22 +221,13 @@ class HashStream:
         ids = token_ids
         if ids.dim() != 1 or ids.shape[0] != b:
             raise ValueError(f"step() takes one token per sequence, shape [{b}], got {tuple(ids.shape)}")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            check_token_ids(ids, cfg.vocab_size)  # raises, naming the dtype
-        if check_ids and bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):  # sync point: boundary check
-            check_token_ids(ids, cfg.vocab_size)  # raises, naming the id and its position
-        if dead_mask is not None and (
-            not isinstance(dead_mask, torch.Tensor)
-            or dead_mask.dtype != torch.bool
-            or dead_mask.shape != ids.shape
-        ):
-            _check_dead_mask(dead_mask, tuple(ids.shape))  # raises with the reason
+        check_device_inputs(ids, dead_mask, cfg.vocab_size, check_range=check_ids)
         if self.n_draft.any():
             raise RuntimeError(
                 f"drafted tokens are pending for sequence {int(np.argmax(self.n_draft > 0))}: "
                 "commit() or rollback() them first"
             )
-        shape = self.hasher.output_shape((b,))
+        shape = self._shape
         if out is None:
             out = torch.empty(shape, dtype=torch.int64, device=ids.device)
         elif (
