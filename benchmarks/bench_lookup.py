@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engram import quant
-from engram.table import FP8Table
+from engram.model.table import FP8Table
+from engram.storage import quant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import best_time, cuda_time

@@ -1,5 +1,5 @@
 """Lookup fast path: `lookup.dequantize_gather(..., backend="numba")` (the fused gather + ue8m0 dequantise
-kernel of `engram._lookup_kernels`) on a table several times larger than the last-level cache, against
+kernel of `engram.kernels.cpu_lookup`) on a table several times larger than the last-level cache, against
 the baselines of `bench_lookup.py`, measured in the same run on the same ids:
 
 - (a) the plain torch way: `F.embedding` of the fp8 value bytes and of the scale bytes, convert, multiply;
@@ -38,8 +38,8 @@ from bench_lookup import (
     raw_gather,
     torch_reference,
 )
-from engram import lookup, quant
-from engram._hash_kernels import available_cores
+from engram.kernels.cpu_hash import available_cores
+from engram.storage import lookup, quant
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

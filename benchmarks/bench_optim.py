@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engram.optim import SparseRowAdam
+from engram.model.optim import SparseRowAdam
 
 N_ROW_SETS = 4
 

@@ -41,10 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lookup import make_ids, make_table
-from engram import quant
-from engram.safetensors_io import write_safetensors
+from engram.checkpoint.files import write_safetensors
+from engram.model.table import FP8Table, MmapFP8Table
+from engram.storage import quant
 from engram.systems import Placement, TieredTable
-from engram.table import FP8Table, MmapFP8Table
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

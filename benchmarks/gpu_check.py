@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engram.bench import device_copy_gb_per_s, format_rows
+from engram.apps.bench import device_copy_gb_per_s, format_rows
 
 HERE = Path(__file__).resolve().parent
 

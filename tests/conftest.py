@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engram import EngramConfig, NgramHasher, TokenizerCompression
-from engram.compression import resolve_tokenizer
+from engram.addressing.compression import resolve_tokenizer
 
 DATA = Path(__file__).parent / "data"
 

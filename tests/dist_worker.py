@@ -55,7 +55,7 @@ def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[str, Any]:
     from engram.distributed import ShardedTable, chunked_normal, prefetch_tables, sync_table_grads
-    from engram.optim import SparseRowAdam
+    from engram.model.optim import SparseRowAdam
 
     res: dict[str, Any] = {}
     # gather: values served from the prefetched block, one exchange for both tables
@@ -128,6 +128,7 @@ def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[
 def _train_part(
     rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any], prev_dir: Path | None
 ) -> dict[str, Any]:
+    from engram.apps.train import TrainConfig, latest_checkpoint, prepare_data
     from engram.distributed import (
         DistributedTrainer,
         TableInit,
@@ -135,7 +136,6 @@ def _train_part(
         global_num_params,
         sharded_tables,
     )
-    from engram.train import TrainConfig, latest_checkpoint, prepare_data
 
     res: dict[str, Any] = {}
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -183,9 +183,9 @@ def _train_part(
 def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> dict[str, Any]:
     """The fp64 run with sharded checkpoints (steps 3 and 6), its step-3 checkpoint resumed in this
     world (exact) and, with `prev_dir`, the other world's step-3 checkpoint resumed here."""
-    from engram.checkpoint_shards import TableShards
+    from engram.apps.train import build_model
+    from engram.checkpoint.shards import TableShards
     from engram.distributed import DistributedTrainer
-    from engram.train import build_model
 
     res: dict[str, Any] = {}
     owners = SHARDED_OWNERS[dist.get_world_size()]
@@ -231,8 +231,8 @@ def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> 
 def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
     """The fp64 run with every table on rank 0 (checkpoints at steps 3 and 6), then its step-3
     checkpoint resumed with every table on rank 1, to step 6."""
+    from engram.apps.train import build_model
     from engram.distributed import DistributedTrainer, table_owners
-    from engram.train import build_model
 
     res: dict[str, Any] = {}
     try:  # ranks disagreeing on the owners: refused on every rank (no rank left in an exchange)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engram.bench import SUITE, find_benchmarks, format_rows, run_suite
+from engram.apps.bench import SUITE, find_benchmarks, format_rows, run_suite
 
 
 def test_suite_files_exist_and_have_run():
@@ -31,7 +31,7 @@ def test_unknown_and_missing(tmp_path):
 
 
 def test_run_hash_quick(capsys):
-    from engram.cli import main
+    from engram.cli.commands import main
 
     assert main(["bench", "--only", "hash", "--quick"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Tests for engram.checkpoint: the V4.1 safetensors checkpoint format, its validation and conversion.
+"""Tests for engram.checkpoint.v41: the V4.1 safetensors checkpoint format, its validation and conversion.
 
 Round trips are checked bit for bit (tensor bytes) and through an `Engram` forward; every malformed
 checkpoint must be refused with an error naming the tensor (or file), what was found and what was expected.
@@ -18,8 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engram import EngramConfig, Layout, quant
-from engram.checkpoint import (
+from engram import EngramConfig, Layout
+from engram.checkpoint.convert import add_convert_command, convert_table, make_scaled_v41_checkpoint
+from engram.checkpoint.v41 import (
     CONFIG_FILE,
     INDEX_FILE,
     TableFormat,
@@ -29,9 +30,9 @@ from engram.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
-from engram.convert import add_convert_command, convert_table, make_scaled_v41_checkpoint
-from engram.module import Engram
-from engram.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.module import Engram
+from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.storage import quant
 
 BASE = 512  # prime-search base of the scaled V4.1 checkpoints: ~12k rows a layer, ~3 MB a table
 

@@ -1,4 +1,4 @@
-"""engram.checkpoint_shards: a table's rows split over per-rank files, read back whole or as any row
+"""engram.checkpoint.shards: a table's rows split over per-rank files, read back whole or as any row
 range, and every malformed layout refused naming the file, the table and the fix. Pure file logic
 (no processes); the distributed runs that write these files are in tests/test_distributed.py."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engram.checkpoint_shards import (
+from engram.checkpoint.shards import (
     SHARDS_KEY,
     TableShards,
     read_checkpoint,

@@ -1,4 +1,4 @@
-"""Tests for engram.collisions.analyze_collisions against a brute-force count written here.
+"""Tests for engram.addressing.collisions.analyze_collisions against a brute-force count written here.
 
 The brute force works on Python ints, one position at a time: it builds every n-gram with the pads
 of SPEC §4 at the sequence start, XORs it into its 64-bit mix, puts every distinct mix into its row
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import reference as ref
 from engram import EngramConfig, NgramHasher, TokenizerCompression
-from engram.collisions import HeadReport, OrderReport, analyze_collisions
+from engram.addressing.collisions import HeadReport, OrderReport, analyze_collisions
 
 INT64_MAX = 2**63 - 1
 SYNTH_V, SYNTH_C = 1000, 700  # synthetic tokenizer: 1000 ids onto 700 compressed ids (ids c and c+700 merge)
@@ -244,7 +244,7 @@ def test_tiny_preset_pair_sharing_three_heads_breaks_crt(ds_compression):
 # ---------------------------------------------------------------------------- DeepSeek-V4.1
 @pytest.fixture(scope="module")
 def kjv_ids(ds_tokenizer) -> np.ndarray:
-    from engram.corpus import kjv_text
+    from engram.apps.corpus import kjv_text
 
     return np.array(ds_tokenizer.encode(kjv_text(max_chars=60_000), add_special_tokens=False).ids)
 

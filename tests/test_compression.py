@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import reference as ref
 from engram import TokenizerCompression
-from engram.compression import resolve_tokenizer, tokenizer_fingerprint
+from engram.addressing.compression import resolve_tokenizer, tokenizer_fingerprint
 
 
 def test_deepseek_v4_map_is_exact(ds_compression, vectors):

@@ -27,11 +27,11 @@ from dist_worker import (
     table_inputs,
     worker,
 )
-from engram.checkpoint_shards import SHARDS_KEY, shard_file
+from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
+from engram.checkpoint.shards import SHARDS_KEY, shard_file
 from engram.distributed import chunked_normal, shard_bounds
-from engram.optim import SparseRowAdam
-from engram.table import TrainableTable
-from engram.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
+from engram.model.optim import SparseRowAdam
+from engram.model.table import TrainableTable
 from training_setup import dist_cfg
 
 WORLDS = (2, 3)
@@ -388,7 +388,7 @@ def test_sharded_checkpoint_resumes_in_another_world(runs, single64):
 def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, capsys):
     """A sharded checkpoint (W=3, owners 0 and 2) resumes in one Trainer with whole tables and
     optimizer state, along the single run; load_checkpoint and `engram eval` read one too."""
-    from engram.cli import main
+    from engram.cli.commands import main
 
     path = _sharded(runs, 3, step=3)
     t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data).double())
@@ -446,7 +446,7 @@ def test_batch_size_must_split(runs):
 
 
 def test_eval_reads_distributed_checkpoint(runs, capsys):
-    from engram.cli import main
+    from engram.cli.commands import main
 
     run = runs[3]["dir"] / "run"
     _cfg, model, state = load_checkpoint(run)

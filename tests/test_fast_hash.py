@@ -1,4 +1,4 @@
-"""The numba fast path (engram._hash_kernels) against its numpy twin and the plain reference.
+"""The numba fast path (engram.kernels.cpu_hash) against its numpy twin and the plain reference.
 
 Every comparison is exact: the kernels must give the same int64 rows as `hash_compressed_numpy`
 and `tests/reference.py` for every input, the division-free reduction must equal `%`, and the
@@ -20,7 +20,7 @@ import reference as ref
 from engram import EngramConfig, HashStream, NgramHasher
 
 numba = pytest.importorskip("numba")
-kernels = pytest.importorskip("engram._hash_kernels")
+kernels = pytest.importorskip("engram.kernels.cpu_hash")
 
 INT64_MAX = 2**63 - 1
 
@@ -197,9 +197,9 @@ def test_bad_options(v41_hasher):
 
 
 def test_without_numba_falls_back_to_numpy(v41_hasher, monkeypatch):
-    import engram.hashing
+    import engram.addressing.hashing
 
-    monkeypatch.setattr(engram.hashing, "_kernel_module", lambda: None)
+    monkeypatch.setattr(engram.addressing.hashing, "_kernel_module", lambda: None)
     h = NgramHasher(v41_hasher.config, v41_hasher.compression)
     ids = np.random.default_rng(5).integers(0, 129280, size=(2, 20))
     assert h.kernel_tables() is None

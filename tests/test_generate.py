@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import training_setup
-from engram.generate import add_generate_command, generate, load_generator
-from engram.hashing import NgramHasher
-from engram.lm import EngramLM
-from engram.train import Trainer, build_model, prepare_data
+from engram.addressing.hashing import NgramHasher
+from engram.apps.generate import add_generate_command, generate, load_generator
+from engram.apps.train import Trainer, build_model, prepare_data
+from engram.model.lm import EngramLM
 
 SEQ = 32
 
@@ -157,8 +157,8 @@ def runs(corpus, data, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture
 def main(monkeypatch):
-    """engram.cli.main with `generate` registered (by cli.py itself, or here if it does not yet)."""
-    from engram import cli
+    """engram.cli.commands.main with `generate` registered (by cli.py itself, or here if it does not yet)."""
+    from engram.cli import commands as cli
 
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -234,7 +234,7 @@ def test_cli_errors(main, runs, tmp_path, capsys, args, match):
 def test_cli_offload_equals_fp8_tables(main, runs, capsys, tmp_path, where):
     """--offload serves the tables as FP8 through engram.systems: the tokens are those of the same model
     with its tables quantised in place (FP8Table.from_float), and the counters add up."""
-    from engram.table import FP8Table
+    from engram.model.table import FP8Table
 
     text = "And God said, Let there be light"
     argv = ["generate", "--checkpoint", runs["fp8able"], "--prompt", text, "--tokens", "10", "--greedy"]

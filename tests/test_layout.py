@@ -7,7 +7,7 @@ import pytest
 
 import reference as ref
 from engram import PRESETS, EngramConfig, Layout
-from engram.layout import layer_multipliers, multiplier_bound
+from engram.addressing.layout import layer_multipliers, multiplier_bound
 
 
 @pytest.fixture(scope="module")

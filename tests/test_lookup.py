@@ -1,4 +1,4 @@
-"""Tests for engram.lookup: gathering selected rows of an FP8 table (the torch path, the reference twin).
+"""Tests for engram.storage.lookup: gathering selected rows of an FP8 table (the torch path, the reference twin).
 
 Gathered rows must equal `quant.dequantize_rows` of the same rows picked out by plain indexing, exactly;
 only the requested rows may be dequantised (repeated ids once). The numba fast path is checked against
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engram import lookup
-from engram.lookup import dequantize_gather
-from engram.quant import dequantize_rows, quantize_rows
+from engram.storage import lookup
+from engram.storage.lookup import dequantize_gather
+from engram.storage.quant import dequantize_rows, quantize_rows
 
 
 def _table(n: int = 50, dim: int = 64, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

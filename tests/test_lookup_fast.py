@@ -1,4 +1,4 @@
-"""The numba lookup fast path (engram._lookup_kernels) against its torch twin, bit for bit.
+"""The numba lookup fast path (engram.kernels.cpu_lookup) against its torch twin, bit for bit.
 
 `lookup.dequantize_gather(..., backend="numba")` must write exactly the bits of `backend="torch"` (the
 reference twin, itself tested against the definition in test_quant.py) for every value byte, every
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from engram import lookup, quant
-from engram.lookup import dequantize_gather, gather_rows
+from engram.storage import lookup, quant
+from engram.storage.lookup import dequantize_gather, gather_rows
 
 numba = pytest.importorskip("numba")
-kernels = pytest.importorskip("engram._lookup_kernels")
+kernels = pytest.importorskip("engram.kernels.cpu_lookup")
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -236,8 +236,8 @@ def test_gather_rows_no_autograd_and_errors() -> None:
 def test_import_engram_stays_light() -> None:
     """`import engram` imports neither the numba lookup kernels nor triton (both load on first use)."""
     code = (
-        "import sys, engram, engram.quant, engram.table, engram.module; "
-        "bad = [m for m in ('engram._lookup_kernels', 'triton', 'engram.kernels.triton_gate') if m in sys.modules]; "
+        "import sys, engram, engram.storage.quant, engram.model.table, engram.model.module; "
+        "bad = [m for m in ('engram.kernels.cpu_lookup', 'triton', 'engram.kernels.triton_gate') if m in sys.modules]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engram import EngramConfig, Layout, NgramHasher
-from engram.module import Engram
-from engram.table import TrainableTable
+from engram.model.module import Engram
+from engram.model.table import TrainableTable
 
 TINY = EngramConfig.preset("tiny")  # V4.1 variant, 1 layer, orders 2-3, 4 heads: 8 rows of 32
 DEMO = EngramConfig.preset("demo-v1").replace(

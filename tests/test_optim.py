@@ -1,4 +1,4 @@
-"""Tests for engram.optim: SparseRowAdam / SparseRowAdagrad against plain per-row references.
+"""Tests for engram.model.optim: SparseRowAdam / SparseRowAdagrad against plain per-row references.
 
 The references below are written from the docstrings' update rules: a Python loop over the rows a
 step touches (repeated ids summed first), float64 throughout, one step count per row (lazy: an
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
-from engram.table import TrainableTable
+from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
+from engram.model.table import TrainableTable
 
 # ------------------------------------------------------------------------------------------- reference
 

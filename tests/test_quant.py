@@ -1,4 +1,4 @@
-"""Tests for engram.quant: FP8 e4m3 values + ue8m0 block scales (DeepSeek-V4.1 table layout).
+"""Tests for engram.storage.quant: FP8 e4m3 values + ue8m0 block scales (DeepSeek-V4.1 table layout).
 
 Exact checks compare against a plain per-block reference written here from the definition: the scale
 exponent is the smallest e (>= -126) with amax <= 448 * 2**e, found by exact float64 comparisons; values
@@ -17,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engram import quant
-from engram.lookup import dequantize_gather
-from engram.quant import (
+from engram.storage import quant
+from engram.storage.lookup import dequantize_gather
+from engram.storage.quant import (
     BLOCK,
     FP8_MAX,
     dequantize_rows,

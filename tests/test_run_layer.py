@@ -1,4 +1,4 @@
-"""Tests for engram.run_layer: `engram run-layer`, the V4.1 path end to end on a scaled checkpoint.
+"""Tests for engram.apps.run_layer: `engram run-layer`, the V4.1 path end to end on a scaled checkpoint.
 
 The report's rows are checked against `NgramHasher` for the scaled config, and layer 1's gates against
 a plain recomputation of SPEC §6 from the checkpoint's bytes. Small tables (prime-search base 512) and
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engram import EngramConfig, NgramHasher
-from engram.checkpoint import load_engram_modules
-from engram.convert import make_scaled_v41_checkpoint
-from engram.run_layer import DEFAULT_TEXT, add_run_layer_command, pseudo_embedding, run_layer
+from engram.apps.run_layer import DEFAULT_TEXT, add_run_layer_command, pseudo_embedding, run_layer
+from engram.checkpoint.convert import make_scaled_v41_checkpoint
+from engram.checkpoint.v41 import load_engram_modules
 
 BASE = 512  # ~14-18K rows a layer, ~4 MB a table
 
@@ -130,7 +130,7 @@ def test_command_json(capsys):
 
 
 def test_command_text_on_a_checkpoint(prebuilt, capsys, monkeypatch, ds_compression):
-    from engram.compression import TokenizerCompression
+    from engram.addressing.compression import TokenizerCompression
 
     # the JSON test built the map the slow way already; reuse the session's here
     monkeypatch.setattr(TokenizerCompression, "from_tokenizer", classmethod(lambda cls, tok: ds_compression))

@@ -8,7 +8,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from engram.cli import main
+from engram.cli.commands import main
 from engram.systems.cache_sim import simulate_cache
 
 

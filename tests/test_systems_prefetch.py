@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from engram import EngramConfig, NgramHasher, TokenizerCompression
-from engram.lm import EngramLM, LMConfig
-from engram.module import Engram
+from engram.model.lm import EngramLM, LMConfig
+from engram.model.module import Engram
+from engram.model.table import FP8Table, MmapFP8Table
 from engram.systems import Placement, Prefetcher, TieredTable, offload_engram
 from engram.systems.background import FetchWorker, PrefetchHandle
-from engram.table import FP8Table, MmapFP8Table
 
 ROWS, DIM = 400, 32
 
@@ -224,7 +224,7 @@ def test_offload_and_prefetcher_errors(hasher, fp8_model, tmp_path):
         offload_engram(model, "gpu")
     with pytest.raises(ValueError, match=r"cache_rows=-3 must be an int >= 0"):
         offload_engram(model, "host", cache_rows=-3)
-    with pytest.raises(ValueError, match=r"holds no engram.module.Engram"):
+    with pytest.raises(ValueError, match=r"holds no engram.model.module.Engram"):
         offload_engram(torch.nn.Linear(2, 2), "host")
     with pytest.raises(TypeError, match=r"offload_engram\(model, placement"):
         Prefetcher([], hasher, model)

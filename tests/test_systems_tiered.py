@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from engram import EngramConfig, Layout
-from engram.module import Engram
+from engram.model.module import Engram
+from engram.model.table import FP8Table, MmapFP8Table
 from engram.systems import Placement, TieredTable
-from engram.table import FP8Table, MmapFP8Table
 
 ROWS, DIM = 500, 64
 

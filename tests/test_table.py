@@ -1,4 +1,4 @@
-"""Tests for engram.table: TrainableTable, FP8Table and MmapFP8Table (and engram.safetensors_io, the
+"""Tests for engram.model.table: TrainableTable, FP8Table and MmapFP8Table (and engram.checkpoint.files, the
 safetensors reader and writer MmapFP8Table stands on).
 
 The FP8 tables are checked against `quant.dequantize_rows` of the same rows (their plain twin), exactly.
@@ -19,11 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import engram.safetensors_io as st_io
-from engram import EngramConfig, quant
-from engram.module import Engram
-from engram.safetensors_io import read_safetensors_header, write_safetensors
-from engram.table import FP8Table, MmapFP8Table, TrainableTable, check_rows
+import engram.checkpoint.files as st_io
+from engram import EngramConfig
+from engram.checkpoint.files import read_safetensors_header, write_safetensors
+from engram.model.module import Engram
+from engram.model.table import FP8Table, MmapFP8Table, TrainableTable, check_rows
+from engram.storage import quant
 
 ROWS, DIM = 1000, 64
 
@@ -99,7 +100,7 @@ def test_from_float_is_quantize_rows_and_to_float_is_dequantize_rows(fp8):
 
 
 def test_from_float_chunks(monkeypatch):
-    import engram.table as table_mod
+    import engram.model.table as table_mod
 
     monkeypatch.setattr(table_mod, "_CHUNK_ROWS", 7)  # many chunks, a ragged last one
     w = random_table(50, 32)

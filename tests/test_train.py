@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engram.data import load_corpus, split_documents
-from engram.lm import EngramLM
-from engram.train import (
+from engram.apps.data import load_corpus, split_documents
+from engram.apps.train import (
     TrainConfig,
     Trainer,
     build_model,
@@ -17,6 +16,7 @@ from engram.train import (
     load_checkpoint,
     prepare_data,
 )
+from engram.model.lm import EngramLM
 from training_setup import tiny_cfg
 
 
@@ -71,7 +71,7 @@ def test_checkpoint_write_is_atomic(corpus, data, tmp_path, monkeypatch):
     t.train_step()
     t.train_step()
 
-    import engram.train as train_mod
+    import engram.apps.train as train_mod
 
     calls = {"n": 0}
     real = train_mod.save_file
@@ -150,7 +150,7 @@ def test_config_file_round_trip_and_errors(tmp_path):
 
 
 def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
-    from engram.cli import main
+    from engram.cli.commands import main
 
     cfg = tiny_cfg(corpus, steps=6, eval_every=0)
     conf = tmp_path / "train.json"
@@ -174,7 +174,7 @@ def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
 
 
 def test_hyper_connection_streams(corpus, data):
-    from engram.lm import HyperConnection
+    from engram.model.lm import HyperConnection
 
     hc = HyperConnection(3)
     with torch.no_grad():
@@ -206,7 +206,7 @@ def test_untied_head(corpus, data):
 
 
 def test_demo_end_to_end(corpus, tmp_path):
-    from engram.demo import run_demo
+    from engram.apps.demo import run_demo
 
     cfg = tiny_cfg(corpus, steps=6, eval_every=3)
     res = run_demo(cfg, seeds=(0, 1), out_dir=tmp_path, progress=False)
@@ -232,8 +232,8 @@ def test_deepseek_tokenizer_training(corpus):
 
 
 def test_presets_validate_and_demo_matches():
-    from engram.demo import DEMO_CONFIG
-    from engram.train import TRAIN_PRESETS
+    from engram.apps.demo import DEMO_CONFIG
+    from engram.apps.train import TRAIN_PRESETS
 
     assert set(TRAIN_PRESETS) == {"tiny", "demo", "small"}
     assert DEMO_CONFIG is TRAIN_PRESETS["demo"] and DEMO_CONFIG.steps == 240
@@ -241,7 +241,7 @@ def test_presets_validate_and_demo_matches():
 
 
 def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
-    import engram.demo as demo
+    import engram.apps.demo as demo
 
     monkeypatch.setattr(demo, "_time_steps", lambda cfg, data: 0.05)  # seconds per step pair, fixed
     cfg = tiny_cfg(corpus, eval_every=0)

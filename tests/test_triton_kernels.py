@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from engram import EngramConfig, NgramHasher, lookup, quant
+from engram import EngramConfig, NgramHasher
 from engram.kernels import reference
+from engram.storage import lookup, quant
 
 pytestmark = [
     pytest.mark.triton,
@@ -214,7 +215,7 @@ def test_gate_against_float64(kernels) -> None:
 
 def test_gate_matches_engram_module(kernels) -> None:
     """The module's own V4.1 forward equals the fused gate fed its wkv output."""
-    from engram.module import Engram
+    from engram.model.module import Engram
 
     config = EngramConfig.preset("tiny")
     torch.manual_seed(4)
@@ -254,7 +255,7 @@ def test_dispatch_gather_and_gate(kernels, monkeypatch):
     """Where `use_triton` says yes (CUDA; forced here), lookup and the module take the kernels and
     give what the eager paths give."""
     import engram.kernels as kmod
-    from engram.module import Engram
+    from engram.model.module import Engram
 
     monkeypatch.setattr(kmod, "use_triton", lambda *tensors: True)
     gen = torch.Generator().manual_seed(5)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engram.corpus import kjv_verses
-from engram.train import TrainConfig
+from engram.apps.corpus import kjv_verses
+from engram.apps.train import TrainConfig
 
 
 def write_corpus(root: Path) -> str:

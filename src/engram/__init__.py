@@ -5,14 +5,14 @@ Public names: `EngramConfig` (and its presets), `Layout`, `TokenizerCompression`
 table optimizers. Importing the package compiles nothing and sets no global state.
 """
 
-from engram.compression import TokenizerCompression
+from engram.addressing.compression import TokenizerCompression
+from engram.addressing.hashing import HashBackend, NgramHasher
+from engram.addressing.layout import Layout
+from engram.addressing.stream import HashStream
 from engram.config import PRESETS, EngramConfig, Variant
-from engram.hashing import HashBackend, NgramHasher
-from engram.layout import Layout
-from engram.module import Engram
-from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
-from engram.stream import HashStream
-from engram.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
+from engram.model.module import Engram
+from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
+from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
 
 __all__ = [
     "PRESETS",

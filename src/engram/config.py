@@ -7,7 +7,7 @@ Holds:
 - `PRESETS`: `deepseek-v4.1`, `demo-v1` and `tiny`, and the Hugging Face style round trip
   (`to_hf_dict` / `from_hf_dict`) with the `engram_*` keys that DeepSeek-V4.1's config.json uses.
 
-The config does not compute primes itself (that is `engram.layout`), but `from_hf_dict` checks a
+The config does not compute primes itself (that is `engram.addressing.layout`), but `from_hf_dict` checks a
 declared `engram_num_embeddings` against the computed prime sums and refuses a mismatch.
 """
 
@@ -182,7 +182,7 @@ class EngramConfig:
     # ------------------------------------------------------------------ HF round trip
     def to_hf_dict(self) -> dict[str, Any]:
         """The `engram_*` keys of a Hugging Face config.json (plus the backbone sizes they need)."""
-        from engram.layout import Layout  # local: layout imports config
+        from engram.addressing.layout import Layout  # local: layout imports config
 
         declared = self.declared_num_embeddings
         if declared is None:
@@ -213,7 +213,7 @@ class EngramConfig:
         cls, d: Mapping[str, Any], *, name: str = "hf", tokenizer: str | None = None
     ) -> EngramConfig:
         """Read the `engram_*` keys of a config.json; refuse one that contradicts its own primes."""
-        from engram.layout import Layout
+        from engram.addressing.layout import Layout
 
         required = (
             "engram_layer_ids",

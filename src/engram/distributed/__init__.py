@@ -1,6 +1,6 @@
 """Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU).
 
-The only package that imports torch.distributed: the model code (`engram.module`, `engram.lm`)
+The only package that imports torch.distributed: the model code (`engram.model.module`, `engram.model.lm`)
 stays single-device, and this layer wraps it (torchtitan style).
 
 Holds (one concept per file):

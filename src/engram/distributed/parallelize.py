@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engram.addressing.layout import Layout
 from engram.config import EngramConfig
 from engram.distributed.sharded_table import ShardedTable, prefetch_tables
-from engram.layout import Layout
-from engram.lm import EngramLM, LMConfig
-from engram.module import Engram
-from engram.table import TrainableTable
+from engram.model.lm import EngramLM, LMConfig
+from engram.model.module import Engram
+from engram.model.table import TrainableTable
 
 __all__ = [
     "TableInit",

@@ -9,7 +9,7 @@ Holds:
   owns, and the table does not depend on the world size.
 - `ShardedTable`: a table [num_rows, dim] whose rank-local shard [hi - lo, dim] is the parameter
   `weight` (fp32 / bf16; fp64 for checks). Its gradient is a sparse COO tensor over the shard's rows
-  (sorted, distinct), so `engram.optim.SparseRowAdam` / `SparseRowAdagrad` update it unchanged.
+  (sorted, distinct), so `engram.model.optim.SparseRowAdam` / `SparseRowAdagrad` update it unchanged.
 - `prefetch_tables`, `sync_table_grads`, `release_tables`: the step's row exchange for several
   tables at once (every Engram layer of the model: one all-to-all for the whole batch).
 - `gather_shards`: a per-rank tensor over a table's owned rows (weight, optimizer state) gathered
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engram.table import EngramTable, check_rows
+from engram.model.table import EngramTable, check_rows
 
 __all__ = [
     "INIT_CHUNK_ROWS",

@@ -3,10 +3,10 @@
 Holds:
 - `DistEnv`, `init_distributed()`: read torchrun's environment, pick the backend (NCCL with one
   CUDA device per LOCAL_RANK, else gloo on the CPU), start the process group, set torch threads.
-- `build_distributed_model(cfg, data, init=..., owners=...)`: engram.train.build_model's model with
+- `build_distributed_model(cfg, data, init=..., owners=...)`: engram.apps.train.build_model's model with
   its tables sharded (COPY: identical to the single-process model) or born sharded (CHUNKED), their
   rows on `owners` (default: every rank).
-- `DistributedTrainer`: engram.train.Trainer with its batch, backward and checkpoint pieces
+- `DistributedTrainer`: engram.apps.train.Trainer with its batch, backward and checkpoint pieces
   replaced. W ranks with a global batch of B sequences train the model one process trains with
   batch B: rank r takes the contiguous part [r*B/W, (r+1)*B/W) of the step's window starts, the
   loss is scaled by 1/W, dense gradients are summed (all-reduce) and table gradients are summed
@@ -16,11 +16,11 @@ Holds:
 Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
 are all-reduced (float64), so the result equals single-process evaluation up to summation order.
 Checkpoints, two formats (both resume on any world size and any owners, or in one process, and
-`engram eval` / `engram.train.load_checkpoint` read both):
+`engram eval` / `engram.apps.train.load_checkpoint` read both):
 - default, the single-process format: the table shards and their optimizer state are gathered to
   rank 0, which writes. That holds one full table on rank 0 for a moment: fine at this project's
   scale, not at V4.1's. Resuming reads the full files on every rank and keeps the owned rows.
-- sharded (`sharded_checkpoints=True`, `--sharded-checkpoints`; see engram.checkpoint_shards): each
+- sharded (`sharded_checkpoints=True`, `--sharded-checkpoints`; see engram.checkpoint.shards): each
   owner rank writes its own rows of every table and of their optimizer state to
   `tables-rank-R.safetensors` in the shared temporary folder, rank 0 the rest; rank 0 renames the
   folder into place after all have written. No rank holds more than its own rows, and on resume
@@ -51,7 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engram.checkpoint_shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
+from engram.apps.evaluation import eval_summary, score_windows, window_rows
+from engram.apps.train import DataBundle, TrainConfig, Trainer, build_model
+from engram.checkpoint.shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -62,10 +64,8 @@ from engram.distributed.parallelize import (
     split_sharded_params,
 )
 from engram.distributed.sharded_table import ShardedTable, gather_shards, release_tables, sync_table_grads
-from engram.evaluation import eval_summary, score_windows, window_rows
-from engram.lm import EngramLM
-from engram.table import TrainableTable
-from engram.train import DataBundle, TrainConfig, Trainer, build_model
+from engram.model.lm import EngramLM
+from engram.model.table import TrainableTable
 
 __all__ = [
     "TORCHRUN_VARS",
@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-_EVAL_BATCH = 32  # windows per evaluation batch on each rank (engram.train.evaluate's default)
+_EVAL_BATCH = 32  # windows per evaluation batch on each rank (engram.apps.train.evaluate's default)
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,7 @@ class DistributedTrainer(Trainer):
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, max_tokens: int | None = None, engram_scale: float = 1.0) -> dict[str, Any]:
-        """engram.train.evaluate over the held-out split, the windows shared out among the ranks."""
+        """engram.apps.train.evaluate over the held-out split, the windows shared out among the ranks."""
         model, stream, seq = self.model, self.data.held_out, self.cfg.seq_len
         was_training = model.training
         model.eval()

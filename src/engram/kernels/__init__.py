@@ -5,9 +5,9 @@ Holds:
 - `use_triton(*tensors)`: every tensor is on CUDA and triton is available, the test callers use to
   take the kernels (the eager torch code otherwise).
 - `hash_rows(...)` (`triton_hash`): compressed ids (B, T) -> rows (B, T, L, orders*K), bit-exact to
-  `engram.hashing`.
+  `engram.addressing.hashing`.
 - `fp8_gather(...)` (`triton_lookup`): rows of an FP8 e4m3 table with ue8m0 scales -> dequantised
-  rows, bit-exact to `engram.lookup.dequantize_gather` for finite values.
+  rows, bit-exact to `engram.storage.lookup.dequantize_gather` for finite values.
 - `fused_gate(...)` (`triton_gate`): the V4.1 gate after wkv with its backward, an autograd function.
 
 Importing `engram.kernels` imports neither triton nor the kernel modules: each entry point imports

@@ -3,9 +3,9 @@ eager path on devices without triton.
 
 Holds:
 - `hash_rows(xc, dead, window, multipliers, primes, offsets, pad)`: the n-gram hash on tensors,
-  bit-exact to `engram.hashing` (the same look-back construction as `NgramHasher.lookback`).
+  bit-exact to `engram.addressing.hashing` (the same look-back construction as `NgramHasher.lookback`).
 - `fp8_gather(values, scales, rows, dtype)`: gather + ue8m0 dequantise, bit-exact to
-  `engram.lookup.dequantize_gather` for finite values (no checks, so no device sync).
+  `engram.storage.lookup.dequantize_gather` for finite values (no checks, so no device sync).
 - `gate(h, key, v, w, dead, eps, clamp)`: the V4.1 gate after wkv, exactly `Engram._forward_v41`'s
   eager code: (h + gates * v, gates).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engram import quant
+from engram.storage import quant
 
 __all__ = ["fp8_gather", "gate", "hash_rows"]
 

@@ -1,5 +1,5 @@
 """Triton kernel for the n-gram hash (SPEC §4) on CUDA: compressed ids -> table rows, bit-exact to
-`engram.hashing` (tested against `NgramHasher.hash_compressed` and `reference.hash_rows`).
+`engram.addressing.hashing` (tested against `NgramHasher.hash_compressed` and `reference.hash_rows`).
 
 Holds:
 - `hash_rows(xc, dead, window, multipliers, primes, offsets, pad, out=None)`: rows (B, T, L, orders*K)

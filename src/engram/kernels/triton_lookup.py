@@ -4,7 +4,7 @@ per block of values -> dequantised rows in bfloat16, float32 or float16, in one 
 Holds:
 - `fp8_gather(values, scales, rows, dtype, out=None)`: values (R, D) float8_e4m3fn, scales
   (R, D // block) float8_e8m0fnu, rows (...) int64/int32 -> (..., D) in `dtype`. Bit-exact to
-  `engram.lookup.dequantize_gather` (its torch twin `reference.fp8_gather`) for every finite value.
+  `engram.storage.lookup.dequantize_gather` (its torch twin `reference.fp8_gather`) for every finite value.
 
 Decoding is integer bit manipulation, so it does not depend on the GPU's fp8 conversion support
 (sm_80 has none) nor on the interpreter's: e4m3 s.eeee.mmm -> float32 bits s | (eeee + 120) << 23 |
@@ -12,7 +12,7 @@ mmm << 20 for eeee > 0, (-1)^s mmm 2^-9 for eeee = 0, NaN for s.1111.111; a scal
 2^(b - 127) from its bits (b = 0: the subnormal 2^-127; b = 255: NaN); one float32 multiply, as the
 reference. bfloat16 is rounded to nearest even by hand (the interpreter's cast truncates). Unlike
 the CPU path this kernel checks nothing (no sync): a row id outside the table is the caller's
-bug (validate with `engram.table.check_rows`), a 255 scale byte gives NaN rows.
+bug (validate with `engram.model.table.check_rows`), a 255 scale byte gives NaN rows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Systems layer: Engram tables on storage tiers, a hot-row cache and prefetch, wrapped around the model.
 
-The model code (`engram.module`, `engram.lm`) knows nothing of this package: `offload_engram` swaps
+The model code (`engram.model.module`, `engram.model.lm`) knows nothing of this package: `offload_engram` swaps
 each Engram module's table for a `TieredTable`, and `Prefetcher` starts fetching a batch's rows before
 its forward pass. Inference only (V4.1 tables are frozen).
 

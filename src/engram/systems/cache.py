@@ -3,7 +3,7 @@
 Holds:
 - `RowCache(capacity, dim, device)`: `capacity` slots of raw FP8 bytes (values [C, dim] and ue8m0
   scales [C, dim // 32], as uint8) on `device`, and a host-side index row -> slot (the numba map and
-  LRU list of `engram.systems._cache_kernels`, O(distinct rows) per call, no Python loop per row).
+  LRU list of `engram.kernels.cpu_cache`, O(distinct rows) per call, no Python loop per row).
   - `plan(uniq)`: the host half of a call: which of the sorted distinct rows are cached (hits), and
     which slots the others (misses) are admitted to; updates the counters.
   - `read(slots, out_values, out_scales)` / `write(slots, values, scales)`: the device half.
@@ -31,15 +31,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engram import lookup, quant
+from engram.storage import lookup, quant
 
 __all__ = ["CachePlan", "RowCache"]
 
 
 @functools.cache
 def _kernels() -> ModuleType:
-    """engram.systems._cache_kernels, imported (with numba) on first use, not with engram."""
-    from engram.systems import _cache_kernels
+    """engram.kernels.cpu_cache, imported (with numba) on first use, not with engram."""
+    from engram.kernels import cpu_cache as _cache_kernels
 
     return _cache_kernels
 

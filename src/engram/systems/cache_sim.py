@@ -144,8 +144,8 @@ def _size(text: str) -> int:
 
 
 def cmd_cache_sim(args: argparse.Namespace) -> int:
-    from engram.cli import _config_from_args, _hasher, _text_from_args
-    from engram.quant import fp8_row_bytes
+    from engram.cli.commands import _config_from_args, _hasher, _text_from_args
+    from engram.storage.quant import fp8_row_bytes
 
     config = _config_from_args(args)
     text, source = _text_from_args(args)
@@ -187,7 +187,7 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
 
 
 def add_cache_sim_command(sub: Any) -> None:
-    from engram.cli import _add_config_options
+    from engram.cli.commands import _add_config_options
 
     p = sub.add_parser(
         "cache-sim",

@@ -2,7 +2,7 @@
 
 Holds:
 - `offload_engram(model, placement, cache_rows=0, device=None, ...)`: replace the table of every
-  `engram.module.Engram` in `model` (an `EngramLM`, a bare `Engram`, any module holding them) by a
+  `engram.model.module.Engram` in `model` (an `EngramLM`, a bare `Engram`, any module holding them) by a
   `TieredTable`, in place; returns {layer_id: table}. The model code is not touched: only the
   `table` attribute of each Engram module is swapped.
 - `Prefetcher(batches, hasher, model, depth=1)`: iterate over token-id batches (B, T) and get
@@ -36,13 +36,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from engram.hashing import NgramHasher
-from engram.module import Engram
-from engram.safetensors_io import write_safetensors
+from engram.addressing.hashing import NgramHasher
+from engram.checkpoint.files import write_safetensors
+from engram.model.module import Engram
+from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
 from engram.systems.background import PrefetchHandle
 from engram.systems.placement import Placement, as_placement
 from engram.systems.tiered import TieredTable
-from engram.table import FP8Table, MmapFP8Table, TrainableTable
 
 __all__ = ["PrefetchedBatch", "Prefetcher", "engram_modules", "offload_engram"]
 
@@ -56,7 +56,7 @@ def engram_modules(model: nn.Module) -> dict[int, Engram]:
                 raise ValueError(f"two Engram modules for layer {m.layer_id} (the second at {name!r})")
             found[m.layer_id] = m
     if not found:
-        raise ValueError(f"{type(model).__name__} holds no engram.module.Engram module to offload")
+        raise ValueError(f"{type(model).__name__} holds no engram.model.module.Engram module to offload")
     return dict(sorted(found.items()))
 
 
@@ -167,7 +167,7 @@ class Prefetcher:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth={depth!r} must be an int >= 0 (batches prefetched ahead; 0: none)")
         if not isinstance(hasher, NgramHasher):
-            raise TypeError(f"hasher must be an engram.hashing.NgramHasher, got {type(hasher).__name__}")
+            raise TypeError(f"hasher must be an engram.addressing.hashing.NgramHasher, got {type(hasher).__name__}")
         self.tables: dict[int, TieredTable] = {}
         self.layer_index: dict[int, int] = {}
         for lid, m in engram_modules(model).items():

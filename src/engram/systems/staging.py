@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engram import quant
+from engram.storage import quant
 from engram.systems.cache import RowCache
 
 __all__ = [

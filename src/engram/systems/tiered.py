@@ -21,7 +21,7 @@ How a HOST / SSD gather runs (the fetch, on the worker thread for a prefetch):
 4. on the device the block [misses; hits] (U rows) is assembled and admitted misses are written to
    the cache; on CUDA an event marks the block ready.
 `gather` then makes the current stream wait for that event (no host sync) and dequantises the block
-through the inverse index with `engram.lookup.dequantize_gather`, the same function `FP8Table`
+through the inverse index with `engram.storage.lookup.dequantize_gather`, the same function `FP8Table`
 uses on the same bytes, hence the identical result.
 
 Decisions:
@@ -63,7 +63,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram import lookup, quant
+from engram.model.table import EngramTable, FP8Table, MmapFP8Table, check_rows
+from engram.storage import lookup, quant
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import RowCache
 from engram.systems.placement import Placement, as_device, as_placement
@@ -76,7 +77,6 @@ from engram.systems.staging import (
     assemble_cuda,
     cpu_block_bytes,
 )
-from engram.table import EngramTable, FP8Table, MmapFP8Table, check_rows
 
 __all__ = ["TieredTable"]
 
@@ -122,7 +122,7 @@ class TieredTable(EngramTable):
         if self.placement is Placement.SSD and not isinstance(table, MmapFP8Table):
             raise TypeError(
                 "placement SSD reads rows from a memory-mapped file: pass an MmapFP8Table (write the table "
-                "with engram.safetensors_io.write_safetensors, then MmapFP8Table(path, weight_name, scale_name))"
+                "with engram.checkpoint.files.write_safetensors, then MmapFP8Table(path, weight_name, scale_name))"
             )
         if self.placement is Placement.HOST and isinstance(table, MmapFP8Table):
             raise TypeError(
@@ -362,7 +362,7 @@ class TieredTable(EngramTable):
     ) -> torch.Tensor:
         """FP8Table.gather's dequantisation: index (...) into values / scales -> (..., dim) in dtype."""
         dtype = torch.float32 if dtype is None else dtype
-        if dtype == torch.float64:  # as engram.table: exact in float32, then widened
+        if dtype == torch.float64:  # as engram.model.table: exact in float32, then widened
             return lookup.dequantize_gather(values, scales, index, torch.float32, threads=threads).double()
         return lookup.dequantize_gather(values, scales, index, dtype, threads=threads)
 

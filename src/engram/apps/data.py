@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engram.corpus import kjv_verses
+from engram.apps.corpus import kjv_verses
 
 __all__ = [
     "EOS",

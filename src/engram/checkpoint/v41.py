@@ -12,9 +12,9 @@ Holds:
   dtype, shape against the config) before building anything, then build `Engram` modules on
   `MmapFP8Table` (default), `FP8Table` or `TrainableTable` tables.
 
-Reading and writing the safetensors files themselves is `engram.safetensors_io`'s; converting a checkpoint
+Reading and writing the safetensors files themselves is `engram.checkpoint.files`'s; converting a checkpoint
 (`convert_table`, the `engram convert` command) and building a scaled-down V4.1 checkpoint
-(`make_scaled_v41_checkpoint`) are `engram.convert`'s.
+(`make_scaled_v41_checkpoint`) are `engram.checkpoint.convert`'s.
 
 Table rows: a layer's table has either its own prime sum of rows, or, as V4.1's config.json declares
 one scalar `engram_num_embeddings` (the largest layer's prime sum), that many rows in every layer (the
@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engram import quant
+from engram.addressing.layout import Layout
+from engram.checkpoint.files import SafetensorsEntry, read_safetensors_header, write_safetensors
 from engram.config import EngramConfig
-from engram.layout import Layout
-from engram.module import Engram
-from engram.safetensors_io import SafetensorsEntry, read_safetensors_header, write_safetensors
-from engram.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
+from engram.model.module import Engram
+from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
+from engram.storage import quant
 
 __all__ = [
     "CONFIG_FILE",
@@ -92,7 +92,7 @@ def engram_state_dict(
     for layer_id in sorted(modules):
         m = modules[layer_id]
         if not isinstance(m, Engram):
-            raise TypeError(f"modules[{layer_id}] is a {type(m).__name__}, expected engram.module.Engram")
+            raise TypeError(f"modules[{layer_id}] is a {type(m).__name__}, expected engram.model.module.Engram")
         if m.layer_id != layer_id:
             raise ValueError(
                 f"modules[{layer_id}] is the Engram module of layer {m.layer_id}; key it by that"

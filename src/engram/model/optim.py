@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engram.table import TrainableTable
+from engram.model.table import TrainableTable
 
 __all__ = ["SparseRowAdagrad", "SparseRowAdam", "split_param_groups"]
 
@@ -62,7 +62,7 @@ def _check_table_param(p: torch.Tensor, opt_name: str) -> None:
     if p.dim() != 2:
         raise ValueError(
             f"{opt_name} updates tables [num_rows, dim]; got a parameter of shape {tuple(p.shape)}. "
-            "Give other parameters to torch.optim.AdamW (see engram.optim.split_param_groups)."
+            "Give other parameters to torch.optim.AdamW (see engram.model.optim.split_param_groups)."
         )
     if p.dtype not in _PARAM_DTYPES:
         raise TypeError(f"{opt_name} needs a fp32, bf16, fp16 or fp64 table, got {p.dtype}")

@@ -8,7 +8,7 @@ Holds:
   rows depend only on token ids).
 - `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
   Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints.
-- `evaluate` (from `engram.evaluation`): held-out loss per token, overall and per category.
+- `evaluate` (from `engram.apps.evaluation`): held-out loss per token, overall and per category.
 
 `Trainer.train_step` is split into overridable pieces (`_param_groups`, `_batch_starts`, `_batch`,
 `_backward`) and checkpointing into `_checkpoint_tensors` / `_write_checkpoint` /
@@ -20,7 +20,7 @@ checkpoint is written in a temporary folder and renamed into place, so a kill du
 leaves the previous one intact; the last `keep_checkpoints` are kept. Batches are a pure
 function of (seed, step) and the schedule of step, so a resumed run continues exactly as if it
 had never stopped. Every reader here also takes a distributed run's sharded checkpoint (its tables
-in one file per owner rank, see `engram.checkpoint_shards`) and assembles the whole tables.
+in one file per owner rank, see `engram.checkpoint.shards`) and assembles the whole tables.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from engram.checkpoint_shards import read_checkpoint
-from engram.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.hashing import NgramHasher
+from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
+from engram.apps.evaluation import evaluate, window_rows
+from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
+from engram.checkpoint.shards import read_checkpoint
 from engram.config import EngramConfig
-from engram.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
-from engram.evaluation import evaluate, window_rows
-from engram.hashing import NgramHasher
-from engram.lm import EngramLM, LMConfig
-from engram.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
-from engram.optim_io import optimizers_from_tensors, optimizers_to_tensors
+from engram.model.lm import EngramLM, LMConfig
+from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
 
 __all__ = [
     "DataBundle",

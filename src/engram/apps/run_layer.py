@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.checkpoint import load_engram_modules
-from engram.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.hashing import NgramHasher
+from engram.addressing.layout import Layout
+from engram.checkpoint.convert import make_scaled_v41_checkpoint
+from engram.checkpoint.v41 import load_engram_modules
 from engram.config import EngramConfig
-from engram.convert import make_scaled_v41_checkpoint
-from engram.hashing import NgramHasher
-from engram.layout import Layout
-from engram.quant import BLOCK
+from engram.storage.quant import BLOCK
 
 __all__ = [
     "DEFAULT_BASE",

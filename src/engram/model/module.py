@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram import kernels
+from engram.addressing.hashing import NgramHasher
+from engram.addressing.layout import Layout
 from engram.config import EngramConfig, Variant
-from engram.hashing import NgramHasher
-from engram.layout import Layout
-from engram.table import EngramTable, TrainableTable
+from engram.model.table import EngramTable, TrainableTable
 
 __all__ = ["Engram", "ShortConv", "signed_sqrt_gate"]
 

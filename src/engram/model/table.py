@@ -11,8 +11,8 @@ Holds:
   table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
   the gathered rows to the device asked for.
 
-Dequantisation is `engram.quant`'s, row gathers `engram.lookup`'s and safetensors parsing
-`engram.safetensors_io`'s; this file only stores tables and routes rows to them.
+Dequantisation is `engram.storage.quant`'s, row gathers `engram.storage.lookup`'s and safetensors parsing
+`engram.checkpoint.files`'s; this file only stores tables and routes rows to them.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram import lookup, quant
-from engram.safetensors_io import expect_entry, read_safetensors_header
+from engram.checkpoint.files import expect_entry, read_safetensors_header
+from engram.storage import lookup, quant
 
 __all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable", "check_rows"]
 

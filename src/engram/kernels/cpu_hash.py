@@ -1,4 +1,4 @@
-"""Numba kernels for the n-gram hash (SPEC §4): the CPU fast path of `engram.hashing`.
+"""Numba kernels for the n-gram hash (SPEC §4): the CPU fast path of `engram.addressing.hashing`.
 
 Holds:
 - `hash_range(...)`: rows (B, T, L, orders*K) of the flat token range [start, end) of compressed

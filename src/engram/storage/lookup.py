@@ -1,6 +1,6 @@
 """Row lookups: gather selected rows of a whole (possibly huge or memory-mapped) Engram table.
 
-The FP8 row format and its (de)quantisation are `engram.quant`'s; this module only picks rows out of a
+The FP8 row format and its (de)quantisation are `engram.storage.quant`'s; this module only picks rows out of a
 table and routes the work to a backend.
 
 This module holds:
@@ -9,7 +9,7 @@ This module holds:
   identical bytes.
 - ``dequantize_gather(values, scales, rows, dtype, out, backend, threads)``: dequantise selected rows of an
   FP8 table ``values [N, D]`` / ``scales [N, D // block]`` without converting the rest of it.  Two backends:
-  the fused, multi-threaded numba kernels of ``engram._lookup_kernels`` (CPU tables, bit-identical, several
+  the fused, multi-threaded numba kernels of ``engram.kernels.cpu_lookup`` (CPU tables, bit-identical, several
   times faster) and the torch path, their reference twin.
 - ``gather_rows(weight, rows, out, backend, threads)``: the same gather for a plain float table (fp32,
   bf16, ...; no dequantisation, no autograd).
@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from engram.quant import (
+from engram.storage.quant import (
     BLOCK,
     _check_out_dtype,
     _check_pair,
@@ -55,15 +55,15 @@ class LookupBackend(enum.StrEnum):
     """Which implementation `dequantize_gather` / `gather_rows` use (all give identical bytes)."""
 
     AUTO = "auto"  # numba for CPU tables when it imports and the table is contiguous, else torch
-    NUMBA = "numba"  # engram._lookup_kernels: fused, multi-threaded, CPU only
+    NUMBA = "numba"  # engram.kernels.cpu_lookup: fused, multi-threaded, CPU only
     TORCH = "torch"  # the reference twin, any device
 
 
 @functools.cache
 def _kernel_module() -> ModuleType | None:
-    """engram._lookup_kernels, or None without numba (imported on first use, not with engram)."""
+    """engram.kernels.cpu_lookup, or None without numba (imported on first use, not with engram)."""
     try:
-        from engram import _lookup_kernels
+        from engram.kernels import cpu_lookup as _lookup_kernels
     except ImportError:
         return None
     return _lookup_kernels
@@ -149,7 +149,7 @@ def dequantize_gather(
     ``values [N, D]`` / ``scales [N, D // block]`` -> ``[..., D]`` in ``dtype``.
 
     Only the requested rows' bytes are gathered (the table may be huge or memory-mapped and is never
-    converted as a whole).  ``backend``: ``"numba"`` runs the fused kernel of ``engram._lookup_kernels``
+    converted as a whole).  ``backend``: ``"numba"`` runs the fused kernel of ``engram.kernels.cpu_lookup``
     (CPU, contiguous tables; ``threads`` threads, None = all cores from 2048 rows; repeated ids are decoded
     once per window of 1024 positions); ``"torch"`` is the reference twin (repeated ids are dequantised
     once when that halves the work or better, then expanded); ``"auto"`` takes numba where it can, and on CUDA

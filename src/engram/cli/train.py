@@ -1,4 +1,4 @@
-"""The training commands of `engram`: `demo`, `train`, `eval` (registered by `engram.cli`)."""
+"""The training commands of `engram`: `demo`, `train`, `eval` (registered by `engram.cli.commands`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _threads(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from engram.demo import DEMO_CONFIG, print_summary, run_demo
+    from engram.apps.demo import DEMO_CONFIG, print_summary, run_demo
 
     _threads(args)
     cfg = DEMO_CONFIG
@@ -54,7 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace) -> Any:
-    from engram.train import TRAIN_PRESETS, TrainConfig
+    from engram.apps.train import TRAIN_PRESETS, TrainConfig
 
     if args.config and args.preset:
         raise ValueError("give --config or --preset, not both")
@@ -83,7 +83,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--sharded-checkpoints applies to sharded tables: add --distributed (under torchrun); one "
             "process writes whole tables"
         )
-    from engram.train import Trainer, build_model, prepare_data
+    from engram.apps.train import Trainer, build_model, prepare_data
 
     _threads(args)
     cfg = _train_config(args)
@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) -> None:
-    from engram.train import latest_checkpoint
+    from engram.apps.train import latest_checkpoint
 
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
@@ -123,7 +123,7 @@ def _train_and_report(
     (bar and summary on the main rank only; every rank runs the loop and the evaluation)."""
     from tqdm.auto import tqdm
 
-    from engram.train import latest_checkpoint
+    from engram.apps.train import latest_checkpoint
 
     cfg = trainer.cfg
     bar = tqdm(
@@ -164,6 +164,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
     """`engram train --distributed` on one rank of a torchrun launch: gloo on CPU, NCCL on GPU."""
     import torch.distributed as dist
 
+    from engram.apps.train import prepare_data
     from engram.distributed import (
         DistributedTrainer,
         TableInit,
@@ -172,7 +173,6 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         init_distributed,
         table_owners,
     )
-    from engram.train import prepare_data
 
     cfg = _train_config(args)  # config errors before any process group is started
     env = init_distributed(threads=args.threads)
@@ -199,7 +199,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engram.train import evaluate, load_checkpoint, prepare_data
+    from engram.apps.train import evaluate, load_checkpoint, prepare_data
 
     _threads(args)
     cfg, model, state = load_checkpoint(args.checkpoint)

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engram.data import TokenStream
-from engram.lm import EngramLM
+from engram.apps.data import TokenStream
+from engram.model.lm import EngramLM
 
 __all__ = ["eval_summary", "evaluate", "score_windows", "window_rows"]
 

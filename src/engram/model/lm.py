@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.config import EngramConfig
-from engram.module import Engram
-from engram.table import EngramTable
+from engram.model.module import Engram
+from engram.model.table import EngramTable
 
 __all__ = ["EngramLM", "HyperConnection", "LMConfig"]
 

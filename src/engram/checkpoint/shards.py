@@ -24,7 +24,7 @@ Holds:
 - `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format.
 
 Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and
-`table.{index}.{field}` (engram.optim_io's), so readers merge them with the other two files.
+`table.{index}.{field}` (engram.checkpoint.optim_state's), so readers merge them with the other two files.
 Plain file logic: no torch.distributed here (engram.distributed.train writes the files).
 """
 

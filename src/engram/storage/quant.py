@@ -39,7 +39,7 @@ Decisions (also stated where they apply):
 - NaN/inf in the input table is an error, as is a NaN (255) scale byte.  fp8 NaN value bytes are not
   checked (it would cost a pass over the values on every lookup).
 
-Gathering selected rows of a whole table (``dequantize_gather``, ``gather_rows``) is ``engram.lookup``'s,
+Gathering selected rows of a whole table (``dequantize_gather``, ``gather_rows``) is ``engram.storage.lookup``'s,
 built on this module's checks and its chunked dequantiser.
 """
 

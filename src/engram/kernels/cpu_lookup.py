@@ -1,5 +1,5 @@
-"""Numba kernels for table lookups on the CPU: the fast path of `engram.lookup.dequantize_gather` and
-`engram.lookup.gather_rows`.
+"""Numba kernels for table lookups on the CPU: the fast path of `engram.storage.lookup.dequantize_gather` and
+`engram.storage.lookup.gather_rows`.
 
 Holds:
 - `fp8_gather(values, scales, ids, out, threads)`: rows `ids` of an FP8 e4m3 table with ue8m0 scales
@@ -47,7 +47,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from engram._hash_kernels import available_cores
+from engram.kernels.cpu_hash import available_cores
 
 __all__ = [
     "BAD_ROW",

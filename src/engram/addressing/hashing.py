@@ -4,8 +4,8 @@ Holds:
 - `NgramHasher(config, compression)`: validates that the map fits the config, owns the layout's
   multipliers, primes and offsets as arrays, and hashes whole sequences with `hash()`.
 - `NgramHasher.hash_compressed(...)`: the core on compressed ids with an optional carried
-  look-back window; `engram.stream.HashStream` builds decode-time state on it. Two backends
-  (`HashBackend`): the numba kernels of `engram._hash_kernels` (one pass per token, an exact
+  look-back window; `engram.addressing.stream.HashStream` builds decode-time state on it. Two backends
+  (`HashBackend`): the numba kernels of `engram.kernels.cpu_hash` (one pass per token, an exact
   division-free modulo, optionally over several threads), and `hash_compressed_numpy`, the
   vectorised numpy twin they are tested against bit for bit. `AUTO` takes numba when it imports.
 - `check_token_ids`: the boundary check shared by every entry point.
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from engram.compression import TokenizerCompression
+from engram.addressing.compression import TokenizerCompression
+from engram.addressing.layout import Layout
 from engram.config import EngramConfig
-from engram.layout import Layout
 
 __all__ = ["HashBackend", "NgramHasher", "check_token_ids"]
 
@@ -43,15 +43,15 @@ class HashBackend(enum.StrEnum):
     """Which implementation `NgramHasher` hashes with (all give identical rows)."""
 
     AUTO = "auto"  # numba when it imports, else numpy
-    NUMBA = "numba"  # engram._hash_kernels: compiled on first use, cached on disk
+    NUMBA = "numba"  # engram.kernels.cpu_hash: compiled on first use, cached on disk
     NUMPY = "numpy"  # the vectorised reference twin
 
 
 @functools.cache
 def _kernel_module() -> ModuleType | None:
-    """engram._hash_kernels, or None without numba (imported on first use, not with engram)."""
+    """engram.kernels.cpu_hash, or None without numba (imported on first use, not with engram)."""
     try:
-        from engram import _hash_kernels
+        from engram.kernels import cpu_hash as _hash_kernels
     except ImportError:
         return None
     return _hash_kernels

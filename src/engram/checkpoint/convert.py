@@ -1,4 +1,4 @@
-"""Making and converting Engram checkpoints (the format itself is `engram.checkpoint`'s).
+"""Making and converting Engram checkpoints (the format itself is `engram.checkpoint.v41`'s).
 
 Holds:
 - `convert_table(src, dst, to=...)`: rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float tables.
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from engram.checkpoint import DEFAULT_MAX_SHARD_BYTES, TableFormat, load_engram_modules, save_checkpoint
+from engram.addressing.layout import Layout
+from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat, load_engram_modules, save_checkpoint
 from engram.config import EngramConfig, Variant
-from engram.layout import Layout
-from engram.module import Engram
-from engram.table import FP8Table
+from engram.model.module import Engram
+from engram.model.table import FP8Table
 
 __all__ = ["add_convert_command", "cmd_convert", "convert_table", "make_scaled_v41_checkpoint"]
 

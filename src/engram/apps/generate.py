@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.hashing import NgramHasher, check_token_ids
-from engram.lm import EngramLM
-from engram.stream import HashStream
+from engram.addressing.hashing import NgramHasher, check_token_ids
+from engram.addressing.stream import HashStream
+from engram.model.lm import EngramLM
 
 __all__ = [
     "Generation",
@@ -174,8 +174,8 @@ def load_generator(checkpoint: str | Path) -> tuple[EngramLM, Any, NgramHasher |
     """
     from tokenizers import Tokenizer
 
-    from engram.compression import TokenizerCompression
-    from engram.train import load_checkpoint, prepare_data
+    from engram.addressing.compression import TokenizerCompression
+    from engram.apps.train import load_checkpoint, prepare_data
 
     if not Path(checkpoint).exists():
         raise FileNotFoundError(
