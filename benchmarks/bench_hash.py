@@ -89,7 +89,7 @@ def run_cuda(
     ids = torch.randint(0, c.vocab_size, (batch, seq), device="cuda", generator=g)
     dead = torch.rand((batch, seq), device="cuda", generator=g) < 0.01
     n = ids.numel()
-    heads = c.n_layers * c.heads_per_layer
+    heads = c.n_layers * c.rows_per_token
 
     want = torch_demo_baseline(hasher, ids)
     got = hasher.hash(ids)
@@ -108,7 +108,7 @@ def run_cuda(
         a: torch.as_tensor(getattr(hasher, a), device="cuda") for a in ("multipliers", "primes", "offsets")
     }
     xc = torch.tensor(hasher.compression.lookup, device="cuda")[ids]
-    out32 = torch.empty((batch, seq, c.n_layers, c.heads_per_layer), dtype=torch.int32, device="cuda")
+    out32 = torch.empty((batch, seq, c.n_layers, c.rows_per_token), dtype=torch.int32, device="cuda")
 
     def kernel_only() -> None:
         kernels.hash_rows(

@@ -64,7 +64,7 @@ def forward_all(config: EngramConfig, modules: dict[int, Engram], seed: int = 0)
     for layer_id, m in modules.items():
         h = torch.randn(2, 9, config.hc_mult, config.hidden_size, generator=g)
         rows = torch.randint(
-            0, Layout(config).layer(layer_id).num_embeddings, (2, 9, config.heads_per_layer), generator=g
+            0, Layout(config).layer(layer_id).num_embeddings, (2, 9, config.rows_per_token), generator=g
         )
         out[layer_id] = m(h, rows)
     return out

@@ -146,7 +146,7 @@ def test_layout_v41_layers_and_primes(v41_layout):
     d = v41_layout
     assert d["preset"] == "deepseek-v4.1"
     assert d["variant"] == "deepseek-v4.1"
-    assert (d["max_ngram_size"], d["n_heads"], d["head_dim"], d["heads_per_layer"]) == (4, 8, 256, 24)
+    assert (d["max_ngram_size"], d["n_heads"], d["head_dim"], d["rows_per_token"]) == (4, 8, 256, 24)
     assert d["compressed_vocab_size"] == 99092
     assert d["pad_token_id"] == 2
     assert [layer["layer_id"] for layer in d["layers"]] == [1, 14]

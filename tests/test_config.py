@@ -19,7 +19,7 @@ def test_v41_preset_numbers():
     assert c.variant is Variant.V4_1
     assert c.layer_ids == (1, 14)
     assert c.orders == (2, 3, 4)
-    assert c.heads_per_layer == 24
+    assert c.rows_per_token == 24
     assert c.engram_dim == 6144
     assert c.head_dim == 256 and c.hidden_size == 5120 and c.hc_mult == 4
     assert c.compressed_vocab_size == 99092 and c.vocab_size == 129280 and c.pad_token_id == 2

@@ -75,7 +75,7 @@ def test_other_presets_match_reference(preset, ds_compression):
     ids = rng.integers(0, 129280, size=(2, 30))
     dead = rng.random((2, 30)) < 0.2
     rows = h.hash(ids, dead)
-    assert rows.shape == (2, 30, h.config.n_layers, h.config.heads_per_layer)
+    assert rows.shape == (2, 30, h.config.n_layers, h.config.rows_per_token)
     assert np.array_equal(rows, reference_rows(h, ids, dead))
 
 

@@ -184,7 +184,7 @@ def test_offloaded_model_with_prefetcher_matches_plain(
     ids_list = token_batches(4)
     with torch.no_grad():
         for i, batch in enumerate(Prefetcher(ids_list, hasher, model, depth=depth)):
-            assert batch.token_ids is ids_list[i] and batch.rows.shape == (2, 12, 1, CFG.heads_per_layer)
+            assert batch.token_ids is ids_list[i] and batch.rows.shape == (2, 12, 1, CFG.rows_per_token)
             assert set(batch.handles) == {1}
             want = fp8_model(batch.token_ids, batch.rows)
             assert torch.equal(model(batch.token_ids, batch.rows), want)

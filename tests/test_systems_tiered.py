@@ -120,7 +120,7 @@ def test_in_engram_module(fp8):
     tiered = Engram(config, 1, table=TieredTable(table, "host", cache_rows=100))
     tiered.load_state_dict({k: v for k, v in plain.state_dict().items() if not k.startswith("table.")})
     h = torch.randn(2, 6, config.hc_mult, config.hidden_size, generator=g)
-    rows = torch.randint(0, n, (2, 6, config.heads_per_layer), generator=g)
+    rows = torch.randint(0, n, (2, 6, config.rows_per_token), generator=g)
     for _ in range(2):
         assert torch.equal(tiered(h, rows), plain(h, rows))
     tiered.half().float()  # a parent's dtype change leaves the FP8 bytes alone (wkv is rounded)

@@ -224,7 +224,7 @@ def test_gate_matches_engram_module(kernels) -> None:
         layer.q_weight.normal_(1, 0.2)
     b, t = 2, 7
     h = torch.randn(b, t, config.hc_mult, config.hidden_size, device=DEVICE)
-    rows = torch.randint(0, layer.table.num_rows, (b, t, config.heads_per_layer), device=DEVICE)
+    rows = torch.randint(0, layer.table.num_rows, (b, t, config.rows_per_token), device=DEVICE)
     dead = torch.rand(b, t, device=DEVICE) < 0.3
     want, want_g = layer(h, rows, dead, return_gates=True)
     kv = layer.wkv(layer.lookup(rows, h.dtype)).view(b, t, config.hc_mult + 1, config.hidden_size)
@@ -275,7 +275,7 @@ def test_dispatch_gather_and_gate(kernels, monkeypatch):
         m.q_weight.normal_(generator=None)
     h = torch.randn(2, 5, config.hc_mult, config.hidden_size, device=DEVICE, requires_grad=True)
     layer = m.table.num_rows
-    r = torch.randint(0, layer, (2, 5, config.heads_per_layer), device=DEVICE)
+    r = torch.randint(0, layer, (2, 5, config.rows_per_token), device=DEVICE)
     fused, g_fused = m(h, r, return_gates=True)
     m.use_kernels = False
     eager, g_eager = m(h, r, return_gates=True)

@@ -138,14 +138,14 @@ class EngramConfig:
         return tuple(range(2, self.max_ngram_size + 1))
 
     @property
-    def heads_per_layer(self) -> int:
+    def rows_per_token(self) -> int:
         """Rows fetched per token per layer: (max_ngram_size - 1) * n_heads (24 for V4.1)."""
         return (self.max_ngram_size - 1) * self.n_heads
 
     @property
     def engram_dim(self) -> int:
-        """Width of the concatenated lookup per token: heads_per_layer * head_dim (6144 for V4.1)."""
-        return self.heads_per_layer * self.head_dim
+        """Width of the concatenated lookup per token: rows_per_token * head_dim (6144 for V4.1)."""
+        return self.rows_per_token * self.head_dim
 
     @property
     def n_layers(self) -> int:

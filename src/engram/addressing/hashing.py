@@ -157,7 +157,7 @@ def _check_dead_mask(dead_mask: Any, shape: tuple[int, ...]) -> np.ndarray | Non
 class NgramHasher:
     """Hashes token ids into the physical rows of every Engram layer of a config.
 
-    `hash(ids)` returns int64 rows of shape [B, T, n_layers, heads_per_layer] (or [T, ...] for
+    `hash(ids)` returns int64 rows of shape [B, T, n_layers, rows_per_token] (or [T, ...] for
     1-D input), columns in (order, head) order, each head's table offset included.
     `backend` (a `HashBackend` or its value) and `threads` are the defaults of every call that
     does not pass its own; `threads=None` uses every core for inputs of >= 16K tokens.
@@ -246,7 +246,7 @@ class NgramHasher:
         return self.config.max_ngram_size - 1
 
     def output_shape(self, batch: tuple[int, ...]) -> tuple[int, ...]:
-        return (*batch, self.config.n_layers, self.config.heads_per_layer)
+        return (*batch, self.config.n_layers, self.config.rows_per_token)
 
     # ------------------------------------------------------------------ public entry
     def hash(
@@ -318,7 +318,7 @@ class NgramHasher:
         xc = lut[ids.reshape(1, -1) if one_d else ids]  # (B, T) compressed ids
         dead = None if dead_mask is None else dead_mask.reshape(xc.shape).to(ids.device)
         out = torch.empty(
-            (*xc.shape, self.config.n_layers, self.config.heads_per_layer),
+            (*xc.shape, self.config.n_layers, self.config.rows_per_token),
             dtype=torch.int32 if dtype == np.int32 else torch.int64,
             device=ids.device,
         )
@@ -372,7 +372,7 @@ class NgramHasher:
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> np.ndarray:
-        """Rows (B, T, n_layers, heads_per_layer) for compressed ids xc (B, T); see `lookback`.
+        """Rows (B, T, n_layers, rows_per_token) for compressed ids xc (B, T); see `lookback`.
 
         Writes into `out` when given (C-contiguous, int64 or int32, that shape) and returns it;
         else allocates `out_dtype`. `threads`: None = all cores for large inputs (>= 16K tokens),
@@ -420,7 +420,7 @@ class NgramHasher:
         b, t = xc.shape
         cols = self.lookback(xc, dead, window)
         k = self.config.n_heads
-        out = np.empty((b, t, self.config.n_layers, self.config.heads_per_layer), dtype=np.int64)
+        out = np.empty((b, t, self.config.n_layers, self.config.rows_per_token), dtype=np.int64)
         for li in range(self.config.n_layers):
             for order, mix in enumerate(self.mixes(cols, li)):  # order index 0 is 2-grams
                 dst = out[:, :, li, order * k : (order + 1) * k]

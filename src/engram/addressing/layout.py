@@ -76,12 +76,12 @@ class LayerLayout:
 
     @cached_property
     def flat_primes(self) -> np.ndarray:
-        """(heads_per_layer,) int64 in (order, head) column order."""
+        """(rows_per_token,) int64 in (order, head) column order."""
         return np.array([p for order in self.primes for p in order], dtype=np.int64)
 
     @cached_property
     def offsets(self) -> np.ndarray:
-        """(heads_per_layer,) int64: exclusive prefix sum of `flat_primes` (a head's first row)."""
+        """(rows_per_token,) int64: exclusive prefix sum of `flat_primes` (a head's first row)."""
         return np.concatenate([[0], np.cumsum(self.flat_primes)[:-1]]).astype(np.int64)
 
     @property
@@ -136,8 +136,8 @@ class Layout:
         return None if rb is None else self.total_rows * rb
 
     def bytes_per_token(self, row_bytes: int) -> int:
-        """Bytes one token reads from one layer's table: heads_per_layer rows."""
-        return self.config.heads_per_layer * row_bytes
+        """Bytes one token reads from one layer's table: rows_per_token rows."""
+        return self.config.rows_per_token * row_bytes
 
     def to_dict(self) -> dict[str, Any]:
         c = self.config
@@ -148,7 +148,7 @@ class Layout:
             "max_ngram_size": c.max_ngram_size,
             "n_heads": c.n_heads,
             "head_dim": c.head_dim,
-            "heads_per_layer": c.heads_per_layer,
+            "rows_per_token": c.rows_per_token,
             "compressed_vocab_size": c.compressed_vocab_size,
             "pad_token_id": c.pad_token_id,
             "layers": [

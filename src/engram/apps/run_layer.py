@@ -176,7 +176,7 @@ def _run(
                     "rows_addressed": hasher.layout.layer(layer_id).num_embeddings,
                     "row_width": table.dim,
                     "table_bytes": _table_bytes(table),
-                    "bytes_read_per_token": config.heads_per_layer * _row_bytes(table),
+                    "bytes_read_per_token": config.rows_per_token * _row_bytes(table),
                     "rows_in_range": bool(in_range[:, li].all()),
                     "row_min": int(rows[0, :, li].min()),
                     "row_max": int(rows[0, :, li].max()),
@@ -220,7 +220,7 @@ def _run(
         "layer_ids": list(config.layer_ids),
         "hc": config.hc_mult,
         "dim": config.hidden_size,
-        "heads_per_layer": config.heads_per_layer,
+        "rows_per_token": config.rows_per_token,
         "compressed_vocab_size": config.compressed_vocab_size,
         "n_tokens": int(ids.size),
         "tokens": tokens,
@@ -290,7 +290,7 @@ def _print_report(r: dict[str, Any]) -> None:
     where = r["checkpoint"] or "a scaled V4.1 checkpoint built in a temporary directory"
     print(
         f"{r['config']} ({r['variant']}) from {where}: hc={r['hc']} streams of dim {r['dim']}, "
-        f"{r['heads_per_layer']} rows per token per layer, compressed vocab {r['compressed_vocab_size']:,}"
+        f"{r['rows_per_token']} rows per token per layer, compressed vocab {r['compressed_vocab_size']:,}"
     )
     for layer in r["layers"]:
         print(

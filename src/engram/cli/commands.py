@@ -94,7 +94,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     c = layout.config
     print(f"Engram layout: {c.name} ({c.variant.value})  [primes found in {elapsed * 1000:.0f} ms]")
     print(
-        f"  orders {c.orders[0]}..{c.orders[-1]}, {c.n_heads} heads per order, {c.heads_per_layer} rows/token/layer, "
+        f"  orders {c.orders[0]}..{c.orders[-1]}, {c.n_heads} heads per order, {c.rows_per_token} rows/token/layer, "
         f"rows {c.head_dim} wide; compressed vocab {c.compressed_vocab_size}, pad id {c.pad_token_id}"
     )
     for layer in d["layers"]:
@@ -172,7 +172,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
         return 0
     shown = k if args.all_heads else 1
     print(
-        f"{len(ids)} tokens, {config.name}: rows per token per layer = {config.heads_per_layer} "
+        f"{len(ids)} tokens, {config.name}: rows per token per layer = {config.rows_per_token} "
         f"({'all heads' if args.all_heads else 'head 0 of each order shown; --all-heads for all'})"
     )
     for li, lid in enumerate(config.layer_ids):

@@ -235,7 +235,7 @@ class EngramLM(nn.Module):
         """Total parameters, Engram table rows (not activated per token) and the activated rest."""
         total = sum(p.numel() for p in self.parameters())
         table = sum(m.table.weight.numel() for m in self.engrams.values())
-        heads = self.config.engram.heads_per_layer * self.config.engram.head_dim if self.config.engram else 0
+        heads = self.config.engram.rows_per_token * self.config.engram.head_dim if self.config.engram else 0
         return {
             "total": total,
             "engram_tables": table,

@@ -80,7 +80,7 @@ class Engram(nn.Module):
         config.layer_index(layer_id)  # raises for a layer without Engram
         self.config, self.layer_id = config, layer_id
         self.hc, self.dim = config.hc_mult, config.hidden_size
-        self.heads = config.heads_per_layer
+        self.heads = config.rows_per_token
         rows = Layout(config).layer(layer_id).num_embeddings
         if table is None:
             table = TrainableTable(rows, config.head_dim, dtype=dtype, device=device)

@@ -169,7 +169,7 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
     print(
         f"{source}: {ids.size:,} tokens, {config.name} ({table_rows:,} rows a layer), batches of "
         f"{args.batch_tokens} tokens, {elapsed:.1f} s\n"
-        f"per token and layer: {config.heads_per_layer} rows = {bpt['no_dedup']:.0f} B; "
+        f"per token and layer: {config.rows_per_token} rows = {bpt['no_dedup']:.0f} B; "
         "deduplicated per batch and through an LRU cache of the given rows on the device:\n"
     )
     print(f"{'layer':>5} {'cache rows':>11} {'cache MB':>9} {'distinct/batch':>14} {'hit rate':>8} "
