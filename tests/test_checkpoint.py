@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engram import EngramConfig, Layout
 from engram.checkpoint.convert import add_convert_command, convert_table, make_scaled_v41_checkpoint
+from engram.checkpoint.hf_config import to_hf_dict
 from engram.checkpoint.v41 import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -392,7 +393,7 @@ def test_checkpoint_for_another_config(bad, v41):
     """Tables of a different prime base: every table is the wrong size (and nothing else is)."""
     other = v41[1].replace(engram_vocab_size=(BASE + 200,) * 3)
     rows = Layout(other).num_embeddings
-    (bad / CONFIG_FILE).write_text(json.dumps(other.to_hf_dict()))
+    (bad / CONFIG_FILE).write_text(json.dumps(to_hf_dict(other)))
     msg = load_error(bad)
     assert "4 problem(s)" in msg and f"expected [{rows[0]}, 256] (layer 1's prime sum)" in msg
     assert (
@@ -411,7 +412,7 @@ def test_duplicate_tensor_across_files(bad):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         load_engram_modules(tmp_path / "nope")
-    (tmp_path / CONFIG_FILE).write_text(json.dumps(EngramConfig.preset("tiny").to_hf_dict()))
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(to_hf_dict(EngramConfig.preset("tiny"))))
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
         load_engram_modules(tmp_path)
 

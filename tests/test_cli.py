@@ -23,6 +23,7 @@ import pytest
 
 import reference as ref
 from engram import EngramConfig, TokenizerCompression
+from engram.checkpoint.hf_config import to_hf_dict
 from engram.cli.commands import main
 
 GOLDEN_TEXT = "Only Alexander the Great could tame the horse Bucephalus."
@@ -132,7 +133,7 @@ def text_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def v41_config_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cfg") / "config.json"
-    path.write_text(json.dumps(EngramConfig.preset("deepseek-v4.1").to_hf_dict()))
+    path.write_text(json.dumps(to_hf_dict(EngramConfig.preset("deepseek-v4.1"))))
     return path
 
 
@@ -255,7 +256,7 @@ def test_layout_config_file_matches_preset(v41_config_file, v41_layout):
 
 
 def test_layout_config_file_off_by_one_num_embeddings_is_refused(tmp_path):
-    hf = EngramConfig.preset("deepseek-v4.1").to_hf_dict()
+    hf = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
     assert hf["engram_num_embeddings"] == V41_LAYER14_ROWS
     hf["engram_num_embeddings"] = V41_LAYER14_ROWS + 1
     path = tmp_path / "config.json"
@@ -433,7 +434,7 @@ def test_hash_input_errors(tmp_path):
     assert code == 2 and "not allowed" in err
     # a config.json names no tokenizer: a clear error, before any work
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(EngramConfig.preset("tiny").to_hf_dict()))
+    path.write_text(json.dumps(to_hf_dict(EngramConfig.preset("tiny"))))
     code, _, err = run_cli("hash", "--config", str(path), "--ids", "1 2")
     assert code != 0 and "--tokenizer" in err
 
@@ -531,7 +532,7 @@ def small_prime_config_file(tmp_path_factory) -> Path:
     # primes 11..37: any two of a few hundred mixes share 3+ heads somewhere (CRT not guaranteed)
     config = EngramConfig.preset("tiny").replace(engram_vocab_size=(11, 11))
     path = tmp_path_factory.mktemp("cfg") / "small.json"
-    path.write_text(json.dumps(config.to_hf_dict()))
+    path.write_text(json.dumps(to_hf_dict(config)))
     return path
 
 

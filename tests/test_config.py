@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from engram import PRESETS, EngramConfig, Layout, Variant
+from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
 
 
 def test_presets_exist_and_are_frozen():
@@ -43,7 +44,7 @@ def test_unknown_preset_lists_known():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_hf_round_trip(name):
     c = EngramConfig.preset(name)
-    d = c.to_hf_dict()
+    d = to_hf_dict(c)
     for key in (
         "engram_layer_ids",
         "engram_num_embeddings",
@@ -55,39 +56,39 @@ def test_hf_round_trip(name):
         "engram_compressed_vocab_size",
     ):
         assert key in d
-    back = EngramConfig.from_hf_dict(d, name=c.name, tokenizer=c.tokenizer)
+    back = from_hf_dict(d, name=c.name, tokenizer=c.tokenizer)
     assert back == c
-    assert back.to_hf_dict() == d
+    assert to_hf_dict(back) == d
 
 
 def test_v41_hf_dict_values():
-    d = EngramConfig.preset("deepseek-v4.1").to_hf_dict()
+    d = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
     assert d["engram_num_embeddings"] == 384016682
     assert d["engram_vocab_size"] == 16000000
     assert d["engram_layer_ids"] == [1, 14]
 
 
 def test_hf_num_embeddings_mismatch_is_refused_with_both_numbers():
-    d = EngramConfig.preset("deepseek-v4.1").to_hf_dict()
+    d = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
     d["engram_num_embeddings"] = 384016681
     with pytest.raises(ValueError, match=r"384016681.*384016682"):
-        EngramConfig.from_hf_dict(d)
+        from_hf_dict(d)
     d["engram_num_embeddings"] = [384006168, 384016683]
     with pytest.raises(ValueError, match=r"384016683.*384016682"):
-        EngramConfig.from_hf_dict(d)
+        from_hf_dict(d)
 
 
 def test_hf_per_layer_num_embeddings_accepted():
-    d = EngramConfig.preset("deepseek-v4.1").to_hf_dict()
+    d = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
     d["engram_num_embeddings"] = [384006168, 384016682]
-    c = EngramConfig.from_hf_dict(d)
+    c = from_hf_dict(d)
     assert c.declared_num_embeddings == (384006168, 384016682)
     assert Layout(c).num_embeddings == (384006168, 384016682)
 
 
 def test_hf_missing_keys_named():
     with pytest.raises(ValueError, match="engram_n_heads"):
-        EngramConfig.from_hf_dict({"engram_layer_ids": [1]})
+        from_hf_dict({"engram_layer_ids": [1]})
 
 
 @pytest.mark.parametrize(
@@ -130,5 +131,20 @@ def test_layer_index():
 
 def test_hf_round_trip_keeps_gate_numbers():
     c = EngramConfig.preset("tiny").replace(norm_eps=1e-5, gate_clamp=1e-4)
-    back = EngramConfig.from_hf_dict(c.to_hf_dict(), name=c.name, tokenizer=c.tokenizer)
+    back = from_hf_dict(to_hf_dict(c), name=c.name, tokenizer=c.tokenizer)
     assert back.norm_eps == 1e-5 and back.gate_clamp == 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_plain_dict_round_trip(name):
+    import json
+
+    c = EngramConfig.preset(name).replace(declared_num_embeddings=None)
+    back = EngramConfig.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert back == c and back.to_dict() == c.to_dict()
+
+
+def test_plain_dict_refuses_unknown_keys():
+    d = EngramConfig.preset("tiny").to_dict() | {"engram_layer_ids": [1]}
+    with pytest.raises(ValueError, match="unknown keys"):
+        EngramConfig.from_dict(d)

@@ -1,14 +1,9 @@
 """Engram configuration: one frozen, validated dataclass and the preset registry.
 
-Holds:
-- `Variant`: which Engram module the config describes (`V4_1` or `DEMO_V1`).
-- `EngramConfig`: every number the hash layout and the module need, validated on construction;
-  derived values (orders, rows per token, ...) are properties.
-- `PRESETS`: `deepseek-v4.1`, `demo-v1` and `tiny`, and the Hugging Face style round trip
-  (`to_hf_dict` / `from_hf_dict`) with the `engram_*` keys that DeepSeek-V4.1's config.json uses.
-
-The config does not compute primes itself (that is `engram.addressing.layout`), but `from_hf_dict` checks a
-declared `engram_num_embeddings` against the computed prime sums and refuses a mismatch.
+Holds `Variant` (which published module), `EngramConfig` (every number the hash layout and the
+module need, validated on construction; derived values are properties) and `PRESETS`
+(`deepseek-v4.1`, `demo-v1`, `tiny`). It imports nothing else of engram: primes are
+`engram.addressing.layout`'s, the Hugging Face `engram_*` keys `engram.checkpoint.hf_config`'s.
 """
 
 from __future__ import annotations
@@ -179,103 +174,32 @@ class EngramConfig:
                 f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
             ) from None
 
-    # ------------------------------------------------------------------ HF round trip
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The `engram_*` keys of a Hugging Face config.json (plus the backbone sizes they need)."""
-        from engram.addressing.layout import Layout  # local: layout imports config
-
-        declared = self.declared_num_embeddings
-        if declared is None:
-            # V4.1's config.json holds one number: the largest layer's row count.
-            declared = max(Layout(self).num_embeddings)
-        bases = self.engram_vocab_size
-        return {
-            "engram_variant": self.variant.value,
-            "engram_layer_ids": list(self.layer_ids),
-            "engram_num_embeddings": list(declared) if isinstance(declared, tuple) else declared,
-            "engram_max_ngram_size": self.max_ngram_size,
-            "engram_vocab_size": bases[0] if len(set(bases)) == 1 else list(bases),
-            "engram_n_heads": self.n_heads,
-            "engram_head_dim": self.head_dim,
-            "engram_pad_token_id": self.pad_token_id,
-            "engram_compressed_vocab_size": self.compressed_vocab_size,
-            "engram_seed": self.seed,
-            "engram_kernel_size": self.kernel_size,
-            "engram_norm_eps": self.norm_eps,
-            "engram_gate_clamp": self.gate_clamp,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "hc_mult": self.hc_mult,
-        }
+    # ------------------------------------------------------------------ plain round trip
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready values (the Hugging Face `engram_*` keys are `engram.checkpoint.hf_config`'s)."""
+        d: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v
+        return d
 
     @classmethod
-    def from_hf_dict(
-        cls, d: Mapping[str, Any], *, name: str = "hf", tokenizer: str | None = None
-    ) -> EngramConfig:
-        """Read the `engram_*` keys of a config.json; refuse one that contradicts its own primes."""
-        from engram.addressing.layout import Layout
-
-        required = (
-            "engram_layer_ids",
-            "engram_max_ngram_size",
-            "engram_vocab_size",
-            "engram_n_heads",
-            "engram_head_dim",
-            "engram_pad_token_id",
-            "engram_compressed_vocab_size",
-        )
-        missing = [k for k in required if k not in d]
-        if missing:
+    def from_dict(cls, d: Mapping[str, Any]) -> EngramConfig:
+        """The inverse of `to_dict`; refuses unknown keys (a dict of another format or version)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
             raise ValueError(
-                f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})"
+                f"an EngramConfig dict has unknown keys {unknown}; known keys: {sorted(known)} "
+                "(a Hugging Face config.json is read with engram.checkpoint.hf_config.from_hf_dict)"
             )
-        kw: dict[str, Any] = {
-            "name": name,
-            "variant": Variant(d.get("engram_variant", Variant.V4_1.value)),
-            "layer_ids": tuple(d["engram_layer_ids"]),
-            "max_ngram_size": d["engram_max_ngram_size"],
-            "n_heads": d["engram_n_heads"],
-            "engram_vocab_size": d["engram_vocab_size"],
-            "head_dim": d["engram_head_dim"],
-            "pad_token_id": d["engram_pad_token_id"],
-            "compressed_vocab_size": d["engram_compressed_vocab_size"],
-            "seed": d.get("engram_seed", 0),
-            "tokenizer": tokenizer,
-        }
-        for key, hf_key in (
-            ("vocab_size", "vocab_size"),
-            ("hidden_size", "hidden_size"),
-            ("hc_mult", "hc_mult"),
-            ("kernel_size", "engram_kernel_size"),
-            ("norm_eps", "engram_norm_eps"),
-            ("gate_clamp", "engram_gate_clamp"),
-        ):
-            if hf_key in d:
-                kw[key] = d[hf_key]
-        if isinstance(kw["engram_vocab_size"], list):
-            kw["engram_vocab_size"] = tuple(kw["engram_vocab_size"])
-        config = cls(**kw)
-
-        declared = d.get("engram_num_embeddings")
-        if declared is not None:
-            computed = Layout(config).num_embeddings
-            if isinstance(declared, int) and not isinstance(declared, bool):
-                if declared != max(computed):
-                    raise ValueError(
-                        f"engram_num_embeddings={declared} but the prime sums of layers {config.layer_ids} are "
-                        f"{list(computed)} (largest {max(computed)}): the config's hash layout does not match its "
-                        "table; check engram_vocab_size, engram_n_heads, engram_max_ngram_size and engram_layer_ids"
-                    )
-                declared_norm: int | tuple[int, ...] = declared
-            else:
-                declared_norm = _tuple_of_ints("engram_num_embeddings", declared)
-                if declared_norm != computed:
-                    raise ValueError(
-                        f"engram_num_embeddings={list(declared_norm)} but the prime sums of layers "
-                        f"{config.layer_ids} are {list(computed)}: the config's hash layout does not match its table"
-                    )
-            config = dataclasses.replace(config, declared_num_embeddings=declared_norm)
-        return config
+        kw = dict(d)
+        for key in ("layer_ids", "engram_vocab_size"):
+            if isinstance(kw.get(key), list):
+                kw[key] = tuple(kw[key])
+        if isinstance(kw.get("declared_num_embeddings"), list):
+            kw["declared_num_embeddings"] = tuple(kw["declared_num_embeddings"])
+        return cls(**kw)
 
 
 PRESETS: dict[str, EngramConfig] = {

@@ -37,6 +37,7 @@ from torch import nn
 
 from engram.addressing.layout import Layout
 from engram.checkpoint.files import SafetensorsEntry, read_safetensors_header, write_safetensors
+from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
@@ -194,7 +195,7 @@ def save_checkpoint(
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             tmp[INDEX_FILE].write_text(json.dumps(index, indent=2) + "\n")
-        tmp[CONFIG_FILE].write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+        tmp[CONFIG_FILE].write_text(json.dumps(to_hf_dict(config), indent=2) + "\n")
         for name in names:
             os.replace(tmp[name], out_dir / name)
         if n > 1:
@@ -226,7 +227,7 @@ def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str |
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     try:
-        return EngramConfig.from_hf_dict(data, name=Path(ckpt_dir).name, tokenizer=tokenizer)
+        return from_hf_dict(data, name=Path(ckpt_dir).name, tokenizer=tokenizer)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from engram.checkpoint.hf_config import from_hf_dict
 from engram.config import PRESETS, EngramConfig
 
 __all__ = ["main"]
@@ -24,7 +25,7 @@ __all__ = ["main"]
 def _config_from_args(args: argparse.Namespace) -> EngramConfig:
     if getattr(args, "config", None):
         data = json.loads(Path(args.config).read_text())
-        return EngramConfig.from_hf_dict(data, name=Path(args.config).name, tokenizer=args.tokenizer)
+        return from_hf_dict(data, name=Path(args.config).name, tokenizer=args.tokenizer)
     config = EngramConfig.preset(args.preset)
     tok = getattr(args, "tokenizer", None)
     return config if tok is None or tok == config.tokenizer else config.replace(tokenizer=tok)

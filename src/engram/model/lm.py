@@ -81,14 +81,18 @@ class LMConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "engram"}
-        d["engram"] = None if self.engram is None else self.engram.to_hf_dict()
+        d["engram"] = None if self.engram is None else self.engram.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LMConfig:
         d = dict(d)
         e = d.pop("engram", None)
-        return cls(**d, engram=None if e is None else EngramConfig.from_hf_dict(e, name="lm", tokenizer=None))
+        if e is not None and "engram_layer_ids" in e:
+            raise ValueError(
+                "this LM config holds its Engram settings as Hugging Face engram_* keys (engram-lm 0.1 checkpoints); retrain, or read them with engram.checkpoint.hf_config.from_hf_dict"
+            )
+        return cls(**d, engram=None if e is None else EngramConfig.from_dict(e))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
