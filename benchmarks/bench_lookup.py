@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engram.model.table import FP8Table
-from engram.storage import quant
+from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import best_time, cuda_time
@@ -69,23 +69,23 @@ def make_table(rows: int, dim: int, seed: int) -> FP8Table:
     block = min(rows, 1 << 16)
     v_blk = torch.randint(0, 0x7F, (block, dim), generator=g, dtype=torch.uint8)  # 0x7f is NaN
     v_blk |= torch.randint(0, 2, (block, dim), generator=g, dtype=torch.uint8) << 7  # sign
-    s_blk = torch.randint(120, 135, (block, dim // quant.BLOCK), generator=g, dtype=torch.uint8)
+    s_blk = torch.randint(120, 135, (block, dim // BLOCK), generator=g, dtype=torch.uint8)
     values = torch.empty((rows, dim), dtype=torch.uint8)
-    scales = torch.empty((rows, dim // quant.BLOCK), dtype=torch.uint8)
+    scales = torch.empty((rows, dim // BLOCK), dtype=torch.uint8)
     for start in range(0, rows, block):
         n = min(block, rows - start)
         values[start : start + n] = v_blk[:n]
         scales[start : start + n] = s_blk[:n]
-    return FP8Table(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE))
+    return FP8Table(values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE))
 
 
 def torch_reference(table: FP8Table, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Baseline (a): the straightforward torch lookup + dequantise, (T, K) ids -> (T, K, D)."""
     v = F.embedding(ids, table.weight.view(torch.uint8))  # (T, K, D) uint8
     s = F.embedding(ids, table.scale.view(torch.uint8))  # (T, K, D // 32) uint8
-    vf = v.view(quant.VALUE_DTYPE).float()
-    sf = s.view(quant.SCALE_DTYPE).float()
-    out = (vf.unflatten(-1, (-1, quant.BLOCK)) * sf.unsqueeze(-1)).flatten(-2)
+    vf = v.view(VALUE_DTYPE).float()
+    sf = s.view(SCALE_DTYPE).float()
+    out = (vf.unflatten(-1, (-1, BLOCK)) * sf.unsqueeze(-1)).flatten(-2)
     return out.to(dtype)
 
 
@@ -116,7 +116,7 @@ def run_cuda(
     seed: int = 0,
 ) -> list[dict]:
     """The same comparison with the table resident on the GPU (the Triton gather on CUDA)."""
-    row_bytes = quant.fp8_row_bytes(dim)
+    row_bytes = fp8_row_bytes(dim)
     table = make_table(rows, dim, seed).cuda()
     ids = make_ids(rows, tokens, per_token, None, seed).cuda()
     n = ids.numel()
@@ -158,7 +158,7 @@ def run(
     zipf: float | None = 1.2,
     seed: int = 0,
 ) -> list[dict]:
-    row_bytes = quant.fp8_row_bytes(dim)
+    row_bytes = fp8_row_bytes(dim)
     llc = llc_bytes()
     rows = default_rows(row_bytes) if rows is None else rows
     table = make_table(rows, dim, seed)

@@ -38,8 +38,9 @@ from bench_lookup import (
     raw_gather,
     torch_reference,
 )
-from engram.kernels.cpu_hash import available_cores
-from engram.storage import lookup, quant
+from engram.kernels.threads import available_cores
+from engram.storage import lookup
+from engram.storage.fp8 import BLOCK, fp8_row_bytes
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -70,7 +71,7 @@ def run(
     zipf: float | None = 1.2,
     seed: int = 0,
 ) -> list[dict]:
-    row_bytes = quant.fp8_row_bytes(dim)
+    row_bytes = fp8_row_bytes(dim)
     llc = llc_bytes()
     rows = default_rows(row_bytes) if rows is None else rows
     table = make_table(rows, dim, seed)
@@ -85,7 +86,7 @@ def run(
         uniq = int(torch.unique(ids).numel())
         flat = ids.reshape(-1)
         raw_v = torch.empty((n, dim), dtype=torch.uint8)
-        raw_s = torch.empty((n, dim // quant.BLOCK), dtype=torch.uint8)
+        raw_s = torch.empty((n, dim // BLOCK), dtype=torch.uint8)
 
         def raw_into(
             flat: torch.Tensor = flat, raw_v: torch.Tensor = raw_v, raw_s: torch.Tensor = raw_s

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lookup import make_ids, make_table
 from engram.checkpoint.files import write_safetensors
 from engram.model.table import FP8Table, MmapFP8Table
-from engram.storage import quant
+from engram.storage.fp8 import fp8_row_bytes
 from engram.systems import Placement, TieredTable
 
 
@@ -89,7 +89,7 @@ def bench_host(
     table: FP8Table, batches: list[torch.Tensor], fractions: list[float], repeats: int
 ) -> list[dict]:
     n_rows = sum(b.numel() for b in batches)
-    row_bytes = quant.fp8_row_bytes(table.dim)
+    row_bytes = fp8_row_bytes(table.dim)
     tiered = {f: TieredTable(table, Placement.HOST, cache_rows=int(f * table.num_rows)) for f in fractions}
     for t in tiered.values():
         _check(t, table.gather, batches[0])
@@ -360,7 +360,7 @@ def run_cuda(
         }
     )
     for r in out:
-        r.update(table_mb=rows * quant.fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
+        r.update(table_mb=rows * fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
     return out
 
 
@@ -384,7 +384,7 @@ def run(
         results += bench_ssd(table, ids, 0.05, repeats, folder)
     results += bench_overlap(table, ids, 0.05, repeats)
     for r in results:
-        r.update(table_mb=rows * quant.fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
+        r.update(table_mb=rows * fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
     return results
 
 

@@ -34,6 +34,7 @@ from engram.checkpoint.v41 import (
 from engram.model.module import Engram
 from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
 from engram.storage import quant
+from engram.storage.fp8 import BLOCK
 
 BASE = 512  # prime-search base of the scaled V4.1 checkpoints: ~12k rows a layer, ~3 MB a table
 
@@ -445,7 +446,7 @@ def test_convert_fp8_float_round_trip(v41, v41_modules, tmp_path):
         assert torch.equal(raw_bytes(mb[layer_id].table.scale), raw_bytes(s))
         # ... and within e4m3's half-ulp of the float table
         err = (mb[layer_id].table.to_float() - w).abs()
-        block_scale = quant.scale_bytes_to_float(s).repeat_interleave(quant.BLOCK, dim=1)
+        block_scale = quant.scale_bytes_to_float(s).repeat_interleave(BLOCK, dim=1)
         assert err.le(w.abs() * 2**-4 + block_scale * 2**-10).all()
         assert torch.equal(mb[layer_id].wkv.weight, modules[layer_id].wkv.weight)
 

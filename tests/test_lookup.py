@@ -43,13 +43,13 @@ def test_gather_matches_rows(
     rows = torch.randint(0, hi, shape, generator=g, dtype=torch.int64).to(idt)
     want = _rows_ref(values, scales, rows, dtype)
     seen: list[int] = []
-    real = lookup._dequant_2d
+    real = lookup.dequantize_into
 
     def spy(v: torch.Tensor, s: torch.Tensor, block: int, out2d: torch.Tensor) -> None:
         seen.append(v.shape[0])
         real(v, s, block, out2d)
 
-    monkeypatch.setattr(lookup, "_dequant_2d", spy)
+    monkeypatch.setattr(lookup, "dequantize_into", spy)
     got = dequantize_gather(values, scales, rows, dtype=dtype, backend="torch")
     assert got.shape == (*shape, 64) and got.dtype == dtype
     assert torch.equal(got, want)
@@ -87,9 +87,9 @@ def test_gather_nan_scale_byte() -> None:
 
 def test_gather_bad_inputs() -> None:
     values, scales = _table(n=10)
-    with pytest.raises(ValueError, match=r"row id -1 at rows\[1, 0\] is out of range \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"row id -1 at position \(1, 0\) is out of range \[0, 10\)"):
         dequantize_gather(values, scales, torch.tensor([[0, 1], [-1, 10]]))
-    with pytest.raises(ValueError, match=r"row id 10 at rows\[1, 1\] is out of range \[0, 10\)"):
+    with pytest.raises(ValueError, match=r"row id 10 at position \(1, 1\) is out of range \[0, 10\)"):
         dequantize_gather(values, scales, torch.tensor([[0, 1], [3, 10]], dtype=torch.int32))
     with pytest.raises(TypeError, match=r"torch\.float32"):
         dequantize_gather(values, scales, torch.tensor([0.0]))

@@ -18,12 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram.storage import quant
+from engram.storage.fp8 import BLOCK, FP8_MAX, fp8_row_bytes
 from engram.storage.lookup import dequantize_gather
 from engram.storage.quant import (
-    BLOCK,
-    FP8_MAX,
     dequantize_rows,
-    fp8_row_bytes,
     quantize_rows,
     scale_bytes_to_float,
 )

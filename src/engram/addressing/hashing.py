@@ -21,18 +21,20 @@ The multipliers keep every product below 2^63, so int64 arithmetic is exact and 
 from __future__ import annotations
 
 import enum
-import functools
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 
+from engram import kernels
 from engram.addressing.compression import TokenizerCompression
 from engram.addressing.layout import Layout
 from engram.config import EngramConfig
+from engram.kernels.threads import check_threads, resolve_threads
 
-__all__ = ["HashBackend", "NgramHasher", "check_token_ids"]
+__all__ = ["HashBackend", "NgramHasher", "check_dead_mask", "check_device_inputs", "check_token_ids", "rows_like"]
 
 # Below this many tokens `threads=None` stays on the calling thread: a thread hand-off costs tens
 # of microseconds, about what the kernel needs for 1000 tokens.
@@ -42,19 +44,9 @@ _PARALLEL_MIN_TOKENS = 16_384
 class HashBackend(enum.StrEnum):
     """Which implementation `NgramHasher` hashes with (all give identical rows)."""
 
-    AUTO = "auto"  # numba when it imports, else numpy
+    AUTO = "auto"  # numba on the CPU, Triton for CUDA tensors
     NUMBA = "numba"  # engram.kernels.cpu_hash: compiled on first use, cached on disk
     NUMPY = "numpy"  # the vectorised reference twin
-
-
-@functools.cache
-def _kernel_module() -> ModuleType | None:
-    """engram.kernels.cpu_hash, or None without numba (imported on first use, not with engram)."""
-    try:
-        from engram.kernels import cpu_hash as _hash_kernels
-    except ImportError:
-        return None
-    return _hash_kernels
 
 
 class _KernelTables:
@@ -89,7 +81,6 @@ def check_device_inputs(ids: Any, dead_mask: Any, vocab_size: int, *, check_rang
     """Boundary checks of token ids (and a dead mask) that stay on their device (CUDA): the dtype, and
     with `check_range` every id in [0, vocab_size) (one sync). Only an input that fails is copied to
     the host, so that the error names the bad value and its position as the CPU path does."""
-    import torch
 
     if (
         ids.is_floating_point()
@@ -103,7 +94,7 @@ def check_device_inputs(ids: Any, dead_mask: Any, vocab_size: int, *, check_rang
         or dead_mask.dtype != torch.bool
         or dead_mask.shape != ids.shape
     ):
-        _check_dead_mask(dead_mask, tuple(ids.shape))  # raises with the reason
+        check_dead_mask(dead_mask, tuple(ids.shape))  # raises with the reason
 
 
 def _first_position(mask: np.ndarray) -> tuple[int, ...]:
@@ -116,8 +107,8 @@ def check_token_ids(token_ids: Any, vocab_size: int, name: str = "token_ids") ->
     Raises TypeError for a non-integer dtype and ValueError for a bad shape, an empty input or an
     id out of range (naming the first such id and its position).
     """
-    if hasattr(token_ids, "detach") and hasattr(token_ids, "cpu"):  # torch.Tensor, without importing torch
-        if token_ids.is_floating_point() or token_ids.is_complex() or str(token_ids.dtype) == "torch.bool":
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
             raise TypeError(
                 f"{name} must hold integer token ids, got a tensor of {token_ids.dtype}; cast with .long()"
             )
@@ -141,10 +132,11 @@ def check_token_ids(token_ids: Any, vocab_size: int, name: str = "token_ids") ->
     return arr.astype(np.int64, copy=False)
 
 
-def _check_dead_mask(dead_mask: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+def check_dead_mask(dead_mask: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """`dead_mask` (None, or bool of `shape`: True = dead position) as a numpy array."""
     if dead_mask is None:
         return None
-    if hasattr(dead_mask, "detach") and hasattr(dead_mask, "cpu"):
+    if isinstance(dead_mask, torch.Tensor):
         dead_mask = dead_mask.detach().cpu().numpy()
     mask = np.asarray(dead_mask)
     if mask.dtype != np.bool_:
@@ -193,29 +185,20 @@ class NgramHasher:
         self.primes = np.stack([layer.flat_primes for layer in self.layout.layers]).reshape(-1, orders, k)
         self.offsets = np.stack([layer.offsets for layer in self.layout.layers]).reshape(-1, orders, k)
         self.backend = _check_backend(backend)  # defaults for calls that pass None
-        self.threads = _check_threads(threads)
+        self.threads = check_threads(threads)
         self._tables: _KernelTables | None = None
         self._int32_ok = max(self.layout.num_embeddings) < 2**31
         self._device_tables: dict[Any, tuple[Any, ...]] = {}  # per CUDA device: lookup, layout (Triton path)
 
     def kernel_tables(self, backend: HashBackend | str | None = None) -> _KernelTables | None:
-        """The numba kernels with this layout for `backend` (default: the hasher's), or None for numpy.
-
-        Raises ImportError for `HashBackend.NUMBA` when numba does not import.
-        """
+        """The numba kernels with this layout for `backend` (default: the hasher's), or None for numpy."""
         b = self.backend if backend is None else _check_backend(backend)
         if b is HashBackend.NUMPY:
             return None
         if self._tables is None or not self._tables.matches(self):
-            module = _kernel_module()
-            if module is None:
-                if b is HashBackend.NUMBA:
-                    raise ImportError(
-                        "backend='numba' needs numba, which does not import here: `pip install numba`, or pass "
-                        "backend='numpy' (identical rows, about 10x slower)"
-                    )
-                return None
-            self._tables = _KernelTables(self, module)
+            from engram.kernels import cpu_hash  # imports numba on first use, not with engram
+
+            self._tables = _KernelTables(self, cpu_hash)
         return self._tables
 
     def _layout_arrays(self) -> tuple[Any, ...]:
@@ -265,13 +248,11 @@ class NgramHasher:
         halves the output (allowed when every table has < 2^31 rows, as in V4.1); `backend` and
         `threads` override the hasher's defaults (see `hash_compressed`).
         """
-        if getattr(token_ids, "is_cuda", False) and backend in (None, HashBackend.AUTO, "auto"):
-            from engram import kernels  # lazy: triton is optional
-
-            if kernels.use_triton(token_ids):
-                return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype))
+        auto = backend in (None, HashBackend.AUTO, "auto")
+        if auto and isinstance(token_ids, torch.Tensor) and kernels.use_triton(token_ids):
+            return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype))
         ids = check_token_ids(token_ids, self.config.vocab_size)
-        dead = _check_dead_mask(dead_mask, ids.shape)
+        dead = check_dead_mask(dead_mask, ids.shape)
         one_d = ids.ndim == 1
         xc = self.compression.lookup[ids.reshape(1, -1) if one_d else ids]
         rows = self.hash_compressed(
@@ -283,13 +264,11 @@ class NgramHasher:
         )
         if one_d:
             rows = rows[0]
-        return _like_input(rows, token_ids)
+        return rows_like(rows, token_ids)
 
     def device_tables(self, device: Any) -> tuple[Any, ...]:
         """(compression lookup, multipliers, primes, offsets) as int64 tensors on `device`, made once
         per device: what the Triton hash kernel reads (`hash` of CUDA tensors, `HashStream.step`)."""
-        import torch
-
         tables = self._device_tables.get(device)
         if tables is None:
             tables = tuple(
@@ -305,10 +284,6 @@ class NgramHasher:
         The boundary checks run on the device (one sync); only an input that fails them is copied to
         the host, to name the bad value and its position as the CPU path does.
         """
-        import torch
-
-        from engram import kernels
-
         ids = token_ids
         if ids.dim() not in (1, 2) or ids.numel() == 0:
             check_token_ids(ids, self.config.vocab_size)  # raises with the CPU path's message
@@ -401,9 +376,9 @@ class NgramHasher:
             return out
         if out is None:
             out = np.empty(shape, dtype=dtype)
-        n_threads = self.threads if threads is None else _check_threads(threads)
-        if n_threads is None:
-            n_threads = 1 if xc.size < _PARALLEL_MIN_TOKENS else tables.module.available_cores()
+        n_threads = resolve_threads(
+            self.threads if threads is None else check_threads(threads), xc.size, _PARALLEL_MIN_TOKENS
+        )
         return tables.module.hash_rows(
             np.ascontiguousarray(xc, dtype=np.int64),
             None if dead is None else np.ascontiguousarray(dead, dtype=np.bool_),
@@ -488,21 +463,9 @@ def _check_backend(backend: HashBackend | str) -> HashBackend:
         ) from None
 
 
-def _check_threads(threads: int | None) -> int | None:
-    if threads is None:
-        return None
-    if isinstance(threads, bool) or not isinstance(threads, int | np.integer):
-        raise TypeError(f"threads must be an int or None, got {threads!r}")
-    if threads < 1:
-        raise ValueError(f"threads={threads} must be >= 1 (or None for all cores on large inputs)")
-    return int(threads)
-
-
-def _like_input(rows: np.ndarray, like: Any) -> Any:
-    """Return rows as a torch tensor on `like`'s device when `like` is a tensor."""
-    if hasattr(like, "detach") and hasattr(like, "device"):
-        import torch
-
+def rows_like(rows: np.ndarray, like: Any) -> Any:
+    """`rows` as a torch tensor on `like`'s device when `like` is a tensor, else as they are."""
+    if isinstance(like, torch.Tensor):
         t = torch.from_numpy(rows)
         return t if like.device.type == "cpu" else t.to(like.device)
     return rows

@@ -18,10 +18,10 @@ import numpy as np
 import sympy
 
 from engram.config import EngramConfig
+from engram.storage.fp8 import BLOCK, fp8_row_bytes
 
-__all__ = ["FP8_BLOCK", "LayerLayout", "Layout", "find_head_primes", "layer_multipliers", "multiplier_bound"]
+__all__ = ["LayerLayout", "Layout", "find_head_primes", "layer_multipliers", "multiplier_bound"]
 
-FP8_BLOCK = 32  # values per ue8m0 scale
 _INT64_MAX = int(np.iinfo(np.int64).max)
 _SEED_LAYER_STRIDE = 10007  # rng seed = seed + 10007 * layer_id
 
@@ -125,7 +125,7 @@ class Layout:
     def fp8_row_bytes(self) -> int | None:
         """Bytes per row stored as FP8 e4m3 + one ue8m0 byte per 32 values (264 for 256 wide)."""
         d = self.config.head_dim
-        return d + d // FP8_BLOCK if d % FP8_BLOCK == 0 else None
+        return fp8_row_bytes(d) if d % BLOCK == 0 else None
 
     def table_bytes(self, bytes_per_value: float) -> int:
         return int(self.total_params * bytes_per_value)

@@ -8,8 +8,8 @@ the drafts in flight, never O(sequence length): the window is all the future can
 
 `step()` is the decode hot path: one numba kernel call (`engram.kernels.cpu_hash.step`) validates
 the ids, hashes every sequence's token and shifts the windows and positions in place; nothing is
-allocated but the output, and not even that when `out=` is passed. Without numba (or with the
-hasher's backend set to numpy) it goes through `feed`, as chunked prefill does. With CUDA ids (and
+allocated but the output, and not even that when `out=` is passed. With the hasher's backend set
+to numpy it goes through `feed`, as chunked prefill does. With CUDA ids (and
 triton) the step runs on the device (`_step_device`: the Triton hash kernel reads the window kept
 there); the state moves to the device on the first such step and back to the host when a host
 method (feed, draft, commit, reset, `window`, ...) next needs it.
@@ -17,18 +17,19 @@ method (feed, draft, commit, reset, `window`, ...) next needs it.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
+import torch
 
+from engram import kernels
 from engram.addressing.hashing import (
     HashBackend,
     NgramHasher,
-    _check_dead_mask,
-    _like_input,
+    check_dead_mask,
     check_device_inputs,
     check_token_ids,
+    rows_like,
 )
 
 __all__ = ["HashStream"]
@@ -104,7 +105,7 @@ class HashStream:
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, bool]:
         """Compressed (B', T) ids, dead mask, sequence indices, and whether the input was 1-D."""
         ids = check_token_ids(token_ids, self.hasher.config.vocab_size)
-        dead = _check_dead_mask(dead_mask, ids.shape)
+        dead = check_dead_mask(dead_mask, ids.shape)
         idx = self._select(seqs)
         one_d = ids.ndim == 1
         if one_d:
@@ -143,7 +144,7 @@ class HashStream:
         rows = self.hasher.hash_compressed(xc, dead, window)
         self._window[idx] = self.hasher.next_window(xc, dead, window)
         self._position[idx] += xc.shape[1]
-        return _like_input(rows[0] if one_d else rows, token_ids)
+        return rows_like(rows[0] if one_d else rows, token_ids)
 
     def step(self, token_ids: Any, dead_mask: Any = None, *, out: Any = None, check_ids: bool = True) -> Any:
         """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads].
@@ -158,14 +159,10 @@ class HashStream:
         id range check (one sync; `check_ids=False` skips it for ids the model sampled itself, which
         are in range by construction; an out-of-range id is then a device-side indexing error).
         """
-        torch = sys.modules.get("torch")  # a tensor's module is loaded; engram does not import it here
         cpu_tensor = False
-        if torch is not None and type(token_ids) is torch.Tensor:
-            if token_ids.is_cuda and self.hasher.backend is HashBackend.AUTO:
-                from engram import kernels  # lazy: triton is optional
-
-                if kernels.use_triton(token_ids):
-                    return self._step_device(token_ids, dead_mask, out, check_ids)
+        if type(token_ids) is torch.Tensor:
+            if self.hasher.backend is HashBackend.AUTO and kernels.use_triton(token_ids):
+                return self._step_device(token_ids, dead_mask, out, check_ids)
             cpu_tensor = token_ids.is_cpu and not token_ids.requires_grad
         if self._dev is not None:
             self._to_host()
@@ -184,7 +181,7 @@ class HashStream:
         else:
             dead = _host_array(dead_mask)
             if dead.dtype != np.bool_ or dead.shape != ids.shape:
-                _check_dead_mask(dead, ids.shape)  # raises with the reason
+                check_dead_mask(dead, ids.shape)  # raises with the reason
             dead, has_dead = np.ascontiguousarray(dead), True
         if out is None and (cpu_tensor or type(token_ids) is np.ndarray):  # the common case, kept short
             out_np = np.empty(self._shape, dtype=np.int64)
@@ -213,10 +210,6 @@ class HashStream:
 
     def _step_device(self, token_ids: Any, dead_mask: Any, out: Any, check_ids: bool) -> Any:
         """step() on the ids' device with the Triton kernel; the state moves there on the first call."""
-        import torch
-
-        from engram import kernels
-
         b, cfg = self.batch_size, self.hasher.config
         ids = token_ids
         if ids.dim() != 1 or ids.shape[0] != b:
@@ -274,8 +267,8 @@ class HashStream:
         shape = self._shape
         if out is None:
             rows = np.empty(shape, dtype=np.int64)
-            return rows, _like_input(rows, like)
-        is_tensor = hasattr(out, "detach") and hasattr(out, "numpy")
+            return rows, rows_like(rows, like)
+        is_tensor = isinstance(out, torch.Tensor)
         if is_tensor and out.device.type != "cpu":
             raise ValueError(f"out must be a CPU tensor or a numpy array, got a tensor on {out.device}")
         arr = out.numpy() if is_tensor else out
@@ -290,11 +283,12 @@ class HashStream:
         """step() without the kernel: a one-token chunk through `feed` (the numpy backend)."""
         col = ids.reshape(self.batch_size, 1)
         dm = None if dead_mask is None else _host_array(dead_mask).reshape(self.batch_size, 1)
+        target = None if out is None else self._step_out(out, token_ids)  # a bad out raises before feed
         rows = self.feed(col, dm)
-        rows_np = rows.cpu().numpy() if hasattr(rows, "cpu") else rows
-        if out is None:
-            return _like_input(np.ascontiguousarray(rows_np[:, 0]), token_ids)
-        arr, result = self._step_out(out, token_ids)
+        rows_np = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else rows
+        if target is None:
+            return rows_like(np.ascontiguousarray(rows_np[:, 0]), token_ids)
+        arr, result = target
         arr[...] = rows_np[:, 0]
         return result
 
@@ -315,7 +309,7 @@ class HashStream:
         self._draft_vals[idx[:, None], cols] = vals
         self._draft_dead[idx[:, None], cols] = False if dead is None else dead
         self.n_draft[idx] += k
-        return _like_input(rows[0] if one_d else rows, token_ids)
+        return rows_like(rows[0] if one_d else rows, token_ids)
 
     def commit(self, n_accepted: Any, seqs: Any = None) -> None:
         """Keep the first `n_accepted` drafted tokens (int or one per selected sequence); drop the rest."""
@@ -359,9 +353,8 @@ def _host_array(x: Any) -> np.ndarray:
     """x as a numpy array; a torch tensor is moved to the host first (a sync point on CUDA)."""
     if type(x) is np.ndarray:
         return x
-    device = getattr(x, "device", None)
-    if device is not None and hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        if device.type == "cpu" and not x.requires_grad:
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu" and not x.requires_grad:
             return x.numpy()  # shares memory: no copy on the decode hot path
         return x.detach().cpu().numpy()
     return np.asarray(x)

@@ -31,7 +31,7 @@ from engram.addressing.layout import Layout
 from engram.checkpoint.convert import make_scaled_v41_checkpoint
 from engram.checkpoint.v41 import load_engram_modules
 from engram.config import EngramConfig
-from engram.storage.quant import BLOCK
+from engram.storage.fp8 import BLOCK
 
 __all__ = [
     "DEFAULT_BASE",

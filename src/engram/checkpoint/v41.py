@@ -41,7 +41,7 @@ from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
-from engram.storage import quant
+from engram.storage.fp8 import BLOCK
 
 __all__ = [
     "CONFIG_FILE",
@@ -316,7 +316,7 @@ def _validate(
     """Check every expected tensor against `config`; append problems; return per-layer plans when clean."""
     layout = Layout(config)
     declared = config.declared_num_embeddings
-    dim, block = config.head_dim, quant.BLOCK
+    dim, block = config.head_dim, BLOCK
     expected_names: set[str] = set()
     plans: dict[int, _LayerPlan] = {}
 

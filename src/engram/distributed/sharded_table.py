@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engram.model.table import EngramTable, check_rows
+from engram.model.table import EngramTable
+from engram.storage.fp8 import check_rows
 
 __all__ = [
     "INIT_CHUNK_ROWS",

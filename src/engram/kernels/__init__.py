@@ -1,29 +1,34 @@
-"""Optional Triton kernels for CUDA, each with a plain torch twin in `engram.kernels.reference`.
+"""Every compiled path of engram, each with a plain twin it is tested against.
 
-Holds:
-- `triton_available()`: whether triton imports here (tried once, on the first call).
-- `use_triton(*tensors)`: every tensor is on CUDA and triton is available, the test callers use to
-  take the kernels (the eager torch code otherwise).
-- `hash_rows(...)` (`triton_hash`): compressed ids (B, T) -> rows (B, T, L, orders*K), bit-exact to
-  `engram.addressing.hashing`.
-- `fp8_gather(...)` (`triton_lookup`): rows of an FP8 e4m3 table with ue8m0 scales -> dequantised
-  rows, bit-exact to `engram.storage.lookup.dequantize_gather` for finite values.
-- `fused_gate(...)` (`triton_gate`): the V4.1 gate after wkv with its backward, an autograd function.
+CPU (numba, compiled on first call and cached on disk): `cpu_hash` (the n-gram hash, twin:
+`NgramHasher.hash_compressed_numpy`), `cpu_lookup` (FP8 and plain row gathers, twin: the torch path
+of `engram.storage.lookup`), `cpu_cache` (the row cache's LRU index, twin: an OrderedDict in the
+tests); `threads` runs them over the cores. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`,
+twins in `reference`.
 
-Importing `engram.kernels` imports neither triton nor the kernel modules: each entry point imports
-its module on its first call. On a CPU, the kernels run under triton's interpreter when
-TRITON_INTERPRET=1 is set before they are first imported (the tests do that).
+Importing this package imports neither numba nor triton: the kernel modules load on first use, the
+CPU ones by `from engram.kernels import cpu_hash` where they are needed, the Triton ones through the
+names below. On a CPU the Triton kernels run under triton's interpreter when TRITON_INTERPRET=1 is
+set before they are first imported (the tests do that).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engram.kernels import reference
+if TYPE_CHECKING:
+    from engram.kernels.triton_gate import fused_gate
+    from engram.kernels.triton_hash import hash_rows
+    from engram.kernels.triton_lookup import fp8_gather
 
-__all__ = ["fp8_gather", "fused_gate", "hash_rows", "reference", "triton_available", "use_triton"]
+__all__ = ["fp8_gather", "fused_gate", "hash_rows", "triton_available", "use_triton"]
+
+# name -> the module that defines it (imported, with triton, on first access)
+_TRITON_ENTRIES = {"hash_rows": "triton_hash", "fp8_gather": "triton_lookup", "fused_gate": "triton_gate"}
 
 
 @functools.cache
@@ -41,45 +46,11 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and triton_available()
 
 
-def hash_rows(
-    xc: torch.Tensor,
-    dead: torch.Tensor | None,
-    window: torch.Tensor | None,
-    multipliers: torch.Tensor,
-    primes: torch.Tensor,
-    offsets: torch.Tensor,
-    pad: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """See `engram.kernels.triton_hash.hash_rows`."""
-    from engram.kernels.triton_hash import hash_rows as impl
-
-    return impl(xc, dead, window, multipliers, primes, offsets, pad, out)
-
-
-def fp8_gather(
-    values: torch.Tensor,
-    scales: torch.Tensor,
-    rows: torch.Tensor,
-    dtype: torch.dtype = torch.bfloat16,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """See `engram.kernels.triton_lookup.fp8_gather`."""
-    from engram.kernels.triton_lookup import fp8_gather as impl
-
-    return impl(values, scales, rows, dtype, out)
-
-
-def fused_gate(
-    h: torch.Tensor,
-    key: torch.Tensor,
-    v: torch.Tensor,
-    w: torch.Tensor,
-    dead: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    clamp: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `engram.kernels.triton_gate.fused_gate`."""
-    from engram.kernels.triton_gate import fused_gate as impl
-
-    return impl(h, key, v, w, dead, eps, clamp)
+def __getattr__(name: str) -> Any:
+    """The Triton entry points, imported on first access (module attributes, PEP 562)."""
+    module = _TRITON_ENTRIES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engram.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"engram.kernels.{module}"), name)
+    globals()[name] = value  # later accesses are plain lookups
+    return value

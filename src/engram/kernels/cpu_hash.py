@@ -29,14 +29,12 @@ on an AVX-512 machine, where LLVM prefers 256-bit vectors).
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from functools import cache
-
 import numba
 import numpy as np
 
-__all__ = ["FASTMOD_MIN_PRIME", "available_cores", "fastmod", "hash_range", "hash_rows", "step"]
+from engram.kernels.threads import run_chunks
+
+__all__ = ["FASTMOD_MIN_PRIME", "fastmod", "hash_range", "hash_rows", "step"]
 
 FASTMOD_MIN_PRIME = 4096  # > 3073, the bound on |x - q*p| outside [0, p) proven above
 
@@ -184,20 +182,6 @@ def step(
     return STEP_OK, -1
 
 
-@cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A lazily created pool per worker count (threads live for the process, idle when unused)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engram-hash")
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def hash_rows(
     xc: np.ndarray,
     dead: np.ndarray | None,
@@ -223,15 +207,5 @@ def hash_rows(
     dead_arr = dead if dead is not None else np.zeros((1, 1), dtype=np.bool_)
     win_arr = window if window is not None else np.zeros((1, 1), dtype=np.int64)
     args = (xc, dead_arr, has_dead, win_arr, has_window, pad, mult, primes, offsets, inv, n_heads, fast, out)
-    threads = max(1, min(int(threads), n))
-    if threads == 1:
-        hash_range(*args, 0, n)
-        return out
-    bounds = [n * i // threads for i in range(threads + 1)]
-    futures = [
-        _pool(threads - 1).submit(hash_range, *args, bounds[i], bounds[i + 1]) for i in range(threads - 1)
-    ]
-    hash_range(*args, bounds[-2], bounds[-1])  # the calling thread takes the last range
-    for f in futures:
-        f.result()
+    run_chunks(hash_range, args, n, threads)
     return out

@@ -11,7 +11,6 @@ Holds:
 - `rows_gather(weight, ids, out, threads)`: rows of a plain (fp32 / bf16 trainable) table, as bytes
   (`gather_rows_range`).
 - `torch_nan_bits()`: the NaN bits the torch path writes, which the kernels reproduce.
-- `available_cores()`: CPU cores this process may run on.
 
 Both split the requested rows into contiguous chunks over `threads` threads (the kernels release the
 GIL); results never depend on the thread count. A random row of a table larger than the caches is a
@@ -36,7 +35,6 @@ Importing this module imports numba but compiles nothing: each kernel compiles o
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import numba
@@ -47,7 +45,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from engram.kernels.cpu_hash import available_cores
+from engram.kernels.threads import run_chunks
 
 __all__ = [
     "BAD_ROW",
@@ -55,7 +53,6 @@ __all__ = [
     "DEDUP_WINDOW",
     "OK",
     "STAGE_ROWS",
-    "available_cores",
     "fp8_gather",
     "gather_fp8_range",
     "gather_rows_range",
@@ -323,24 +320,10 @@ def _streams(out: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ threading
-@cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A lazily created pool per worker count (threads live for the process, idle when unused)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engram-lookup")
-
-
 def _run_chunks(kernel, args: tuple, threads: int) -> tuple[int, int]:
     """Run kernel(*args, start, end) over the ids args[2] in `threads` contiguous chunks; the first error
     (lowest position) wins."""
-    n = args[2].shape[0]
-    threads = max(1, min(int(threads), n))
-    if threads == 1:
-        code, pos = kernel(*args, 0, n)
-        return int(code), int(pos)
-    bounds = [n * i // threads for i in range(threads + 1)]
-    futures = [_pool(threads - 1).submit(kernel, *args, bounds[i], bounds[i + 1]) for i in range(threads - 1)]
-    last = kernel(*args, bounds[-2], bounds[-1])  # the calling thread takes the last chunk
-    results = [f.result() for f in futures] + [last]
+    results = run_chunks(kernel, args, args[2].shape[0], threads)
     for code, pos in results:  # chunks are in position order: the first failing one has the first error
         if code != OK:
             return int(code), int(pos)

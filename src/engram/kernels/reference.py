@@ -6,8 +6,9 @@ Holds:
   bit-exact to `engram.addressing.hashing` (the same look-back construction as `NgramHasher.lookback`).
 - `fp8_gather(values, scales, rows, dtype)`: gather + ue8m0 dequantise, bit-exact to
   `engram.storage.lookup.dequantize_gather` for finite values (no checks, so no device sync).
-- `gate(h, key, v, w, dead, eps, clamp)`: the V4.1 gate after wkv, exactly `Engram._forward_v41`'s
-  eager code: (h + gates * v, gates).
+- `gate(h, key, v, w, dead, eps, clamp)`: the V4.1 gate after wkv, (h + gates * v, gates): the eager
+  path of `Engram` itself, so the fused kernel is tested against the module's own code.
+- `signed_sqrt_gate(dot, clamp)`: the gate nonlinearity both Engram variants share.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from engram.storage import quant
 
-__all__ = ["fp8_gather", "gate", "hash_rows"]
+__all__ = ["fp8_gather", "gate", "hash_rows", "signed_sqrt_gate"]
 
 
 def hash_rows(
@@ -80,8 +81,12 @@ def gate(
     dim = h.shape[-1]
     dot = (h * w * key).sum(-1)  # (B, T, hc)
     dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps)
-    z = dot * dim**-0.5
-    gates = torch.sigmoid(torch.copysign(z.abs().clamp_min(clamp).sqrt(), z))  # signed square root
+    gates = signed_sqrt_gate(dot * dim**-0.5, clamp)  # (B, T, hc)
     if dead is not None:
         gates = gates.masked_fill(dead[..., None], 0.0)
     return h + gates[..., None] * v[:, :, None, :], gates
+
+
+def signed_sqrt_gate(dot: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:
+    """sigmoid(sign(dot) * sqrt(max(|dot|, clamp))): keeps the sigmoid out of saturation."""
+    return torch.sigmoid(torch.copysign(dot.abs().clamp_min(clamp).sqrt(), dot))

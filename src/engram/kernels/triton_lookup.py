@@ -12,7 +12,7 @@ mmm << 20 for eeee > 0, (-1)^s mmm 2^-9 for eeee = 0, NaN for s.1111.111; a scal
 2^(b - 127) from its bits (b = 0: the subnormal 2^-127; b = 255: NaN); one float32 multiply, as the
 reference. bfloat16 is rounded to nearest even by hand (the interpreter's cast truncates). Unlike
 the CPU path this kernel checks nothing (no sync): a row id outside the table is the caller's
-bug (validate with `engram.model.table.check_rows`), a 255 scale byte gives NaN rows.
+bug (validate with `engram.storage.fp8.check_rows`), a 255 scale byte gives NaN rows.
 """
 
 from __future__ import annotations

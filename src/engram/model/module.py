@@ -27,14 +27,10 @@ from engram import kernels
 from engram.addressing.hashing import NgramHasher
 from engram.addressing.layout import Layout
 from engram.config import EngramConfig, Variant
+from engram.kernels.reference import gate, signed_sqrt_gate
 from engram.model.table import EngramTable, TrainableTable
 
 __all__ = ["Engram", "ShortConv", "signed_sqrt_gate"]
-
-
-def signed_sqrt_gate(dot: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:
-    """sigmoid(sign(dot) * sqrt(max(|dot|, clamp))): keeps the sigmoid out of saturation."""
-    return torch.sigmoid(torch.copysign(dot.abs().clamp_min(clamp).sqrt(), dot))
 
 
 class ShortConv(nn.Module):
@@ -187,12 +183,7 @@ class Engram(nn.Module):
         w = self.q_weight * self.k_weight  # (hc, dim)
         if self.use_kernels and kernels.use_triton(h, kv):  # CUDA + triton: the gate as one fused kernel
             return kernels.fused_gate(h, key, v, w, dead_mask, eps, self.config.gate_clamp)
-        dot = (h * w * key).sum(-1)  # (B, T, hc)
-        dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(key.pow(2).mean(-1) + eps)
-        gates = signed_sqrt_gate(dot * self.dim**-0.5, self.config.gate_clamp)  # (B, T, hc)
-        if dead_mask is not None:
-            gates = gates.masked_fill(dead_mask[..., None], 0.0)
-        return h + gates[..., None] * v[:, :, None, :], gates
+        return gate(h, key, v, w, dead_mask, eps, self.config.gate_clamp)  # the eager twin
 
     def _forward_demo(
         self, h: torch.Tensor, e: torch.Tensor, dead_mask: torch.Tensor | None

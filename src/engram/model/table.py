@@ -27,29 +27,13 @@ from torch import nn
 
 from engram.checkpoint.files import expect_entry, read_safetensors_header
 from engram.storage import lookup, quant
+from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 
-__all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable", "check_rows"]
+__all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable"]
 
 # Rows per chunk when quantising / dequantising a whole table: bounds the float temporaries to a
 # few tens of MiB whatever the table size.
 _CHUNK_ROWS = 1 << 16
-
-
-def check_rows(rows: torch.Tensor, num_rows: int) -> None:
-    """Raise for non-integer row ids or ids outside [0, num_rows) (names the first bad one)."""
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
-    if rows.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"rows must be int64 or int32 row ids, got {rows.dtype}")
-    if rows.numel() == 0:
-        return
-    bad = (rows < 0) | (rows >= num_rows)
-    if bool(bad.any()):  # sync point: boundary check
-        pos = tuple(int(i) for i in torch.nonzero(bad)[0])
-        raise ValueError(
-            f"row id {int(rows[pos])} at position {pos} is outside this table's rows [0, {num_rows}); "
-            "were the rows hashed for this layer with this config?"
-        )
 
 
 class EngramTable(nn.Module):
@@ -109,7 +93,7 @@ class TrainableTable(EngramTable):
 
 def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int]:
     """Validate a stored FP8 table pair; return (num_rows, dim). `what` names it in errors."""
-    for t, name, expected in ((values, "values", quant.VALUE_DTYPE), (scales, "scales", quant.SCALE_DTYPE)):
+    for t, name, expected in ((values, "values", VALUE_DTYPE), (scales, "scales", SCALE_DTYPE)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"{what}: {name} must be a torch.Tensor of dtype {expected}, got {type(t).__name__}"
@@ -121,16 +105,16 @@ def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tu
             f"{what}: values must be a table [rows >= 1, dim >= 1], got shape {list(values.shape)}"
         )
     rows, dim = values.shape
-    if dim % quant.BLOCK:
+    if dim % BLOCK:
         raise ValueError(
-            f"{what}: row width {dim} is not a multiple of {quant.BLOCK} "
-            f"(one ue8m0 scale per {quant.BLOCK} values)"
+            f"{what}: row width {dim} is not a multiple of {BLOCK} "
+            f"(one ue8m0 scale per {BLOCK} values)"
         )
-    expected_scales = [rows, dim // quant.BLOCK]
+    expected_scales = [rows, dim // BLOCK]
     if list(scales.shape) != expected_scales:
         raise ValueError(
             f"{what}: scales have shape {list(scales.shape)}, expected {expected_scales} "
-            f"(one scale per {quant.BLOCK} values of each of the {rows} rows)"
+            f"(one scale per {BLOCK} values of each of the {rows} rows)"
         )
     if values.device != scales.device:
         raise ValueError(f"{what}: values on {values.device} but scales on {scales.device}")
@@ -186,12 +170,12 @@ class FP8Table(EngramTable):
             raise ValueError(f"from_float needs a float table [rows, dim], got {found}")
         weight = weight.detach()
         n, dim = weight.shape
-        if dim % quant.BLOCK:
+        if dim % BLOCK:
             raise ValueError(
-                f"row width {dim} is not a multiple of {quant.BLOCK}; FP8 rows need dim % 32 == 0"
+                f"row width {dim} is not a multiple of {BLOCK}; FP8 rows need dim % 32 == 0"
             )
-        values = torch.empty((n, dim), dtype=quant.VALUE_DTYPE, device=weight.device)
-        scales = torch.empty((n, dim // quant.BLOCK), dtype=quant.SCALE_DTYPE, device=weight.device)
+        values = torch.empty((n, dim), dtype=VALUE_DTYPE, device=weight.device)
+        scales = torch.empty((n, dim // BLOCK), dtype=SCALE_DTYPE, device=weight.device)
         for start in range(0, n, _CHUNK_ROWS):
             stop = min(start + _CHUNK_ROWS, n)
             v, s = quant.quantize_rows(weight[start:stop])
@@ -245,14 +229,14 @@ class MmapFP8Table(EngramTable):
         w = expect_entry(
             read_safetensors_header(self.path), self.path, weight_name, "F8_E4M3", ["rows", "dim"]
         )
-        if len(w.shape) != 2 or w.shape[0] < 1 or w.shape[1] % quant.BLOCK or w.shape[1] == 0:
+        if len(w.shape) != 2 or w.shape[0] < 1 or w.shape[1] % BLOCK or w.shape[1] == 0:
             raise ValueError(
                 f"{self.path}: tensor {weight_name!r} has shape {list(w.shape)}, expected [rows >= 1, dim] "
-                f"with dim a positive multiple of {quant.BLOCK}"
+                f"with dim a positive multiple of {BLOCK}"
             )
         rows, dim = w.shape
         scale_entries = read_safetensors_header(self.scale_path)
-        s = expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // quant.BLOCK])
+        s = expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // BLOCK])
         self.weight = w.mmap()  # (rows, dim) float8_e4m3fn, file-backed
         self.scale = s.mmap()  # (rows, dim // 32) float8_e8m0fnu, file-backed
         self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")

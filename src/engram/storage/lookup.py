@@ -1,50 +1,33 @@
 """Row lookups: gather selected rows of a whole (possibly huge or memory-mapped) Engram table.
 
-The FP8 row format and its (de)quantisation are `engram.storage.quant`'s; this module only picks rows out of a
-table and routes the work to a backend.
-
-This module holds:
-
-- ``LookupBackend``: which implementation a gather uses (``AUTO``, ``NUMBA``, ``TORCH``); all give
-  identical bytes.
-- ``dequantize_gather(values, scales, rows, dtype, out, backend, threads)``: dequantise selected rows of an
-  FP8 table ``values [N, D]`` / ``scales [N, D // block]`` without converting the rest of it.  Two backends:
-  the fused, multi-threaded numba kernels of ``engram.kernels.cpu_lookup`` (CPU tables, bit-identical, several
-  times faster) and the torch path, their reference twin.
-- ``gather_rows(weight, rows, out, backend, threads)``: the same gather for a plain float table (fp32,
-  bf16, ...; no dequantisation, no autograd).
-
-Decisions (also stated where they apply):
-
-- numba is imported on first use, never with ``engram``; ``AUTO`` falls back to torch without it, for
-  tables off the CPU and for non-contiguous tables.
-- Row ids are checked (``[0, N)``) on every call; on the numba path the kernel reports a bad id or a NaN
-  scale byte and the torch path then raises the reference's error.
-- ``threads=None`` stays on the calling thread below 2048 rows (handing work to the pool costs about what
-  a thousand rows do) and uses every core above.
+`dequantize_gather` decodes FP8 rows (`engram.storage.fp8`'s format) without converting the rest of
+the table; `gather_rows` is the same for plain float tables. Backends (`LookupBackend`) give identical
+bits: the fused numba kernels of `engram.kernels.cpu_lookup` (CPU), the Triton gather (CUDA) and the
+torch reference twin. Row ids are checked on every call. Knows nothing of modules or tiers.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 from types import ModuleType
 
 import torch
 
-from engram.storage.quant import (
+from engram import kernels
+from engram.kernels.threads import check_threads, resolve_threads
+from engram.storage.fp8 import (
     BLOCK,
-    _check_out_dtype,
-    _check_pair,
-    _check_scale_bytes,
-    _dequant_2d,
-    _prepare_out,
-    _unravel,
+    check_dequant_dtype,
+    check_fp8_pair,
+    check_row_ids,
+    check_row_range,
+    check_scale_bytes,
+    prepare_out,
 )
+from engram.storage.quant import dequantize_into
 
 __all__ = ["LookupBackend", "dequantize_gather", "gather_rows"]
 
-_ROW_ID_DTYPES = (torch.int64, torch.int32)
 
 # Below this many rows `threads=None` stays on the calling thread: handing a chunk to the pool costs
 # tens of microseconds, about what the kernel needs for a thousand rows.
@@ -54,25 +37,15 @@ _PARALLEL_MIN_ROWS = 2048
 class LookupBackend(enum.StrEnum):
     """Which implementation `dequantize_gather` / `gather_rows` use (all give identical bytes)."""
 
-    AUTO = "auto"  # numba for CPU tables when it imports and the table is contiguous, else torch
+    AUTO = "auto"  # numba for contiguous CPU tables, Triton on CUDA, else torch
     NUMBA = "numba"  # engram.kernels.cpu_lookup: fused, multi-threaded, CPU only
     TORCH = "torch"  # the reference twin, any device
 
 
-@functools.cache
-def _kernel_module() -> ModuleType | None:
-    """engram.kernels.cpu_lookup, or None without numba (imported on first use, not with engram)."""
-    try:
-        from engram.kernels import cpu_lookup as _lookup_kernels
-    except ImportError:
-        return None
-    return _lookup_kernels
-
-
-def _lookup_kernels(backend: LookupBackend | str, *tables: torch.Tensor) -> ModuleType | None:
+def _cpu_kernels(backend: LookupBackend | str, *tables: torch.Tensor) -> ModuleType | None:
     """The numba kernel module if `backend` and the tables allow it, else None (the torch path).
 
-    AUTO falls back to torch for tables off the CPU, non-contiguous tables or without numba; NUMBA raises.
+    AUTO takes torch for tables off the CPU or not contiguous; NUMBA raises for them.
     """
     try:
         b = LookupBackend(backend)
@@ -91,47 +64,9 @@ def _lookup_kernels(backend: LookupBackend | str, *tables: torch.Tensor) -> Modu
                 "pass backend='auto' or 'torch'"
             )
         return None
-    module = _kernel_module()
-    if module is None and b is LookupBackend.NUMBA:
-        raise ImportError(
-            "backend='numba' needs numba, which does not import here: `pip install numba`, or pass "
-            "backend='torch' (identical rows, several times slower)"
-        )
-    return module
+    from engram.kernels import cpu_lookup  # imports numba on the first CPU gather, not with engram
 
-
-def _check_threads(threads: int | None) -> None:
-    if threads is None:
-        return
-    if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(f"threads must be an int or None, got {threads!r}")
-    if threads < 1:
-        raise ValueError(f"threads={threads} must be >= 1 (or None: all cores for large gathers)")
-
-
-def _lookup_threads(threads: int | None, n: int, module: ModuleType) -> int:
-    """Threads for n rows: `threads`, or every core for n >= _PARALLEL_MIN_ROWS when None."""
-    if threads is None:
-        return 1 if n < _PARALLEL_MIN_ROWS else module.available_cores()
-    return threads
-
-
-def _check_gather_rows(rows: torch.Tensor, table: torch.Tensor) -> None:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor of dtype torch.int64 or torch.int32, got {type(rows)}")
-    if rows.dtype not in _ROW_ID_DTYPES:
-        raise TypeError(f"rows has dtype {rows.dtype}, expected torch.int64 or torch.int32")
-    if rows.device != table.device:
-        raise ValueError(f"rows on {rows.device} but table on {table.device}")
-
-
-def _check_row_range(flat: torch.Tensor, n_table: int, row_shape: tuple[int, ...]) -> None:
-    bad = (flat < 0) | (flat >= n_table)
-    if bool(bad.any()):  # sync point on CUDA: boundary check
-        p = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"row id {int(flat[p])} at rows{list(_unravel(p, row_shape))} is out of range [0, {n_table})"
-        )
+    return cpu_lookup
 
 
 def dequantize_gather(
@@ -157,35 +92,33 @@ def dequantize_gather(
     give identical bits for finite tables.  Raises ValueError for row ids outside [0, N), plus the
     checks of ``dequantize_rows``; after such an error ``out``'s contents are unspecified.
     """
-    dim, _ = _check_pair(values, scales, block)
-    _check_out_dtype(dtype)
+    dim, _ = check_fp8_pair(values, scales, block)
+    check_dequant_dtype(dtype)
     if values.dim() != 2:
         raise ValueError(f"values must be a table [N, D], got shape {tuple(values.shape)}")
-    _check_gather_rows(rows, values)
-    _check_threads(threads)
+    check_row_ids(rows, values.device)
+    threads = check_threads(threads)
     n_table = values.shape[0]
     row_shape = tuple(rows.shape)
-    result = _prepare_out(out, (*row_shape, dim), dtype, values.device)
+    result = prepare_out(out, (*row_shape, dim), dtype, values.device)
     n = rows.numel()
     out2d = result.view(n, dim)  # [n, D]
     flat = rows.reshape(n)  # [n]
     if n == 0:
         return result
-    if backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16):
-        from engram import kernels  # lazy: triton is optional
-
-        if kernels.use_triton(values, scales, flat):  # CUDA + triton: the fused Triton gather
-            _check_row_range(flat, n_table, row_shape)  # sync point: the boundary check
-            kernels.fp8_gather(values, scales, flat, dtype, out=out2d)  # scale bytes are not checked
-            return result
-    module = _lookup_kernels(backend, values, scales)
+    auto = backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16)
+    if auto and kernels.use_triton(values, scales, flat):  # CUDA + triton: the fused Triton gather
+        check_row_range(rows, n_table)  # sync point: the boundary check
+        kernels.fp8_gather(values, scales, flat, dtype, out=out2d)  # scale bytes are not checked
+        return result
+    module = _cpu_kernels(backend, values, scales)
     if module is not None and module.fp8_gather(
-        values, scales, flat, out2d, _lookup_threads(threads, n, module)
+        values, scales, flat, out2d, resolve_threads(threads, n, _PARALLEL_MIN_ROWS)
     ):
         return result  # else a bad row id or NaN scale: the torch path below raises the reference's error
 
     # The torch path (the reference twin); also raises the errors the kernel found.
-    _check_row_range(flat, n_table, row_shape)
+    check_row_range(rows, n_table)
     v_u8 = values.view(torch.uint8)  # [N, D] bytes; index_select on bytes avoids any fp8 kernel support
     s_u8 = scales.view(torch.uint8)  # [N, nb]
 
@@ -198,12 +131,12 @@ def dequantize_gather(
 
     g_v = v_u8.index_select(0, ids)  # [u, D] uint8, only the requested rows
     g_s = s_u8.index_select(0, ids)  # [u, nb]
-    _check_scale_bytes(g_s, lambda r: f"table row {int(ids[r])}", block)
+    check_scale_bytes(g_s, lambda r: f"table row {int(ids[r])}", block)
     if inverse is None:
-        _dequant_2d(g_v, g_s, block, out2d)
+        dequantize_into(g_v, g_s, block, out2d)
     else:
         uniq_rows = torch.empty((ids.numel(), dim), dtype=dtype, device=values.device)  # [u, D], u <= n/2
-        _dequant_2d(g_v, g_s, block, uniq_rows)
+        dequantize_into(g_v, g_s, block, uniq_rows)
         torch.index_select(uniq_rows, 0, inverse, out=out2d)
     return result
 
@@ -226,20 +159,20 @@ def gather_rows(
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight)
         raise TypeError(f"weight must be a floating-point table [N, D], got {found}")
-    _check_gather_rows(rows, weight)
-    _check_threads(threads)
+    check_row_ids(rows, weight.device)
+    threads = check_threads(threads)
     weight = weight.detach()
     row_shape = tuple(rows.shape)
-    result = _prepare_out(out, (*row_shape, weight.shape[1]), weight.dtype, weight.device)
+    result = prepare_out(out, (*row_shape, weight.shape[1]), weight.dtype, weight.device)
     n = rows.numel()
     out2d = result.view(n, weight.shape[1])
     flat = rows.reshape(n)
     if n == 0:
         return result
-    module = _lookup_kernels(backend, weight)
-    if module is not None and module.rows_gather(weight, flat, out2d, _lookup_threads(threads, n, module)):
+    module = _cpu_kernels(backend, weight)
+    if module is not None and module.rows_gather(weight, flat, out2d, resolve_threads(threads, n, _PARALLEL_MIN_ROWS)):
         return result
-    _check_row_range(flat, weight.shape[0], row_shape)
+    check_row_range(rows, weight.shape[0])
     with torch.no_grad():
         torch.index_select(weight, 0, flat, out=out2d)
     return result

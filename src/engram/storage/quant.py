@@ -1,69 +1,31 @@
-"""FP8 row quantisation of Engram tables, in the layout DeepSeek-V4.1 stores them.
+"""FP8 quantisation of Engram rows, bit-exact to the layout DeepSeek-V4.1 stores (SPEC §5).
 
-A table row of width ``D`` is stored as ``D`` FP8 e4m3 values (``torch.float8_e4m3fn``, max finite 448)
-plus one ue8m0 scale byte per ``BLOCK`` (= 32) consecutive values (``torch.float8_e8m0fnu``).  A scale
-byte ``b`` means the power of two ``2**(b - 127)``; byte 255 is NaN.  A 256-wide row therefore takes
-256 + 8 = 264 bytes.  A stored value decodes as ``value * 2**(b - 127)``.
-
-This module holds:
-
-- ``BLOCK``, ``FP8_MAX``: block width (32) and the largest finite e4m3 value (448.0).
-- ``quantize_rows(x, block)``: float rows ``[..., D]`` -> (fp8 values ``[..., D]``, e8m0 scales
-  ``[..., D // block]``).  The scale of a block is the smallest power of two that keeps every scaled
-  value within +-448, so nothing saturates (one exception near float32's max, below).
-- ``dequantize_rows(values, scales, dtype, out)``: the inverse, exact in float32.
-- ``scale_bytes_to_float(scales)``: e8m0 scales -> float32 powers of two.
-- ``fp8_row_bytes(dim, block)``: bytes per stored row (256 -> 264).
-
-Decisions (also stated where they apply):
-
-- Scale exponents are clamped to [-126, 127] (bytes 1..254).  Byte 0 (2**-127) is a float32 subnormal
-  and cannot be built by putting the byte in float32's exponent field, so the quantiser never emits it;
-  the clamp only matters for blocks whose amax is below 448 * 2**-127 ~ 2.6e-36, which then get scale
-  2**-126 and lose precision but never overflow.  The dequantiser still decodes byte 0 correctly when it
-  comes from elsewhere.  The upper clamp can never bind for float32 input (amax < 2**128 needs at most
-  2**120).
-- Values round to nearest e4m3 (ties to even) and never saturate at 448, with one exception so that every
-  stored table decodes finite: in a block whose amax is within about 3% of float32's max (scale 2**120,
-  the largest finite float32 input can need), scaled values in [248, 256) would round to 256 and decode
-  to 2**128 = inf, so that block caps them at 240 (error still within the e4m3 half-ulp bound).
-- An all-zero block gets scale byte 127 (scale 1.0): any scale decodes zeros to zeros, and 1.0 is the
-  neutral, recognisable choice.
-- Quantisation computes in float32: float64 input is first rounded to float32 (so values beyond float32's
-  range are rejected), bf16/fp16 convert exactly.
-- Dequantisation multiplies an fp8 value (exact in float32, at most 4 significant bits) by a power of two,
-  which is exact in float32 for every scale byte 0..254 unless the product exceeds float32's range (only
-  for scale byte >= 247 with |value| >= 256, which the quantiser never writes; such foreign data decodes
-  to +-inf).  bf16/fp16 output is that
-  exact float32 result rounded once (round to nearest even).
-- NaN/inf in the input table is an error, as is a NaN (255) scale byte.  fp8 NaN value bytes are not
-  checked (it would cost a pass over the values on every lookup).
-
-Gathering selected rows of a whole table (``dequantize_gather``, ``gather_rows``) is ``engram.storage.lookup``'s,
-built on this module's checks and its chunked dequantiser.
+`quantize_rows` turns float rows [..., D] into (e4m3 values, ue8m0 scales per 32 values);
+`dequantize_rows` / `dequantize_into` decode them, exact in float32. The format's constants and checks
+are `engram.storage.fp8`'s, gathering rows of a whole table `engram.storage.lookup`'s. The rounding
+decisions (scale clamp, the 240 cap near float32's max, zero blocks) are in docs/storage.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
-__all__ = [
-    "BLOCK",
-    "FP8_MAX",
-    "dequantize_rows",
-    "fp8_row_bytes",
-    "quantize_rows",
-    "scale_bytes_to_float",
-]
+from engram.storage.fp8 import (
+    BLOCK,
+    SCALE_DTYPE,
+    VALUE_DTYPE,
+    check_block,
+    check_dequant_dtype,
+    check_fp8_pair,
+    check_scale_bytes,
+    prepare_out,
+)
 
-BLOCK: int = 32
-FP8_MAX: float = 448.0
+__all__ = ["dequantize_into", "dequantize_rows", "quantize_rows", "scale_bytes_to_float"]
 
-VALUE_DTYPE = torch.float8_e4m3fn
-SCALE_DTYPE = torch.float8_e8m0fnu
+
 
 # Scale exponent range the quantiser emits: byte = exponent + 127 lies in [1, 254] (see module docstring).
 _MIN_EXP = -126
@@ -79,15 +41,9 @@ _TOP_LIMIT = 240.0
 _CHUNK_ELEMS = 1 << 22
 
 _QUANT_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_DEQUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _check_block(block: int) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ValueError(f"block must be a positive int, got {block!r}")
 
 
 def _rows_per_chunk(dim: int) -> int:
@@ -125,62 +81,7 @@ def _exp2_bits(b: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _row_width(t: torch.Tensor, name: str, block: int) -> int:
-    """D of rows ``t [..., D]``; raises unless t has a last dimension whose width is a multiple of block."""
-    if t.dim() == 0:
-        raise ValueError(f"{name} must have at least one dimension [..., D]")
-    dim = t.shape[-1]
-    if dim % block:
-        raise ValueError(f"row width D={dim} is not divisible by block={block}")
-    return dim
-
-
-def _check_dtype(t: torch.Tensor, name: str, expected: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype {expected}, got {type(t).__name__}")
-    if t.dtype != expected:
-        raise TypeError(f"{name} has dtype {t.dtype}, expected {expected}")
-
-
-def _check_out_dtype(dtype: torch.dtype) -> None:
-    if dtype not in _DEQUANT_OUT_DTYPES:
-        raise TypeError(
-            f"dequantised dtype {dtype} is not supported, expected one of "
-            f"{', '.join(str(d) for d in _DEQUANT_OUT_DTYPES)}"
-        )
-
-
-def _prepare_out(
-    out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise TypeError(f"out has dtype {out.dtype}, expected {dtype}")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
-    if out.device != device:
-        raise ValueError(f"out is on {out.device}, expected {device}")
-    if not out.is_contiguous():
-        # Results are written through a [rows, D] view, which only aliases a contiguous tensor.
-        raise ValueError("out must be contiguous")
-    return out
-
-
-def _check_scale_bytes(s_u8: torch.Tensor, describe_row: Callable[[int], str], block: int) -> None:
-    """Raise if any scale byte (uint8 [R, nb]) is 255 (NaN); ``describe_row(r)`` names row r."""
-    bad = s_u8 == 255
-    if bool(bad.any()):
-        r, j = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"scale byte 255 (NaN scale) at {describe_row(r)}, block {j} "
-            f"(columns {j * block}..{(j + 1) * block - 1}); a stored table must have finite scales"
-        )
-
-
-def _dequant_2d(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: torch.Tensor) -> None:
+def dequantize_into(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: torch.Tensor) -> None:
     """Dequantise uint8 bytes v_u8 [R, D] (fp8 e4m3) with scale bytes s_u8 [R, D // block] into out2d [R, D].
 
     Works chunk by chunk so the float32 temporaries are bounded by one chunk.
@@ -201,14 +102,6 @@ def _dequant_2d(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: torch
 
 
 # ------------------------------------------------------------------------------------------- public API
-
-
-def fp8_row_bytes(dim: int, block: int = BLOCK) -> int:
-    """Bytes one stored row of width ``dim`` takes: ``dim`` fp8 values + ``dim // block`` scale bytes."""
-    _check_block(block)
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0 or dim % block:
-        raise ValueError(f"row width D={dim!r} must be a non-negative multiple of block={block}")
-    return dim + dim // block
 
 
 def scale_bytes_to_float(scales: torch.Tensor) -> torch.Tensor:
@@ -235,14 +128,18 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     Raises ValueError if D is not a multiple of ``block`` or if ``x`` holds NaN/inf (or, for float64,
     values beyond float32's range); TypeError for a non-float dtype.
     """
-    _check_block(block)
+    check_block(block)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _QUANT_IN_DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}, expected one of {', '.join(str(d) for d in _QUANT_IN_DTYPES)}"
         )
-    dim = _row_width(x, "x", block)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension [..., D]")
+    if x.shape[-1] % block:
+        raise ValueError(f"row width D={x.shape[-1]} is not divisible by block={block}")
+    dim = x.shape[-1]
     lead = tuple(x.shape[:-1])
     nb = dim // block
 
@@ -290,27 +187,6 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     return values.view(*lead, dim), scale_bytes.view(SCALE_DTYPE).view(*lead, nb)
 
 
-def _check_pair(values: torch.Tensor, scales: torch.Tensor, block: int) -> tuple[int, int]:
-    """Validate a (values, scales) pair; return (D, D // block)."""
-    _check_block(block)
-    _check_dtype(values, "values", VALUE_DTYPE)
-    _check_dtype(scales, "scales", SCALE_DTYPE)
-    dim = _row_width(values, "values", block)
-    nb = dim // block
-    if scales.dim() != values.dim() or scales.shape[-1] != nb:
-        raise ValueError(
-            f"scales has shape {tuple(scales.shape)}, expected {(*values.shape[:-1], nb)} "
-            f"(D // block = {dim} // {block} = {nb} scales per row)"
-        )
-    if scales.shape[:-1] != values.shape[:-1]:
-        raise ValueError(
-            f"leading dims differ: values {tuple(values.shape[:-1])} vs scales {tuple(scales.shape[:-1])}"
-        )
-    if values.device != scales.device:
-        raise ValueError(f"values on {values.device} but scales on {scales.device}")
-    return dim, nb
-
-
 def dequantize_rows(
     values: torch.Tensor,
     scales: torch.Tensor,
@@ -326,13 +202,13 @@ def dequantize_rows(
     shape and dtype, contiguous).  Raises TypeError for wrong dtypes, ValueError for mismatched shapes or a
     NaN (255) scale byte.
     """
-    dim, nb = _check_pair(values, scales, block)
-    _check_out_dtype(dtype)
+    dim, nb = check_fp8_pair(values, scales, block)
+    check_dequant_dtype(dtype)
     lead = tuple(values.shape[:-1])
-    result = _prepare_out(out, (*lead, dim), dtype, values.device)
+    result = prepare_out(out, (*lead, dim), dtype, values.device)
     n_rows = math.prod(lead)
     v_u8 = values.view(torch.uint8).reshape(n_rows, dim)  # [R, D]; same-size dtype view, no conversion
     s_u8 = scales.view(torch.uint8).reshape(n_rows, nb)  # [R, nb]
-    _check_scale_bytes(s_u8, lambda r: _row_name(r, lead), block)
-    _dequant_2d(v_u8, s_u8, block, result.view(n_rows, dim))
+    check_scale_bytes(s_u8, lambda r: _row_name(r, lead), block)
+    dequantize_into(v_u8, s_u8, block, result.view(n_rows, dim))
     return result

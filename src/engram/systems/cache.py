@@ -24,24 +24,16 @@ Decisions:
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from engram.storage import lookup, quant
+from engram.kernels import cpu_cache
+from engram.storage import lookup
+from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 
 __all__ = ["CachePlan", "RowCache"]
-
-
-@functools.cache
-def _kernels() -> ModuleType:
-    """engram.kernels.cpu_cache, imported (with numba) on first use, not with engram."""
-    from engram.kernels import cpu_cache as _cache_kernels
-
-    return _cache_kernels
 
 
 class CachePlan(NamedTuple):
@@ -59,14 +51,14 @@ class RowCache:
     def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu") -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"a RowCache needs capacity >= 1 rows, got {capacity!r} (use no cache for 0)")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim % quant.BLOCK:
-            raise ValueError(f"row width dim={dim!r} must be a positive multiple of {quant.BLOCK}")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim % BLOCK:
+            raise ValueError(f"row width dim={dim!r} must be a positive multiple of {BLOCK}")
         self.capacity, self.dim = capacity, dim
-        self.row_bytes = quant.fp8_row_bytes(dim)  # dim value bytes + dim // 32 scale bytes
+        self.row_bytes = fp8_row_bytes(dim)  # dim value bytes + dim // 32 scale bytes
         self.device = torch.device(device)
         self._values = torch.empty((capacity, dim), dtype=torch.uint8, device=self.device)  # (C, dim)
-        self._scales = torch.empty((capacity, dim // quant.BLOCK), dtype=torch.uint8, device=self.device)
-        self._state = _kernels().new_state(capacity)  # keys, vals, slot_row, prev, nxt, ends
+        self._scales = torch.empty((capacity, dim // BLOCK), dtype=torch.uint8, device=self.device)
+        self._state = cpu_cache.new_state(capacity)  # keys, vals, slot_row, prev, nxt, ends
         self._slot_of = np.empty(0, dtype=np.int64)  # (U,) per-call scratch, grown as needed
         self._ins_of = np.empty(0, dtype=np.int64)
         self.reset_stats()
@@ -94,7 +86,7 @@ class RowCache:
 
     def clear(self) -> None:
         """Forget every cached row (the counters stay)."""
-        self._state = _kernels().new_state(self.capacity)
+        self._state = cpu_cache.new_state(self.capacity)
 
     # ------------------------------------------------------------------ host half
     def plan(self, uniq: np.ndarray) -> CachePlan:
@@ -117,7 +109,7 @@ class RowCache:
             self._slot_of = np.empty(max(n, 2 * self._slot_of.shape[0]), dtype=np.int64)
             self._ins_of = np.empty_like(self._slot_of)
         slot_of, ins_of = self._slot_of[:n], self._ins_of[:n]
-        hits, inserted, evictions = _kernels().plan(uniq, *self._state, slot_of, ins_of)
+        hits, inserted, evictions = cpu_cache.plan(uniq, *self._state, slot_of, ins_of)
         hit_idx = np.flatnonzero(slot_of >= 0)
         miss_idx = np.flatnonzero(slot_of < 0)
         ins_slots = ins_of[miss_idx[:inserted]].copy()  # admitted misses are the first `inserted`
@@ -156,12 +148,12 @@ class RowCache:
     @property
     def values(self) -> torch.Tensor:
         """(C, dim) float8_e4m3fn view of the cached value bytes (rows of empty slots are garbage)."""
-        return self._values.view(quant.VALUE_DTYPE)
+        return self._values.view(VALUE_DTYPE)
 
     @property
     def scales(self) -> torch.Tensor:
         """(C, dim // 32) float8_e8m0fnu view of the cached scale bytes."""
-        return self._scales.view(quant.SCALE_DTYPE)
+        return self._scales.view(SCALE_DTYPE)
 
     def read(self, slots: torch.Tensor, out_values: torch.Tensor, out_scales: torch.Tensor) -> None:
         """out_values (H, dim) / out_scales (H, nb) uint8 <- the cached rows in `slots` (H,) int64.
@@ -171,8 +163,8 @@ class RowCache:
         """
         self._check_rows_args("read", slots, out_values, out_scales)
         if self.device.type == "cpu":
-            lookup.gather_rows(self.values, slots, out_values.view(quant.VALUE_DTYPE))
-            lookup.gather_rows(self.scales, slots, out_scales.view(quant.SCALE_DTYPE))
+            lookup.gather_rows(self.values, slots, out_values.view(VALUE_DTYPE))
+            lookup.gather_rows(self.scales, slots, out_scales.view(SCALE_DTYPE))
         else:
             torch.index_select(self._values, 0, slots, out=out_values)
             torch.index_select(self._scales, 0, slots, out=out_scales)
@@ -188,9 +180,8 @@ class RowCache:
                     f"slot {int(s[i])} at position {i} is outside this cache's slots [0, {self.capacity}); "
                     "write the slots RowCache.plan gave (ins_slots)"
                 )
-            kernels = _kernels()
-            kernels.scatter_rows(self._values.numpy(), s, values.numpy())
-            kernels.scatter_rows(self._scales.numpy(), s, scales.numpy())
+            cpu_cache.scatter_rows(self._values.numpy(), s, values.numpy())
+            cpu_cache.scatter_rows(self._scales.numpy(), s, scales.numpy())
         else:
             self._values.index_copy_(0, slots, values)
             self._scales.index_copy_(0, slots, scales)
@@ -199,7 +190,7 @@ class RowCache:
         self, op: str, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
     ) -> None:
         """Shapes, dtypes and devices only (no device sync): slots (I,) int64, values (I, dim), scales (I, nb)."""
-        nb = self.dim // quant.BLOCK
+        nb = self.dim // BLOCK
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             found = f"{slots.dtype} {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots)
             raise TypeError(f"{op}: slots must be a 1-D int64 tensor, got {found}")

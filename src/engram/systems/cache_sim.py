@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engram.storage.fp8 import fp8_row_bytes
 from engram.systems.cache import RowCache
 
 __all__ = ["CacheSimReport", "add_cache_sim_command", "simulate_cache"]
@@ -145,7 +146,6 @@ def _size(text: str) -> int:
 
 def cmd_cache_sim(args: argparse.Namespace) -> int:
     from engram.cli.commands import _config_from_args, _hasher, _text_from_args
-    from engram.storage.quant import fp8_row_bytes
 
     config = _config_from_args(args)
     text, source = _text_from_args(args)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engram.storage import quant
+from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
 from engram.systems.cache import RowCache
 
 __all__ = [
@@ -84,7 +84,7 @@ class Staging:
 
 def cpu_block_bytes(u: int, dim: int) -> int:
     """Bytes of a CPU block of u rows: values (u, dim) | scales (u, dim // 32), 64-aligned regions."""
-    return align(u * dim) + u * (dim // quant.BLOCK)
+    return align(u * dim) + u * (dim // BLOCK)
 
 
 def assemble_cpu(
@@ -97,7 +97,7 @@ def assemble_cpu(
     """The block [misses; hits] (U rows) in host bytes `buf` (>= cpu_block_bytes(u, dim)); arguments
     as `assemble_cuda`."""
     miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
-    nb, m = dim // quant.BLOCK, miss_rows.numel()
+    nb, m = dim // BLOCK, miss_rows.numel()
     off_s = align(u * dim)
     values = buf[: u * dim].view(u, dim)  # (U, dim) bytes: [misses; hits]
     scales = buf[off_s : off_s + u * nb].view(u, nb)
@@ -109,7 +109,7 @@ def assemble_cpu(
             k = ins_slots.shape[0]
             cache.write(torch.from_numpy(ins_slots), values[:k], scales[:k])
     inv = torch.from_numpy(inverse).view(shape)
-    return FetchedBlock(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE), inv, None)
+    return FetchedBlock(values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE), inv, None)
 
 
 def assemble_cuda(
@@ -128,7 +128,7 @@ def assemble_cuda(
     len(ins_slots) misses are written to the cache at ins_slots.
     """
     miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
-    nb, m, n = dim // quant.BLOCK, miss_rows.numel(), inverse.shape[0]
+    nb, m, n = dim // BLOCK, miss_rows.numel(), inverse.shape[0]
     h, k = hit_slots.shape[0], ins_slots.shape[0]
     # staging layout (bytes, each region 64-aligned): miss values | miss scales | inverse | hits | admits
     off_s = align(m * dim)
@@ -162,4 +162,4 @@ def assemble_cuda(
             cache.write(dev_idx[n + h :], miss_v[:k], miss_s[:k])
         ready = torch.cuda.Event()
         ready.record(stream)
-    return FetchedBlock(values.view(quant.VALUE_DTYPE), scales.view(quant.SCALE_DTYPE), inv, ready)
+    return FetchedBlock(values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE), inv, ready)

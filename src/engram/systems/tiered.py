@@ -63,8 +63,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.model.table import EngramTable, FP8Table, MmapFP8Table, check_rows
-from engram.storage import lookup, quant
+from engram.model.table import EngramTable, FP8Table, MmapFP8Table
+from engram.storage import lookup
+from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import RowCache
 from engram.systems.placement import Placement, as_device, as_placement
@@ -148,7 +149,7 @@ class TieredTable(EngramTable):
         ):
             raise ValueError(f"fetch_threads={fetch_threads!r} must be None or an int >= 1")
         self.num_rows, self.dim = table.num_rows, table.dim
-        self.row_bytes = quant.fp8_row_bytes(self.dim)
+        self.row_bytes = fp8_row_bytes(self.dim)
         self.device = as_device(device)
         self.cache_rows, self.max_pending, self.fetch_threads = cache_rows, max_pending, fetch_threads
         # plain attributes, not a submodule: model.to(...) must not drag a host / SSD table along
@@ -434,8 +435,8 @@ class TieredTable(EngramTable):
             return
         # numba byte copies (GIL released; file pages fault in for SSD), rows ascending for locality
         threads = self.fetch_threads
-        lookup.gather_rows(self._host_values, miss_rows, out_v.view(quant.VALUE_DTYPE), threads=threads)
-        lookup.gather_rows(self._host_scales, miss_rows, out_s.view(quant.SCALE_DTYPE), threads=threads)
+        lookup.gather_rows(self._host_values, miss_rows, out_v.view(VALUE_DTYPE), threads=threads)
+        lookup.gather_rows(self._host_scales, miss_rows, out_s.view(SCALE_DTYPE), threads=threads)
 
     def extra_repr(self) -> str:
         cache = f", cache_rows={self.cache_rows}" if self.cache_rows else ""
