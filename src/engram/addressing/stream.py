@@ -46,8 +46,11 @@ class HashStream:
     """
 
     def __init__(self, hasher: NgramHasher, batch_size: int = 1) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer):
+            raise TypeError(f"batch_size must be an int (sequences decoded together), got {batch_size!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
+        batch_size = int(batch_size)
         self.hasher = hasher
         self.batch_size = batch_size
         w = hasher.window_size
