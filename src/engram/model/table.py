@@ -8,10 +8,10 @@ Holds:
   Values and scales are buffers named `weight` and `scale` (so a module's state_dict reads
   `...table.weight` / `...table.scale`), and move with `.to(device)`.
 - `MmapFP8Table`: the same, memory-mapped from a safetensors file: rows are read on demand, so a
-  table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
+  table larger than free memory works (up to RAM + swap, see the class). Not buffers (a memory map does not move to a GPU); `gather` copies
   the gathered rows to the device asked for.
 
-Dequantisation is `engram.storage.quant`'s, row gathers `engram.storage.lookup`'s and safetensors parsing
+Dequantisation is `engram.storage.quant`'s, row gathers `engram.storage.lookup`'s and safetensors files
 `engram.checkpoint.files`'s; this file only stores tables and routes rows to them.
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram.checkpoint.files import expect_entry, read_safetensors_header
+from engram.checkpoint.files import open_tensors
 from engram.storage import lookup, quant
 
 __all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable", "check_rows"]
@@ -227,7 +227,9 @@ class MmapFP8Table(EngramTable):
     `weight` (float8_e4m3fn [rows, dim]) and `scale` (float8_e8m0fnu [rows, dim // 32]) are read-only
     views of the file, not buffers: they stay on the host (a state_dict does not hold them, `.to()` leaves
     them), and `gather(rows, dtype, device)` returns rows on `device` (default: the rows' device). The
-    file's page cache is the only copy, so a table larger than RAM works (pages are read as touched).
+    file's page cache is the only copy (pages are read as touched), so a table larger than free memory
+    works. The mapping is safetensors' copy-on-write one (a write stays in this process, the file never
+    changes), which Linux refuses above RAM + swap unless vm.overcommit_memory=1 (the error says so).
     """
 
     def __init__(
@@ -242,19 +244,17 @@ class MmapFP8Table(EngramTable):
         self.path = Path(path)
         self.scale_path = self.path if scale_path is None else Path(scale_path)
         self.weight_name, self.scale_name = weight_name, scale_name
-        w = expect_entry(
-            read_safetensors_header(self.path), self.path, weight_name, "F8_E4M3", ["rows", "dim"]
-        )
-        if len(w.shape) != 2 or w.shape[0] < 1 or w.shape[1] % quant.BLOCK or w.shape[1] == 0:
+        w = open_tensors(self.path).expect(weight_name, torch.float8_e4m3fn, ["rows", "dim"])
+        if w.shape[0] < 1 or w.shape[1] % quant.BLOCK or w.shape[1] == 0:
             raise ValueError(
                 f"{self.path}: tensor {weight_name!r} has shape {list(w.shape)}, expected [rows >= 1, dim] "
                 f"with dim a positive multiple of {quant.BLOCK}"
             )
         rows, dim = w.shape
-        scale_entries = read_safetensors_header(self.scale_path)
-        s = expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // quant.BLOCK])
-        self.weight = w.mmap()  # (rows, dim) float8_e4m3fn, file-backed
-        self.scale = s.mmap()  # (rows, dim // 32) float8_e8m0fnu, file-backed
+        self.weight = w  # (rows, dim) float8_e4m3fn, file-backed
+        self.scale = open_tensors(self.scale_path).expect(  # (rows, dim // 32) float8_e8m0fnu, file-backed
+            scale_name, torch.float8_e8m0fnu, [rows, dim // quant.BLOCK]
+        )
         self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")
 
     def gather(
