@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lookup import make_ids, make_table
-from engram.checkpoint.files import write_safetensors
+from engram.checkpoint.files import save_tensors
 from engram.model.table import FP8Table, MmapFP8Table
 from engram.storage.fp8 import fp8_row_bytes
 from engram.systems import Placement, TieredTable
@@ -127,7 +127,7 @@ def bench_ssd(
     n_rows = sum(b.numel() for b in batches)
     with tempfile.TemporaryDirectory(dir=folder, prefix="engram-bench-tiers-") as tmp:
         path = Path(tmp) / "table.safetensors"
-        write_safetensors(path, [("w", table.weight), ("s", table.scale)])
+        save_tensors(path, {"w": table.weight, "s": table.scale})
         mm = MmapFP8Table(path, "w", "s")
         variants = {
             "ssd": lambda: TieredTable(mm, Placement.SSD),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -191,6 +192,22 @@ def test_wrong_shape_dtype_or_tensor(tmp_path):
     ):
         read_table_rows(tmp_path, [layout])
     assert read_table_rows(tmp_path, [_layout(layout.files, ())])[0][f"{NAME}.weight"].shape == (ROWS, DIM)
+
+
+def test_damaged_shard_file(tmp_path):
+    """A truncated or foreign shard file is refused naming it (safetensors' own error never surfaces)."""
+    layout = _write(tmp_path, [0, 4, 10])
+    path = tmp_path / shard_file(1)
+    os.truncate(path, path.stat().st_size - 8)
+    with pytest.raises(
+        ValueError, match=r"tables-rank-1\.safetensors: not a readable safetensors file .*truncated"
+    ):
+        read_table_rows(tmp_path, [layout])
+    path.write_text("not tensors")
+    with pytest.raises(
+        ValueError, match=r"tables-rank-1\.safetensors: not a readable .*re-copy or re-convert it"
+    ):
+        read_table_rows(tmp_path, [layout])
 
 
 def test_range_outside_the_table(tmp_path):

@@ -1,49 +1,48 @@
-"""Reading and writing safetensors files without loading them whole.
+"""Safetensors files, through the `safetensors` package's file API: nothing here parses or writes the format.
 
 Holds:
-- `ST_DTYPES`: safetensors dtype names <-> torch dtypes (the ones an Engram checkpoint can hold).
-- `read_safetensors_header(path)`: the parsed, validated header of a file ({name: SafetensorsEntry});
-  a truncated file (an interrupted copy or download) is refused with the byte counts.
-- `SafetensorsEntry`: where one tensor's bytes are; `.mmap()` maps them read-only (nothing is read
-  until indexed), `.read()` copies them into memory.
-- `expect_entry(entries, path, name, dtype, shape)`: one entry, checked against the dtype and shape
-  a caller needs (the error names the file, the tensor and both).
-- `write_safetensors(path, tensors)`: a file written in chunks (a memory-mapped table streams through
-  without being loaded), readable by the `safetensors` package.
+- `save_tensors(path, tensors, metadata=None)` / `load_tensors(path)`: a whole {name: tensor} file.
+- `open_tensors(path)` -> `TensorFile`, one file whose header safetensors has checked: `.keys()`,
+  `.entry(name)` (a `TensorEntry`: file, name, dtype, shape), `.tensor(name)` (memory-mapped, nothing read
+  until touched), `.slice(name)[a:b]` (reads those rows only), `.expect(name, dtype, shape)`, `.metadata`.
+- `DTYPES` (safetensors dtype names -> torch dtypes) and `dtype_name(torch dtype)`.
+- `listed_names(path)`: the tensors a file safetensors refuses (truncated) still lists, for error messages.
 
-The format: 8-byte little-endian header length n, n bytes of JSON {name: {dtype, shape,
-data_offsets}} (plus `__metadata__`), then the raw little-endian tensor bytes.
+Every error is a ValueError / TypeError / FileNotFoundError naming the file (and the tensor) and the fix;
+safetensors' own exceptions never leave this module. It knows nothing of checkpoints, configs or tables.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 __all__ = [
-    "ST_DTYPES",
-    "SafetensorsEntry",
-    "expect_entry",
-    "read_safetensors_header",
-    "write_safetensors",
+    "DTYPES",
+    "TensorEntry",
+    "TensorFile",
+    "TensorSlice",
+    "dtype_name",
+    "listed_names",
+    "load_tensors",
+    "open_tensors",
+    "save_tensors",
 ]
 
-# safetensors refuses headers above 100 MB; so do we (a corrupt length would otherwise be read).
-_MAX_HEADER_BYTES = 100_000_000
-_WRITE_CHUNK = 1 << 26  # bytes per write: streams a memory-mapped table without loading it whole
-
 # safetensors dtype names <-> torch dtypes (the ones an Engram checkpoint can hold).
-ST_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -57,196 +56,254 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-# Item sizes of every dtype a header may name (including ones engram cannot turn into tensors).
-_ST_ITEMSIZE = {"F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8} | {
-    k: torch.empty(0, dtype=v).element_size() for k, v in ST_DTYPES.items()
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Plain words for safetensors' refusals of a damaged file (its messages name no file and no fix).
+_HINTS = {
+    "not fully covered": "truncated or damaged (an interrupted copy or download?)",
+    "header too": "it does not start with a safetensors header (is it a safetensors file?)",
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of `dtype` (e.g. "F8_E4M3"); TypeError for a dtype engram does not store."""
+    if dtype not in _NAMES:
+        raise TypeError(
+            f"dtype {dtype} is not one an Engram checkpoint holds (supported: {', '.join(map(str, _NAMES))})"
+        )
+    return _NAMES[dtype]
+
+
+@contextlib.contextmanager
+def _refusals(path: Path, name: str | None = None) -> Iterator[None]:
+    """Turn safetensors' (and torch's memory-mapping) errors into ValueErrors naming the file and the fix."""
+    where = f"{path}" if name is None else f"{path}: tensor {name!r}"
+    try:
+        yield
+    except SafetensorError as e:
+        reason = str(e).removeprefix("Error while deserializing header: ")
+        hint = next((h for key, h in _HINTS.items() if key in reason), None)
+        size = path.stat().st_size if path.is_file() else 0
+        raise ValueError(
+            f"{where}: not a readable safetensors file ({size} bytes; safetensors says: {reason})"
+            + (f": {hint}" if hint else "")
+            + "; re-copy or re-convert it"
+        ) from None
+    except RuntimeError as e:  # torch could not map the file (raised while a tensor is made)
+        if "mmap" not in str(e):
+            raise
+        hint = (
+            "; Linux refuses a copy-on-write mapping larger than RAM + swap unless vm.overcommit_memory=1: "
+            "add swap or set that"
+            if "Cannot allocate memory" in str(e)
+            else ""
+        )
+        raise ValueError(f"{where}: cannot memory-map the file ({e}){hint}") from None
 
 
 # ------------------------------------------------------------------------------------------- reading
 
 
 @dataclass(frozen=True)
-class SafetensorsEntry:
-    """One tensor of a safetensors file: where its bytes are and what they are."""
+class TensorEntry:
+    """One tensor of a safetensors file, as its header describes it (nothing is read)."""
 
     path: Path
     name: str
     dtype: str  # safetensors name, e.g. "F8_E4M3"
     shape: tuple[int, ...]
-    start: int  # absolute byte offset of the data in the file
-    nbytes: int
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in ST_DTYPES:
+        if self.dtype not in DTYPES:
             raise TypeError(
                 f"{self.path}: tensor {self.name!r} has dtype {self.dtype}, which engram cannot read"
             )
-        return ST_DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
-    def mmap(self) -> torch.Tensor:
-        """A read-only memory-mapped tensor over the file's bytes (nothing is read until indexed).
 
-        Never write to it: the pages are mapped read-only and a write would crash the process.
-        """
-        dtype = self.torch_dtype
-        if self.nbytes == 0:
-            return torch.empty(self.shape, dtype=dtype)
-        arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.start, shape=(self.nbytes,))
-        with warnings.catch_warnings():  # torch warns that the array is read-only: intended here
+class TensorSlice:
+    """`TensorFile.slice(name)[a:b]`: rows a..b of one tensor (a view of the file's mapping)."""
+
+    def __init__(self, path: Path, name: str, sl: Any) -> None:
+        self.path, self.name, self._slice = path, name, sl
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        with _refusals(self.path, self.name):
+            return self._slice[index]
+
+
+class TensorFile:
+    """An open safetensors file (see `open_tensors`)."""
+
+    def __init__(self, path: Path, handle: Any) -> None:
+        self.path, self._handle = path, handle
+        with _refusals(path):
+            self.metadata: dict[str, str] = dict(handle.metadata() or {})
+            self._keys: list[str] = list(handle.keys())
+
+    def keys(self) -> list[str]:
+        """The tensor names, sorted."""
+        return list(self._keys)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def _check_name(self, name: str) -> None:
+        if name not in self._keys:
+            have = ", ".join(self._keys[:8]) + (" ..." if len(self._keys) > 8 else "")
+            raise ValueError(f"{self.path}: no tensor {name!r} (the file holds: {have or 'nothing'})")
+
+    def entry(self, name: str) -> TensorEntry:
+        """What the header says of tensor `name` (ValueError naming the file's tensors if it has none)."""
+        self._check_name(name)
+        with _refusals(self.path, name):
+            sl = self._handle.get_slice(name)
+            return TensorEntry(self.path, name, sl.get_dtype(), tuple(sl.get_shape()))
+
+    def entries(self) -> dict[str, TensorEntry]:
+        return {name: self.entry(name) for name in self._keys}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name`, memory-mapped: nothing is read until touched, and writes stay in this process
+        (copy-on-write, the file never changes). `.clone()` it to hold it in memory."""
+        self._check_name(name)
+        with _refusals(self.path, name):
+            return self._handle.get_tensor(name)
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a read-only shared mapping of the file (numpy memmap, mode "r"): what a table
+        far larger than RAM needs, since `tensor` maps copy-on-write, which Linux refuses beyond RAM + swap.
+
+        Where the bytes lie follows from what safetensors has validated, not from parsing the header: it
+        refuses files whose data region has gaps or trailing bytes, so that region is the file's last
+        sum(nbytes) bytes, holding the tensors back to back in `offset_keys()` order. The result is not
+        writable (a write raises); `.clone()` it for a private copy."""
+        self._check_name(name)
+        with _refusals(self.path, name):
+            order = list(self._handle.offset_keys())
+        sizes = {}
+        for key in order:
+            e = self.entry(key)
+            itemsize = torch.empty(0, dtype=DTYPES[e.dtype]).element_size() if e.dtype in DTYPES else None
+            if itemsize is None:
+                raise TypeError(f"{self.path}: tensor {key!r} has dtype {e.dtype}, which engram cannot map")
+            sizes[key] = math.prod(e.shape) * itemsize
+        start = self.path.stat().st_size - sum(sizes.values())
+        offset = start + sum(sizes[k] for k in order[: order.index(name)])
+        e = self.entry(name)
+        if sizes[name] == 0:
+            return torch.empty(e.shape, dtype=e.torch_dtype)
+        arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(sizes[name],))
+        with warnings.catch_warnings():  # torch warns that the array is not writable: that is the point
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(arr)
-        return flat.view(dtype).view(self.shape)
+            raw = torch.from_numpy(arr)
+        return raw.view(e.torch_dtype).view(e.shape)
 
-    def read(self) -> torch.Tensor:
-        """The tensor copied into memory."""
-        return self.mmap().clone()
+    def slice(self, name: str) -> TensorSlice:
+        """`slice(name)[a:b]`: only those rows of tensor `name` are read."""
+        self._check_name(name)
+        with _refusals(self.path, name):
+            return TensorSlice(self.path, name, self._handle.get_slice(name))
+
+    def expect(
+        self, name: str, dtype: torch.dtype, shape: Sequence[int | str], *, mapped: bool = False
+    ) -> torch.Tensor:
+        """`tensor(name)` (with `mapped`, `mapped(name)`), checked to be `dtype` with `shape` first (a str in
+        `shape` matches any size); the error names the file, the tensor, what it is and what was expected."""
+        e = self.entry(name)
+        if e.dtype != dtype_name(dtype):
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has dtype {e.dtype}, expected {dtype_name(dtype)}"
+            )
+        ok = len(e.shape) == len(shape) and all(
+            isinstance(s, str) or s == d for s, d in zip(shape, e.shape, strict=True)
+        )
+        if not ok:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}"
+            )
+        return self.mapped(name) if mapped else self.tensor(name)
 
 
-def read_safetensors_header(
-    path: str | os.PathLike[str], *, allow_truncated: bool = False
-) -> dict[str, SafetensorsEntry]:
-    """Parse and validate a safetensors header: {name: SafetensorsEntry}; `__metadata__` is skipped.
-
-    Checks the 8-byte little-endian header length, the JSON, every entry's dtype / shape / data_offsets
-    (size consistent with shape and dtype), and that the file holds all the bytes the header promises:
-    a shorter file (an interrupted copy or download) raises ValueError naming the file, unless
-    `allow_truncated` (used to list what a damaged file was meant to hold).
-    """
+def open_tensors(path: str | os.PathLike[str]) -> TensorFile:
+    """Open a safetensors file; safetensors checks its header and size first (a truncated or foreign
+    file raises ValueError naming it, a missing one FileNotFoundError)."""
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such safetensors file")
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder, not a safetensors file")
+    with _refusals(path):
+        handle = safe_open(str(path), framework="pt")
+    return TensorFile(path, handle)
+
+
+def load_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a file, {name: tensor}, memory-mapped as `TensorFile.tensor` maps them."""
+    f = open_tensors(path)
+    return {name: f.tensor(name) for name in f}
+
+
+def listed_names(path: str | os.PathLike[str]) -> list[str]:
+    """The tensor names a file's header lists, even when safetensors refuses the file (e.g. truncated):
+    for error messages only ("these are damaged, not missing"), never to read data. [] without a header."""
+    # safetensors has no call listing a refused file's tensors, so this reads the header itself: an
+    # 8-byte little-endian length, then that many bytes of JSON. Nothing else here reads the format.
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(
-                    f"{path}: {size} bytes, too short for a safetensors file (8-byte header length)"
-                )
-            (n,) = struct.unpack("<Q", head)
-            if n < 2 or n > _MAX_HEADER_BYTES:
-                raise ValueError(
-                    f"{path}: header length {n} is not a safetensors header length (2..{_MAX_HEADER_BYTES}); "
-                    "is this a safetensors file?"
-                )
-            if 8 + n > size:
-                raise ValueError(
-                    f"{path}: truncated: the header needs bytes 8..{8 + n} but the file has {size} bytes; "
-                    "copy or download the file again"
-                )
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such safetensors file") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(
-            f"{path}: the safetensors header is a JSON {type(header).__name__}, expected an object"
-        )
-    data_start = 8 + n
-    out: dict[str, SafetensorsEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        out[name] = _parse_entry(path, name, info, data_start, None if allow_truncated else size)
-    return out
-
-
-def _parse_entry(path: Path, name: str, info: Any, data_start: int, size: int | None) -> SafetensorsEntry:
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: tensor {name!r}: {what}")
-
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise bad(f"header entry {info!r} lacks dtype, shape or data_offsets")
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _ST_ITEMSIZE:
-        raise bad(f"unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative ints")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
-    nbytes = offsets[1] - offsets[0]
-    expected = math.prod(shape) * _ST_ITEMSIZE[dtype]
-    if nbytes != expected:
-        raise bad(f"data_offsets {offsets} hold {nbytes} bytes but {dtype} {shape} needs {expected}")
-    end = data_start + offsets[1]
-    if size is not None and end > size:
-        raise ValueError(
-            f"{path}: truncated: tensor {name!r} ends at byte {end} but the file has only {size} bytes "
-            "(an interrupted copy or download?); copy or download the file again"
-        )
-    return SafetensorsEntry(path, name, dtype, tuple(shape), data_start + offsets[0], nbytes)
-
-
-def expect_entry(
-    entries: dict[str, SafetensorsEntry], path: Path, name: str, dtype: str, shape: Sequence[int | str]
-) -> SafetensorsEntry:
-    """`entries[name]`, checked to be `dtype` with `shape` (a str in `shape` matches any size)."""
-    if name not in entries:
-        have = ", ".join(sorted(entries)[:8]) + (" ..." if len(entries) > 8 else "")
-        raise ValueError(f"{path}: no tensor {name!r} (the file holds: {have or 'nothing'})")
-    e = entries[name]
-    if e.dtype != dtype:
-        raise ValueError(f"{path}: tensor {name!r} has dtype {e.dtype}, expected {dtype}")
-    ok = len(e.shape) == len(shape) and all(
-        isinstance(s, str) or s == d for s, d in zip(shape, e.shape, strict=True)
-    )
-    if not ok:
-        raise ValueError(f"{path}: tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}")
-    return e
+            n = int.from_bytes(f.read(8), "little")
+            if n > 100_000_000:  # safetensors' own header limit: not a header
+                return []
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):  # ValueError: also bad JSON / UTF-8
+        return []
+    return sorted(k for k in header if k != "__metadata__") if isinstance(header, dict) else []
 
 
 # ------------------------------------------------------------------------------------------- writing
 
 
-def _write_tensor(f: Any, t: torch.Tensor) -> None:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1).view(torch.uint8)  # (nbytes,), little-endian raw bytes
-    for start in range(0, flat.numel(), _WRITE_CHUNK):
-        f.write(flat[start : start + _WRITE_CHUNK].numpy().data)
+def save_tensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Write {name: tensor} as a safetensors file at `path` (metadata: str -> str, plus format "pt");
+    return the tensor bytes written. safetensors writes a temporary file and renames it into place; the
+    file is then fsync'ed.
 
-
-def write_safetensors(path: str | os.PathLike[str], tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
-    """Write [(name, tensor), ...] as a safetensors file at `path`; return the data bytes written.
-
-    Widest dtypes come first so every tensor is aligned; the data is written in 64 MiB chunks, so a
-    memory-mapped tensor streams from its file without being loaded whole. The file is fsync'ed.
+    Memory: `save_file` writes straight from each tensor's memory (safetensors >= 0.8 passes pointers, no
+    copy), so a CPU tensor costs nothing extra and a memory-mapped one streams from its file. Only a tensor
+    on a GPU or not contiguous is copied to the host first (all of them before the write starts).
     """
-    items = sorted(tensors, key=lambda kv: -kv[1].element_size())  # stable: keeps order within a width
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in items:
-        if name in header:
-            raise ValueError(f"tensor name {name!r} is given twice; a safetensors file holds each name once")
-        if t.dtype not in _TORCH_TO_ST:
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path}: the folder {path.parent} does not exist; create it first")
+    meta = {"format": "pt", **(metadata or {})}
+    bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"{path}: metadata {bad[0]!r} is not str -> str (safetensors metadata is text only)")
+    ready: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{path}: tensor {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype not in _NAMES:
             raise TypeError(
-                f"tensor {name!r} has dtype {t.dtype}, which safetensors files here cannot hold "
-                f"(supported: {', '.join(str(d) for d in _TORCH_TO_ST)})"
+                f"{path}: tensor {name!r} has dtype {t.dtype}, which an Engram checkpoint cannot hold "
+                f"(supported: {', '.join(map(str, _NAMES))}); cast it first"
             )
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _TORCH_TO_ST[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned, as safetensors does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in items:
-            _write_tensor(f, t)
-        f.flush()
+        ready[name] = t.detach().cpu().contiguous()  # no copy for a contiguous CPU tensor
+    try:
+        save_file(ready, path, metadata=meta)
+    except (SafetensorError, RuntimeError, ValueError) as e:
+        why = " ".join(str(e).split())  # safetensors' messages span lines
+        if "share memory" in why:  # its advice (save_model) does not apply here
+            why = why.split(". ")[0] + "; pass a .clone() of all but one of them"
+        raise ValueError(f"{path}: could not write the safetensors file ({why})") from None
+    with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return offset
+    return sum(t.numel() * t.element_size() for t in ready.values())

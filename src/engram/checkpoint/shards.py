@@ -18,14 +18,15 @@ Holds:
   files' headers: every file present, the ranges covering [0, num_rows) exactly, shapes and dtypes).
 - `shard_file(rank)`, `save_shard(folder, rank, tensors)`: one rank's file.
 - `read_table_rows(folder, tables, ranges)`: rows [lo, hi) of every table and of its optimizer
-  state, assembled from whichever files overlap the range; `safe_open(...).get_slice(name)[a:b]`
+  state, assembled from whichever files overlap the range; `open_tensors(...).slice(name)[a:b]`
   reads only those bytes, so a rank resuming reads only the rows it now owns (any world size, any
   owners) and a single process (`engram eval`, `Trainer.load_checkpoint`) gets the whole tables.
 - `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format.
 
 Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and
 `table.{index}.{field}` (engram.checkpoint.optim_state's), so readers merge them with the other two files.
-Plain file logic: no torch.distributed here (engram.distributed.train writes the files).
+Plain file logic: no torch.distributed here (engram.distributed.train writes the files); every file is
+read and written through engram.checkpoint.files.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+
+from engram.checkpoint.files import load_tensors, open_tensors, save_tensors
 
 __all__ = [
     "SHARDS_KEY",
@@ -131,33 +132,28 @@ class TableShards:
                     f"{where}: shard file {f} (rows [{lo}, {hi})) is missing; copy every "
                     "tables-rank-*.safetensors of the checkpoint into the folder (each owner rank wrote one)"
                 )
-            with safe_open(str(path), "pt") as fh:
-                keys = set(fh.keys())
-                for key in self.tensors:
-                    if key not in keys:
-                        raise ValueError(
-                            f"{where}: {f} has no tensor {key!r}; the file belongs to another checkpoint: "
-                            "copy this checkpoint's own shard files"
-                        )
-                    sl = fh.get_slice(key)
-                    shape, dtype = list(sl.get_shape()), sl.get_dtype()
-                    if (
-                        not shape
-                        or shape[0] != hi - lo
-                        or (key.endswith(".weight") and shape[1:] != [self.dim])
-                    ):
-                        want = f"({hi - lo}, {self.dim})" if key.endswith(".weight") else f"({hi - lo}, ...)"
-                        raise ValueError(
-                            f"{where}: {f} holds {key!r} of shape {tuple(shape)}, expected {want} for rows "
-                            f"[{lo}, {hi}); the file belongs to another checkpoint: copy this one's own"
-                        )
-                    first = seen.setdefault(key, (dtype, shape[1:], f))
-                    if (dtype, shape[1:]) != first[:2]:
-                        raise ValueError(
-                            f"{where}: {key!r} is {dtype} {shape[1:]} per row in {f} but {first[0]} "
-                            f"{first[1]} in {first[2]}; the files come from different runs: copy this "
-                            "checkpoint's own shard files"
-                        )
+            fh = open_tensors(path)
+            for key in self.tensors:
+                if key not in fh:
+                    raise ValueError(
+                        f"{where}: {f} has no tensor {key!r}; the file belongs to another checkpoint: "
+                        "copy this checkpoint's own shard files"
+                    )
+                e = fh.entry(key)
+                shape, dtype = list(e.shape), e.dtype
+                if not shape or shape[0] != hi - lo or (key.endswith(".weight") and shape[1:] != [self.dim]):
+                    want = f"({hi - lo}, {self.dim})" if key.endswith(".weight") else f"({hi - lo}, ...)"
+                    raise ValueError(
+                        f"{where}: {f} holds {key!r} of shape {tuple(shape)}, expected {want} for rows "
+                        f"[{lo}, {hi}); the file belongs to another checkpoint: copy this one's own"
+                    )
+                first = seen.setdefault(key, (dtype, shape[1:], f))
+                if (dtype, shape[1:]) != first[:2]:
+                    raise ValueError(
+                        f"{where}: {key!r} is {dtype} {shape[1:]} per row in {f} but {first[0]} "
+                        f"{first[1]} in {first[2]}; the files come from different runs: copy this "
+                        "checkpoint's own shard files"
+                    )
 
     def read_rows(self, folder: str | Path, key: str, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of shard tensor `key` (see `tensors`), from the files overlapping them;
@@ -173,13 +169,12 @@ class TableShards:
             s, e = max(lo, a), min(hi, b)
             if out is not None and s >= e:
                 continue
-            with safe_open(str(folder / f), "pt") as fh:
-                sl = fh.get_slice(key)
-                if out is None:  # dtype and row shape from the first file (an empty slice reads nothing)
-                    empty = sl[0:0]
-                    out = empty.new_empty((hi - lo, *empty.shape[1:]))  # (hi - lo, ...)
-                if s < e:
-                    out[s - lo : e - lo] = sl[s - a : e - a]  # only these rows are read
+            fh = open_tensors(folder / f)
+            if out is None:  # dtype and row shape from the first file's header
+                entry = fh.entry(key)
+                out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
+            if s < e:
+                out[s - lo : e - lo] = fh.slice(key)[s - a : e - a]  # only these rows are read
         assert out is not None  # check() made sure there is at least one file
         return out
 
@@ -193,7 +188,7 @@ def tables_of_state(state: dict[str, Any]) -> list[TableShards] | None:
 def save_shard(folder: str | Path, rank: int, tensors: dict[str, torch.Tensor]) -> Path:
     """Write rank `rank`'s table rows (keys as `TableShards.tensors` names them) into `folder`."""
     path = Path(folder) / shard_file(rank)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    save_tensors(path, tensors)
     return path
 
 
@@ -231,8 +226,8 @@ def read_checkpoint(
     """(model tensors, optimizer tensors) of a checkpoint folder whose state.json is `state`, in either
     format; a sharded one's tables as `read_table_rows` gives them (ranges: see there)."""
     folder = Path(folder)
-    model = load_file(str(folder / "model.safetensors"))
-    opt = load_file(str(folder / "optimizer.safetensors")) if optimizer else {}
+    model = load_tensors(folder / "model.safetensors")
+    opt = load_tensors(folder / "optimizer.safetensors") if optimizer else {}
     tables = tables_of_state(state)
     if tables is not None:
         rows, opt_rows = read_table_rows(folder, tables, ranges, optimizer=optimizer)

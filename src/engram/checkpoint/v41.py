@@ -23,7 +23,6 @@ extra rows of a smaller layer are never addressed). Both forms load; any other r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import json
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from engram.addressing.layout import Layout
-from engram.checkpoint.files import SafetensorsEntry, read_safetensors_header, write_safetensors
+from engram.checkpoint.files import TensorEntry, TensorFile, listed_names, open_tensors, save_tensors
 from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
 from engram.config import EngramConfig
 from engram.model.module import Engram
@@ -190,7 +189,7 @@ def save_checkpoint(
         total = 0
         weight_map: dict[str, str] = {}
         for name, shard in zip(names, shards, strict=True):
-            total += write_safetensors(tmp[name], shard)
+            total += save_tensors(tmp[name], dict(shard))
             weight_map.update({t: name for t, _ in shard})
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -232,9 +231,9 @@ def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str |
         raise ValueError(f"{path}: {e}") from None
 
 
-def _scan(ckpt_dir: Path) -> tuple[dict[str, SafetensorsEntry], list[str], set[str]]:
+def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
     """Headers of the checkpoint's files: ({tensor: entry}, problems, tensors whose file is unreadable)."""
-    found: dict[str, SafetensorsEntry] = {}
+    found: dict[str, TensorEntry] = {}
     problems: list[str] = []
     explained: set[str] = set()
     index_path = ckpt_dir / INDEX_FILE
@@ -251,7 +250,7 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, SafetensorsEntry], list[str], set[s
         for file, names in sorted(by_file.items()):
             path = ckpt_dir / file
             try:
-                entries = read_safetensors_header(path)
+                entries = open_tensors(path).entries()
             except FileNotFoundError:
                 problems.append(
                     f"{INDEX_FILE} maps {len(names)} tensor(s) (e.g. {names[0]}) to {file}, "
@@ -276,11 +275,10 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, SafetensorsEntry], list[str], set[s
         raise FileNotFoundError(f"{ckpt_dir}: no *.safetensors files and no {INDEX_FILE}: not a checkpoint")
     for path in files:
         try:
-            entries = read_safetensors_header(path)
+            entries = open_tensors(path).entries()
         except ValueError as e:
             problems.append(str(e))
-            with contextlib.suppress(ValueError):  # what the damaged file held: unreadable, not "missing"
-                explained.update(read_safetensors_header(path, allow_truncated=True))
+            explained.update(listed_names(path))  # what the damaged file held: unreadable, not "missing"
             continue
         for name, entry in entries.items():
             if name in found:
@@ -302,14 +300,14 @@ class _ShapeOnlyTable(EngramTable):
 @dataclasses.dataclass
 class _LayerPlan:
     fmt: TableFormat
-    weight: SafetensorsEntry
-    scale: SafetensorsEntry | None
-    others: dict[str, SafetensorsEntry]  # module state_dict key -> entry
+    weight: TensorEntry
+    scale: TensorEntry | None
+    others: dict[str, TensorEntry]  # module state_dict key -> entry
 
 
 def _validate(
     config: EngramConfig,
-    found: Mapping[str, SafetensorsEntry],
+    found: Mapping[str, TensorEntry],
     problems: list[str],
     explained: set[str],
 ) -> dict[int, _LayerPlan]:
@@ -382,7 +380,7 @@ def _validate(
             problem(sname, f"a scale beside a {w.dtype} (float) table; a float table has no scales")
             ok = False
 
-        others: dict[str, SafetensorsEntry] = {}
+        others: dict[str, TensorEntry] = {}
         stand_in = _ShapeOnlyTable(layout.layer(layer_id).num_embeddings, dim)
         meta = Engram(config, layer_id, table=stand_in, device="meta")  # shapes only: allocates nothing
         for key, t in meta.state_dict().items():
@@ -459,6 +457,13 @@ def load_engram_modules(
             f"({len(problems)} problem(s)):\n{lines}"
         )
 
+    opened: dict[Path, TensorFile] = {}
+
+    def read(e: TensorEntry, to: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `e` copied into memory (cast to `to`): the file's mapping is only read from."""
+        f = opened.get(e.path) or opened.setdefault(e.path, open_tensors(e.path))
+        return f.tensor(e.name).to(to, copy=True)
+
     modules: dict[int, Engram] = {}
     for layer_id, plan in plans.items():
         table: FP8Table | MmapFP8Table | TrainableTable
@@ -469,9 +474,9 @@ def load_engram_modules(
                     plan.weight.path, plan.weight.name, plan.scale.name, scale_path=plan.scale.path
                 )
             else:
-                table = FP8Table(plan.weight.read(), plan.scale.read())
+                table = FP8Table(read(plan.weight), read(plan.scale))
         else:
-            data = plan.weight.read()
+            data = read(plan.weight)
             want = dtype if dtype is not None else data.dtype
             if want not in (torch.float32, torch.bfloat16, torch.float64):
                 want = torch.float32  # a TrainableTable is fp32/bf16/fp64
@@ -479,7 +484,7 @@ def load_engram_modules(
             table = TrainableTable(rows, dim, dtype=want, device="meta")
             table.weight = nn.Parameter(data.to(want))
         module = Engram(config, layer_id, table=table, device="meta", dtype=dtype or torch.float32)
-        state = {k: (e.read() if dtype is None else e.read().to(dtype)) for k, e in plan.others.items()}
+        state = {k: read(e, dtype) for k, e in plan.others.items()}
         result = module.load_state_dict(state, strict=False, assign=True)
         assert not result.unexpected_keys and all(k.startswith("table.") for k in result.missing_keys), result
         assert not any(t.is_meta for t in module.state_dict().values()), (

@@ -11,7 +11,7 @@ Holds:
   table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
   the gathered rows to the device asked for.
 
-Dequantisation is `engram.storage.quant`'s, row gathers `engram.storage.lookup`'s and safetensors parsing
+Dequantisation is `engram.storage.quant`'s, row gathers `engram.storage.lookup`'s and safetensors files
 `engram.checkpoint.files`'s; this file only stores tables and routes rows to them.
 """
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram.checkpoint.files import expect_entry, read_safetensors_header
+from engram.checkpoint.files import open_tensors
 from engram.storage import lookup, quant
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 
@@ -211,7 +211,9 @@ class MmapFP8Table(EngramTable):
     `weight` (float8_e4m3fn [rows, dim]) and `scale` (float8_e8m0fnu [rows, dim // 32]) are read-only
     views of the file, not buffers: they stay on the host (a state_dict does not hold them, `.to()` leaves
     them), and `gather(rows, dtype, device)` returns rows on `device` (default: the rows' device). The
-    file's page cache is the only copy, so a table larger than RAM works (pages are read as touched).
+    file's page cache is the only copy (pages are read as touched), so a table larger than RAM works:
+    the mapping is read-only and shared (`TensorFile.mapped`), which the kernel does not count against
+    RAM + swap, and a write to it raises.
     """
 
     def __init__(
@@ -226,19 +228,17 @@ class MmapFP8Table(EngramTable):
         self.path = Path(path)
         self.scale_path = self.path if scale_path is None else Path(scale_path)
         self.weight_name, self.scale_name = weight_name, scale_name
-        w = expect_entry(
-            read_safetensors_header(self.path), self.path, weight_name, "F8_E4M3", ["rows", "dim"]
-        )
-        if len(w.shape) != 2 or w.shape[0] < 1 or w.shape[1] % BLOCK or w.shape[1] == 0:
+        w = open_tensors(self.path).expect(weight_name, VALUE_DTYPE, ["rows", "dim"], mapped=True)
+        if w.shape[0] < 1 or w.shape[1] % BLOCK or w.shape[1] == 0:
             raise ValueError(
                 f"{self.path}: tensor {weight_name!r} has shape {list(w.shape)}, expected [rows >= 1, dim] "
                 f"with dim a positive multiple of {BLOCK}"
             )
         rows, dim = w.shape
-        scale_entries = read_safetensors_header(self.scale_path)
-        s = expect_entry(scale_entries, self.scale_path, scale_name, "F8_E8M0", [rows, dim // BLOCK])
-        self.weight = w.mmap()  # (rows, dim) float8_e4m3fn, file-backed
-        self.scale = s.mmap()  # (rows, dim // 32) float8_e8m0fnu, file-backed
+        self.weight = w  # (rows, dim) float8_e4m3fn, file-backed
+        self.scale = open_tensors(self.scale_path).expect(  # (rows, dim // 32) float8_e8m0fnu, file-backed
+            scale_name, SCALE_DTYPE, [rows, dim // BLOCK], mapped=True
+        )
         self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")
 
     def gather(

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from engram.addressing.hashing import NgramHasher
-from engram.checkpoint.files import write_safetensors
+from engram.checkpoint.files import save_tensors
 from engram.model.module import Engram
 from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
 from engram.systems.background import PrefetchHandle
@@ -113,7 +113,7 @@ def offload_engram(
             assert ssd_dir is not None
             path = Path(ssd_dir) / f"engram_layer{lid}.safetensors"
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_safetensors(path, [("weight", table.weight.cpu()), ("scale", table.scale.cpu())])
+            save_tensors(path, {"weight": table.weight, "scale": table.scale})
             table = MmapFP8Table(path, "weight", "scale")
         elif where is Placement.HOST:
             if isinstance(table, MmapFP8Table):

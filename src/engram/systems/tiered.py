@@ -123,7 +123,7 @@ class TieredTable(EngramTable):
         if self.placement is Placement.SSD and not isinstance(table, MmapFP8Table):
             raise TypeError(
                 "placement SSD reads rows from a memory-mapped file: pass an MmapFP8Table (write the table "
-                "with engram.checkpoint.files.write_safetensors, then MmapFP8Table(path, weight_name, scale_name))"
+                "with engram.checkpoint.files.save_tensors, then MmapFP8Table(path, weight_name, scale_name))"
             )
         if self.placement is Placement.HOST and isinstance(table, MmapFP8Table):
             raise TypeError(
