@@ -137,10 +137,20 @@ class TensorFile:
     """An open safetensors file (see `open_tensors`)."""
 
     def __init__(self, path: Path, handle: Any) -> None:
+        # `handle` is a numpy-framework one: its header queries map nothing. Tensors come from a torch
+        # handle opened on first use, whose copy-on-write mapping of the whole file Linux refuses beyond
+        # RAM + swap (a huge table is read through `mapped` instead).
         self.path, self._handle = path, handle
+        self._torch: Any = None
         with _refusals(path):
             self.metadata: dict[str, str] = dict(handle.metadata() or {})
             self._keys: list[str] = list(handle.keys())
+
+    def _torch_handle(self) -> Any:
+        if self._torch is None:
+            with _refusals(self.path):
+                self._torch = safe_open(str(self.path), framework="pt")
+        return self._torch
 
     def keys(self) -> list[str]:
         """The tensor names, sorted."""
@@ -172,7 +182,7 @@ class TensorFile:
         (copy-on-write, the file never changes). `.clone()` it to hold it in memory."""
         self._check_name(name)
         with _refusals(self.path, name):
-            return self._handle.get_tensor(name)
+            return self._torch_handle().get_tensor(name)
 
     def mapped(self, name: str) -> torch.Tensor:
         """Tensor `name` as a read-only shared mapping of the file (numpy memmap, mode "r"): what a table
@@ -207,7 +217,7 @@ class TensorFile:
         """`slice(name)[a:b]`: only those rows of tensor `name` are read."""
         self._check_name(name)
         with _refusals(self.path, name):
-            return TensorSlice(self.path, name, self._handle.get_slice(name))
+            return TensorSlice(self.path, name, self._torch_handle().get_slice(name))
 
     def expect(
         self, name: str, dtype: torch.dtype, shape: Sequence[int | str], *, mapped: bool = False
@@ -238,7 +248,7 @@ def open_tensors(path: str | os.PathLike[str]) -> TensorFile:
     if path.is_dir():
         raise ValueError(f"{path}: a folder, not a safetensors file")
     with _refusals(path):
-        handle = safe_open(str(path), framework="pt")
+        handle = safe_open(str(path), framework="numpy")  # header checks only; maps nothing for torch
     return TensorFile(path, handle)
 
 
