@@ -189,7 +189,7 @@ def test_chunked_init_is_world_size_independent(runs, cfg, data):
     (t2, d2), (t3, d3) = (runs[w]["ranks"][0]["chunked_model"] for w in WORLDS)
     assert all(torch.equal(a, b) for a, b in zip(t2, t3, strict=True)) and len(t2) == 2
     assert d2.keys() == d3.keys() and all(torch.equal(d2[k], d3[k]) for k in d2)
-    backbone = build_model(cfg, data, engram=False).state_dict()  # the same backbone draws
+    backbone = build_model(cfg, data, with_engram=False).state_dict()  # the same backbone draws
     assert all(torch.equal(d2[k], v) for k, v in backbone.items())
 
 

@@ -67,7 +67,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
     if args.no_engram:
-        overrides["engram"] = False
+        overrides["engram"] = None  # the baseline backbone
     return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -183,7 +183,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
         data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
-        init = TableInit(args.table_init or "copy")
+        init = TableInit(args.table_init or TableInit.COPY)
         model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
         trainer = DistributedTrainer(
             cfg, data, model, out_dir=out, device=env.device, sharded_checkpoints=args.sharded_checkpoints
@@ -258,7 +258,7 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument(
         "--table-init",
-        choices=["copy", "chunked"],
+        choices=["copy", "chunked"],  # TableInit's values (engram.distributed is imported only to run)
         help="with --distributed: 'copy' (default) shards the single-process model's tables; 'chunked' "
         "draws each rank's rows itself (no rank holds a full table; another initial table)",
     )

@@ -161,11 +161,11 @@ def build_distributed_model(
     build_sharded_model (no rank ever holds a full table; another, world-size independent, init)."""
     if not isinstance(init, TableInit):
         raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
-    if init is TableInit.COPY or not cfg.engram:
+    if init is TableInit.COPY or cfg.engram is None:
         model = build_model(cfg, data).to(device)
         shard_engram_tables(model, group, owners=owners)
         return model
-    base = build_model(cfg, data, engram=False).config  # the LMConfig build_model would use
+    base = build_model(cfg, data, with_engram=False).config  # the LMConfig build_model would use
     lm_cfg = dataclasses.replace(base, engram=data.engram_config)
     return build_sharded_model(lm_cfg, seed=cfg.seed, group=group, device=device, owners=owners)
 
