@@ -15,7 +15,7 @@ from engram.apps.train import (
     build_model,
     evaluate,
     latest_checkpoint,
-    load_checkpoint,
+    load_trained_model,
     prepare_data,
 )
 from engram.model.lm import EngramLM
@@ -55,7 +55,7 @@ def test_resume_is_exact(corpus, data, tmp_path):
     first.run(until=6)
     first.save_checkpoint()
     resumed = Trainer(cfg, data, build_model(cfg.replace(seed=99), data), out_dir=tmp_path)  # other init
-    resumed.load_checkpoint(latest_checkpoint(tmp_path))
+    resumed.resume_from(latest_checkpoint(tmp_path))
     assert resumed.step == 6
     resumed.run()
     for (name, a), (_, b) in zip(
@@ -90,10 +90,10 @@ def test_checkpoint_write_is_atomic(corpus, data, tmp_path, monkeypatch):
         t.save_checkpoint()
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path) == good
-    cfg2, _model, state = load_checkpoint(tmp_path)
+    cfg2, _model, state = load_trained_model(tmp_path)
     assert state["step"] == 2 and cfg2 == cfg
     t2 = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
-    t2.load_checkpoint(good)
+    t2.resume_from(good)
     assert t2.step == 2
 
 
@@ -184,9 +184,9 @@ def test_old_flat_config_is_refused(corpus, data, tmp_path):
     (ckpt / "state.json").write_text(json.dumps(state))
     msg = rf"{ckpt / 'state.json'}: a training config of the old flat format.*retrain the model"
     with pytest.raises(ValueError, match=msg):
-        load_checkpoint(tmp_path / "run")
+        load_trained_model(tmp_path / "run")
     with pytest.raises(ValueError, match=msg):
-        Trainer(cfg, data, build_model(cfg, data)).load_checkpoint(ckpt)
+        Trainer(cfg, data, build_model(cfg, data)).resume_from(ckpt)
 
 
 def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):

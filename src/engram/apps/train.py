@@ -9,7 +9,7 @@ Holds:
   rows depend only on token ids).
 - `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
   Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints
-  (`Trainer.load_checkpoint(path)`; `load_checkpoint(path)` reads one for use).
+  (`Trainer.resume_from(path)` continues one; `load_trained_model(path)` reads one for use).
 - `evaluate` (from `engram.apps.evaluation`): held-out loss per token, overall and per category.
 
 `Trainer.train_step` is split into overridable pieces (`_param_groups`, `_batch_starts`, `_batch`,
@@ -64,7 +64,7 @@ __all__ = [
     "build_model",
     "evaluate",
     "latest_checkpoint",
-    "load_checkpoint",
+    "load_trained_model",
     "prepare_data",
 ]
 
@@ -501,7 +501,7 @@ class Trainer:
         self._saved_step = self.step
         return final
 
-    def load_checkpoint(self, path: str | Path) -> None:
+    def resume_from(self, path: str | Path) -> None:
         """Continue the run of checkpoint folder `path`: restore model, optimizers, step and history.
         The checkpoint's training config must be this trainer's (the total steps aside)."""
         path = Path(path)
@@ -552,7 +552,7 @@ def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
         ) from None
 
 
-def load_checkpoint(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
+def load_trained_model(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
     """(train config, model with its weights, state.json) of a checkpoint folder or a run folder."""
     ckpt = latest_checkpoint(path)
     if ckpt is None:

@@ -107,7 +107,7 @@ def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) ->
                 f"{out} already holds checkpoint {ckpt.name}; pass --resume to continue it, "
                 "or choose another --out"
             )
-        trainer.load_checkpoint(ckpt)
+        trainer.resume_from(ckpt)
         if verbose:
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
 
@@ -199,10 +199,10 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engram.apps.train import evaluate, load_checkpoint, prepare_data
+    from engram.apps.train import evaluate, load_trained_model, prepare_data
 
     _threads(args)
-    cfg, model, state = load_checkpoint(args.checkpoint)
+    cfg, model, state = load_trained_model(args.checkpoint)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
     data = prepare_data(cfg)

@@ -17,7 +17,7 @@ Holds:
 Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
 are all-reduced (float64), so the result equals single-process evaluation up to summation order.
 Checkpoints, two formats (both resume on any world size and any owners, or in one process, and
-`engram eval` / `engram.apps.train.load_checkpoint` read both):
+`engram eval` / `engram.apps.train.load_trained_model` read both):
 - default, the single-process format: the table shards and their optimizer state are gathered to
   rank 0, which writes. That holds one full table on rank 0 for a moment: fine at this project's
   scale, not at V4.1's. Resuming reads the full files on every rank and keeps the owned rows.
@@ -188,7 +188,7 @@ def _data_checksum(data: DataBundle) -> int:
 
 class DistributedTrainer(Trainer):
     """Trainer for one rank of a data-parallel run; every rank constructs it and calls the same
-    methods (run, evaluate, save_checkpoint, load_checkpoint are collectives).
+    methods (run, evaluate, save_checkpoint, resume_from are collectives).
 
     `model` is cfg's model on `device`; Engram tables still unsharded are sharded here (COPY, their
     rows on `owners`, default every rank; tables already sharded keep their owners). Only rank 0
