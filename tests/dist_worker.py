@@ -159,7 +159,7 @@ def _train_part(
     half = out_dir / "run" / "checkpoints" / f"step-{cfg.steps // 2:07d}"
     other = build_distributed_model(cfg.replace(seed=99), data)
     resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "resumed")
-    resumed.load_checkpoint(half)
+    resumed.resume_from(half)
     res["resumed_step"] = resumed.step
     resumed.run()
     res["resumed_history"] = resumed.history
@@ -206,7 +206,7 @@ def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> 
     # resumed in this world, into another model (not asked for sharded checkpoints: it keeps them)
     other = build_model(cfg.replace(seed=99), data).double()
     resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "sharded64_resumed", owners=owners)
-    resumed.load_checkpoint(out_dir / "sharded64" / half)
+    resumed.resume_from(out_dir / "sharded64" / half)
     resumed.run()
     res["sharded_resumed_history64"] = resumed.history
     if prev_dir is not None:  # the other world's checkpoint, every rank of this one owning rows
@@ -220,7 +220,7 @@ def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> 
             return read_rows(self, folder, key, lo, hi)
 
         with mock.patch.object(TableShards, "read_rows", spy):
-            cross.load_checkpoint(prev_dir / "sharded64" / half)
+            cross.resume_from(prev_dir / "sharded64" / half)
         res["cross_reads"] = reads
         res["cross_rows"] = [t.weight.shape[0] for t in cross.tables]
         cross.run()
@@ -277,7 +277,7 @@ def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
 
     other = build_model(cfg.replace(seed=99), data).double()
     resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "owned64_resumed", owners=(1,))
-    resumed.load_checkpoint(out_dir / "owned64" / "checkpoints" / f"step-{cfg.steps // 2:07d}")
+    resumed.resume_from(out_dir / "owned64" / "checkpoints" / f"step-{cfg.steps // 2:07d}")
     res["owned_resumed_rows"] = [t.weight.shape[0] for t in resumed.tables]
     resumed.run()
     res["owned_resumed_history64"] = resumed.history

@@ -27,7 +27,7 @@ from dist_worker import (
     table_inputs,
     worker,
 )
-from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_checkpoint, prepare_data
+from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shards import SHARDS_KEY, shard_file
 from engram.distributed import chunked_normal, shard_bounds
 from engram.model.optim import SparseRowAdam
@@ -189,7 +189,7 @@ def test_chunked_init_is_world_size_independent(runs, cfg, data):
     (t2, d2), (t3, d3) = (runs[w]["ranks"][0]["chunked_model"] for w in WORLDS)
     assert all(torch.equal(a, b) for a, b in zip(t2, t3, strict=True)) and len(t2) == 2
     assert d2.keys() == d3.keys() and all(torch.equal(d2[k], d3[k]) for k in d2)
-    backbone = build_model(cfg, data, engram=False).state_dict()  # the same backbone draws
+    backbone = build_model(cfg, data, with_engram=False).state_dict()  # the same backbone draws
     assert all(torch.equal(d2[k], v) for k, v in backbone.items())
 
 
@@ -257,7 +257,7 @@ def test_distributed_checkpoint_resumes_in_one_process(runs, cfg, data, single):
     path = runs[2]["dir"] / "run" / "checkpoints" / "step-0000003"
     saved = load_file(str(path / "optimizer.safetensors"))
     t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data))
-    t.load_checkpoint(path)
+    t.resume_from(path)
     assert t.step == 3
     for name, opt in (("dense", t.opt), ("table", t.table_opt)):
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -297,15 +297,15 @@ def test_table_ranks_training_matches_single_process_fp64(runs, single64):
 
 def test_table_ranks_checkpoint_resumes_in_one_process(runs, cfg, data, single64):
     """The --table-ranks 1 checkpoints are in the single-process format: step 3 resumes in one
-    process along the single run; step 6 loads with load_checkpoint (what `engram eval` reads)."""
+    process along the single run; step 6 loads with load_trained_model (what `engram eval` reads)."""
     run = runs[2]["dir"] / "owned64"
     t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data).double())
-    t.load_checkpoint(run / "checkpoints" / "step-0000003")
+    t.resume_from(run / "checkpoints" / "step-0000003")
     table = t.model.engrams["1"].table
     assert t.table_opt.state[table.weight]["exp_avg"].shape == table.weight.shape
     t.run()
     _check_history(t.history, single64["history"], 1e-10)
-    _cfg, model, state = load_checkpoint(run)
+    _cfg, model, state = load_trained_model(run)
     assert state["step"] == 6
     got, want = model.state_dict(), single64["model"].state_dict()
     for k, v in want.items():
@@ -387,12 +387,12 @@ def test_sharded_checkpoint_resumes_in_another_world(runs, single64):
 
 def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, capsys):
     """A sharded checkpoint (W=3, owners 0 and 2) resumes in one Trainer with whole tables and
-    optimizer state, along the single run; load_checkpoint and `engram eval` read one too."""
+    optimizer state, along the single run; load_trained_model and `engram eval` read one too."""
     from engram.cli.commands import main
 
     path = _sharded(runs, 3, step=3)
     t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data).double())
-    t.load_checkpoint(path)
+    t.resume_from(path)
     assert t.step == 3
     for m in t.model.engrams.values():
         st = t.table_opt.state[m.table.weight]
@@ -401,7 +401,7 @@ def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, ca
     t.run()
     _check_history(t.history, single64["history"], 1e-10)
     run = runs[2]["dir"] / "sharded64"
-    _cfg, model, state = load_checkpoint(run)
+    _cfg, model, state = load_trained_model(run)
     assert state["step"] == 6 and SHARDS_KEY in state
     got, want = model.state_dict(), single64["model"].state_dict()
     assert got.keys() == want.keys()
@@ -449,7 +449,7 @@ def test_eval_reads_distributed_checkpoint(runs, capsys):
     from engram.cli.commands import main
 
     run = runs[3]["dir"] / "run"
-    _cfg, model, state = load_checkpoint(run)
+    _cfg, model, state = load_trained_model(run)
     assert (
         state["step"] == 6 and model.engrams["0"].table.weight.shape[0] == model.engrams["0"].table.num_rows
     )

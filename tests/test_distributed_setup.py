@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_worker import CHUNKED_ROWS
-from engram.apps.train import TrainConfig, evaluate, load_checkpoint, prepare_data
+from engram.apps.train import TrainConfig, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shards import shard_file
 from engram.distributed import chunked_normal, shard_bounds, table_owners
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
@@ -203,7 +203,7 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])  # printed by rank 0 only
     assert summary["step"] == 2 and len(proc.stdout.strip().splitlines()) == 1
     print(f"torchrun run: {time.perf_counter() - t0:.1f} s")
-    _cfg, model, state = load_checkpoint(out)
+    _cfg, model, state = load_trained_model(out)
     assert state["step"] == 2
     held = evaluate(model, data.held_out, data.held_rows, cfg.seq_len)
     assert held["loss"] == pytest.approx(summary["held_out"]["loss"], abs=1e-5)

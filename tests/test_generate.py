@@ -144,11 +144,11 @@ def runs(corpus, data, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for name, engram in (("engram", True), ("baseline", False)):
-        cfg = tiny_cfg(corpus, engram=engram)
+        cfg = tiny_cfg(corpus) if engram else tiny_cfg(corpus, engram=None)
         Trainer(cfg, data, build_model(cfg, data), out_dir=root / name).run()
         out[name] = str(root / name)
     # rows 32 wide (FP8 rows hold whole blocks of 32 values with one ue8m0 scale): for --offload
-    cfg = tiny_cfg(corpus, engram_head_dim=32)
+    cfg = tiny_cfg(corpus, engram_kw={"head_dim": 32})
     wide = prepare_data(cfg)
     Trainer(cfg, wide, build_model(cfg, wide), out_dir=root / "fp8able").run()
     out["fp8able"] = str(root / "fp8able")

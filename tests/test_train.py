@@ -8,15 +8,18 @@ import torch
 
 from engram.apps.data import load_corpus, split_documents
 from engram.apps.train import (
+    DEFAULT_ENGRAM,
+    TableOptimizer,
     TrainConfig,
     Trainer,
     build_model,
     evaluate,
     latest_checkpoint,
-    load_checkpoint,
+    load_trained_model,
     prepare_data,
 )
 from engram.model.lm import EngramLM
+from engram.model.optim import SparseRowAdagrad
 from training_setup import tiny_cfg
 
 
@@ -52,7 +55,7 @@ def test_resume_is_exact(corpus, data, tmp_path):
     first.run(until=6)
     first.save_checkpoint()
     resumed = Trainer(cfg, data, build_model(cfg.replace(seed=99), data), out_dir=tmp_path)  # other init
-    resumed.load_checkpoint(latest_checkpoint(tmp_path))
+    resumed.resume_from(latest_checkpoint(tmp_path))
     assert resumed.step == 6
     resumed.run()
     for (name, a), (_, b) in zip(
@@ -87,10 +90,10 @@ def test_checkpoint_write_is_atomic(corpus, data, tmp_path, monkeypatch):
         t.save_checkpoint()
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path) == good
-    cfg2, _model, state = load_checkpoint(tmp_path)
+    cfg2, _model, state = load_trained_model(tmp_path)
     assert state["step"] == 2 and cfg2 == cfg
     t2 = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
-    t2.load_checkpoint(good)
+    t2.resume_from(good)
     assert t2.step == 2
 
 
@@ -121,7 +124,7 @@ def test_masked_engram_equals_baseline_path(corpus, data):
 
 def test_baseline_shares_backbone_init(corpus, data):
     cfg = tiny_cfg(corpus)
-    a, b = build_model(cfg, data, engram=False), build_model(cfg, data, engram=True)
+    a, b = build_model(cfg, data, with_engram=False), build_model(cfg, data, with_engram=True)
     sb = b.state_dict()
     for k, v in a.state_dict().items():
         assert torch.equal(v, sb[k]), k
@@ -137,16 +140,53 @@ def test_eval_per_category(corpus, data):
 
 
 def test_config_file_round_trip_and_errors(tmp_path):
-    cfg = TrainConfig(steps=7, engram_layers=(1, 2))
+    cfg = TrainConfig(steps=7, engram=DEFAULT_ENGRAM.replace(layer_ids=(1, 2)), table_optimizer="adagrad")
+    assert cfg.table_optimizer is TableOptimizer.ADAGRAD and cfg.engram.layer_ids == (1, 2)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cfg.to_dict()))
-    assert TrainConfig.from_file(path) == cfg
+    assert json.loads(path.read_text())["table_optimizer"] == "adagrad"
+    back = TrainConfig.from_file(path)
+    assert back == cfg and back.engram == cfg.engram and back.table_optimizer is TableOptimizer.ADAGRAD
+    baseline = cfg.replace(engram=None)
+    assert TrainConfig.from_dict(json.loads(json.dumps(baseline.to_dict()))) == baseline
     with pytest.raises(ValueError, match="unknown training config keys"):
         TrainConfig.from_dict({"stepz": 3})
-    with pytest.raises(ValueError, match="engram_layers"):
-        TrainConfig(engram_layers=(9,))
-    with pytest.raises(ValueError, match="table_optimizer"):
+    with pytest.raises(ValueError, match=r"engram.layer_ids=\(9,\) must name layers of the 4-layer model"):
+        TrainConfig(engram=DEFAULT_ENGRAM.replace(layer_ids=(9,)))
+    with pytest.raises(ValueError, match=r"table_optimizer='sgd': use one of 'adam', 'adagrad'"):
         TrainConfig(table_optimizer="sgd")
+    with pytest.raises(
+        ValueError, match=r"engram.hidden_size=128.*dim=64.*replace\(hidden_size=64, hc_mult=1\)"
+    ):
+        TrainConfig(dim=64)
+    with pytest.raises(TypeError, match="engram must be an EngramConfig or None"):
+        TrainConfig(engram=True)
+
+
+def test_table_optimizer_enum(corpus, data):
+    cfg = tiny_cfg(corpus, table_optimizer="adagrad")
+    assert isinstance(Trainer(cfg, data, build_model(cfg, data)).table_opt, SparseRowAdagrad)
+
+
+def test_old_flat_config_is_refused(corpus, data, tmp_path):
+    """A config file or checkpoint of the old flat format (engram: true, engram_* keys) is refused,
+    naming the file, never misread."""
+    old = {"steps": 6, "engram": True, "engram_layers": [1], "engram_max_ngram": 3, "engram_heads": 2}
+    conf = tmp_path / "old.json"
+    conf.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=f"{conf}: a training config of the old flat format"):
+        TrainConfig.from_file(conf)
+    cfg = tiny_cfg(corpus, steps=2, eval_every=0)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path / "run").run()
+    ckpt = latest_checkpoint(tmp_path / "run")
+    state = json.loads((ckpt / "state.json").read_text())
+    state["train_config"] = {k: v for k, v in state["train_config"].items() if k != "engram"} | old
+    (ckpt / "state.json").write_text(json.dumps(state))
+    msg = rf"{ckpt / 'state.json'}: a training config of the old flat format.*retrain the model"
+    with pytest.raises(ValueError, match=msg):
+        load_trained_model(tmp_path / "run")
+    with pytest.raises(ValueError, match=msg):
+        Trainer(cfg, data, build_model(cfg, data)).resume_from(ckpt)
 
 
 def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
@@ -222,7 +262,9 @@ def test_demo_end_to_end(corpus, tmp_path):
 
 
 def test_deepseek_tokenizer_training(corpus):
-    cfg = tiny_cfg(corpus, tokenizer="deepseek-v4", steps=3, eval_every=0, engram_base=2000)
+    cfg = tiny_cfg(
+        corpus, {"engram_vocab_size": (2000, 2000)}, tokenizer="deepseek-v4", steps=3, eval_every=0
+    )
     d = prepare_data(cfg)
     assert d.vocab_size == 129281  # the DeepSeek-V4 ids plus the document separator
     assert d.engram_config.compressed_vocab_size == d.compression.size
@@ -237,7 +279,8 @@ def test_presets_validate_and_demo_matches():
 
     assert set(TRAIN_PRESETS) == {"tiny", "demo", "small"}
     assert DEMO_CONFIG is TRAIN_PRESETS["demo"] and DEMO_CONFIG.steps == 240
-    assert TRAIN_PRESETS["small"].engram_layers == (1, 4)
+    small = TRAIN_PRESETS["small"].engram
+    assert small is not None and small.layer_ids == (1, 4) and small.engram_vocab_size == (60000,) * 3
 
 
 def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):

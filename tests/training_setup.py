@@ -4,9 +4,11 @@ tiny TrainConfig on it (seconds-long runs; the BPE trained on it is cached)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from engram.apps.corpus import kjv_verses
-from engram.apps.train import TrainConfig
+from engram.apps.train import DEFAULT_ENGRAM, TrainConfig
+from engram.config import EngramConfig
 
 
 def write_corpus(root: Path) -> str:
@@ -19,9 +21,17 @@ def write_corpus(root: Path) -> str:
     return str(root)
 
 
-def tiny_cfg(corpus: str, **kw) -> TrainConfig:
-    """A 2-layer, 32-wide model with one small Engram layer on `corpus`; `kw` overrides any field."""
-    base = dict(
+def tiny_engram(dim: int = 32, hc: int = 1, **kw: Any) -> EngramConfig:
+    """Layer 1, orders 2-3, 2 heads of 8-wide rows, base 500, for a backbone of `dim` and `hc`
+    streams; `kw` overrides any EngramConfig field."""
+    fields = dict(n_heads=2, head_dim=8, engram_vocab_size=(500, 500), hidden_size=dim, hc_mult=hc)
+    return DEFAULT_ENGRAM.replace(**(fields | kw))
+
+
+def tiny_cfg(corpus: str, engram_kw: dict[str, Any] | None = None, **kw: Any) -> TrainConfig:
+    """A 2-layer, 32-wide model with one small Engram layer (tiny_engram, with `engram_kw`) on
+    `corpus`; `kw` overrides any field (engram=None: the baseline)."""
+    base: dict[str, Any] = dict(
         corpus=corpus,
         bpe_vocab_size=512,
         dim=32,
@@ -29,10 +39,6 @@ def tiny_cfg(corpus: str, **kw) -> TrainConfig:
         n_heads=2,
         mlp_hidden=64,
         seq_len=32,
-        engram_layers=(1,),
-        engram_heads=2,
-        engram_head_dim=8,
-        engram_base=500,
         steps=30,
         batch_size=8,
         warmup=5,
@@ -42,6 +48,8 @@ def tiny_cfg(corpus: str, **kw) -> TrainConfig:
         table_lr=5e-2,
     )
     base.update(kw)
+    if "engram" not in base:
+        base["engram"] = tiny_engram(base["dim"], base.get("hc", 1), **(engram_kw or {}))
     return TrainConfig(**base)
 
 
@@ -50,7 +58,7 @@ def dist_cfg(corpus: str) -> TrainConfig:
     6 sequences (splits over 2 and 3 ranks), evaluation every 3 steps, one thread."""
     return tiny_cfg(
         corpus,
-        engram_layers=(0, 1),
+        engram_kw={"layer_ids": (0, 1)},
         steps=6,
         batch_size=6,
         warmup=2,

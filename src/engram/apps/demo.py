@@ -37,7 +37,7 @@ GATE_SENTENCES = (
 
 def _time_steps(cfg: TrainConfig, data: DataBundle, n: int = 3) -> float:
     """Seconds per step of both models together (for --minutes), measured on throwaway models."""
-    trainers = [Trainer(cfg, data, build_model(cfg, data, engram=e)) for e in (False, True)]
+    trainers = [Trainer(cfg, data, build_model(cfg, data, with_engram=e)) for e in (False, True)]
     for t in trainers:
         t.train_step()  # warm-up: first-step allocations
     t0 = time.perf_counter()
@@ -157,6 +157,8 @@ def _table(results: dict[str, Any]) -> list[str]:
 def _write_report(results: dict[str, Any], out_dir: Path) -> None:
     s = results["summary"]
     cfg = results["config"]
+    e = cfg["engram"]
+    bases = sorted(set(e["engram_vocab_size"]))
     lines = [
         "# Engram demo",
         "",
@@ -165,8 +167,8 @@ def _write_report(results: dict[str, Any], out_dir: Path) -> None:
         f"{results['compressed_vocab_size']} after compression).",
         f"Each model: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens "
         f"({results['tokens_per_run']:,} tokens), seeds {results['seeds']}. Backbone: {cfg['n_layers']} layers, "
-        f"dim {cfg['dim']}, hc {cfg['hc']}. Engram at layers {cfg['engram_layers']}: orders 2..{cfg['engram_max_ngram']}, "
-        f"{cfg['engram_heads']} heads of {cfg['engram_head_dim']}, base {cfg['engram_base']}.",
+        f"dim {cfg['dim']}, hc {cfg['hc']}. Engram at layers {e['layer_ids']}: orders 2..{e['max_ngram_size']}, "
+        f"{e['n_heads']} heads of {e['head_dim']}, base {bases[0] if len(bases) == 1 else e['engram_vocab_size']}.",
         "",
         *_table(results),
         "",
@@ -214,12 +216,17 @@ def run_demo(
     """Train baseline and Engram models for each seed; return (and write) the results."""
     from tqdm.auto import tqdm
 
+    if cfg.engram is None:
+        raise ValueError(
+            "run_demo compares a baseline with Engram, but cfg.engram is None: give an EngramConfig"
+        )
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    data = prepare_data(cfg.replace(engram=True))
+    data = prepare_data(cfg)
     if minutes is not None:  # fit the step count to the time budget
         per_step = _time_steps(cfg, data)
         eval_share = 1.15  # periodic and final evaluations
@@ -241,7 +248,7 @@ def run_demo(
     for seed in seeds:
         c = cfg.replace(seed=seed)
         trainers = {
-            kind: Trainer(c, data, build_model(c, data, engram=(kind == "engram")))
+            kind: Trainer(c, data, build_model(c, data, with_engram=(kind == "engram")))
             for kind in ("baseline", "engram")
         }
         while trainers["engram"].step < c.steps:

@@ -175,14 +175,14 @@ def load_generator(checkpoint: str | Path) -> tuple[EngramLM, Any, NgramHasher |
     from tokenizers import Tokenizer
 
     from engram.addressing.compression import TokenizerCompression
-    from engram.apps.train import load_checkpoint, prepare_data
+    from engram.apps.train import load_trained_model, prepare_data
 
     if not Path(checkpoint).exists():
         raise FileNotFoundError(
             f"--checkpoint {checkpoint}: no such folder; give a run folder (`engram train --out DIR`) "
             "or one of its checkpoints/step-N folders"
         )
-    cfg, model, state = load_checkpoint(checkpoint)
+    cfg, model, state = load_trained_model(checkpoint)
     tok_file = Path(state["path"]) / "tokenizer.json"
     if tok_file.is_file():
         tok = Tokenizer.from_file(str(tok_file))

@@ -1,13 +1,15 @@
 """Training: config, data preparation, the training loop, evaluation and checkpoints.
 
 Holds:
-- `TrainConfig`: everything a run needs (data, model, Engram, optimisation, checkpoints); JSON
-  round trip for config files.
+- `TrainConfig`: everything a run needs (data, backbone, its nested `EngramConfig` or None for the
+  baseline, optimisation, checkpoints); JSON round trip for config files. `TableOptimizer`: the
+  sparse row optimizer of the Engram tables.
 - `prepare_data(cfg)` -> `DataBundle`: corpus split, tokenizer (trained BPE or DeepSeek-V4),
   compression map, token streams and, when Engram is on, the rows of every token (hashed once:
   rows depend only on token ids).
 - `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
-  Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints.
+  Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints
+  (`Trainer.resume_from(path)` continues one; `load_trained_model(path)` reads one for use).
 - `evaluate` (from `engram.apps.evaluation`): held-out loss per token, overall and per category.
 
 `Trainer.train_step` is split into overridable pieces (`_param_groups`, `_batch_starts`, `_batch`,
@@ -26,6 +28,7 @@ in one file per owner rank, see `engram.checkpoint.shards`) and assembles the wh
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -53,18 +56,50 @@ from engram.model.lm import EngramLM, LMConfig
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
 
 __all__ = [
+    "DEFAULT_ENGRAM",
     "DataBundle",
+    "TableOptimizer",
     "TrainConfig",
     "Trainer",
     "build_model",
     "evaluate",
-    "load_checkpoint",
+    "latest_checkpoint",
+    "load_trained_model",
     "prepare_data",
 ]
 
 
+class TableOptimizer(enum.StrEnum):
+    """The sparse row optimizer of the Engram tables (engram.model.optim)."""
+
+    ADAM = "adam"  # SparseRowAdam
+    ADAGRAD = "adagrad"  # SparseRowAdagrad
+
+
+# TrainConfig's Engram: layer 1, orders 2-3, 4 heads of 32-wide rows, prime-search base 30000 per
+# order (rows per head ~ base). hidden_size and hc_mult are the backbone's dim and hc.
+DEFAULT_ENGRAM = EngramConfig(
+    name="lm",
+    layer_ids=(1,),
+    max_ngram_size=3,
+    n_heads=4,
+    engram_vocab_size=(30000, 30000),
+    tokenizer=None,
+    head_dim=32,
+    hidden_size=128,
+    hc_mult=1,
+)
+
+# The fields of the old flat format (before `engram` held an EngramConfig); refused, never misread.
+_FLAT_ENGRAM_KEYS = ("engram_layers", "engram_max_ngram", "engram_heads", "engram_head_dim", "engram_base")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
+    """A training run. `engram` is the Engram module (None: the baseline backbone alone); its
+    tokenizer fields (tokenizer, vocab_size, compressed_vocab_size, pad_token_id) are set by
+    `prepare_data` from the run's tokenizer, whatever they hold here."""
+
     # data
     corpus: str | None = None  # None: the King James Bible; else a text file, folder or glob
     tokenizer: str = "bpe"  # "bpe" (trained on the training split), "deepseek-v4", or a tokenizer.json
@@ -77,19 +112,14 @@ class TrainConfig:
     seq_len: int = 128
     hc: int = 1
     tie_embeddings: bool = True
-    # Engram
-    engram: bool = True
-    engram_layers: tuple[int, ...] = (1,)
-    engram_max_ngram: int = 3
-    engram_heads: int = 4
-    engram_head_dim: int = 32
-    engram_base: int = 30000  # prime-search base per order (rows per head ~ base)
+    # Engram (hidden_size == dim, hc_mult == hc)
+    engram: EngramConfig | None = DEFAULT_ENGRAM
     # optimisation
     steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
     table_lr: float = 5e-2
-    table_optimizer: str = "adam"  # "adam" (SparseRowAdam) or "adagrad" (SparseRowAdagrad)
+    table_optimizer: TableOptimizer = TableOptimizer.ADAM
     warmup: int = 30
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -104,38 +134,74 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "engram_layers", tuple(self.engram_layers))
-        if self.table_optimizer not in ("adam", "adagrad"):
-            raise ValueError(f"table_optimizer={self.table_optimizer!r}: use 'adam' or 'adagrad'")
+        try:
+            object.__setattr__(self, "table_optimizer", TableOptimizer(self.table_optimizer))
+        except ValueError:
+            raise ValueError(
+                f"table_optimizer={self.table_optimizer!r}: use one of "
+                f"{', '.join(repr(o.value) for o in TableOptimizer)}"
+            ) from None
         for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.engram and (not self.engram_layers or max(self.engram_layers) >= self.n_layers):
-            raise ValueError(
-                f"engram_layers={self.engram_layers} must name layers of the {self.n_layers}-layer model"
-            )
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+        e = self.engram
+        if e is None:
+            return
+        if not isinstance(e, EngramConfig):
+            raise TypeError(
+                f"engram must be an EngramConfig or None (the baseline), got {type(e).__name__}; "
+                "a dict of its fields is read with TrainConfig.from_dict"
+            )
+        if max(e.layer_ids) >= self.n_layers:
+            raise ValueError(
+                f"engram.layer_ids={e.layer_ids} must name layers of the {self.n_layers}-layer model "
+                f"(0..{self.n_layers - 1})"
+            )
+        if (e.hidden_size, e.hc_mult) != (self.dim, self.hc):
+            raise ValueError(
+                f"engram.hidden_size={e.hidden_size}, engram.hc_mult={e.hc_mult} but the backbone has "
+                f"dim={self.dim}, hc={self.hc}: Engram adds into the backbone's residual streams; use "
+                f"engram=cfg.engram.replace(hidden_size={self.dim}, hc_mult={self.hc})"
+            )
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["engram_layers"] = list(self.engram_layers)
+        """Plain JSON values: `engram` as EngramConfig.to_dict() (or None), enums as their strings."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["engram"] = None if self.engram is None else self.engram.to_dict()
+        d["table_optimizer"] = self.table_optimizer.value
+        d["extra"] = dict(self.extra)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The inverse of `to_dict`; refuses unknown keys and the old flat format (`engram: true` and
+        `engram_*` keys)."""
+        if isinstance(d.get("engram"), bool) or any(k in d for k in _FLAT_ENGRAM_KEYS):
+            raise ValueError(
+                "a training config of the old flat format (engram: true/false, engram_layers, engram_heads, "
+                "...); `engram` now holds an EngramConfig's fields (EngramConfig.to_dict), or null for the "
+                "baseline"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**d)
+        kw = dict(d)
+        if kw.get("engram") is not None:
+            kw["engram"] = EngramConfig.from_dict(kw["engram"])
+        return cls(**kw)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 # Named configs sized for a 2-core CPU (tokens/s measured there: about 10K for "demo").
@@ -148,7 +214,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         n_heads=2,
         mlp_hidden=192,
         seq_len=64,
-        engram_base=5000,
+        engram=DEFAULT_ENGRAM.replace(hidden_size=64, engram_vocab_size=(5000, 5000)),
         steps=50,
         batch_size=16,
         eval_every=25,
@@ -163,9 +229,9 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         n_heads=6,
         mlp_hidden=512,
         seq_len=256,
-        engram_layers=(1, 4),
-        engram_max_ngram=4,
-        engram_base=60000,
+        engram=DEFAULT_ENGRAM.replace(
+            hidden_size=192, layer_ids=(1, 4), max_ngram_size=4, engram_vocab_size=(60000,) * 3
+        ),
         steps=2000,
         batch_size=16,
         eval_every=200,
@@ -190,27 +256,21 @@ class DataBundle:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def _engram_config(cfg: TrainConfig, tok: Tokenizer, comp: TokenizerCompression) -> EngramConfig:
+def _engram_config(engram: EngramConfig, tok: Tokenizer, comp: TokenizerCompression) -> EngramConfig:
+    """`engram` with the tokenizer's fields set from the run's tokenizer and compression map."""
     pad = tok.token_to_id(EOS)
-    return EngramConfig(
-        name="lm",
-        layer_ids=cfg.engram_layers,
-        max_ngram_size=cfg.engram_max_ngram,
-        n_heads=cfg.engram_heads,
-        engram_vocab_size=(cfg.engram_base,) * (cfg.engram_max_ngram - 1),
+    return engram.replace(
+        tokenizer=None,
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
         compressed_vocab_size=comp.size,
         pad_token_id=0 if pad is None else pad,
-        tokenizer=None,
-        head_dim=cfg.engram_head_dim,
-        hidden_size=cfg.dim,
-        hc_mult=cfg.hc,
     )
 
 
 def prepare_data(cfg: TrainConfig, *, with_engram: bool | None = None) -> DataBundle:
     """Load and split the corpus, get the tokenizer and its compression map, encode both splits,
-    and hash every token's Engram rows once (when Engram is on)."""
+    and hash every token's Engram rows once (when Engram is on: `with_engram`, default
+    `cfg.engram is not None`)."""
     docs = load_corpus(cfg.corpus)
     train_docs, held_docs = split_documents(docs)
     if cfg.tokenizer == "bpe":
@@ -221,19 +281,23 @@ def prepare_data(cfg: TrainConfig, *, with_engram: bool | None = None) -> DataBu
             tok.add_special_tokens([EOS])
     comp = TokenizerCompression.from_tokenizer(tok)
     train, held = TokenStream(train_docs, tok), TokenStream(held_docs, tok)
-    use_engram = cfg.engram if with_engram is None else with_engram
+    use_engram = cfg.engram is not None if with_engram is None else with_engram
+    if use_engram and cfg.engram is None:
+        raise ValueError("with_engram=True but cfg.engram is None: give the run an EngramConfig")
     ecfg = train_rows = held_rows = None
     if use_engram:
-        ecfg = _engram_config(cfg, tok, comp)
+        assert cfg.engram is not None
+        ecfg = _engram_config(cfg.engram, tok, comp)
         hasher = NgramHasher(ecfg, comp)
         train_rows = torch.from_numpy(hasher.hash(train.ids))
         held_rows = torch.from_numpy(hasher.hash(held.ids))
     return DataBundle(tok, comp, train, held, ecfg, train_rows, held_rows)
 
 
-def build_model(cfg: TrainConfig, data: DataBundle, *, engram: bool | None = None) -> EngramLM:
-    """The LM of `cfg` (seeded by cfg.seed); `engram=False` gives the identical backbone without Engram."""
-    use_engram = cfg.engram if engram is None else engram
+def build_model(cfg: TrainConfig, data: DataBundle, *, with_engram: bool | None = None) -> EngramLM:
+    """The LM of `cfg` (seeded by cfg.seed); `with_engram=False` gives the identical backbone without
+    Engram (default: `cfg.engram is not None`)."""
+    use_engram = cfg.engram is not None if with_engram is None else with_engram
     if use_engram and data.engram_config is None:
         raise ValueError(
             "this DataBundle was prepared without Engram rows; call prepare_data(cfg, with_engram=True)"
@@ -278,8 +342,8 @@ class Trainer:
         )
         self.table_opt: torch.optim.Optimizer | None = None
         if tables:
-            cls = SparseRowAdam if cfg.table_optimizer == "adam" else SparseRowAdagrad
-            self.table_opt = cls(tables, lr=cfg.table_lr)
+            cls = {TableOptimizer.ADAM: SparseRowAdam, TableOptimizer.ADAGRAD: SparseRowAdagrad}
+            self.table_opt = cls[cfg.table_optimizer](tables, lr=cfg.table_lr)
         self.dense_params = dense
         self.step = 0
         self._saved_step = -1
@@ -437,13 +501,12 @@ class Trainer:
         self._saved_step = self.step
         return final
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Restore model, optimizers, step and history from a checkpoint folder."""
+    def resume_from(self, path: str | Path) -> None:
+        """Continue the run of checkpoint folder `path`: restore model, optimizers, step and history.
+        The checkpoint's training config must be this trainer's (the total steps aside)."""
         path = Path(path)
-        state = json.loads((path / "state.json").read_text())
-        if TrainConfig.from_dict(state["train_config"]).replace(steps=self.cfg.steps) != self.cfg.replace(
-            steps=self.cfg.steps
-        ):
+        state, cfg = _read_state(path)
+        if cfg.replace(steps=self.cfg.steps) != self.cfg:
             raise ValueError(
                 f"{path} was written by a run with another training config; resume with that config"
             )
@@ -475,13 +538,26 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
+def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
+    """(state.json, its training config) of checkpoint folder `ckpt`; a checkpoint of another format
+    is refused, naming the file."""
+    file = ckpt / "state.json"
+    state = json.loads(file.read_text())
+    try:
+        return state, TrainConfig.from_dict(state["train_config"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{file}: {e}. This checkpoint was written by another version of engram and is not read: "
+            "retrain the model"
+        ) from None
+
+
+def load_trained_model(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
     """(train config, model with its weights, state.json) of a checkpoint folder or a run folder."""
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
-    state = json.loads((ckpt / "state.json").read_text())
-    cfg = TrainConfig.from_dict(state["train_config"])
+    state, cfg = _read_state(ckpt)
     model = EngramLM(LMConfig.from_dict(state["lm_config"]))
     model.load_state_dict(read_checkpoint(ckpt, state, optimizer=False)[0])  # tables whole, also if sharded
     state["path"] = str(ckpt)

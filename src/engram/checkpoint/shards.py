@@ -20,7 +20,7 @@ Holds:
 - `read_table_rows(folder, tables, ranges)`: rows [lo, hi) of every table and of its optimizer
   state, assembled from whichever files overlap the range; `open_tensors(...).slice(name)[a:b]`
   reads only those bytes, so a rank resuming reads only the rows it now owns (any world size, any
-  owners) and a single process (`engram eval`, `Trainer.load_checkpoint`) gets the whole tables.
+  owners) and a single process (`engram eval`, `Trainer.resume_from`) gets the whole tables.
 - `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format.
 
 Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and

@@ -8,9 +8,9 @@ Holds:
 - `engram_state_dict(modules, fp8)` / `save_checkpoint(dir, config, modules)`: write config.json, the
   shards `model-0000i-of-0000N.safetensors` and, for more than one shard, `model.safetensors.index.json`;
   every file is written under a temporary name in the same directory and moved into place (os.replace).
-- `load_engram_modules(dir)` (alias `load_checkpoint`): validate every expected tensor (presence,
-  dtype, shape against the config) before building anything, then build `Engram` modules on
-  `MmapFP8Table` (default), `FP8Table` or `TrainableTable` tables.
+- `load_engram_modules(dir)`: validate every expected tensor (presence, dtype, shape against the
+  config) before building anything, then build `Engram` modules on `MmapFP8Table` (default),
+  `FP8Table` or `TrainableTable` tables.
 
 Reading and writing the safetensors files themselves is `engram.checkpoint.files`'s; converting a checkpoint
 (`convert_table`, the `engram convert` command) and building a scaled-down V4.1 checkpoint
@@ -49,7 +49,6 @@ __all__ = [
     "TableFormat",
     "engram_state_dict",
     "layer_prefix",
-    "load_checkpoint",
     "load_engram_modules",
     "read_checkpoint_config",
     "save_checkpoint",
@@ -492,6 +491,3 @@ def load_engram_modules(
         )
         modules[layer_id] = module
     return config, modules
-
-
-load_checkpoint = load_engram_modules  # the symmetric twin of save_checkpoint

@@ -67,7 +67,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
     if args.no_engram:
-        overrides["engram"] = False
+        overrides["engram"] = None  # the baseline backbone
     return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -107,7 +107,7 @@ def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) ->
                 f"{out} already holds checkpoint {ckpt.name}; pass --resume to continue it, "
                 "or choose another --out"
             )
-        trainer.load_checkpoint(ckpt)
+        trainer.resume_from(ckpt)
         if verbose:
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
 
@@ -183,7 +183,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
         data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
-        init = TableInit(args.table_init or "copy")
+        init = TableInit(args.table_init or TableInit.COPY)
         model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
         trainer = DistributedTrainer(
             cfg, data, model, out_dir=out, device=env.device, sharded_checkpoints=args.sharded_checkpoints
@@ -199,10 +199,10 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engram.apps.train import evaluate, load_checkpoint, prepare_data
+    from engram.apps.train import evaluate, load_trained_model, prepare_data
 
     _threads(args)
-    cfg, model, state = load_checkpoint(args.checkpoint)
+    cfg, model, state = load_trained_model(args.checkpoint)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
     data = prepare_data(cfg)
@@ -258,7 +258,7 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument(
         "--table-init",
-        choices=["copy", "chunked"],
+        choices=["copy", "chunked"],  # TableInit's values (engram.distributed is imported only to run)
         help="with --distributed: 'copy' (default) shards the single-process model's tables; 'chunked' "
         "draws each rank's rows itself (no rank holds a full table; another initial table)",
     )

@@ -36,6 +36,7 @@ from engram.distributed.sharded_table import (
     sync_table_grads,
 )
 from engram.distributed.train import (
+    Backend,
     DistEnv,
     DistributedTrainer,
     build_distributed_model,
@@ -45,6 +46,7 @@ from engram.distributed.train import (
 
 __all__ = [
     "INIT_CHUNK_ROWS",
+    "Backend",
     "DistEnv",
     "DistributedTrainer",
     "ShardedTable",

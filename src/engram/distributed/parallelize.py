@@ -53,7 +53,9 @@ __all__ = [
 ]
 
 
-class TableInit(enum.Enum):
+class TableInit(enum.StrEnum):
+    """How a sharded table starts (`engram train --distributed --table-init`)."""
+
     COPY = "copy"  # owned rows of the model's existing full table
     CHUNKED = "chunked"  # seeded per fixed-size chunk of rows (world-size independent)
 

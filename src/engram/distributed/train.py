@@ -1,8 +1,9 @@
 """Data-parallel training with row-sharded Engram tables (launched with torchrun).
 
 Holds:
-- `DistEnv`, `init_distributed()`: read torchrun's environment, pick the backend (NCCL with one
-  CUDA device per LOCAL_RANK, else gloo on the CPU), start the process group, set torch threads.
+- `Backend`, `DistEnv`, `init_distributed()`: read torchrun's environment, pick the backend (NCCL
+  with one CUDA device per LOCAL_RANK, else gloo on the CPU), start the process group, set torch
+  threads.
 - `build_distributed_model(cfg, data, init=..., owners=...)`: engram.apps.train.build_model's model with
   its tables sharded (COPY: identical to the single-process model) or born sharded (CHUNKED), their
   rows on `owners` (default: every rank).
@@ -16,7 +17,7 @@ Holds:
 Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
 are all-reduced (float64), so the result equals single-process evaluation up to summation order.
 Checkpoints, two formats (both resume on any world size and any owners, or in one process, and
-`engram eval` / `engram.apps.train.load_checkpoint` read both):
+`engram eval` / `engram.apps.train.load_trained_model` read both):
 - default, the single-process format: the table shards and their optimizer state are gathered to
   rank 0, which writes. That holds one full table on rank 0 for a moment: fine at this project's
   scale, not at V4.1's. Resuming reads the full files on every rank and keeps the owned rows.
@@ -37,6 +38,7 @@ checkpoints are those of the default layout.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -69,6 +71,7 @@ from engram.model.table import TrainableTable
 
 __all__ = [
     "TORCHRUN_VARS",
+    "Backend",
     "DistEnv",
     "DistributedTrainer",
     "build_distributed_model",
@@ -80,12 +83,19 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 _EVAL_BATCH = 32  # windows per evaluation batch on each rank (engram.apps.train.evaluate's default)
 
 
+class Backend(enum.StrEnum):
+    """The process group's backend."""
+
+    NCCL = "nccl"  # CUDA, one device per rank
+    GLOO = "gloo"  # CPU
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
     world: int
     local_rank: int
-    backend: str
+    backend: Backend
     device: torch.device
 
     @property
@@ -93,11 +103,11 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(backend: str | None = None, *, threads: int | None = None) -> DistEnv:
+def init_distributed(backend: Backend | str | None = None, *, threads: int | None = None) -> DistEnv:
     """Start the default process group from torchrun's environment variables.
 
-    backend: "nccl" when CUDA is available (device cuda:LOCAL_RANK, or cuda:0 when each rank sees
-    one device), else "gloo" (CPU).
+    backend: default NCCL when CUDA is available (device cuda:LOCAL_RANK, or cuda:0 when each rank
+    sees one device), else GLOO (CPU).
     threads: torch threads of this rank (default: the cores split evenly over the node's ranks).
     """
     missing = [v for v in TORCHRUN_VARS if v not in os.environ]
@@ -109,10 +119,12 @@ def init_distributed(backend: str | None = None, *, threads: int | None = None) 
         )
     local_rank = int(os.environ["LOCAL_RANK"])
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)")
-    if backend == "nccl":
+        backend = Backend.NCCL if torch.cuda.is_available() else Backend.GLOO
+    try:
+        backend = Backend(backend)
+    except ValueError:
+        raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)") from None
+    if backend is Backend.NCCL:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (count > 1 and local_rank >= count):
             raise ValueError(
@@ -125,8 +137,8 @@ def init_distributed(backend: str | None = None, *, threads: int | None = None) 
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, **kw)
+        kw: dict[str, Any] = {"device_id": device} if backend is Backend.NCCL else {}
+        dist.init_process_group(backend.value, **kw)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     # Ranks of a node share its cores: oversubscribing them (each rank using all) is far slower.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -147,11 +159,13 @@ def build_distributed_model(
     default: every rank). COPY: build_model's model (the same as a single process trains; each
     rank builds the full table once, then keeps its rows, a non-owner none). CHUNKED:
     build_sharded_model (no rank ever holds a full table; another, world-size independent, init)."""
-    if init is TableInit.COPY or not cfg.engram:
+    if not isinstance(init, TableInit):
+        raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
+    if init is TableInit.COPY or cfg.engram is None:
         model = build_model(cfg, data).to(device)
         shard_engram_tables(model, group, owners=owners)
         return model
-    base = build_model(cfg, data, engram=False).config  # the LMConfig build_model would use
+    base = build_model(cfg, data, with_engram=False).config  # the LMConfig build_model would use
     lm_cfg = dataclasses.replace(base, engram=data.engram_config)
     return build_sharded_model(lm_cfg, seed=cfg.seed, group=group, device=device, owners=owners)
 
@@ -174,7 +188,7 @@ def _data_checksum(data: DataBundle) -> int:
 
 class DistributedTrainer(Trainer):
     """Trainer for one rank of a data-parallel run; every rank constructs it and calls the same
-    methods (run, evaluate, save_checkpoint, load_checkpoint are collectives).
+    methods (run, evaluate, save_checkpoint, resume_from are collectives).
 
     `model` is cfg's model on `device`; Engram tables still unsharded are sharded here (COPY, their
     rows on `owners`, default every rank; tables already sharded keep their owners). Only rank 0
