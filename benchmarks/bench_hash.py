@@ -19,19 +19,15 @@ B*T = `cuda_batch` x `cuda_seq` tokens; GB/s counts the ids read and the rows wr
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engram import EngramConfig, NgramHasher, TokenizerCompression
+from engram.benchmarks.timing import best_time, cuda_time
 from engram.kernels.threads import available_cores
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import best_time, cuda_time
 
 
 def demo_baseline(hasher: NgramHasher, token_ids: np.ndarray) -> np.ndarray:

@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engram.benchmarks.timing import best_time, cuda_time
 from engram.model.table import FP8Table
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import best_time, cuda_time
 
 
 def llc_bytes() -> int:

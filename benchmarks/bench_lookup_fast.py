@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lookup import (
+from engram.benchmarks.bench_lookup import (
     default_rows,
     llc_bytes,
     make_ids,

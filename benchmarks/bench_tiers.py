@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_lookup import make_ids, make_table
+from engram.benchmarks.bench_lookup import make_ids, make_table
 from engram.checkpoint.files import save_tensors
 from engram.model.table import FP8Table, MmapFP8Table
 from engram.storage.fp8 import fp8_row_bytes

@@ -16,36 +16,25 @@ with the CUDA tests for the `device` tool.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import traceback
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from engram.apps.bench import device_copy_gb_per_s, format_rows
 
-HERE = Path(__file__).resolve().parent
-
-# (name, file, function, arguments)
+# (name, module of engram.benchmarks, function, arguments)
 CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
-    ("hash", "bench_hash.py", "run_cuda", {}),
-    ("decode", "bench_decode.py", "run_cuda", {}),
-    ("lookup", "bench_lookup.py", "run_cuda", {}),
-    ("gate bf16", "bench_gate.py", "run", {"dtype": "bf16"}),
-    ("gate fp32", "bench_gate.py", "run", {"dtype": "fp32"}),
-    ("tiers", "bench_tiers.py", "run_cuda", {}),
+    ("hash", "bench_hash", "run_cuda", {}),
+    ("decode", "bench_decode", "run_cuda", {}),
+    ("lookup", "bench_lookup", "run_cuda", {}),
+    ("gate bf16", "bench_gate", "run", {"dtype": "bf16"}),
+    ("gate fp32", "bench_gate", "run", {"dtype": "fp32"}),
+    ("tiers", "bench_tiers", "run_cuda", {}),
 ]
-
-
-def _load(file: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"engram_gpu_{Path(file).stem}", HERE / file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> int:
@@ -60,9 +49,9 @@ def main() -> int:
     print(f"device copy bandwidth (bytes read + written): {peak:,.0f} GB/s")
     rows: list[dict[str, Any]] = []
     failed = 0
-    for name, file, fn, kwargs in CHECKS:
+    for name, module, fn, kwargs in CHECKS:
         try:
-            rows += getattr(_load(file), fn)(**kwargs)
+            rows += getattr(importlib.import_module(f"engram.benchmarks.{module}"), fn)(**kwargs)
         except Exception as e:  # report it and go on: one device run must return every number it can
             failed += 1
             traceback.print_exc()

@@ -1,15 +1,45 @@
+"""engram.apps.bench and `engram bench`: the suite imports as `engram.benchmarks`, also from a wheel."""
+
 from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from engram.apps.bench import SUITE, find_benchmarks, format_rows, run_suite
+import engram.benchmarks
+from engram.apps.bench import SUITE, describe_suite, format_rows, load_benchmark, run_suite
+from engram.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_suite_files_exist_and_have_run():
-    root = find_benchmarks()
-    for file, _, _ in SUITE.values():
-        text = (root / file).read_text()
-        assert "def run(" in text, file
+def test_suite_modules_import_and_have_run():
+    for name, (module, _, _) in SUITE.items():
+        m = load_benchmark(name)
+        assert m.__name__ == f"engram.benchmarks.{module}" and callable(m.run), name
+
+
+def test_benchmarks_package_is_the_repository_folder():
+    """src/engram/benchmarks links to benchmarks/: a source checkout imports the files it shows."""
+    assert (ROOT / "src" / "engram" / "benchmarks").resolve() == ROOT / "benchmarks"
+    assert Path(engram.benchmarks.__file__).resolve() == ROOT / "benchmarks" / "__init__.py"
+
+
+def test_list(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == list(SUITE)
+    assert main(["bench", "--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["benchmarks"]
+    assert [d["name"] for d in listed] == list(SUITE) == [d["name"] for d in describe_suite()]
+    assert all(Path(d["file"]).name == f"{d['module']}.py" and d["summary"] for d in listed)
 
 
 def test_format_rows():
@@ -24,15 +54,32 @@ def test_format_rows():
     assert lines[3] == "gate: skipped (no CUDA)"
 
 
-def test_unknown_and_missing(tmp_path):
+def test_unknown_and_missing(tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown benchmark"):
         run_suite(["nope"])
-    assert find_benchmarks(tmp_path / "x").name == "benchmarks"  # falls back to the checkout's
+    with pytest.raises(FileNotFoundError, match=r"bench_hash\.py"):
+        load_benchmark("hash", tmp_path)
+    assert main(["bench", "--dir", str(tmp_path), "--only", "hash"]) == 2
+    assert capsys.readouterr().err.startswith("engram bench: error: ")
+    assert main(["bench", "--only", "hash,nope"]) == 2
+    assert "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+
+
+def test_dir_runs_the_files_of_a_folder(tmp_path, capsys):
+    (tmp_path / "bench_hash.py").write_text(
+        textwrap.dedent(
+            """
+            def run(repeats=7):
+                return [{"variant": f"edited, {repeats} repeats", "tokens_per_s": 5e6, "ratio": 2.0}]
+            """
+        )
+    )
+    assert main(["bench", "--dir", str(tmp_path), "--only", "hash", "--quick", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert row["op"] == "hash: edited, 3 repeats" and row["bench"] == "hash"
 
 
 def test_run_hash_quick(capsys):
-    from engram.cli.commands import main
-
     assert main(["bench", "--only", "hash", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "numba" in out and "x" in out
@@ -65,14 +112,10 @@ def test_fraction_of_peak_only_for_device_rows():
 
 def test_hash_bench_torch_baseline_matches_numpy_baseline(v41_hasher):
     """The GPU hash bench's baseline (the demo algorithm in torch) is checked here on the CPU."""
-    import importlib.util
-
     import numpy as np
     import torch
 
-    spec = importlib.util.spec_from_file_location("bench_hash", find_benchmarks() / "bench_hash.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("engram.benchmarks.bench_hash")
     ids = np.random.default_rng(3).integers(0, v41_hasher.config.vocab_size, size=(3, 50))
     want = mod.demo_baseline(v41_hasher, ids)
     np.testing.assert_array_equal(mod.torch_demo_baseline(v41_hasher, torch.from_numpy(ids)).numpy(), want)
@@ -81,13 +124,74 @@ def test_hash_bench_torch_baseline_matches_numpy_baseline(v41_hasher):
 
 def test_tiers_cuda_bench_runs_on_cpu():
     """bench_tiers.run_cuda (measured on a GPU by benchmarks/gpu_check.py) runs end to end here too."""
-    import sys
+    from engram.benchmarks import bench_tiers
 
-    sys.path.insert(0, str(find_benchmarks()))
-    try:
-        import bench_tiers
-    finally:
-        sys.path.pop(0)
     rows = bench_tiers.run_cuda(rows=1 << 14, tokens=64, batches=2, repeats=1, device="cpu", matmul=32)
     assert [r["ratio"] > 0 for r in rows] == [True] * 3
     assert rows[1]["fetched_bytes_per_row"] < rows[0]["fetched_bytes_per_row"]  # the cache saves reads
+
+
+def test_scripts_run_from_the_checkout(tmp_path):
+    """`python benchmarks/bench_X.py` still runs as a script (the suite's modules import each other)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for script in ("bench_lookup_fast.py", "gpu_check.py"):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / script), "--help"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:"), (script, proc.stderr)
+
+
+def test_bench_from_a_wheel_in_a_fresh_venv(tmp_path):
+    """Build a wheel of this checkout, install it (no dependencies: the running environment's stand in)
+    into a new virtual environment and run `engram bench --list` there, outside the repository: every
+    benchmark module must import from the installed package."""
+    pytest.importorskip("setuptools", minversion="77")
+    src = tmp_path / "src"  # build a copy: the build leaves build/ and *.egg-info/ behind
+    src.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", src)
+    shutil.copy(ROOT / "README.md", src)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    for folder in ("src", "benchmarks"):
+        shutil.copytree(ROOT / folder, src / folder, symlinks=True, ignore=ignore)
+    dist = tmp_path / "dist"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = dict(env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), "."],
+        cwd=src, **run,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = dist.glob("engram_lm-*.whl")
+
+    venv = tmp_path / "venv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], **run
+    )
+    assert proc.returncode == 0, proc.stderr
+    python = venv / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], **run)
+    # torch, numpy, ... come from the environment running the tests, after the venv's own packages
+    # (a plain path line: that environment's .pth files, an editable engram among them, are not read)
+    deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    Path(site.stdout.strip(), "test_deps.pth").write_text("\n".join(deps) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        **run,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+    where = tmp_path / "elsewhere"
+    where.mkdir()
+    proc = subprocess.run(
+        [python, "-c", "import engram, engram.benchmarks.timing as t; print(engram.__file__); print(t.__file__)"],
+        cwd=where, **run,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for line in proc.stdout.split():
+        assert Path(line).resolve().is_relative_to(venv.resolve()), proc.stdout  # the wheel, not the tree
+    proc = subprocess.run([venv / "bin" / "engram", "bench", "--list", "--json"], cwd=where, **run)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    listed = json.loads(proc.stdout)["benchmarks"]
+    assert [d["name"] for d in listed] == list(SUITE)
+    assert all(Path(d["file"]).resolve().is_relative_to(venv.resolve()) for d in listed)

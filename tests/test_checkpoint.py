@@ -7,7 +7,6 @@ The files are also read back with the `safetensors` package, an independent read
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
@@ -19,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engram import EngramConfig, Layout
-from engram.checkpoint.convert import add_convert_command, convert_table, make_scaled_v41_checkpoint
+from engram.checkpoint.convert import convert_table, make_scaled_v41_checkpoint
 from engram.checkpoint.hf_config import to_hf_dict
 from engram.checkpoint.v41 import (
     CONFIG_FILE,
@@ -31,6 +30,7 @@ from engram.checkpoint.v41 import (
     read_checkpoint_config,
     save_checkpoint,
 )
+from engram.cli import build_parser
 from engram.model.module import Engram
 from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
 from engram.storage import quant
@@ -467,8 +467,7 @@ def test_convert_refuses(v41, tmp_path):
 
 
 def test_convert_command(v41, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="engram")
-    add_convert_command(parser.add_subparsers(dest="command"))
+    parser = build_parser()
     args = parser.parse_args(
         ["convert", str(v41[0]), str(tmp_path / "f"), "--to", "float", "--max-shard-size", "2MB"]
     )

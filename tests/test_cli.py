@@ -1,6 +1,6 @@
-"""Tests for the `engram` command line (engram.cli.commands): layout, compress, hash, collisions.
+"""Tests for the `engram` command line (engram.cli): layout, compress, hash, collisions.
 
-Every command is run in-process through `engram.cli.commands.main(argv)` and its output is checked for
+Every command is run in-process through `engram.cli.main(argv)` and its output is checked for
 content (numbers from SPEC §3 and the golden vectors, or recomputed by `tests/reference.py`), not
 only for exit codes. Commands that build the DeepSeek-V4 compression map cost about a second each,
 so their outputs are produced once per module where several tests read them.
@@ -24,7 +24,7 @@ import pytest
 import reference as ref
 from engram import EngramConfig, TokenizerCompression
 from engram.checkpoint.hf_config import to_hf_dict
-from engram.cli.commands import main
+from engram.cli import main
 
 GOLDEN_TEXT = "Only Alexander the Great could tame the horse Bucephalus."
 V41_LAYER1_ROWS = 384_006_168
@@ -571,7 +571,7 @@ def test_collisions_missing_text_file(tmp_path, cached_map):
 # ---------------------------------------------------------------------------- console script
 def test_console_script_help():
     exe = shutil.which("engram")
-    cmd = [exe, "--help"] if exe else [sys.executable, "-m", "engram.cli.commands", "--help"]
+    cmd = [exe, "--help"] if exe else [sys.executable, "-m", "engram", "--help"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     for name in ("layout", "compress", "hash", "collisions"):

@@ -388,7 +388,7 @@ def test_sharded_checkpoint_resumes_in_another_world(runs, single64):
 def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, capsys):
     """A sharded checkpoint (W=3, owners 0 and 2) resumes in one Trainer with whole tables and
     optimizer state, along the single run; load_trained_model and `engram eval` read one too."""
-    from engram.cli.commands import main
+    from engram.cli import main
 
     path = _sharded(runs, 3, step=3)
     t = Trainer(cfg, data, build_model(cfg.replace(seed=5), data).double())
@@ -446,7 +446,7 @@ def test_batch_size_must_split(runs):
 
 
 def test_eval_reads_distributed_checkpoint(runs, capsys):
-    from engram.cli.commands import main
+    from engram.cli import main
 
     run = runs[3]["dir"] / "run"
     _cfg, model, state = load_trained_model(run)

@@ -96,7 +96,7 @@ def test_sharded_table_needs_process_group():
 
 
 def test_distributed_flag_needs_torchrun(monkeypatch, capsys, tmp_path):
-    from engram.cli.commands import main
+    from engram.cli import main
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -128,7 +128,7 @@ def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
     """`--sharded-checkpoints` reaches the DistributedTrainer (default off); without --distributed it
     is refused with the fix."""
     import engram.distributed
-    from engram.cli.commands import main
+    from engram.cli import main
 
     _one_rank_env(monkeypatch)
     seen = []
@@ -158,7 +158,7 @@ def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
     """`--table-ranks N` under --distributed (a 1-rank group in this process): N out of range is a
     ValueError naming N, the world size and the fix; N = 1 reaches the model as owners (0,)."""
     import engram.distributed
-    from engram.cli.commands import main
+    from engram.cli import main
 
     _one_rank_env(monkeypatch)
     seen = []

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
@@ -10,7 +9,7 @@ import torch
 
 import training_setup
 from engram.addressing.hashing import NgramHasher
-from engram.apps.generate import add_generate_command, generate, load_generator
+from engram.apps.generate import generate, load_generator
 from engram.apps.train import Trainer, build_model, prepare_data
 from engram.model.lm import EngramLM
 
@@ -156,16 +155,11 @@ def runs(corpus, data, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture
-def main(monkeypatch):
-    """engram.cli.commands.main with `generate` registered (by cli.py itself, or here if it does not yet)."""
-    from engram.cli import commands as cli
+def main():
+    """engram.cli.main (which registers `generate`)."""
+    from engram.cli import main
 
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "generate" not in sub.choices:
-        add_generate_command(sub)
-        monkeypatch.setattr(cli, "build_parser", lambda: parser)
-    return cli.main
+    return main
 
 
 def test_cli_json(main, runs, data, capsys):

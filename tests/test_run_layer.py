@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from engram import EngramConfig, NgramHasher
-from engram.apps.run_layer import DEFAULT_TEXT, add_run_layer_command, pseudo_embedding, run_layer
+from engram.apps.run_layer import DEFAULT_TEXT, pseudo_embedding, run_layer
 from engram.checkpoint.convert import make_scaled_v41_checkpoint
 from engram.checkpoint.v41 import load_engram_modules
+from engram.cli import build_parser
 
 BASE = 512  # ~14-18K rows a layer, ~4 MB a table
 
@@ -30,9 +31,7 @@ def scaled_config(base: int = BASE, hidden_size: int = 64) -> EngramConfig:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram")
-    add_run_layer_command(p.add_subparsers(dest="command"))
-    return p
+    return build_parser()
 
 
 @pytest.fixture(scope="module")

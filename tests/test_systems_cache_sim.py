@@ -8,7 +8,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from engram.cli.commands import main
+from engram.cli import main
 from engram.systems.cache_sim import simulate_cache
 
 
@@ -59,7 +59,7 @@ def test_bad_arguments():
 
 
 def test_cli_on_real_text(capsys):
-    assert main(["cache-sim", "--max-chars", "20000", "--cache-rows", "1K", "64K", "--json"]) == 0
+    assert main(["cache-sim", "--max-chars", "20000", "--cache-rows", "1Ki", "64Ki", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     reports = out["reports"]
     assert [(r["layer_id"], r["capacity"]) for r in reports] == [
@@ -96,7 +96,7 @@ def test_warm_rate_needs_two_batches(capsys):
     second = np.unique(rows[50:, 0])
     assert two.batches == 2 and two.distinct_second_half == second.size
     assert two.warm_hit_rate == pytest.approx(np.isin(second, np.unique(rows[:50, 0])).mean())
-    assert main(["cache-sim", "--max-chars", "300", "--batch-tokens", "100000", "--cache-rows", "1K"]) == 0
+    assert main(["cache-sim", "--max-chars", "300", "--batch-tokens", "100000", "--cache-rows", "1Ki"]) == 0
     table = capsys.readouterr().out.splitlines()
     row = next(line for line in table if line.split()[:2] == ["1", "1,024"])
     assert row.split()[5] == "-"  # the warm column

@@ -190,7 +190,7 @@ def test_old_flat_config_is_refused(corpus, data, tmp_path):
 
 
 def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
-    from engram.cli.commands import main
+    from engram.cli import main
 
     cfg = tiny_cfg(corpus, steps=6, eval_every=0)
     conf = tmp_path / "train.json"

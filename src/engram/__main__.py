@@ -2,7 +2,7 @@
 
 import sys
 
-from engram.cli.commands import main
+from engram.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

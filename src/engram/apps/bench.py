@@ -1,35 +1,36 @@
-"""`engram bench`: run the benchmark suite in `benchmarks/` and print one table.
+"""The benchmark suite behind `engram bench`: find, run and format the benchmarks of `engram.benchmarks`.
 
-Each benchmark module there has `run(**kwargs) -> list[dict]`; every dict names its operation,
-its throughput, the baseline measured in the same run and the ratio. This module only finds the
-folder (a source checkout: the benchmarks are not installed with the package), calls each `run`
-and formats the rows.
+The benchmarks live in the repository's `benchmarks/` folder, which ships as the subpackage
+`engram.benchmarks` (in a wheel as in a source checkout), so an installed package runs them too.
+Each `bench_*` module has `run(**kwargs) -> list[dict]`; every dict names its operation, its
+throughput, the baseline measured in the same run and the ratio. This module imports them by name
+(or by file from another folder), calls each `run` and formats the rows; the command is `engram.cli`'s.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-import json
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["SUITE", "find_benchmarks", "run_suite"]
+__all__ = ["SUITE", "describe_suite", "device_copy_gb_per_s", "format_rows", "load_benchmark", "run_suite"]
 
-# name -> (module file, run() arguments, --quick arguments)
+# name -> (module of engram.benchmarks, run() arguments, --quick arguments)
 SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "hash": ("bench_hash.py", {}, {"repeats": 3}),
+    "hash": ("bench_hash", {}, {"repeats": 3}),
     "decode": (
-        "bench_decode.py",
+        "bench_decode",
         {"preset": "deepseek-v4.1", "batch": 256, "steps": 200},
         {"preset": "deepseek-v4.1", "batch": 256, "steps": 50},
     ),
-    "lookup": ("bench_lookup.py", {}, {"repeats": 1}),
-    "lookup-fast": ("bench_lookup_fast.py", {}, {"repeats": 2}),
-    "optim": ("bench_optim.py", {}, {"large_rows": 16 << 20}),
-    "gate": ("bench_gate.py", {}, {}),
-    "tiers": ("bench_tiers.py", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
+    "lookup": ("bench_lookup", {}, {"repeats": 1}),
+    "lookup-fast": ("bench_lookup_fast", {}, {"repeats": 2}),
+    "optim": ("bench_optim", {}, {"large_rows": 16 << 20}),
+    "gate": ("bench_gate", {}, {}),
+    "tiers": ("bench_tiers", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
 }
 
 # (key, unit, scale) in order of preference for the throughput column
@@ -42,41 +43,60 @@ _THROUGHPUT = (
 )
 
 
-def find_benchmarks(start: Path | None = None) -> Path:
-    """The `benchmarks/` folder of the source checkout this package runs from (or of the cwd)."""
-    candidates = [Path(__file__).resolve().parents[2] / "benchmarks", Path.cwd() / "benchmarks"]
-    if start is not None:
-        candidates.insert(0, Path(start))
-    for c in candidates:
-        if (c / "bench_hash.py").is_file():
-            return c
-    raise FileNotFoundError(
-        "engram bench runs the benchmarks of a source checkout (benchmarks/bench_*.py), which an installed wheel "
-        "does not ship: run it from the repository (pip install -e .) or pass --dir PATH"
-    )
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"engram_bench_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_suite(names: list[str], *, quick: bool = False, folder: Path | None = None) -> list[dict[str, Any]]:
-    """Run the named benchmarks; returns their rows, each tagged with `bench`."""
+def _check_names(names: list[str]) -> None:
     unknown = [n for n in names if n not in SUITE]
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; known: {', '.join(SUITE)}")
-    root = find_benchmarks(folder)
+
+
+def load_benchmark(name: str, folder: str | Path | None = None) -> ModuleType:
+    """The module of benchmark `name` (a key of SUITE): `engram.benchmarks.<module>`, or with
+    `folder` the file `<folder>/<module>.py` (e.g. an edited copy of the suite)."""
+    _check_names([name])
+    module = SUITE[name][0]
+    if folder is None:
+        return importlib.import_module(f"engram.benchmarks.{module}")
+    path = Path(folder) / f"{module}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such benchmark file; give a folder holding {module}.py")
+    spec = importlib.util.spec_from_file_location(f"engram_bench_{module}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def describe_suite(folder: str | Path | None = None) -> list[dict[str, Any]]:
+    """Per benchmark: its name, module, file and the first line of its docstring; importing each
+    module checks it loads (`error` names why one does not, e.g. a missing optional dependency)."""
+    out = []
+    for name, (module, _, _) in SUITE.items():
+        d: dict[str, Any] = {"name": name, "module": module}
+        try:
+            m = load_benchmark(name, folder)
+        except ImportError as e:
+            d["error"] = f"{type(e).__name__}: {e}"
+        else:
+            d["file"] = m.__file__
+            d["summary"] = (m.__doc__ or "").strip().split("\n")[0]
+        out.append(d)
+    return out
+
+
+def run_suite(
+    names: list[str], *, quick: bool = False, folder: str | Path | None = None
+) -> list[dict[str, Any]]:
+    """Run the named benchmarks (keys of SUITE; from `folder`'s files if given); returns their rows,
+    each tagged with `bench`. A benchmark that cannot import or run here (no CUDA, no numba) gives one
+    `skipped` row."""
+    _check_names(names)
     rows: list[dict[str, Any]] = []
     for name in names:
-        file, args, quick_args = SUITE[name]
+        _, args, quick_args = SUITE[name]
         t0 = time.perf_counter()
         try:
-            result = _load(root / file).run(**(quick_args if quick else args))
+            result = load_benchmark(name, folder).run(**(quick_args if quick else args))
         except (ImportError, RuntimeError) as e:  # e.g. no CUDA for the gate, no numba
             rows.append({"bench": name, "op": f"{name}: skipped ({e})", "skipped": True})
             continue
@@ -131,27 +151,3 @@ def format_rows(rows: list[dict[str, Any]], peak_gb_per_s: float | None = None) 
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""
         lines.append(f"{r['op'][:70]:<70} {thr:>18} {gbs:>7} {ratio:>8}  {r.get('baseline', '')}")
     return lines
-
-
-def cmd_bench(args: Any) -> int:
-    names = args.only.split(",") if args.only else list(SUITE)
-    rows = run_suite(names, quick=args.quick, folder=Path(args.dir) if args.dir else None)
-    peak = device_copy_gb_per_s()
-    if args.json:
-        print(json.dumps({"rows": rows, "device_copy_gb_per_s": peak}, default=str))
-    else:
-        if peak is not None:
-            print(f"device copy bandwidth (the peak GB/s is compared with): {peak:,.0f} GB/s")
-        print("\n".join(format_rows(rows, peak)))
-    return 0
-
-
-def add_bench_command(sub: Any) -> None:
-    p = sub.add_parser("bench", help="run the benchmark suite (benchmarks/) and print one table of ratios")
-    p.add_argument("--only", help=f"comma-separated subset of: {', '.join(SUITE)}")
-    p.add_argument(
-        "--quick", action="store_true", help="smaller sizes (the optimizer bench uses 16M rows, not 64M)"
-    )
-    p.add_argument("--dir", help="the benchmarks folder (default: the source checkout's)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.set_defaults(func=cmd_bench)

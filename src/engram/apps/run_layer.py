@@ -1,4 +1,4 @@
-"""`engram run-layer`: the V4.1 Engram path end to end, on a laptop.
+"""The V4.1 Engram path end to end, on a laptop (the `engram run-layer` command is `engram.cli`'s).
 
 Text -> DeepSeek-V4 tokens -> compressed ids -> 24 hashed rows per token per layer -> memory-mapped FP8
 table rows -> each layer's Engram (wkv, gates, write into the hc residual streams), layer 1 then 14.
@@ -9,13 +9,10 @@ fewer rows), so the real tokenizer's ids hash exactly as they would for V4.1, on
 Holds:
 - `run_layer(checkpoint=None, text=...)`: the run, returned as a JSON-ready report.
 - `pseudo_embedding(token_ids, hc, dim, seed)`: the stand-in for the backbone's embeddings.
-- `add_run_layer_command(subparsers)` / `cmd_run_layer(args)`: the CLI command.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import time
@@ -37,8 +34,6 @@ __all__ = [
     "DEFAULT_BASE",
     "DEFAULT_HIDDEN_SIZE",
     "DEFAULT_TEXT",
-    "add_run_layer_command",
-    "cmd_run_layer",
     "pseudo_embedding",
     "run_layer",
 ]
@@ -242,78 +237,3 @@ def _row_bytes(table: Any) -> int:
 
 def _table_bytes(table: Any) -> int:
     return table.num_rows * _row_bytes(table)
-
-
-# ------------------------------------------------------------------------------------------- CLI
-
-
-def add_run_layer_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `run-layer [--checkpoint DIR] [--text ...] [--base N] [--hidden-size N] [--json]` (engram's CLI)."""
-    p = subparsers.add_parser(
-        "run-layer",
-        help="tokenize, hash and run the Engram layers (1, then 14) of a (scaled) V4.1 checkpoint",
-    )
-    p.add_argument(
-        "--checkpoint",
-        help="a checkpoint directory (default: build a scaled-down V4.1 checkpoint in a temporary directory)",
-    )
-    p.add_argument("--text", default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})")
-    p.add_argument(
-        "--base",
-        type=int,
-        help=f"prime-search base of the built checkpoint (default {DEFAULT_BASE}; V4.1 uses 16000000)",
-    )
-    p.add_argument(
-        "--hidden-size",
-        type=int,
-        help=f"residual width of the built checkpoint (default {DEFAULT_HIDDEN_SIZE})",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the built weights and the pseudo-embeddings")
-    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
-    p.set_defaults(func=cmd_run_layer)
-    return p
-
-
-def cmd_run_layer(args: argparse.Namespace) -> int:
-    """Handler of `engram run-layer`: 0 when every row is in range and every gate in (0, 1), else 1."""
-    report = run_layer(
-        args.checkpoint, args.text, base=args.base, hidden_size=args.hidden_size, seed=args.seed
-    )
-    if args.json:
-        print(json.dumps(report, ensure_ascii=False))
-    else:
-        _print_report(report)
-    return 0 if report["ok"] else 1
-
-
-def _print_report(r: dict[str, Any]) -> None:
-    where = r["checkpoint"] or "a scaled V4.1 checkpoint built in a temporary directory"
-    print(
-        f"{r['config']} ({r['variant']}) from {where}: hc={r['hc']} streams of dim {r['dim']}, "
-        f"{r['rows_per_token']} rows per token per layer, compressed vocab {r['compressed_vocab_size']:,}"
-    )
-    for layer in r["layers"]:
-        print(
-            f"  layer {layer['layer_id']}: {layer['table']} {layer['table_rows']:,} rows x {layer['row_width']} "
-            f"({layer['table_bytes'] / 1e6:.1f} MB, {layer['bytes_read_per_token']:,} B read per token)"
-        )
-    print(
-        f"\n{r['n_tokens']} tokens ({r['tokenizer']} tokenizer); rows checked against each head's [offset, offset + prime)"
-    )
-    head = f"{'pos':>4} {'token':<14} {'cid':>6}"
-    for lid in r["layer_ids"]:
-        head += f" | layer {lid}: rows {'':<17} gates per stream"
-    print(head)
-    for tok in r["tokens"]:
-        line = f"{tok['pos']:>4} {tok['text']!r:<14.14} {tok['compressed_id']:>6}"
-        for lid in r["layer_ids"]:
-            d = tok["layers"][str(lid)]
-            status = "ok" if d["rows_ok"] else "OUT OF RANGE"
-            span = f"{min(d['rows']):>9}..{max(d['rows']):<9}"
-            line += f" | {len(d['rows'])} {status} {span} " + " ".join(f"{g:.3f}" for g in d["gates"])
-        print(line)
-    deltas = ", ".join(f"layer {layer['layer_id']} {layer['max_abs_delta_h']:.4f}" for layer in r["layers"])
-    print(f"\nmax |delta h|: {deltas}; over all layers {r['max_abs_delta_h']:.4f}")
-    secs = ", ".join(f"{k} {v:.2f}" for k, v in r["seconds"].items())
-    verdict = "ok" if r["ok"] else "FAILED: a row out of its head's range or a gate outside (0, 1)"
-    print(f"seconds: {secs}\n{verdict}")

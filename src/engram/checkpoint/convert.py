@@ -1,21 +1,16 @@
-"""Making and converting Engram checkpoints (the format itself is `engram.checkpoint.v41`'s).
+"""Making and converting Engram checkpoints (the format itself is `engram.checkpoint.v41`'s;
+`engram convert` is `engram.cli`'s).
 
 Holds:
 - `convert_table(src, dst, to=...)`: rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float tables.
-- `add_convert_command(subparsers)` / `cmd_convert(args)`: `engram convert SRC DST [--to fp8|float]`.
 - `make_scaled_v41_checkpoint(dir)`: a small random checkpoint in the V4.1 format (same tensor names,
   dtypes and row width as V4.1, a few thousand rows per table) for tests, examples and `engram run-layer`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import re
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,7 +20,7 @@ from engram.config import EngramConfig, Variant
 from engram.model.module import Engram
 from engram.model.table import FP8Table
 
-__all__ = ["add_convert_command", "cmd_convert", "convert_table", "make_scaled_v41_checkpoint"]
+__all__ = ["convert_table", "make_scaled_v41_checkpoint"]
 
 
 # ------------------------------------------------------------------------------------------- convert
@@ -58,70 +53,6 @@ def convert_table(
     return save_checkpoint(
         dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
     )
-
-
-def _parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, flags=re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB, 2GiB or 1000000")
-    unit = m.group(2).upper().rstrip("B")
-    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
-    if unit not in mult:
-        raise argparse.ArgumentTypeError(f"{text!r}: unknown unit {m.group(2)!r}")
-    return max(1, int(float(m.group(1)) * mult[unit]))
-
-
-def add_convert_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `convert SRC DST [--to fp8|float]` to an argparse subparsers object (engram's CLI)."""
-    p = subparsers.add_parser(
-        "convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables"
-    )
-    p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
-    p.add_argument("dst", help="directory to write (created; must differ from src)")
-    p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="float table dtype (--to float)",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=_parse_size,
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help="e.g. 5GB (default), 500MB",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
-    p.set_defaults(func=cmd_convert)
-    return p
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    """Handler of `engram convert`."""
-    t0 = time.perf_counter()
-    shards = convert_table(
-        args.src, args.dst, args.to, getattr(torch, args.dtype), max_shard_bytes=args.max_shard_size
-    )
-    elapsed = time.perf_counter() - t0
-    size = sum(p.stat().st_size for p in shards)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "dst": str(args.dst),
-                    "to": args.to,
-                    "shards": [p.name for p in shards],
-                    "bytes": size,
-                    "seconds": elapsed,
-                }
-            )
-        )
-    else:
-        print(
-            f"wrote {len(shards)} shard(s), {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
-            f"({elapsed:.1f} s)"
-        )
-    return 0
 
 
 # ------------------------------------------------------------------------------------------- example

@@ -1,4 +1,4 @@
-"""The training commands of `engram`: `demo`, `train`, `eval` (registered by `engram.cli.commands`)."""
+"""The training commands of `engram`: `demo`, `train`, `eval` (registered by `engram.cli`)."""
 
 from __future__ import annotations
 

@@ -5,29 +5,24 @@ cross PCIe (or come from SSD); rows repeated within a batch need fetching once. 
 on a real corpus with the real hash: the text is tokenised, hashed with the config's layout (V4.1:
 the DeepSeek-V4 tokenizer, 384M rows a layer) and its rows are replayed in order, `batch_tokens`
 tokens per call, through one exact-LRU `RowCache` per layer and capacity (the cache's index only
-matters here: its rows are kept 32 bytes wide).
+matters here: its rows are kept 32 bytes wide). `engram cache-sim` (in `engram.cli`) runs it on a text.
 
 Holds:
 - `simulate_cache(rows, batch_tokens, capacities, row_bytes)`: per layer and capacity, the rows
   asked, distinct per batch, cache hits, and the bytes per token each stage leaves to fetch.
 - `CacheSimReport`: one (layer, capacity) result.
-- `add_cache_sim_command(subparsers)`: `engram cache-sim`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from engram.storage.fp8 import fp8_row_bytes
 from engram.systems.cache import RowCache
 
-__all__ = ["CacheSimReport", "add_cache_sim_command", "simulate_cache"]
+__all__ = ["CacheSimReport", "simulate_cache"]
 
 
 @dataclass
@@ -129,81 +124,3 @@ def simulate_cache(
                 )
             )
     return reports
-
-
-def _size(text: str) -> int:
-    """'65536', '64K', '1M' -> rows."""
-    t = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
-    try:
-        value = int(t[:-1] if mult > 1 else t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a row count (e.g. 65536, 64K, 4M)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a cache holds at least 1 row")
-    return value
-
-
-def cmd_cache_sim(args: argparse.Namespace) -> int:
-    from engram.cli.commands import _config_from_args, _hasher, _text_from_args
-
-    config = _config_from_args(args)
-    text, source = _text_from_args(args)
-    hasher, tok = _hasher(config)
-    ids = np.array(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-    if ids.size == 0:
-        raise ValueError(f"{source} holds no tokens; give a non-empty text file")
-    t0 = time.perf_counter()
-    rows = hasher.hash(ids)  # (N, layers, heads): the text as one stream
-    reports = simulate_cache(
-        rows, args.batch_tokens, args.cache_rows, fp8_row_bytes(config.head_dim), list(config.layer_ids)
-    )
-    elapsed = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps({"source": source, "config": config.name, "seconds": elapsed,
-                          "reports": [r.to_dict() for r in reports]}))  # fmt: skip
-        return 0
-    r0 = reports[0]
-    bpt = r0.bytes_per_token()
-    table_rows = hasher.layout.layers[0].num_embeddings
-    print(
-        f"{source}: {ids.size:,} tokens, {config.name} ({table_rows:,} rows a layer), batches of "
-        f"{args.batch_tokens} tokens, {elapsed:.1f} s\n"
-        f"per token and layer: {config.rows_per_token} rows = {bpt['no_dedup']:.0f} B; "
-        "deduplicated per batch and through an LRU cache of the given rows on the device:\n"
-    )
-    print(f"{'layer':>5} {'cache rows':>11} {'cache MB':>9} {'distinct/batch':>14} {'hit rate':>8} "
-          f"{'warm':>6} {'B/token dedup':>13} {'B/token +cache':>14} {'saved':>6}")  # fmt: skip
-    for r in reports:
-        b = r.bytes_per_token()
-        warm = "-" if r.warm_hit_rate is None else f"{r.warm_hit_rate:.1%}"
-        print(
-            f"{r.layer_id:>5} {r.capacity:>11,} {r.capacity * r.row_bytes / 1e6:>9,.0f} "
-            f"{r.rows_distinct / r.rows_asked:>14.1%} {r.hit_rate:>8.1%} {warm:>6} "
-            f"{b['dedup']:>13,.0f} {b['dedup_and_cache']:>14,.0f} {1 - b['dedup_and_cache'] / b['no_dedup']:>6.1%}"
-        )
-    print("\nwarm: hit rate over the second half of the stream; saved: against fetching every row asked")
-    return 0
-
-
-def add_cache_sim_command(sub: Any) -> None:
-    from engram.cli.commands import _add_config_options
-
-    p = sub.add_parser(
-        "cache-sim",
-        help="replay a real text's Engram rows through LRU caches: dedup and hit rates, bytes per token",
-    )
-    _add_config_options(p)
-    p.add_argument(
-        "--text-file", action="append", help="text file(s) to replay (default: the King James Bible)"
-    )
-    p.add_argument("--max-chars", type=int, help="only the first N characters of the text")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per fetch (default 4096)")
-    p.add_argument(
-        "--cache-rows",
-        type=_size,
-        nargs="+",
-        default=[1 << 16, 1 << 18, 1 << 20, 1 << 22],
-        help="cache sizes in rows per layer, e.g. 64K 1M (default: 64K 256K 1M 4M)",
-    )
-    p.set_defaults(func=cmd_cache_sim)

@@ -1,4 +1,4 @@
-"""Timers the benchmarks share (imported by file: `benchmarks/` is put on sys.path by each user)."""
+"""Timers the benchmarks share: `from engram.benchmarks.timing import best_time, cuda_time`."""
 
 from __future__ import annotations
 

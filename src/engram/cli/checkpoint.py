@@ -1,0 +1,140 @@
+"""`engram convert` and `engram run-layer`: checkpoints from the command line.
+
+`convert` rewrites a checkpoint's tables as FP8 or float (`engram.checkpoint.convert.convert_table`);
+`run-layer` runs the V4.1 Engram layers of a checkpoint, or of a scaled one it builds, over a text
+(`engram.apps.run_layer.run_layer`) and prints the report. Only argument handling and printing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from engram.apps.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
+from engram.checkpoint.convert import convert_table
+from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
+from engram.cli.options import SIZE_HELP, byte_size
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add convert and run-layer to the `engram` subparsers."""
+    p = sub.add_parser("convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables")
+    p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
+    p.add_argument("dst", help="directory to write (created; must differ from src)")
+    p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="float table dtype (--to float)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=byte_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help=f"bytes per shard file, e.g. 5GB (the default), 500MB, 2GiB ({SIZE_HELP})",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "run-layer",
+        help="tokenize, hash and run the Engram layers (1, then 14) of a (scaled) V4.1 checkpoint",
+    )
+    p.add_argument(
+        "--checkpoint",
+        help="a checkpoint directory (default: build a scaled-down V4.1 checkpoint in a temporary directory)",
+    )
+    p.add_argument("--text", default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})")
+    p.add_argument(
+        "--base",
+        type=int,
+        help=f"prime-search base of the built checkpoint (default {DEFAULT_BASE}; V4.1 uses 16000000)",
+    )
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        help=f"residual width of the built checkpoint (default {DEFAULT_HIDDEN_SIZE})",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the built weights and the pseudo-embeddings")
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_run_layer)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    shards = convert_table(
+        args.src, args.dst, args.to, getattr(torch, args.dtype), max_shard_bytes=args.max_shard_size
+    )
+    elapsed = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in shards)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "dst": str(args.dst),
+                    "to": args.to,
+                    "shards": [p.name for p in shards],
+                    "bytes": size,
+                    "seconds": elapsed,
+                }
+            )
+        )
+    else:
+        print(
+            f"wrote {len(shards)} shard(s), {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
+            f"({elapsed:.1f} s)"
+        )
+    return 0
+
+
+def cmd_run_layer(args: argparse.Namespace) -> int:
+    """0 when every row is in range and every gate in (0, 1), else 1."""
+    report = run_layer(
+        args.checkpoint, args.text, base=args.base, hidden_size=args.hidden_size, seed=args.seed
+    )
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False))
+    else:
+        print_run_layer_report(report)
+    return 0 if report["ok"] else 1
+
+
+def print_run_layer_report(r: dict[str, Any]) -> None:
+    """The readable view of a `run_layer` report."""
+    where = r["checkpoint"] or "a scaled V4.1 checkpoint built in a temporary directory"
+    print(
+        f"{r['config']} ({r['variant']}) from {where}: hc={r['hc']} streams of dim {r['dim']}, "
+        f"{r['rows_per_token']} rows per token per layer, compressed vocab {r['compressed_vocab_size']:,}"
+    )
+    for layer in r["layers"]:
+        print(
+            f"  layer {layer['layer_id']}: {layer['table']} {layer['table_rows']:,} rows x {layer['row_width']} "
+            f"({layer['table_bytes'] / 1e6:.1f} MB, {layer['bytes_read_per_token']:,} B read per token)"
+        )
+    print(
+        f"\n{r['n_tokens']} tokens ({r['tokenizer']} tokenizer); rows checked against each head's [offset, offset + prime)"
+    )
+    head = f"{'pos':>4} {'token':<14} {'cid':>6}"
+    for lid in r["layer_ids"]:
+        head += f" | layer {lid}: rows {'':<17} gates per stream"
+    print(head)
+    for tok in r["tokens"]:
+        line = f"{tok['pos']:>4} {tok['text']!r:<14.14} {tok['compressed_id']:>6}"
+        for lid in r["layer_ids"]:
+            d = tok["layers"][str(lid)]
+            status = "ok" if d["rows_ok"] else "OUT OF RANGE"
+            span = f"{min(d['rows']):>9}..{max(d['rows']):<9}"
+            line += f" | {len(d['rows'])} {status} {span} " + " ".join(f"{g:.3f}" for g in d["gates"])
+        print(line)
+    deltas = ", ".join(f"layer {layer['layer_id']} {layer['max_abs_delta_h']:.4f}" for layer in r["layers"])
+    print(f"\nmax |delta h|: {deltas}; over all layers {r['max_abs_delta_h']:.4f}")
+    secs = ", ".join(f"{k} {v:.2f}" for k, v in r["seconds"].items())
+    verdict = "ok" if r["ok"] else "FAILED: a row out of its head's range or a gate outside (0, 1)"
+    print(f"seconds: {secs}\n{verdict}")

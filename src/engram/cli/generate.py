@@ -1,0 +1,145 @@
+"""`engram generate`: continue a prompt with a trained checkpoint, optionally with offloaded tables.
+
+The generation itself is `engram.apps.generate` (`load_generator`, `generate`); the offload is
+`engram.systems.offload_engram`. Only option checks, the run and the printing here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from typing import Any
+
+from engram.apps.generate import check_options, generate, load_generator
+from engram.cli.options import set_threads
+from engram.model.lm import EngramLM
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add `generate --checkpoint DIR --prompt TEXT [--tokens N] ...` to the `engram` subparsers."""
+    p = sub.add_parser(
+        "generate", help="continue a prompt with a trained checkpoint (Engram rows hashed as tokens come)"
+    )
+    p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs repeat exactly)")
+    p.add_argument("--batch", type=int, default=1, help="sequences sampled from the same prompt")
+    p.add_argument("--greedy", action="store_true", help="always take the likeliest token")
+    p.add_argument("--mask-engram", action="store_true", help="mask Engram's output (the ablation)")
+    p.add_argument(
+        "--offload",
+        choices=["host", "ssd"],
+        help="serve the Engram tables as FP8 from host memory or a memory-mapped file (engram.systems)",
+    )
+    p.add_argument(
+        "--cache-rows", type=int, default=0, help="with --offload: hot rows kept cached (default 0)"
+    )
+    p.add_argument(
+        "--offload-dir", help="with --offload ssd: folder for the table files (default: a temp folder)"
+    )
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give some text for the model to continue")
+    check_options(args.tokens, args.temperature, args.top_k, args.batch)
+    if not args.offload and (args.cache_rows or args.offload_dir):
+        raise ValueError("--cache-rows and --offload-dir apply to offloaded tables: add --offload host|ssd")
+    if args.cache_rows < 0:
+        raise ValueError(f"--cache-rows {args.cache_rows} must be >= 0 (0: no cache)")
+    set_threads(args)
+    model, tok, hasher, state = load_generator(args.checkpoint)
+    if args.mask_engram and not model.engrams:
+        raise ValueError(f"{state['path']} has no Engram modules to mask; drop --mask-engram")
+    with tempfile.TemporaryDirectory(prefix="engram-generate-") as tmp:  # --offload ssd's default folder
+        tables = _offload(model, args, args.offload_dir or tmp) if args.offload else {}
+        return _generate_and_print(args, model, tok, hasher, state, tables)
+
+
+def _generate_and_print(
+    args: argparse.Namespace, model: EngramLM, tok: Any, hasher: Any, state: dict[str, Any], tables: dict
+) -> int:
+    prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    if not prompt_ids:
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
+    greedy = args.greedy or args.temperature == 0
+    out = generate(
+        model,
+        prompt_ids,
+        hasher,
+        max_new_tokens=args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        greedy=greedy,
+        batch_size=args.batch,
+        seed=args.seed,
+        engram_scale=0.0 if args.mask_engram else 1.0,
+    )
+    new = out.new_ids.cpu().tolist()
+    texts = [tok.decode(seq, skip_special_tokens=False) for seq in new]
+    engram = "none" if not model.engrams else "masked" if args.mask_engram else "on"
+    offload = {str(lid): t.stats() for lid, t in tables.items()}  # per layer: cache and fetch counters
+    if args.json:
+        result = {
+            "checkpoint": state["path"],
+            "step": state["step"],
+            "prompt": args.prompt,
+            "prompt_ids": list(prompt_ids),
+            "text": texts,  # one continuation per --batch sequence
+            "token_ids": new,
+            "tokens": args.tokens,
+            "batch": args.batch,
+            "engram": engram,
+            "greedy": greedy,
+            "temperature": args.temperature,
+            "top_k": args.top_k,
+            "seed": args.seed,
+            "seconds": out.seconds,
+            "tokens_per_s": out.tokens_per_s,
+            "offload": offload or None,
+        }
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sequence {i}")
+        print(args.prompt + text)
+    how = "greedy" if greedy else f"temperature {args.temperature:g}, top-k {args.top_k}, seed {args.seed}"
+    print(
+        f"--- {args.tokens} tokens x {args.batch} sequence(s) in {out.seconds:.2f} s ({out.tokens_per_s:.1f} tokens/s); "
+        f"{state['path']} (step {state['step']}), engram {engram}, {how}",
+        file=sys.stderr,
+    )
+    for lid, st in offload.items():
+        print(
+            f"--- layer {lid} table on {st['placement']}: {st['rows_requested']:,} rows asked, "
+            f"{st['rows_distinct']:,} distinct within their gathers, {st['bytes_fetched']:,} bytes fetched"
+            + (f", cache hit rate {st['cache_hit_rate']:.1%}" if "cache_hit_rate" in st else ""),
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _offload(model: EngramLM, args: argparse.Namespace, folder: str) -> dict[int, Any]:
+    """--offload host|ssd: the Engram tables quantised to FP8 + ue8m0 (V4.1's format, lossy for a table
+    trained in float) and served by `engram.systems.TieredTable` from DRAM or a memory-mapped file in
+    `folder`, with `--cache-rows` hot rows kept beside the model."""
+    from engram.systems import offload_engram
+
+    if not model.engrams:
+        raise ValueError("--offload moves Engram tables, but this checkpoint has none; drop --offload")
+    device = next(model.parameters()).device
+    ssd_dir = folder if args.offload == "ssd" else None
+    return offload_engram(
+        model, args.offload, cache_rows=args.cache_rows, device=device, quantize=True, ssd_dir=ssd_dir
+    )

