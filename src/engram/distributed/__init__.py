@@ -1,17 +1,11 @@
 """Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU).
 
-The only package that imports torch.distributed: the model code (`engram.model.module`, `engram.model.lm`)
-stays single-device, and this layer wraps it (torchtitan style).
-
-Holds (one concept per file):
-- `sharded_table`: `ShardedTable` (a table row-sharded over a process group) and the step's row
-  exchange (`prefetch_tables`, `sync_table_grads`, `release_tables`).
-- `parallelize`: `shard_engram_tables`, `build_sharded_model`, the dense all-reduce, and
-  `table_owners` (the tables on the first N ranks only: `engram train --distributed --table-ranks N`).
-- `train`: `init_distributed` (torchrun's environment) and `DistributedTrainer` (checkpoints in the
-  single-process format, or sharded: one file of table rows per owner rank, `--sharded-checkpoints`).
-
+The only package that imports torch.distributed: the model code (`engram.model.module`,
+`engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
+per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
+(sharding a model, the dense all-reduce), `train` (the distributed trainer).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
+Design: docs/distributed.md.
 """
 
 from engram.distributed.parallelize import (

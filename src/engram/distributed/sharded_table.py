@@ -1,40 +1,11 @@
 """A row-sharded Engram table for training over torch.distributed (SPEC §5, "Training").
 
-Holds:
-- `shard_bounds(num_rows, world, owners)`: the contiguous row range [lo, hi) of every rank; the
-  owner ranks (default: all) split the rows in rank order (sizes differ by at most one), the
-  others hold the empty range where they stand.
-- `chunked_normal(lo, hi, dim, ...)`: rows [lo, hi) of a normal(0, std) table drawn in fixed chunks
-  of `INIT_CHUNK_ROWS` rows, each from its own seeded generator: a rank draws only the chunks it
-  owns, and the table does not depend on the world size.
-- `ShardedTable`: a table [num_rows, dim] whose rank-local shard [hi - lo, dim] is the parameter
-  `weight` (fp32 / bf16; fp64 for checks). Its gradient is a sparse COO tensor over the shard's rows
-  (sorted, distinct), so `engram.model.optim.SparseRowAdam` / `SparseRowAdagrad` update it unchanged.
-- `prefetch_tables`, `sync_table_grads`, `release_tables`: the step's row exchange for several
-  tables at once (every Engram layer of the model: one all-to-all for the whole batch).
-- `gather_shards`: a per-rank tensor over a table's owned rows (weight, optimizer state) gathered
-  whole onto one rank (checkpoints).
-
-The training flow, per step and on every rank of the table's process group:
-
-    prefetch_tables([(table, rows), ...])  # all-to-all: counts, then ids, then the owners' rows
-    loss = model(...)                      # table.gather(rows) serves from the prefetched block
-    loss.backward()                        # row gradients accumulate in the block (no collectives)
-    sync_table_grads(tables)               # all-to-all: row gradients to their owners, summed there
-    table_optimizer.step()                 # updates the shard's touched rows
-
-Every call above that exchanges rows is a collective: all ranks of the group call it, with the
-same tables in the same order (each with its own rows, possibly none).
-
-Dedicated table ranks (`owners`, SPEC §5: "row-sharded over a dedicated group of processes"): only
-the owner ranks hold rows, num_rows / N each for N owners; every other rank's shard is empty
-(0, dim), and so is its sparse optimizer state (SparseRowAdam's momentum runs over the shard's
-rows). All ranks still request rows and return row gradients through the same exchange; a
-non-owner is simply never asked for a row. Why: the table is most of the parameters (196B in
-V4.1) and is only read by row, so it can live on processes chosen for memory while the others keep
-their memory for the backbone. Default: every rank owns. (Every rank of the group still runs the
-backbone, and one backend serves the group: with NCCL the shards are on the owners' GPUs, so
-placing them in CPU hosts' DRAM would need a gloo group for the tables, which this does not do.)
+`ShardedTable` keeps a rank's contiguous rows (`shard_bounds`; optionally on dedicated owner
+ranks only) as its parameter, with sparse row gradients that the sparse optimizers update
+unchanged. `prefetch_tables` and `sync_table_grads` are the step's collectives (one all-to-all
+for every table of the batch, before forward and after backward); `gather_shards` assembles a
+table on one rank for checkpoints. Knows process groups and rows, nothing of the model or the
+training loop. Design and the per-step flow: docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
-CPU (numba, compiled on first call and cached on disk): `cpu_hash` (the n-gram hash, twin:
-`NgramHasher.hash_compressed_numpy`), `cpu_lookup` (FP8 and plain row gathers, twin: the torch path
-of `engram.storage.lookup`), `cpu_cache` (the row cache's LRU index, twin: an OrderedDict in the
-tests); `threads` runs them over the cores. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`,
-twins in `reference`.
-
-Importing this package imports neither numba nor triton: the kernel modules load on first use, the
-CPU ones by `from engram.kernels import cpu_hash` where they are needed, the Triton ones through the
-names below. On a CPU the Triton kernels run under triton's interpreter when TRITON_INTERPRET=1 is
-set before they are first imported (the tests do that).
+CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, run over the cores by `threads`. CUDA
+(Triton): `hash_rows`, `fp8_gather`, `fused_gate`, with their torch twins in `reference`.
+Importing this package imports neither numba nor triton: CPU kernel modules are imported where
+they are needed, the Triton entries load through the lazy names below on first use (under
+triton's interpreter on a CPU when TRITON_INTERPRET=1 is set first). Design: docs/kernels.md.
 """
 
 from __future__ import annotations

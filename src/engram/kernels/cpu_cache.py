@@ -1,23 +1,9 @@
 """Numba kernels of `engram.systems.cache.RowCache`: the host-side index of the hot-row cache.
 
-Holds:
-- `plan(uniq, keys, vals, slot_row, prev, nxt, ends, slot_of, ins_of)`: for sorted distinct row ids,
-  find the cached ones (an open-addressing map row -> slot), mark them most recently used, and give
-  slots to as many of the others as fit (evicting the least recently used); returns the counts.
-- `new_state(capacity)`: the arrays that state lives in.
-- `scatter_rows(dst, slots, src)`: dst[slots[i]] = src[i] for byte rows (a CPU cache's write; torch's
-  `index_copy_` on uint8 rows is about 10x slower here).
-
-The map is open addressing with linear probing and backward-shift deletion (no tombstones), at most
-half full (2 * capacity slots, rounded up to a power of two), keyed by a Fibonacci hash. Recency is
-an intrusive doubly linked list over the cache slots (`prev`, `nxt`, `ends = [head, tail]`): a touch
-and an eviction are O(1), so a call costs O(distinct rows), never O(capacity). Every slot is always
-in the list; an empty slot (`slot_row == -1`) sits at the tail end at first and is "evicted" without
-counting as an eviction.
-
-Importing this module imports numba but compiles nothing: the kernel compiles on its first call (a
-couple of seconds) and is cached on disk (`__pycache__` beside this file). The kernel releases the
-GIL, so a background prefetch thread plans while the main thread computes.
+An open-addressing map row -> slot and an intrusive LRU list over the slots, so a call costs
+O(distinct rows), never O(capacity); plus the byte-row scatter a CPU cache writes with. Knows
+slots and row ids, nothing of the rows' bytes or devices. Compiles on first call (cached on
+disk) and releases the GIL. Design: docs/kernels.md.
 """
 
 from __future__ import annotations

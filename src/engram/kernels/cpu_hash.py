@@ -1,30 +1,10 @@
 """Numba kernels for the n-gram hash (SPEC §4): the CPU fast path of `engram.addressing.hashing`.
 
-Holds:
-- `hash_range(...)`: rows (B, T, L, orders*K) of the flat token range [start, end) of compressed
-  ids (B, T), with sticky dead-token blocking and an optional carried window; one pass per token,
-  no temporaries beyond a max_ngram scratch. `hash_rows(...)` splits the tokens over threads (the kernel releases the GIL).
-- `step(...)`: one decode step for B sequences: validate, hash the token after each carried
-  window, then shift the window in place (a dead token empties it) and advance the positions.
-- `fastmod(x, p, inv)`: the exact reduction both kernels use; `FASTMOD_MIN_PRIME` bounds it.
-
-Importing this module imports numba (about half a second) but compiles nothing: each kernel
-compiles on its first call (about a second, once per output dtype) and is cached on disk
-(`__pycache__` beside this file), so later processes only load it.
-
-The reduction. For 0 <= x < 2^63 and FASTMOD_MIN_PRIME <= p < 2^63, with inv = fl(1/p):
-    q = trunc(fl(fl(x) * inv));  r = x - q*p  (mod 2^64);  r += p if r < 0;  r -= p if r >= p
-gives r = x mod p exactly. Proof: each of the three roundings (x to double, 1/p, the product) has
-relative error <= u = 2^-53, so prod = (x/p)(1+e) with |e| <= (1+u)^3 - 1 < 3.0000001u, and
-q = floor(prod) because prod >= 0. Hence x - q*p = p(x/p - prod) + p(prod - q) lies in
-[-x*3.0000001u, p + x*3.0000001u), and x*3.0000001u < 3.0000001 * 2^10 < 3073 for x < 2^63. The
-true r therefore lies in (-3073, p + 3073): it fits int64, so the wrapping uint64 arithmetic gives
-it exactly, and for p >= 3073 one conditional +p or -p lands it in [0, p). FASTMOD_MIN_PRIME = 4096
-leaves a margin; smaller primes (never in a shipped preset) and negative x (only for out-of-range
-ids given straight to `hash_compressed`) take the hardware `%`, with Python's floor semantics
-like `np.remainder`. A double multiply, a convert and two selects replace a 64-bit division
-(tens of cycles), and the K heads of one order vectorise (two 4-lane passes for V4.1's 8 heads
-on an AVX-512 machine, where LLVM prefers 256-bit vectors).
+`hash_range` / `hash_rows` hash a token range (over threads), `step` is one decode step of
+`engram.addressing.stream.HashStream`; both reduce with `fastmod`, an exact division-free modulo
+for primes >= FASTMOD_MIN_PRIME. Knows the layout's arrays and compressed ids, nothing of
+tokenizers or tables. Compiles on first call (cached on disk). Design: docs/kernels.md; the
+modulo's proof: docs/addressing.md.
 """
 
 from __future__ import annotations
@@ -36,7 +16,7 @@ from engram.kernels.threads import run_chunks
 
 __all__ = ["FASTMOD_MIN_PRIME", "fastmod", "hash_range", "hash_rows", "step"]
 
-FASTMOD_MIN_PRIME = 4096  # > 3073, the bound on |x - q*p| outside [0, p) proven above
+FASTMOD_MIN_PRIME = 4096  # > 3073, the bound on |x - q*p| outside [0, p) proven in docs/addressing.md
 
 STEP_OK, STEP_BAD_ID, STEP_DRAFTS_PENDING = 0, 1, 2  # step()'s return codes
 

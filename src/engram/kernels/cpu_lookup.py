@@ -1,35 +1,10 @@
 """Numba kernels for table lookups on the CPU: the fast path of `engram.storage.lookup.dequantize_gather` and
 `engram.storage.lookup.gather_rows`.
 
-Holds:
-- `fp8_gather(values, scales, ids, out, threads)`: rows `ids` of an FP8 e4m3 table with ue8m0 scales
-  -> dequantised rows (n, D) in float32 / bfloat16 (float16 via a bounded float32 scratch), written
-  into a preallocated `out`. Fused (`gather_fp8_range`): a row's 256 + 8 bytes are read once into a
-  small staging buffer and decoded into `out`; no temporaries beyond a few KiB. Repeated ids within a
-  window of `DEDUP_WINDOW` positions are decoded once and copied (a Zipfian batch repeats its hot rows
-  every few positions). Outputs of `STREAM_MIN_BYTES` or more are written with non-temporal stores.
-- `rows_gather(weight, ids, out, threads)`: rows of a plain (fp32 / bf16 trainable) table, as bytes
-  (`gather_rows_range`).
-- `torch_nan_bits()`: the NaN bits the torch path writes, which the kernels reproduce.
-
-Both split the requested rows into contiguous chunks over `threads` threads (the kernels release the
-GIL); results never depend on the thread count. A random row of a table larger than the caches is a
-DRAM (and, on a VM, a nested page-walk) miss: the FP8 kernel copies the bytes of `STAGE_ROWS` rows in
-a tight loop, so that the core overlaps their misses, before decoding them.
-
-Decoding (bit-exact to torch, which `tests/test_lookup_fast.py` checks for all 256 x 256 value and
-scale bytes). An e4m3 byte s.eeee.mmm decodes to (-1)^s * 1.mmm * 2^(eeee-7) for eeee > 0, to
-(-1)^s * mmm * 2^-9 for eeee = 0, and to NaN for s.1111.111. The kernel builds those float32 bits
-with integer operations instead of loading them from a 256-entry table: the table lookup is a
-scalar load per value that LLVM does not vectorise, the arithmetic vectorises (8 lanes on this
-AVX-512 machine; measured 5.9 -> 7.3 M rows/s on cached rows). The two NaN bytes take the bits torch
-gives them (`torch_nan_bits()`, passed in). A scale byte b is 2^(b-127), built from its bits (b = 0
-is the subnormal 2^-127). The product of the two is one float32 multiply, as torch's; bfloat16 output
-rounds that float32 once to nearest even (NaN -> `bf16_nan`, the bits torch's vectorised
-conversion writes).
-
-Importing this module imports numba but compiles nothing: each kernel compiles on its first call
-(a few seconds per output dtype and id dtype) and is cached on disk (`__pycache__` beside this file).
+`fp8_gather` fuses gather and ue8m0 dequantisation (staged rows, a dedup window, non-temporal
+stores for large outputs), bit-exact to torch; `rows_gather` copies rows of a plain table. Both
+split the rows over threads and never depend on the thread count. Knows the FP8 row format's
+bytes, nothing of tables or tiers. Compiles on first call (cached on disk). Design: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Plain torch twins of the Triton kernels of `engram.kernels`: what each kernel must equal, and the
 eager path on devices without triton.
 
-Holds:
-- `hash_rows(xc, dead, window, multipliers, primes, offsets, pad)`: the n-gram hash on tensors,
-  bit-exact to `engram.addressing.hashing` (the same look-back construction as `NgramHasher.lookback`).
-- `fp8_gather(values, scales, rows, dtype)`: gather + ue8m0 dequantise, bit-exact to
-  `engram.storage.lookup.dequantize_gather` for finite values (no checks, so no device sync).
-- `gate(h, key, v, w, dead, eps, clamp)`: the V4.1 gate after wkv, (h + gates * v, gates): the eager
-  path of `Engram` itself, so the fused kernel is tested against the module's own code.
-- `signed_sqrt_gate(dot, clamp)`: the gate nonlinearity both Engram variants share.
+The hash (`hash_rows`), the FP8 gather (`fp8_gather`, no checks, so no device sync) and the V4.1
+gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
+module's own code), plus the gate nonlinearity both Engram variants share. Design: docs/kernels.md.
 """
 
 from __future__ import annotations

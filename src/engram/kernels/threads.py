@@ -3,6 +3,7 @@ and one pool that splits a kernel's range into contiguous chunks.
 
 Every numba kernel that runs on several threads (hashing, gathers) goes through `run_chunks`; the
 kernels release the GIL, so the threads run in parallel. Knows nothing of what the kernels compute.
+Design: docs/kernels.md.
 """
 
 from __future__ import annotations

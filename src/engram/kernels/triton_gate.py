@@ -1,25 +1,9 @@
 """Triton kernels for the V4.1 context gate after `wkv` (SPEC §6) on CUDA, forward and backward.
 
-Holds:
-- `fused_gate(h, key, v, w, dead, eps, clamp)` -> (h + gate * v, gates): the autograd function
-  `FusedGate`, twin of `reference.gate` (the eager code of `Engram._forward_v41`). Gradients for h,
-  key, v and w (= q_weight * k_weight, so autograd carries them on to both weights).
-
-For each token and stream m (over dim, in float32 whatever the input dtype):
-    dot = sum(h_m * w_m * key_m);  rh = rsqrt(mean(h_m^2) + eps);  rk = rsqrt(mean(key_m^2) + eps)
-    z = dot * rh * rk / sqrt(dim);  g = sigmoid(copysign(sqrt(max(|z|, clamp)), z));  g = 0 if dead
-    out_m = h_m + g * v
-Forward: one program per token, two passes over dim (the reductions, then the write), saving
-(dot, rh, rk, g) per (token, stream) in float32. Backward, with u = copysign(sqrt(max(|z|, c)), z):
-    dg = sum(dout_m * v) + dgates_m;  dz = dg g (1 - g) / (2 sqrt|z|) where |z| >= clamp, else 0
-    a = dz rh rk / sqrt(dim)
-    dh_m = dout_m + a w key_m - dz dot rh^3 rk / sqrt(dim) / dim * h_m
-    dkey_m = a w h_m - dz dot rh rk^3 / sqrt(dim) / dim * key_m
-    dv = sum_m g_m dout_m;   dw_m = sum over tokens of a h_m key_m
-in two kernels: per token the scalars (dg, dz and the three coefficients), then an elementwise pass
-over (token block, dim block) that also reduces dw over its token block (partial sums, added in
-torch: deterministic, no atomics). The inputs are read in their own dtype and strides (key and v
-may be views of the wkv output (B, T, hc+1, dim)); outputs are in the inputs' dtypes.
+`fused_gate` (the autograd function `FusedGate`) computes (h + gate * v, gates) in float32 and
+gives gradients for h, key, v and w; its twin is `reference.gate`, the eager code of `Engram`.
+Reads inputs in their own dtypes and strides; deterministic (no atomics). Knows nothing of tables
+or rows. Imports triton. Design, with the forward and backward math: docs/kernels.md.
 """
 
 from __future__ import annotations

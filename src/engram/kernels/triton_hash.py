@@ -1,15 +1,8 @@
 """Triton kernel for the n-gram hash (SPEC §4) on CUDA: compressed ids -> table rows, bit-exact to
 `engram.addressing.hashing` (tested against `NgramHasher.hash_compressed` and `reference.hash_rows`).
 
-Holds:
-- `hash_rows(xc, dead, window, multipliers, primes, offsets, pad, out=None)`: rows (B, T, L, orders*K)
-  of compressed ids xc (B, T), with sticky dead-token blocking and an optional carried look-back
-  window, all int64 arithmetic (every product stays below 2^63, so the XOR mixes are exact and
-  non-negative and `%` is the floor modulo).
-
-One program hashes BLOCK tokens: per layer it rebuilds the look-back of each token (max_ngram loads,
-cached) and stores the K heads of each order as one (BLOCK, K) tile. Importing this module imports
-triton; `engram.kernels` imports it on first use only.
+Knows the layout's arrays and an optional carried look-back window; all int64 arithmetic. Imports
+triton; `engram.kernels` imports it on first use only. Design: docs/kernels.md.
 """
 
 from __future__ import annotations

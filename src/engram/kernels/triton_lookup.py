@@ -1,18 +1,10 @@
 """Triton kernel for the FP8 + ue8m0 lookup on CUDA: rows of an FP8 e4m3 table with one ue8m0 scale
 per block of values -> dequantised rows in bfloat16, float32 or float16, in one pass.
 
-Holds:
-- `fp8_gather(values, scales, rows, dtype, out=None)`: values (R, D) float8_e4m3fn, scales
-  (R, D // block) float8_e8m0fnu, rows (...) int64/int32 -> (..., D) in `dtype`. Bit-exact to
-  `engram.storage.lookup.dequantize_gather` (its torch twin `reference.fp8_gather`) for every finite value.
-
-Decoding is integer bit manipulation, so it does not depend on the GPU's fp8 conversion support
-(sm_80 has none) nor on the interpreter's: e4m3 s.eeee.mmm -> float32 bits s | (eeee + 120) << 23 |
-mmm << 20 for eeee > 0, (-1)^s mmm 2^-9 for eeee = 0, NaN for s.1111.111; a scale byte b ->
-2^(b - 127) from its bits (b = 0: the subnormal 2^-127; b = 255: NaN); one float32 multiply, as the
-reference. bfloat16 is rounded to nearest even by hand (the interpreter's cast truncates). Unlike
-the CPU path this kernel checks nothing (no sync): a row id outside the table is the caller's
-bug (validate with `engram.storage.fp8.check_rows`), a 255 scale byte gives NaN rows.
+Bit-exact to `engram.storage.lookup.dequantize_gather` for every finite value, by integer bit
+manipulation (no reliance on the GPU's fp8 support). Checks nothing, so never syncs: row ids are
+the caller's to validate (`engram.storage.fp8.check_rows`), a 255 scale byte gives NaN rows.
+Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -76,7 +68,7 @@ def fp8_gather(
 ) -> torch.Tensor:
     """Dequantised rows (..., D) in `dtype` of the table values (R, D) / scales (R, D // block) for row
     ids `rows` (...) int64/int32, all on one device (CUDA, or CPU under TRITON_INTERPRET=1). No
-    checks of the ids or scale bytes (see the module docstring); no device sync."""
+    checks of the ids or scale bytes (see docs/kernels.md); no device sync."""
     if values.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
         raise TypeError(
             f"values/scales must be float8_e4m3fn/float8_e8m0fnu, got {values.dtype}/{scales.dtype}"

@@ -1,1 +1,4 @@
-"""engram.model."""
+"""Model: tables, the Engram module, the small LM and the sparse optimizers (single device).
+
+Design: docs/model.md.
+"""

@@ -1,17 +1,10 @@
 """A small decoder-only language model with Engram, sized for CPUs (the demo's and tests' model).
 
-Holds:
-- `LMConfig`: backbone sizes, residual streams `hc`, and an optional `EngramConfig` whose
-  `layer_ids` say which blocks get an Engram module at their entrance.
-- `EngramLM`: token embedding -> `hc` residual streams (copies of the embedding) -> blocks
-  (RMSNorm, rotary attention through `scaled_dot_product_attention`, SwiGLU MLP) -> collapse ->
-  RMSNorm -> LM head (tied or not). Engram writes into the streams before a block reads them.
-- `HyperConnection`: the simple mHC used when hc > 1: a learned softmax read over streams, a
-  doubly-stochastic stream mix (Sinkhorn of a learned matrix, identity at init) and a learned
-  write of the sublayer output into every stream. With hc = 1 it is a plain residual.
-
-Engram rows are hashed outside the model (they depend only on token ids) and passed in as
-`engram_rows` [B, T, n_engram_layers, heads]; `engram_scale=0` masks Engram's output (ablation).
+`EngramLM` (configured by `LMConfig`): embedding -> `hc` residual streams -> blocks (attention,
+SwiGLU MLP, mixed across streams by `HyperConnection` when hc > 1) -> LM head, with an `Engram`
+module at the entrance of the blocks the config names. Knows nothing of hashing: rows are hashed
+outside the model and passed in as `engram_rows` [B, T, n_engram_layers, heads]; `engram_scale=0`
+masks Engram's output (ablation). Design: docs/model.md.
 """
 
 from __future__ import annotations

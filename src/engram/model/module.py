@@ -1,18 +1,10 @@
 """The Engram module (SPEC §6): lookup, projection, context gate, write into the residual streams.
 
-Holds:
-- `Engram(config, layer_id)`: one Engram layer. `forward(h, rows, dead_mask=None)` takes the
-  residual streams h (B, T, hc, dim) and this layer's rows (B, T, heads) and returns the updated
-  streams (and, on request, the gates (B, T, hc)).
-  - `deepseek-v4.1`: one fused `wkv` -> hc keys + one shared value; gate = sigmoid(signed sqrt
-    of a normalised dot product); h_m += gate_m * v. No conv.
-  - `demo-v1` (the paper's demo): separate key projections and per-stream RMSNorms for key and
-    query, a value projection, then `out = v + conv(v)` with a depthwise causal conv (kernel 4,
-    dilation max_ngram_size, per-stream RMSNorm before it, SiLU after); h_m += out_m.
-- `ShortConv`: that conv.
-- `signed_sqrt_gate(dot, clamp)`: the gate nonlinearity both variants share.
-
-The module works on one device; prefetching, offload and sharding wrap it from outside.
+`Engram(config, layer_id)` maps residual streams h (B, T, hc, dim) and this layer's rows
+(B, T, heads) to the updated streams, in the `deepseek-v4.1` variant (fused `wkv`, signed-sqrt
+gate, no conv; the Triton gate on CUDA) or the paper's `demo-v1` (separate projections and
+`ShortConv`). Works on one device and knows nothing of tiers, prefetch or sharding: those wrap
+it from outside by swapping its `table`. Design: docs/model.md.
 """
 
 from __future__ import annotations

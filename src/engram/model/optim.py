@@ -1,28 +1,10 @@
 """Sparse, row-wise optimizers for Engram tables (parameters whose gradient touches few rows).
 
-Holds:
-- `SparseRowAdam`: Adam with a per-element momentum and a per-ROW second moment and step count;
-  the default for `TrainableTable` weights (SPEC §5: one momentum state per parameter, because
-  Adam's two full states would double a 196B-parameter table twice).
-- `SparseRowAdagrad`: row-wise Adagrad, one accumulator per row (no full-size state at all).
-- `split_param_groups(model)`: (dense params, table params), so a training loop can give the
-  backbone `torch.optim.AdamW` and the tables one of the above.
-
-Both optimizers take parameters [num_rows, dim] whose `.grad` is a sparse COO tensor (what
-`TrainableTable.gather` / `F.embedding(..., sparse=True)` produce); it is coalesced first, so
-repeated row ids are summed (a gradient whose rows are already sorted and distinct, as `gather`
-makes it, skips the sort). A dense gradient is refused with a TypeError: finding its touched
-rows would cost a pass over the whole table, which is exactly what these optimizers avoid.
-
-Cost: a step reads and writes only the touched rows (index_select / index_copy_ on U rows), so it
-does not depend on the table size; no full-size temporary is made after the first step (which
-allocates the state). On CUDA a step syncs with the host once per table (checking that the
-rows are sorted and distinct, or coalescing, which needs the touched-row count). Updates are lazy like `torch.optim.SparseAdam`: an untouched row's state
-does not decay, and each row keeps its own step count for bias correction.
-
-Precision: state is fp32 (fp64 for fp64 parameters, used by the reference tests); bf16/fp16
-parameters are updated in fp32 and written back rounded to their dtype (no master copy, no
-stochastic rounding: an update below half a bf16 ulp of a weight is lost).
+`SparseRowAdam` (per-element momentum, per-row second moment and step count: the tables'
+default) and `SparseRowAdagrad` (one accumulator per row) take sparse COO gradients, refuse dense
+ones, and read and write only the touched rows, lazily; `split_param_groups` separates the
+tables from the dense backbone. Knows parameters and their gradients, nothing of how the rows
+were looked up or where the table lives. Design: docs/model.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Engram tables: one physical table per Engram layer, rows addressed by `NgramHasher` rows.
 
-Holds:
-- `EngramTable`: the interface every table kind implements: `num_rows`, `dim`, and
-  `gather(rows, dtype)` -> rows [..., dim] in the compute dtype, deduplicating repeated row ids.
-- `TrainableTable`: an fp32/bf16 parameter trained with sparse gradients (only looked-up rows).
-- `FP8Table`: frozen FP8 e4m3 values + ue8m0 scales (V4.1 inference), dequantised on gather.
-  Values and scales are buffers named `weight` and `scale` (so a module's state_dict reads
-  `...table.weight` / `...table.scale`), and move with `.to(device)`.
-- `MmapFP8Table`: the same, memory-mapped from a safetensors file: rows are read on demand, so a
-  table larger than RAM works. Not buffers (a memory map does not move to a GPU); `gather` copies
-  the gathered rows to the device asked for.
-
-Dequantisation is `engram.storage.quant`'s, row gathers `engram.storage.lookup`'s and safetensors files
-`engram.checkpoint.files`'s; this file only stores tables and routes rows to them.
+`EngramTable` is the interface every table kind implements (`num_rows`, `dim`, `gather`);
+`TrainableTable` (a parameter with sparse gradients), `FP8Table` (frozen FP8 buffers) and
+`MmapFP8Table` (memory-mapped, rows read on demand) implement it. This file only stores tables
+and routes rows to them: dequantisation is `engram.storage.quant`'s, row gathers
+`engram.storage.lookup`'s, safetensors files `engram.checkpoint.files`'s. Design: docs/model.md.
 """
 
 from __future__ import annotations

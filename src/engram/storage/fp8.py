@@ -3,7 +3,7 @@
 A row of width D is D float8 e4m3 values plus one ue8m0 scale byte per `BLOCK` (32) values: a
 256-wide row takes 264 bytes. This module is the one vocabulary the quantiser, the gathers, the
 tables, the kernels and the tiers import: block size, dtypes, bytes per row, the (values, scales)
-pair check and the row-id check. It computes nothing on table data.
+pair check and the row-id check. It computes nothing on table data. Design: docs/storage.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 the table; `gather_rows` is the same for plain float tables. Backends (`LookupBackend`) give identical
 bits: the fused numba kernels of `engram.kernels.cpu_lookup` (CPU), the Triton gather (CUDA) and the
 torch reference twin. Row ids are checked on every call. Knows nothing of modules or tiers.
+Design: docs/storage.md.
 """
 
 from __future__ import annotations

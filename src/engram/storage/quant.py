@@ -27,7 +27,7 @@ __all__ = ["dequantize_into", "dequantize_rows", "quantize_rows", "scale_bytes_t
 
 
 
-# Scale exponent range the quantiser emits: byte = exponent + 127 lies in [1, 254] (see module docstring).
+# Scale exponent range the quantiser emits: byte = exponent + 127 lies in [1, 254] (see docs/storage.md).
 _MIN_EXP = -126
 _MAX_EXP = 127
 _ZERO_BLOCK_BYTE = 127  # scale 1.0 for an all-zero block

@@ -1,20 +1,9 @@
 """Background fetching with a bounded depth: the worker thread and the handle a prefetch returns.
 
-Holds:
-- `PrefetchHandle`: one prefetch of a table's rows: `done()`, `wait()` (the fetched block, or the
-  fetch's error re-raised), the host copy of the rows it was made for (`rows`, for matching:
-  `matches`, `first_difference`) and the compute device it was fetched for (`device`).
-- `claim(pending, rows, prefetched, owner)`: the prefetch that serves a gather of `rows`: the
-  explicit handle (checked to be the owner's and for equal rows) or the oldest pending one of
-  equal rows; removed from `pending`.
-- `FetchWorker(max_inflight)`: one daemon thread running fetch jobs in submission order. `submit`
-  blocks while `max_inflight` jobs are queued or running (a bounded queue, as torchrec's prefetch
-  depth): a job completes without its consumer, so the bound can never deadlock a single thread
-  that prefetches ahead before it gathers. `wait_idle()` blocks until no job is in flight;
-  `close()` stops the thread (joining it), and a later `submit` starts a new one.
-
-The work itself (dedup, cache lookup, host gather, host -> device copy) runs in numba kernels and torch
-ops that release the GIL, so the worker overlaps with the main thread's compute on a CPU as well.
+`FetchWorker` runs fetch jobs in submission order on one daemon thread, blocking `submit` while
+`max_inflight` jobs are in flight (a job completes without its consumer, so this never
+deadlocks); `PrefetchHandle` is one prefetch's result, and `claim` finds the prefetch that serves
+a gather. Knows jobs and rows, nothing of what a fetch does. Design: docs/systems.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """A hot-row cache of FP8 table rows on the compute device, with exact LRU eviction.
 
-Holds:
-- `RowCache(capacity, dim, device)`: `capacity` slots of raw FP8 bytes (values [C, dim] and ue8m0
-  scales [C, dim // 32], as uint8) on `device`, and a host-side index row -> slot (the numba map and
-  LRU list of `engram.kernels.cpu_cache`, O(distinct rows) per call, no Python loop per row).
-  - `plan(uniq)`: the host half of a call: which of the sorted distinct rows are cached (hits), and
-    which slots the others (misses) are admitted to; updates the counters.
-  - `read(slots, out_values, out_scales)` / `write(slots, values, scales)`: the device half.
-  - First-class counters (plain ints): `hits`, `misses`, `evictions`, `bytes_fetched` (bytes read
-    from the backing tier for misses); `stats()` and `reset_stats()`.
-
-Decisions:
-- Exact LRU over calls. Within one call the hits are touched first, then misses are admitted in
-  ascending row order (so the call's misses count as more recent than its hits).
-- A call needing more distinct rows than the cache can hold (hits + misses > capacity) admits only
-  `capacity - hits` misses (never evicting a row the same call uses); the other misses are served
-  straight from the backing tier, uncached. Results are never wrong, only the hit rate suffers.
-- A miss counts once per distinct row per call (repeats within a call are one fetch); a cached row
-  is bit-for-bit the stored row, so the cache never changes what a gather returns.
-- The cache holds no locks: its owner (`TieredTable`) serialises `plan` + `read` + `write` of one
-  call against other calls, so that device writes happen in the order the index was updated.
+`RowCache` holds raw FP8 bytes in slots on the device and a host-side index row -> slot (the numba
+kernels of `engram.kernels.cpu_cache`); `plan` is the host half of a call, `read` / `write` the
+device half, and hits, misses, evictions and bytes fetched are first-class counters. A cached row
+is bit-for-bit the stored row. Knows slots and bytes, nothing of tiers or staging; holds no locks
+(its owner, `TieredTable`, serialises calls). Design: docs/systems.md.
 """
 
 from __future__ import annotations
@@ -46,7 +31,7 @@ class CachePlan(NamedTuple):
 
 
 class RowCache:
-    """`capacity` rows of FP8 bytes on `device` with an exact-LRU host index (see the module docstring)."""
+    """`capacity` rows of FP8 bytes on `device` with an exact-LRU host index (see docs/systems.md)."""
 
     def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu") -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:

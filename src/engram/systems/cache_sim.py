@@ -1,16 +1,9 @@
 """How much a hot-row cache saves on real text: replay a token stream's Engram rows through `RowCache`.
 
-SPEC §5: n-gram frequencies are Zipfian, so hot rows can live in device memory and only the rest
-cross PCIe (or come from SSD); rows repeated within a batch need fetching once. This measures both
-on a real corpus with the real hash: the text is tokenised, hashed with the config's layout (V4.1:
-the DeepSeek-V4 tokenizer, 384M rows a layer) and its rows are replayed in order, `batch_tokens`
-tokens per call, through one exact-LRU `RowCache` per layer and capacity (the cache's index only
-matters here: its rows are kept 32 bytes wide). `engram cache-sim` (in `engram.cli`) runs it on a text.
-
-Holds:
-- `simulate_cache(rows, batch_tokens, capacities, row_bytes)`: per layer and capacity, the rows
-  asked, distinct per batch, cache hits, and the bytes per token each stage leaves to fetch.
-- `CacheSimReport`: one (layer, capacity) result.
+Hashes a corpus with the config's real layout and replays its rows batch by batch through one
+exact-LRU `RowCache` per layer and capacity, reporting what deduplication and the cache leave to
+fetch per token (`engram cache-sim`). Only the cache's index matters here, so its rows are kept
+32 bytes wide. Design: docs/systems.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Where an Engram table's bytes live (SPEC §5: hot rows on the device, warm in DRAM, the tail on SSD).
 
-Holds:
-- `Placement`: `DEVICE`, `HOST`, `SSD` (an enum, as torchrec's `EmbeddingLocation`).
-- `as_placement(value)`: a `Placement` from the enum or its string value, with an error naming the
-  choices otherwise.
-- `as_device(value)`: a `torch.device` from a device or its string, checked to be usable here.
+`Placement` is an enum (`DEVICE`, `HOST`, `SSD`); `as_placement` and `as_device` check a user's
+value and name the choices when it is wrong. Knows nothing of tables. Design: docs/systems.md.
 """
 
 from __future__ import annotations

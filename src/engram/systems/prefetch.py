@@ -1,27 +1,9 @@
 """Wrap a model's Engram tables in tiers and feed it batches whose rows are already being fetched.
 
-Holds:
-- `offload_engram(model, placement, cache_rows=0, device=None, ...)`: replace the table of every
-  `engram.model.module.Engram` in `model` (an `EngramLM`, a bare `Engram`, any module holding them) by a
-  `TieredTable`, in place; returns {layer_id: table}. The model code is not touched: only the
-  `table` attribute of each Engram module is swapped.
-- `Prefetcher(batches, hasher, model, depth=1)`: iterate over token-id batches (B, T) and get
-  `PrefetchedBatch(token_ids, rows, handles)` with the rows of the next `depth` batches already
-  hashed and their prefetches running, so that the forward pass finds its rows on the device.
-- `engram_modules(model)`: the Engram modules of a model, by layer id.
-
-Example (inference on a GPU, table in host DRAM, 1M hot rows cached on the device):
-
-    from engram.systems import Placement, Prefetcher, offload_engram
-
-    offload_engram(model, Placement.HOST, cache_rows=1 << 20, device="cuda")
-    model.cuda()  # the backbone; host tables stay on the host
-    for batch in Prefetcher(loader, hasher, model, depth=1):
-        # rows stay on the host: the gathers match them to the prefetches without a device sync
-        logits = model(batch.token_ids.cuda(), batch.rows)
-
-Each TieredTable serves the forward's `table.gather(rows[:, :, i])` from the prefetch whose rows
-have the same values (see `engram.systems.tiered`), so nothing else in the loop changes.
+`offload_engram` swaps the `table` of every `Engram` module in a model for a `TieredTable`, in
+place, touching no model code; `Prefetcher` yields batches whose next `depth` batches are already
+hashed and prefetching, so each table's `gather` finds its rows on the device. Knows models and
+hashers only through those attributes. Design and an example: docs/systems.md.
 """
 
 from __future__ import annotations

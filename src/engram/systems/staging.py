@@ -1,17 +1,10 @@
 """The device side of a fetch: the block a gather dequantises, and the pinned staging that feeds a GPU.
 
-Holds:
-- `FetchedBlock`: distinct rows' FP8 bytes on the compute device, the inverse index into them, the
-  CUDA event marking them ready, and (for `prefetch(rows, dtype)`) the dequantised rows.
-- `Staging`: a growable host byte buffer (pinned for CUDA) plus the event of the last copy out of it,
-  so that it is rewritten only once that copy finished.
-- `align(n)`: `n` rounded up to the 64-byte alignment of each region of a staging buffer.
-- `cpu_block_bytes(u, dim)` / `assemble_cpu(buf, ...)`: a CPU compute device's block: the misses'
-  bytes gathered straight into `buf` ([values | scales] of U rows), the hits read from the cache and
-  admitted misses written to it; no staging, no copy.
-- `assemble_cuda(...)`: pack the misses' bytes and the int64 indices into one staging buffer, copy it to
-  the device in ONE non_blocking copy on the fetch stream, then assemble [misses; hits] from the
-  copy and the cache and admit misses to the cache, all on that stream; returns the block and its event.
+`FetchedBlock` is a fetch's distinct rows on the compute device with their inverse index and
+ready event; `Staging` a reusable (pinned for CUDA) host buffer; `assemble_cpu` and
+`assemble_cuda` build a block from the cache's hits and the misses' bytes, on CUDA through ONE
+non_blocking copy on the fetch stream. Knows bytes, the cache and streams, nothing of which rows
+a model asks for. Design: docs/systems.md.
 """
 
 from __future__ import annotations
@@ -121,7 +114,7 @@ def assemble_cuda(
     plan: FetchPlan,
     dim: int,
 ) -> FetchedBlock:
-    """The block [misses; hits] (U rows) on `device` (see the module docstring).
+    """The block [misses; hits] (U rows) on `device` (see docs/systems.md).
 
     miss_rows (M,) are gathered by `gather_misses(rows, out_values, out_scales)` straight into the
     pinned staging; inverse (n,) indexes the block; hit_slots (H,) are read from `cache`; the first

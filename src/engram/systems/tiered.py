@@ -1,54 +1,11 @@
 """A frozen FP8 Engram table stored on a tier (device, host DRAM or SSD), with a hot-row cache and prefetch.
 
-Holds:
-- `TieredTable(table, placement, device=..., cache_rows=..., max_inflight=...)`: an `EngramTable` whose
-  `gather(rows, dtype)` returns exactly (bitwise) what `FP8Table.gather` returns for the same stored
-  table and rows, on the compute `device`, whatever tier the bytes come from. It drops into
-  `Engram.table` (see `engram.systems.prefetch.offload_engram`).
-  - `prefetch(rows) -> PrefetchHandle`: fetch those rows' FP8 bytes into device memory on a
-    background thread (at most `max_inflight` in flight; a further prefetch blocks until one ends).
-  - Counters: `stats()` (rows requested / distinct, bytes fetched, prefetch hits and misses, seconds
-    waited for prefetches, plus the cache's hits / misses / evictions), `reset_stats()`.
-
-How a HOST / SSD gather runs (the fetch, on the worker thread for a prefetch):
-1. row ids to the host (a sync point only for rows on CUDA; `Prefetcher` hashes on the host), then
-   `torch.unique` -> distinct rows uniq (U,) and inverse (n,): each distinct row is fetched once;
-2. the cache (if any) splits uniq into hits (already on the device) and misses, and admits misses;
-3. the misses' raw bytes are gathered from the backing tier (numba, GIL released) into a staging
-   buffer laid out [miss values | miss scales | int64 indices]; on CUDA it is pinned, reused (two
-   of them, alternating) and crosses to the device in ONE non_blocking copy on a side stream
-   (`engram.systems.staging.assemble_cuda`); on a CPU it is the block itself;
-4. on the device the block [misses; hits] (U rows) is assembled and admitted misses are written to
-   the cache; on CUDA an event marks the block ready.
-`gather` then makes the current stream wait for that event (no host sync) and dequantises the block
-through the inverse index with `engram.storage.lookup.dequantize_gather`, the same function `FP8Table`
-uses on the same bytes, hence the identical result.
-
-Decisions:
-- Inference only: V4.1 tables are frozen. A TieredTable has no parameters and no buffers (a
-  state_dict does not hold the table: save the backing table); gathers carry no autograd history.
-- The backing table is not a submodule: `model.to(device)` re-homes the compute side (device table,
-  cache bytes) but never copies a host / SSD table to the device.
-- A prefetch is matched to a gather either explicitly (`gather(rows, prefetched=handle)`, checked
-  to be for equal rows) or implicitly: the oldest pending prefetch of this table whose rows have
-  the same shape and values (so `rows[:, :, i]` slices of the batch `Prefetcher` prefetched match).
-  At most `max_pending` unconsumed prefetches are remembered (older ones are forgotten, not wrong).
-  A gather served by a prefetch counts as a prefetch hit, else as a miss; a bad row id raises at
-  that gather (`handle.wait()`). DEVICE placement behaves the same (its prefetch fetches nothing:
-  it checks the rows at once and keeps the handle for matching; only while a prefetch is pending
-  does its gather copy CUDA row ids to the host to match them, a sync point).
-- `prefetch(rows, dtype)`'s dequantised tensor is returned to the first gather that claims it, then
-  dropped (a later gather with the same handle dequantises the fetched bytes again: a fresh tensor).
-- `.to(device)` waits for the prefetches in flight and forgets the pending ones; an explicit handle
-  from before the move (stamped with the device it was fetched for) is refetched, a miss.
-- `copy.deepcopy` (of the table or a model holding it) shares the stored FP8 bytes (the backing
-  table and DEVICE's device copy: frozen, never written) and copies the counters and the cache; the
-  copy gets its own lock, worker thread and staging, and no pending prefetches. `__getstate__`
-  drops the same runtime state for pickling (which then copies the table, FP8 tensors permitting).
-- Fetches are serialised by one lock (cache index, cache bytes and staging are updated in one
-  order); a gather that finds no prefetch waits for the worker's current fetch. `stats()` and
-  `reset_stats()` take it too (the worker updates some counters).
-- `gather` from several threads at once on one table is not supported (nn.Module forward isn't either).
+`TieredTable` is an `EngramTable` whose `gather` returns exactly (bitwise) what `FP8Table.gather`
+returns for the same stored table and rows, on the compute device, whatever tier the bytes come
+from: each distinct row is fetched once, hits come from the `RowCache`, misses from the backing
+tier through staging, and `prefetch` does that ahead on a background thread. Inference only (no
+parameters, no autograd). Design, the gather's steps and the decisions (prefetch matching,
+`.to`, deepcopy, locking): docs/systems.md.
 """
 
 from __future__ import annotations
@@ -94,7 +51,7 @@ def _check_row_ids(rows: object) -> None:
 
 
 class TieredTable(EngramTable):
-    """A frozen FP8 table on `placement`, computed on `device` (see the module docstring).
+    """A frozen FP8 table on `placement`, computed on `device` (see docs/systems.md).
 
     `table`: an `FP8Table` (DEVICE or HOST: moved to the device, resp. kept on the host) or an
     `MmapFP8Table` (SSD; DEVICE reads it whole onto the device). `cache_rows`: slots of the device-side
@@ -316,7 +273,7 @@ class TieredTable(EngramTable):
         """rows (...) int64/int32 on any device -> (..., dim) in `dtype` (default float32) on `device`.
 
         Bitwise what `FP8Table.gather` gives for the stored table. Uses `prefetched` (which must be for
-        equal rows), else a pending prefetch of equal rows, else fetches now (see the module docstring).
+        equal rows), else a pending prefetch of equal rows, else fetches now (see docs/systems.md).
         """
         _check_row_ids(rows)
         self.gathers += 1
@@ -368,7 +325,7 @@ class TieredTable(EngramTable):
         return lookup.dequantize_gather(values, scales, index, dtype, threads=threads)
 
     def _fetch(self, host: torch.Tensor, *, reuse: bool, dtype: torch.dtype | None = None) -> FetchedBlock:
-        """Distinct rows of `host` (..., int) as a FetchedBlock on the device (module docstring, steps 1-4);
+        """Distinct rows of `host` (..., int) as a FetchedBlock on the device (docs/systems.md, steps 1-4);
         with `dtype`, also dequantised (on the fetch stream for CUDA)."""
         block = self._fetch_block(host, reuse=reuse)
         if dtype is None:
