@@ -10,20 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engram.cli.options import set_threads
+
 __all__ = ["add_training_commands"]
-
-
-def _threads(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from engram.apps.demo import DEMO_CONFIG, print_summary, run_demo
 
-    _threads(args)
+    set_threads(args)
     cfg = DEMO_CONFIG
     if args.steps is not None:
         cfg = cfg.replace(steps=args.steps, warmup=min(cfg.warmup, max(1, args.steps // 5)))
@@ -85,7 +80,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     from engram.apps.train import Trainer, build_model, prepare_data
 
-    _threads(args)
+    set_threads(args)
     cfg = _train_config(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,7 +196,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from engram.apps.train import evaluate, load_trained_model, prepare_data
 
-    _threads(args)
+    set_threads(args)
     cfg, model, state = load_trained_model(args.checkpoint)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
