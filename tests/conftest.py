@@ -41,6 +41,22 @@ def corpus(tmp_path_factory) -> str:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+@pytest.fixture
+def no_hang():
+    """Fail the test (TimeoutError) instead of hanging past 60 s: for code that could block forever,
+    such as opening a FIFO."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError("blocked for 60 s (opened a FIFO?)")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu`-marked tests on machines without CUDA."""
     import torch

@@ -21,6 +21,7 @@ from engram.checkpoint.files import (
     dtype_name,
     listed_names,
     load_tensors,
+    member_file,
     open_tensors,
     save_tensors,
 )
@@ -201,3 +202,53 @@ def test_save_from_the_gpu(tmp_path):
     t = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).cuda()
     save_tensors(tmp_path / "g.safetensors", {"s": t})
     assert same_bits(open_tensors(tmp_path / "g.safetensors").tensor("s"), t.cpu())
+
+
+# ------------------------------------------------------------------ names a checkpoint holds
+
+
+def test_member_file_accepts_plain_names_and_links_inside(tmp_path):
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    (tmp_path / "link.safetensors").symlink_to("a.safetensors")
+    assert member_file(tmp_path, "a.safetensors", "the index maps 't' to") == tmp_path / "a.safetensors"
+    assert member_file(tmp_path, "link.safetensors", "the index maps 't' to") == tmp_path / "link.safetensors"
+
+
+@pytest.mark.parametrize("name", ["../x.safetensors", "/etc/passwd", "sub/a.safetensors", "..", ".", ""])
+def test_member_file_refuses_paths(tmp_path, name):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    (tmp_path / "x.safetensors").write_bytes(b"x")
+    (ckpt / "sub" / "a.safetensors").write_bytes(b"x")
+    with pytest.raises(ValueError) as e:
+        member_file(ckpt, name, "index.json maps 't' to")
+    msg = str(e.value)
+    assert msg.startswith(f"index.json maps 't' to {name!r}, which is not a plain file name")
+    assert f"inside its own folder {ckpt}" in msg
+    with pytest.raises(TypeError, match="a int, expected a file name"):
+        member_file(ckpt, 3, "index.json maps 't' to")
+
+
+def test_member_file_refuses_links_out_and_special_files(tmp_path, no_hang):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"x")
+    (ckpt / "out.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    with pytest.raises(
+        ValueError, match=r"'out.safetensors', a symlink to .*outside.safetensors, outside the"
+    ):
+        member_file(ckpt, "out.safetensors", "state.json names")
+    os.mkfifo(ckpt / "pipe.safetensors")
+    with pytest.raises(
+        ValueError, match=r"state.json names 'pipe.safetensors': a named pipe \(FIFO\), not a"
+    ):
+        member_file(ckpt, "pipe.safetensors", "state.json names")
+    (ckpt / "dir.safetensors").mkdir()
+    with pytest.raises(ValueError, match=r"'dir\.safetensors': a folder, not a file"):
+        member_file(ckpt, "dir.safetensors", "state.json names")
+    with pytest.raises(FileNotFoundError, match=rf"'gone.safetensors', which does not exist in {ckpt}"):
+        member_file(ckpt, "gone.safetensors", "state.json names")
+    # open_tensors itself never opens a FIFO (it would block until a writer came)
+    with pytest.raises(ValueError, match=r"pipe.safetensors: a named pipe \(FIFO\), not a safetensors file"):
+        open_tensors(ckpt / "pipe.safetensors")
+    assert listed_names(ckpt / "pipe.safetensors") == []

@@ -7,6 +7,8 @@ Holds:
   until touched), `.slice(name)[a:b]` (reads those rows only), `.expect(name, dtype, shape)`, `.metadata`.
 - `DTYPES` (safetensors dtype names -> torch dtypes) and `dtype_name(torch dtype)`.
 - `listed_names(path)`: the tensors a file safetensors refuses (truncated) still lists, for error messages.
+- `member_file(folder, name, what)`: a file name a checkpoint holds (an index's shard, a state.json entry)
+  -> the regular file of that name inside the folder, or an error naming the entry and the fix.
 
 Every error is a ValueError / TypeError / FileNotFoundError naming the file (and the tensor) and the fix;
 safetensors' own exceptions never leave this module. It knows nothing of checkpoints, configs or tables.
@@ -18,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ __all__ = [
     "dtype_name",
     "listed_names",
     "load_tensors",
+    "member_file",
     "open_tensors",
     "save_tensors",
 ]
@@ -63,6 +67,74 @@ _HINTS = {
     "not fully covered": "truncated or damaged (an interrupted copy or download?)",
     "header too": "it does not start with a safetensors header (is it a safetensors file?)",
 }
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, what in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _regular(path: Path, what: str) -> None:
+    """FileNotFoundError if `path` does not exist, ValueError unless it is a regular file (after links).
+    Only `os.stat` touches it: a FIFO is never opened (opening one blocks until a writer comes)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such {what}") from None
+    except OSError as e:  # a link loop, a name too long, no permission
+        raise ValueError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{path}: {_kind(mode)}, not a {what}; replace it with the file itself")
+
+
+def member_file(folder: str | os.PathLike[str], name: object, what: str) -> Path:
+    """The regular file `name` inside checkpoint folder `folder`, where `name` is a file name a checkpoint
+    holds (an index's shard name, a state.json entry) and `what` says where it came from (e.g.
+    "model.safetensors.index.json maps 'x' to").
+
+    Refused, before anything is opened: a name that is not a plain file name (absolute, with a path
+    separator, "." or ".."; ValueError), a symlink resolving outside the folder (ValueError), a missing
+    file (FileNotFoundError) and anything but a regular file: a folder, a FIFO, a device (ValueError).
+    Every message names the entry and the fix."""
+    folder = Path(folder)
+    if not isinstance(name, str):
+        raise TypeError(f"{what} {name!r}: a {type(name).__name__}, expected a file name (a string)")
+    plain = (
+        name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and (os.altsep is None or os.altsep not in name)
+        and "\0" not in name
+    )
+    if not plain:
+        raise ValueError(
+            f"{what} {name!r}, which is not a plain file name: a checkpoint names only files inside its own "
+            f"folder {folder}; put the file there and name it without a path"
+        )
+    path = folder / name
+    if os.path.islink(path):
+        target, inside = os.path.realpath(path), os.path.realpath(folder)
+        if os.path.commonpath([target, inside]) != inside:
+            raise ValueError(
+                f"{what} {name!r}, a symlink to {target}, outside the checkpoint folder {folder}; a checkpoint "
+                "reads only files inside its folder: copy the file in (cp -L) instead of linking it"
+            )
+    try:
+        _regular(path, "file")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {name!r}, which does not exist in {folder}") from None
+    except ValueError as e:
+        raise ValueError(f"{what} {name!r}: {str(e).removeprefix(f'{path}: ')}") from None
+    return path
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -243,10 +315,7 @@ def open_tensors(path: str | os.PathLike[str]) -> TensorFile:
     """Open a safetensors file; safetensors checks its header and size first (a truncated or foreign
     file raises ValueError naming it, a missing one FileNotFoundError)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such safetensors file")
-    if path.is_dir():
-        raise ValueError(f"{path}: a folder, not a safetensors file")
+    _regular(path, "safetensors file")  # never opens a FIFO or a device
     with _refusals(path):
         handle = safe_open(str(path), framework="numpy")  # header checks only; maps nothing for torch
     return TensorFile(path, handle)
@@ -264,6 +333,8 @@ def listed_names(path: str | os.PathLike[str]) -> list[str]:
     # safetensors has no call listing a refused file's tensors, so this reads the header itself: an
     # 8-byte little-endian length, then that many bytes of JSON. Nothing else here reads the format.
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
+            return []
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if n > 100_000_000:  # safetensors' own header limit: not a header
