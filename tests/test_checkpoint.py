@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -417,6 +418,117 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / CONFIG_FILE).write_text(json.dumps(to_hf_dict(EngramConfig.preset("tiny"))))
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
         load_engram_modules(tmp_path)
+
+
+# ----------------------------------------------------------------- what a checkpoint may name and hold
+
+
+@pytest.fixture
+def indexed(v41_modules, tmp_path) -> Path:
+    """A checkpoint of several shards with model.safetensors.index.json, and beside it (outside it) a
+    copy of its first shard."""
+    config, modules = v41_modules
+    ckpt = tmp_path / "ckpt"
+    written = save_checkpoint(ckpt, config, modules, max_shard_bytes=1 << 20)
+    (tmp_path / "outside.safetensors").write_bytes(written[0].read_bytes())
+    return ckpt
+
+
+def remap(ckpt: Path, shard: str, to: str) -> list[str]:
+    """Point the index's tensors of `shard` at file name `to`; return those tensors."""
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    names = sorted(k for k, v in index["weight_map"].items() if v == shard)
+    index["weight_map"].update(dict.fromkeys(names, to))
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    return names
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "absolute", "link"])
+def test_index_naming_a_file_outside_is_refused(indexed, tmp_path, where):
+    first = shards(indexed)[0].name
+    outside = tmp_path / "outside.safetensors"
+    name = {
+        "../outside.safetensors": "../outside.safetensors",
+        "absolute": str(outside),
+        "link": "l.safetensors",
+    }
+    if where == "link":
+        (indexed / "l.safetensors").symlink_to(outside)
+    names = remap(indexed, first, name[where])
+    (indexed / first).unlink()  # the data now exists only outside the folder
+    msg = load_error(indexed)
+    assert f"{indexed / INDEX_FILE} maps {len(names)} tensor(s) (e.g. {names[0]}) to {name[where]!r}" in msg
+    assert ("a symlink to" if where == "link" else "which is not a plain file name") in msg
+    assert ": missing" not in msg
+    with pytest.raises(ValueError, match=r"not a plain file name|a symlink to"):
+        convert_table(indexed, tmp_path / "copy", to="float")  # the outside data is not copied in
+    assert not (tmp_path / "copy").exists() or not shards(tmp_path / "copy")
+
+
+def test_index_naming_a_system_file_or_a_fifo(indexed, no_hang):
+    first = shards(indexed)[0].name
+    remap(indexed, first, "/etc/passwd")
+    msg = load_error(indexed)
+    assert "'/etc/passwd', which is not a plain file name" in msg and "root:" not in msg
+    assert not re.search(r"\d{6,}", msg), msg  # no bytes of it shown as a number
+    os.mkfifo(indexed / "pipe.safetensors")
+    remap(indexed, "/etc/passwd", "pipe.safetensors")
+    assert "'pipe.safetensors': a named pipe (FIFO), not a file" in load_error(indexed)  # never opened
+    (indexed / INDEX_FILE).unlink()  # without an index, every *.safetensors is read: not the FIFO
+    msg = load_error(indexed)
+    assert "'pipe.safetensors': a named pipe (FIFO)" in msg
+
+
+@pytest.mark.parametrize("tensor", ["wkv.weight", "q_weight", "k_weight"])
+def test_nan_in_module_weights_is_refused(bad, tensor):
+    name = f"layers.14.engram.{tensor}"
+
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name].view(-1)[7] = float("nan")
+
+    rewrite(shard_of(bad), edit)
+    msg = load_error(bad)
+    assert f"{shard_of(bad)}: tensor {name!r}: 1 of its" in msg and "values are NaN or Inf" in msg
+    assert "the file is damaged" in msg
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+@pytest.mark.parametrize(("tensor", "byte"), [("weight", 0x7F), ("weight", 0xFF), ("scale", 255)])
+def test_nan_bytes_in_fp8_tables_are_refused(bad, mmap, tensor, byte):
+    name = f"layers.1.engram.embed.{tensor}"
+
+    def edit(t):
+        raw = t[name].clone().view(torch.uint8)
+        raw[100, 3] = byte
+        t[name] = raw.view(t[name].dtype)
+
+    rewrite(shard_of(bad), edit)
+    msg = load_error(bad, mmap=mmap)
+    assert "table 'layers.1.engram.embed.weight'" in msg and "at row 100, column 3" in msg
+    assert ("NaN in e4m3" if tensor == "weight" else "255, NaN in ue8m0") in msg
+
+
+def test_large_tables_are_scanned_only_with_verify(bad, monkeypatch, capsys):
+    from engram.checkpoint import integrity
+    from engram.cli import main
+
+    def edit(t):
+        raw = t["layers.14.engram.embed.weight"].clone().view(torch.uint8)
+        raw[5, 0] = 0x7F
+        t["layers.14.engram.embed.weight"] = raw.view(torch.float8_e4m3fn)
+
+    rewrite(shard_of(bad), edit)
+    monkeypatch.setattr(integrity, "SCAN_LIMIT_BYTES", 1024)  # every table is "large"
+    with pytest.warns(integrity.UnscannedTableWarning, match="was not scanned for NaN / Inf"):
+        load_engram_modules(bad)
+    assert "row 5, column 0" in load_error(bad, verify=True)
+    assert main(["convert", str(bad), str(bad.parent / "f"), "--to", "float"]) == 0
+    err = capsys.readouterr().err
+    assert "engram convert: note: " in err and "only with --verify" in err
+    assert main(["convert", str(bad), str(bad.parent / "g"), "--to", "float", "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engram convert: error: ") and "row 5, column 0" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------- convert

@@ -216,3 +216,77 @@ def test_range_outside_the_table(tmp_path):
         ValueError, match=r"rows \[8, 11\) of table 'engrams.1.table' are outside its 10 rows"
     ):
         read_table_rows(tmp_path, [layout], {NAME: (8, 11)})
+
+
+def _sharded_checkpoint(folder, full=None) -> dict:
+    """A whole sharded checkpoint folder (the table's rows in two files); its state.json entries."""
+    layout = _write(folder, [0, 6, 10], full)
+    save_file({"head.weight": torch.ones(2, 2)}, str(folder / "model.safetensors"))
+    save_file({"dense.0.exp_avg": torch.zeros(2, 2)}, str(folder / "optimizer.safetensors"))
+    return json.loads(json.dumps({SHARDS_KEY: [layout.to_json()]}))
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/abs", "link", "fifo"])
+def test_shard_names_outside_the_folder_or_not_files_are_refused(tmp_path, name, no_hang):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    state = _sharded_checkpoint(ckpt)
+    (tmp_path / "outside.safetensors").write_bytes((ckpt / shard_file(1)).read_bytes())
+    if name == "/abs":
+        name = str(tmp_path / "outside.safetensors")
+    elif name == "link":
+        (ckpt / "link").symlink_to(tmp_path / "outside.safetensors")
+    elif name == "fifo":
+        os.mkfifo(ckpt / "fifo")
+    (ckpt / shard_file(1)).unlink()
+    state[SHARDS_KEY][0]["files"][1]["file"] = name
+    with pytest.raises(ValueError) as e:
+        read_checkpoint(ckpt, state)
+    msg = str(e.value)
+    assert f"state.json: table_shards of table {NAME!r} names the file {name!r}" in msg
+    why = {"link": "a symlink to", "fifo": "a named pipe (FIFO)"}.get(name, "not a plain file name")
+    assert why in msg
+
+
+def test_damaged_state_entry_is_a_value_error(tmp_path):
+    state = _sharded_checkpoint(tmp_path)
+    del state[SHARDS_KEY][0]["files"][0]["lo"]
+    with pytest.raises(ValueError, match=r"table_shards entry .* is not a table layout \(KeyError"):
+        read_checkpoint(tmp_path, state)
+    with pytest.raises(ValueError, match="table_shards is a dict, expected a list"):
+        read_checkpoint(tmp_path, {SHARDS_KEY: {}})
+
+
+def test_dtypes_the_model_expects_and_nan_are_checked(tmp_path, monkeypatch):
+    from engram.checkpoint import integrity
+
+    state = _sharded_checkpoint(tmp_path)
+    dtypes = {"head.weight": torch.float32, f"{NAME}.weight": torch.float32}
+    read_checkpoint(tmp_path, state, dtypes=dtypes)
+    # the same bytes under another dtype name: an I32 where the model has F32
+    save_file({"head.weight": torch.ones(2, 2).view(torch.int32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"model.safetensors: tensor 'head.weight' has dtype I32, but the model expects F32"
+    ):
+        read_checkpoint(tmp_path, state, dtypes=dtypes)
+    full = _full()
+    full[f"{NAME}.weight"] = full[f"{NAME}.weight"].view(torch.int32)
+    _sharded_checkpoint(tmp_path, full)
+    with pytest.raises(
+        ValueError, match=r"tables-rank-0.safetensors: tensor 'engrams.1.table.weight' has dtype I32"
+    ):
+        read_checkpoint(tmp_path, state, dtypes=dtypes)
+    # NaN: in a dense tensor always, in a table's rows up to the scan limit (then only with verify)
+    full = _full()
+    full[f"{NAME}.weight"][7, 1] = float("nan")
+    _sharded_checkpoint(tmp_path, full)
+    with pytest.raises(ValueError, match=r"tensor 'engrams.1.table.weight': 1 of its 30 values are NaN"):
+        read_checkpoint(tmp_path, state, dtypes=dtypes)
+    monkeypatch.setattr(integrity, "SCAN_LIMIT_BYTES", 16)
+    with pytest.warns(integrity.UnscannedTableWarning):
+        read_checkpoint(tmp_path, state, dtypes=dtypes)
+    with pytest.raises(ValueError, match="NaN"):
+        read_checkpoint(tmp_path, state, dtypes=dtypes, verify=True)
+    save_file({"head.weight": torch.full((2, 2), float("inf"))}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor 'head.weight': 4 of its 4 values"):
+        read_checkpoint(tmp_path, state, dtypes=dtypes)  # dense: scanned whatever its size

@@ -151,3 +151,50 @@ def test_refusals(prebuilt, ds_compression):
         run_layer(base=16_000_000, compression=ds_compression)
     with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
         run_layer(prebuilt / "nope", compression=ds_compression)
+
+
+def test_a_damaged_checkpoint_names_the_real_cause(prebuilt, tmp_path, monkeypatch, ds_compression, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from engram.checkpoint import integrity
+    from engram.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for p in prebuilt.iterdir():
+        (ckpt / p.name).write_bytes(p.read_bytes())
+    shard = next(ckpt.glob("*.safetensors"))
+    good = load_file(str(shard))
+    row = run_layer(prebuilt, compression=ds_compression)["tokens"][2]["layers"]["14"]["rows"][1]
+
+    t = dict(good)
+    t["layers.1.engram.wkv.weight"] = t["layers.1.engram.wkv.weight"].clone()
+    t["layers.1.engram.wkv.weight"][3, 4] = float("nan")
+    save_file(t, str(shard))
+    with pytest.raises(ValueError, match=r"tensor 'layers.1.engram.wkv.weight': 1 of its .* NaN or Inf"):
+        run_layer(ckpt, compression=ds_compression)
+
+    t = dict(good)
+    raw = t["layers.14.engram.embed.weight"].clone().view(torch.uint8)
+    raw[row, 10] = 0xFF  # NaN in e4m3, in a row the text reads
+    t["layers.14.engram.embed.weight"] = raw.view(torch.float8_e4m3fn)
+    save_file(t, str(shard))
+    with pytest.raises(ValueError, match=rf"at row {row}, column 10"):  # small table: scanned at load
+        run_layer(ckpt, compression=ds_compression)
+    monkeypatch.setattr(integrity, "SCAN_LIMIT_BYTES", 1024)  # as if the table were large
+    with (
+        pytest.warns(integrity.UnscannedTableWarning),
+        pytest.raises(
+            ValueError,
+            match=rf"layer 14's table .* is damaged: row {row}, read for token 2 .*1 value byte\(s\) "
+            r"0x7F / 0xFF .* run with --verify",
+        ),
+    ):
+        run_layer(ckpt, compression=ds_compression)
+    monkeypatch.setattr(
+        "engram.addressing.compression.TokenizerCompression.from_tokenizer",
+        classmethod(lambda cls, tok: ds_compression),
+    )
+    assert main(["run-layer", "--checkpoint", str(ckpt), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engram run-layer: error: ") and f"at row {row}, column 10" in err

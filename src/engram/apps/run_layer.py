@@ -7,7 +7,10 @@ Without `--checkpoint` it runs on a scaled-down V4.1 checkpoint built into a tem
 fewer rows), so the real tokenizer's ids hash exactly as they would for V4.1, only modulo smaller primes.
 
 Holds:
-- `run_layer(checkpoint=None, text=...)`: the run, returned as a JSON-ready report.
+- `run_layer(checkpoint=None, text=...)`: the run, returned as a JSON-ready report. The checkpoint is
+  checked as it loads (`load_engram_modules`; `verify` scans tables of any size), and the table rows the
+  text reads are checked for NaN before they are used: a damaged table is named, not left to show as
+  NaN gates.
 - `pseudo_embedding(token_ids, hc, dim, seed)`: the stand-in for the backbone's embeddings.
 """
 
@@ -26,6 +29,7 @@ from engram.addressing.compression import TokenizerCompression, resolve_tokenize
 from engram.addressing.hashing import NgramHasher
 from engram.addressing.layout import Layout
 from engram.checkpoint.convert import make_scaled_v41_checkpoint
+from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
 from engram.checkpoint.v41 import load_engram_modules
 from engram.config import EngramConfig
 from engram.storage.fp8 import BLOCK
@@ -78,6 +82,7 @@ def run_layer(
     hidden_size: int | None = None,
     seed: int = 0,
     compression: TokenizerCompression | None = None,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """Run every Engram layer of a checkpoint (V4.1: layer 1, then 14) over `text`; return the report.
 
@@ -86,7 +91,9 @@ def run_layer(
     DeepSeek-V4 compression map if the caller has it (built from the tokenizer otherwise, ~3 s).
     The report holds per token its id, text, compressed id and, per layer, its rows, whether each row
     lies in its head's [offset, offset + prime) and the gate of each stream; per layer the table's
-    rows and bytes and max |delta h|. `ok` is False if a row is out of range or a gate is not in (0, 1).
+    rows and bytes and max |delta h|. `ok` is False if a row is out of range or a gate is not in (0, 1);
+    `problems` says which. A damaged checkpoint (NaN / Inf in a weight or in a table row the text reads)
+    raises ValueError naming the tensor, the row and the fix.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be an int >= 0")
@@ -99,7 +106,7 @@ def run_layer(
                 f"{' and '.join(given)} size the checkpoint run-layer builds, but --checkpoint {checkpoint} "
                 "is given (its config.json decides); drop one or the other"
             )
-        return _run(Path(checkpoint), text, seed, compression)
+        return _run(Path(checkpoint), text, seed, compression, verify=verify)
     base = DEFAULT_BASE if base is None else base
     hidden_size = DEFAULT_HIDDEN_SIZE if hidden_size is None else hidden_size
     _build_config_check(base, hidden_size)
@@ -120,13 +127,15 @@ def _run(
     compression: TokenizerCompression | None,
     *,
     config: EngramConfig | None = None,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """The run on the checkpoint in `ckpt_dir`; `config` is the one it was just built with (its name is
     kept), None for a given checkpoint (read from its config.json)."""
     built = config is not None
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    config, modules = load_engram_modules(ckpt_dir, config)  # FP8 tables memory-mapped, weights fp32
+    # FP8 tables memory-mapped, weights fp32; NaN / Inf refused (large tables: with verify)
+    config, modules = load_engram_modules(ckpt_dir, config, verify=verify)
     seconds["load"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -160,6 +169,7 @@ def _run(
         for li, layer_id in enumerate(config.layer_ids):
             m = modules[layer_id]
             layer_rows = torch.from_numpy(rows[..., config.layer_index(layer_id), :])  # (1, T, heads)
+            _check_rows(m.table, layer_rows[0], layer_id, ids, tok)
             out, g = m(h, layer_rows, return_gates=True)
             gates[layer_id] = g[0]  # (T, hc)
             table = m.table
@@ -204,6 +214,19 @@ def _run(
         )
     all_gates = torch.stack([gates[lid] for lid in config.layer_ids])  # (n_layers, T, hc)
     gates_ok = bool(((all_gates > 0) & (all_gates < 1)).all())
+    problems = []
+    for li, layer_id in enumerate(config.layer_ids):
+        out_of_range = int((~in_range[:, li]).sum())
+        if out_of_range:
+            problems.append(
+                f"layer {layer_id}: {out_of_range} row(s) outside their head's [offset, offset + prime)"
+            )
+        g = gates[layer_id]
+        if bool(g.isnan().any()):
+            problems.append(f"layer {layer_id}: {int(g.isnan().sum())} gate(s) are NaN")
+        outside = int(((g <= 0) | (g >= 1)).sum())
+        if outside:
+            problems.append(f"layer {layer_id}: {outside} gate(s) outside (0, 1)")
     return {
         "config": config.name,
         "variant": config.variant.value,
@@ -224,8 +247,34 @@ def _run(
         "rows_in_range": all(layer["rows_in_range"] for layer in layers),
         "gates_in_open_unit_interval": gates_ok,
         "ok": gates_ok and all(layer["rows_in_range"] for layer in layers),
+        "problems": problems,
         "seconds": seconds,
     }
+
+
+def _check_rows(table: Any, rows: torch.Tensor, layer_id: int, ids: np.ndarray, tok: Any) -> None:
+    """ValueError if a table row that `rows` (T, heads) reads holds NaN / Inf (an FP8 value byte 0x7F / 0xFF
+    or a scale byte 255): a table too large to be scanned at load is checked here where it is read."""
+    emb = table.gather(rows)  # (T, heads, dim) float32: the few rows this text reads
+    bad = ~torch.isfinite(emb).all(dim=-1)  # (T, heads)
+    if not bool(bad.any()):
+        return
+    t, head = (int(i) for i in torch.nonzero(bad)[0])
+    row = int(rows[t, head])
+    what = "holds NaN or Inf"
+    scale = getattr(table, "scale", None)
+    if scale is not None:
+        vb = table.weight[row].view(torch.uint8)
+        nan_values = int(((vb & 0x7F) == 0x7F).sum())
+        nan_scales = int((scale[row].view(torch.uint8) == 0xFF).sum())
+        what = f"has {nan_values} value byte(s) 0x7F / 0xFF (NaN in e4m3) and {nan_scales} scale byte(s) 255"
+    where = getattr(table, "path", None)
+    piece = tok.decode([int(ids[t])])
+    raise ValueError(
+        f"layer {layer_id}'s table{f' ({where})' if where else ''} is damaged: row {row}, read for token {t} "
+        f"{piece!r} (head {head}), {what}; tables over {SCAN_LIMIT_BYTES // 2**20} MiB are scanned at load "
+        "only with --verify: run with --verify to find every damaged row, and re-copy or re-convert the checkpoint"
+    )
 
 
 def _row_bytes(table: Any) -> int:

@@ -33,8 +33,12 @@ def convert_table(
     dtype: torch.dtype = torch.float32,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    verify: bool = False,
 ) -> list[Path]:
     """Rewrite a checkpoint with FP8 tables (quantised, `to="fp8"`) or float ones (`to="float"`, in `dtype`).
+
+    The source is loaded (and checked) as `load_engram_modules` does; `verify` scans tables of any size
+    for NaN / Inf (by default only those up to `SCAN_LIMIT_BYTES`), so damage is not copied on.
 
     The module weights keep their stored dtypes; config.json is carried over. Returns the shards written.
     FP8 -> float dequantises exactly (float32); float -> FP8 rounds each value to e4m3 within its block's
@@ -49,7 +53,7 @@ def convert_table(
     src, dst = Path(src_dir), Path(dst_dir)
     if dst.exists() and src.resolve() == dst.resolve():
         raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
-    config, modules = load_engram_modules(src, mmap=True, dtype=None)
+    config, modules = load_engram_modules(src, mmap=True, dtype=None, verify=verify)
     return save_checkpoint(
         dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
     )

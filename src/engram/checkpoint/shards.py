@@ -21,7 +21,10 @@ Holds:
   state, assembled from whichever files overlap the range; `open_tensors(...).slice(name)[a:b]`
   reads only those bytes, so a rank resuming reads only the rows it now owns (any world size, any
   owners) and a single process (`engram eval`, `Trainer.resume_from`) gets the whole tables.
-- `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format.
+- `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format,
+  checked: every file a regular file inside the folder (`member_file`), the model tensors of the dtypes
+  the model expects, no NaN / Inf in dense tensors, nor in tables up to `SCAN_LIMIT_BYTES` (every table
+  with `verify=True`). Table tensors: `{name}.weight` of a module named `table`, and `table.*` optimizer state.
 
 Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and
 `table.{index}.{field}` (engram.checkpoint.optim_state's), so readers merge them with the other two files.
@@ -31,17 +34,22 @@ read and written through engram.checkpoint.files.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engram.checkpoint.files import load_tensors, open_tensors, save_tensors
+from engram.checkpoint.files import dtype_name, member_file, open_tensors, save_tensors
+from engram.checkpoint.integrity import check_finite, scan_table
 
 __all__ = [
+    "MODEL_FILE",
+    "OPTIMIZER_FILE",
     "SHARDS_KEY",
     "TableShards",
+    "is_table_key",
     "read_checkpoint",
     "read_table_rows",
     "save_shard",
@@ -50,6 +58,7 @@ __all__ = [
 ]
 
 SHARDS_KEY = "table_shards"  # state.json's entry: present only in a sharded checkpoint
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
 
 
 def shard_file(rank: int) -> str:
@@ -95,13 +104,29 @@ class TableShards:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TableShards:
-        files = tuple((e["file"], e["lo"], e["hi"]) for e in d["files"])
-        fields = tuple(d.get("optimizer_fields", ()))
-        return cls(d["name"], d["num_rows"], d["dim"], files, d.get("optimizer_index"), fields)
+        """The inverse of `to_json`; ValueError (not KeyError) for an entry of another shape."""
+        try:
+            files = tuple((e["file"], int(e["lo"]), int(e["hi"])) for e in d["files"])
+            fields = tuple(str(f) for f in d.get("optimizer_fields", ()))
+            return cls(
+                str(d["name"]), int(d["num_rows"]), int(d["dim"]), files, d.get("optimizer_index"), fields
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(
+                f"{SHARDS_KEY} entry {str(d)[:200]} is not a table layout ({type(e).__name__}: {e}); the "
+                "checkpoint's state.json is damaged: resume from another checkpoint"
+            ) from None
 
-    def check(self, folder: str | Path) -> None:
+    def _file(self, folder: Path, f: str) -> Path:
+        """Shard file `f`: a regular file inside `folder` (never "../x", an absolute path or a FIFO)."""
+        return member_file(
+            folder, f, f"{folder / 'state.json'}: {SHARDS_KEY} of table {self.name!r} names the file"
+        )
+
+    def check(self, folder: str | Path, weight_dtype: torch.dtype | None = None) -> None:
         """ValueError unless the files are in `folder`, their ranges cover [0, num_rows) exactly and
-        every tensor has (hi - lo) rows and one dtype and row shape across files (reads headers only)."""
+        every tensor has (hi - lo) rows and one dtype and row shape across files (reads headers only);
+        with `weight_dtype`, the table's rows must be of that dtype (the model's)."""
         folder = Path(folder)
         where = f"checkpoint {folder}, table {self.name!r}"
         at, prev = 0, None
@@ -126,12 +151,13 @@ class TableShards:
             )
         seen: dict[str, tuple[str, list[int], str]] = {}  # key -> (dtype, row shape, first file)
         for f, lo, hi in self.files:
-            path = folder / f
-            if not path.is_file():
+            try:
+                path = self._file(folder, f)
+            except FileNotFoundError:
                 raise ValueError(
                     f"{where}: shard file {f} (rows [{lo}, {hi})) is missing; copy every "
                     "tables-rank-*.safetensors of the checkpoint into the folder (each owner rank wrote one)"
-                )
+                ) from None
             fh = open_tensors(path)
             for key in self.tensors:
                 if key not in fh:
@@ -141,6 +167,12 @@ class TableShards:
                     )
                 e = fh.entry(key)
                 shape, dtype = list(e.shape), e.dtype
+                if key.endswith(".weight") and weight_dtype is not None and dtype != dtype_name(weight_dtype):
+                    raise ValueError(
+                        f"{path}: tensor {key!r} has dtype {dtype}, but the model's table is "
+                        f"{dtype_name(weight_dtype)}; the file is damaged or from another run: resume from "
+                        "another checkpoint"
+                    )
                 if not shape or shape[0] != hi - lo or (key.endswith(".weight") and shape[1:] != [self.dim]):
                     want = f"({hi - lo}, {self.dim})" if key.endswith(".weight") else f"({hi - lo}, ...)"
                     raise ValueError(
@@ -169,7 +201,7 @@ class TableShards:
             s, e = max(lo, a), min(hi, b)
             if out is not None and s >= e:
                 continue
-            fh = open_tensors(folder / f)
+            fh = open_tensors(self._file(folder, f))
             if out is None:  # dtype and row shape from the first file's header
                 entry = fh.entry(key)
                 out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
@@ -182,6 +214,11 @@ class TableShards:
 def tables_of_state(state: dict[str, Any]) -> list[TableShards] | None:
     """The table layout of a checkpoint's state.json (None: the unsharded format)."""
     entries = state.get(SHARDS_KEY)
+    if entries is not None and not isinstance(entries, list):
+        raise ValueError(
+            f"state.json's {SHARDS_KEY} is a {type(entries).__name__}, expected a list of table layouts; "
+            "the checkpoint is damaged: resume from another checkpoint"
+        )
     return None if entries is None else [TableShards.from_json(d) for d in entries]
 
 
@@ -198,14 +235,16 @@ def read_table_rows(
     ranges: dict[str, tuple[int, int]] | None = None,
     *,
     optimizer: bool = True,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(model tensors, optimizer tensors) of the tables, keyed as the unsharded format keys them:
     rows `ranges[name]` = (lo, hi) of each (default: the whole table); `optimizer=False` skips the
-    optimizer state. Validates every table's files first (ValueError naming the file and the fix)."""
+    optimizer state. Validates every table's files first (ValueError naming the file and the fix);
+    `dtypes` ({model key: dtype}): the dtypes the model expects of the tables' rows."""
     model: dict[str, torch.Tensor] = {}
     opt: dict[str, torch.Tensor] = {}
     for t in tables:
-        t.check(folder)
+        t.check(folder, None if dtypes is None else dtypes.get(f"{t.name}.weight"))
     for t in tables:
         lo, hi = (0, t.num_rows) if ranges is None else ranges[t.name]
         for key, dest in t.tensors.items():
@@ -216,21 +255,56 @@ def read_table_rows(
     return model, opt
 
 
+def is_table_key(key: str) -> bool:
+    """Whether a checkpoint tensor is (a part of) a table: the weight of a module named `table`, or the
+    table optimizer's state (`table.{index}.{field}`). Only these may skip the NaN scan (see `read_checkpoint`)."""
+    return key.endswith(".table.weight") or key.startswith("table.")
+
+
+def _read_file(
+    folder: Path, name: str, dtypes: Mapping[str, torch.dtype] | None
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Every tensor of checkpoint file `name` (memory-mapped), its dtypes checked against `dtypes` first."""
+    f = open_tensors(member_file(folder, name, f"the checkpoint {folder} holds"))
+    for key in f:
+        want = None if dtypes is None else dtypes.get(key)
+        if want is not None and f.entry(key).dtype != dtype_name(want):
+            raise ValueError(
+                f"{f.path}: tensor {key!r} has dtype {f.entry(key).dtype}, but the model expects "
+                f"{dtype_name(want)}; the file is damaged or from another model: resume from another checkpoint"
+            )
+    return f.path, {key: f.tensor(key) for key in f}
+
+
 def read_checkpoint(
     folder: str | Path,
     state: dict[str, Any],
     ranges: dict[str, tuple[int, int]] | None = None,
     *,
     optimizer: bool = True,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    verify: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(model tensors, optimizer tensors) of a checkpoint folder whose state.json is `state`, in either
-    format; a sharded one's tables as `read_table_rows` gives them (ranges: see there)."""
+    format; a sharded one's tables as `read_table_rows` gives them (ranges: see there).
+
+    `dtypes` ({model key: dtype}, e.g. from the model's state_dict): a model tensor of another dtype is
+    refused (an I32 where F32 is expected would load, cast, as garbage). Every float tensor is scanned
+    for NaN / Inf, except table tensors (`is_table_key`) over `SCAN_LIMIT_BYTES` without `verify`. Errors
+    are ValueErrors naming the file, the tensor and the fix."""
     folder = Path(folder)
-    model = load_tensors(folder / "model.safetensors")
-    opt = load_tensors(folder / "optimizer.safetensors") if optimizer else {}
+    model_path, model = _read_file(folder, MODEL_FILE, dtypes)
+    opt_path, opt = _read_file(folder, OPTIMIZER_FILE, None) if optimizer else (folder / OPTIMIZER_FILE, {})
     tables = tables_of_state(state)
+    where = {key: model_path for key in model} | {key: opt_path for key in opt}
     if tables is not None:
-        rows, opt_rows = read_table_rows(folder, tables, ranges, optimizer=optimizer)
+        rows, opt_rows = read_table_rows(folder, tables, ranges, optimizer=optimizer, dtypes=dtypes)
+        shards = folder / "tables-rank-*.safetensors"
+        where |= {key: shards for key in [*rows, *opt_rows]}
         model.update(rows)
         opt.update(opt_rows)
+    for key, t in [*model.items(), *opt.items()]:
+        name = f"{where[key]}: tensor {key!r}"
+        if not is_table_key(key) or scan_table(t.numel() * t.element_size(), verify, name):
+            check_finite(t, name)
     return model, opt

@@ -10,7 +10,11 @@ Holds:
   every file is written under a temporary name in the same directory and moved into place (os.replace).
 - `load_engram_modules(dir)`: validate every expected tensor (presence, dtype, shape against the
   config) before building anything, then build `Engram` modules on `MmapFP8Table` (default),
-  `FP8Table` or `TrainableTable` tables.
+  `FP8Table` or `TrainableTable` tables; refuse NaN / Inf in the module weights and in tables up to
+  `engram.checkpoint.integrity.SCAN_LIMIT_BYTES` (every table with `verify=True`).
+
+Every file name the checkpoint holds (the index's shard names) must be a regular file inside its folder
+(`engram.checkpoint.files.member_file`); nothing outside it is read.
 
 Reading and writing the safetensors files themselves is `engram.checkpoint.files`'s; converting a checkpoint
 (`convert_table`, the `engram convert` command) and building a scaled-down V4.1 checkpoint
@@ -35,8 +39,16 @@ import torch
 from torch import nn
 
 from engram.addressing.layout import Layout
-from engram.checkpoint.files import TensorEntry, TensorFile, listed_names, open_tensors, save_tensors
+from engram.checkpoint.files import (
+    TensorEntry,
+    TensorFile,
+    listed_names,
+    member_file,
+    open_tensors,
+    save_tensors,
+)
 from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
+from engram.checkpoint.integrity import check_finite, check_fp8_table, scan_table
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
@@ -91,7 +103,9 @@ def engram_state_dict(
     for layer_id in sorted(modules):
         m = modules[layer_id]
         if not isinstance(m, Engram):
-            raise TypeError(f"modules[{layer_id}] is a {type(m).__name__}, expected engram.model.module.Engram")
+            raise TypeError(
+                f"modules[{layer_id}] is a {type(m).__name__}, expected engram.model.module.Engram"
+            )
         if m.layer_id != layer_id:
             raise ValueError(
                 f"modules[{layer_id}] is the Engram module of layer {m.layer_id}; key it by that"
@@ -216,8 +230,9 @@ def save_checkpoint(
 def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str | None = None) -> EngramConfig:
     """The EngramConfig of a checkpoint's config.json (refuses a num_embeddings its primes contradict)."""
     path = Path(ckpt_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path}: no config.json; pass config=... or save the checkpoint with one")
+    member_file(ckpt_dir, CONFIG_FILE, "the checkpoint's")  # a regular file, inside the folder
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -236,7 +251,8 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
     problems: list[str] = []
     explained: set[str] = set()
     index_path = ckpt_dir / INDEX_FILE
-    if index_path.is_file():
+    if os.path.lexists(index_path):
+        member_file(ckpt_dir, INDEX_FILE, "the checkpoint's")  # a regular file, inside the folder
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -247,8 +263,11 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
         for name, file in weight_map.items():
             by_file.setdefault(file, []).append(name)
         for file, names in sorted(by_file.items()):
-            path = ckpt_dir / file
             try:
+                # refuses "../x", absolute paths, links out of the folder, FIFOs: before anything is opened
+                path = member_file(
+                    ckpt_dir, file, f"{index_path} maps {len(names)} tensor(s) (e.g. {names[0]}) to"
+                )
                 entries = open_tensors(path).entries()
             except FileNotFoundError:
                 problems.append(
@@ -274,6 +293,7 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
         raise FileNotFoundError(f"{ckpt_dir}: no *.safetensors files and no {INDEX_FILE}: not a checkpoint")
     for path in files:
         try:
+            member_file(ckpt_dir, path.name, f"the checkpoint {ckpt_dir} holds")
             entries = open_tensors(path).entries()
         except ValueError as e:
             problems.append(str(e))
@@ -421,6 +441,7 @@ def load_engram_modules(
     *,
     mmap: bool = True,
     dtype: torch.dtype | None = torch.float32,
+    verify: bool = False,
 ) -> tuple[EngramConfig, dict[int, Engram]]:
     """Load the Engram modules of a checkpoint: (config, {layer_id: Engram}).
 
@@ -428,6 +449,8 @@ def load_engram_modules(
     tensor is checked (present, dtype, shape) before anything is built; all problems are reported in one
     ValueError. FP8 tables load as `MmapFP8Table` (mmap=True) or `FP8Table` (in memory), float tables as
     `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
+    NaN / Inf (for FP8 tables, NaN bytes) is refused in every module weight and in every table up to
+    `SCAN_LIMIT_BYTES`; larger tables are scanned with `verify=True` only (else an `UnscannedTableWarning`).
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -463,8 +486,13 @@ def load_engram_modules(
         f = opened.get(e.path) or opened.setdefault(e.path, open_tensors(e.path))
         return f.tensor(e.name).to(to, copy=True)
 
+    def check(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
+        check_finite(t, f"{e.path}: tensor {e.name!r}")
+        return t
+
     modules: dict[int, Engram] = {}
     for layer_id, plan in plans.items():
+        state = {k: check(e, read(e, dtype)) for k, e in plan.others.items()}  # wkv, q_weight, k_weight
         table: FP8Table | MmapFP8Table | TrainableTable
         if plan.fmt is TableFormat.FP8:
             assert plan.scale is not None
@@ -474,8 +502,16 @@ def load_engram_modules(
                 )
             else:
                 table = FP8Table(read(plan.weight), read(plan.scale))
+            assert isinstance(table.weight, torch.Tensor) and isinstance(table.scale, torch.Tensor)
+            nbytes = table.weight.numel() + table.scale.numel()  # one byte each
+            where = f"{plan.weight.path}: table {plan.weight.name!r} (with {plan.scale.name!r})"
+            if scan_table(nbytes, verify, where):
+                check_fp8_table(table.weight, table.scale, where)
         else:
             data = read(plan.weight)
+            where = f"{plan.weight.path}: table {plan.weight.name!r}"
+            if scan_table(data.numel() * data.element_size(), verify, where):
+                check_finite(data, where)
             want = dtype if dtype is not None else data.dtype
             if want not in (torch.float32, torch.bfloat16, torch.float64):
                 want = torch.float32  # a TrainableTable is fp32/bf16/fp64
@@ -483,7 +519,6 @@ def load_engram_modules(
             table = TrainableTable(rows, dim, dtype=want, device="meta")
             table.weight = nn.Parameter(data.to(want))
         module = Engram(config, layer_id, table=table, device="meta", dtype=dtype or torch.float32)
-        state = {k: read(e, dtype) for k, e in plan.others.items()}
         result = module.load_state_dict(state, strict=False, assign=True)
         assert not result.unexpected_keys and all(k.startswith("table.") for k in result.missing_keys), result
         assert not any(t.is_meta for t in module.state_dict().values()), (

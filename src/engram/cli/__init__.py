@@ -5,15 +5,19 @@ package adds its commands (`register(subparsers)`) and calls plain library funct
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
 (demo, train, eval), `generate`, `bench`, `systems` (cache-sim); `options` holds what they share.
 Library modules hold no argparse. A command's ValueError, TypeError or missing file reaches the
-user as one line, `engram CMD: error: ...`, exit status 2, never as a traceback.
+user as one line, `engram CMD: error: ...`, exit status 2, never as a traceback; a table a loader did
+not scan (`UnscannedTableWarning`) as one line `engram CMD: note: ...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
+from engram.checkpoint.integrity import UnscannedTableWarning
 from engram.cli import addressing, bench, checkpoint, generate, systems
 from engram.cli.train import add_training_commands
 
@@ -37,8 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    show = warnings.showwarning
+
+    def note(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+        if issubclass(category, UnscannedTableWarning):
+            print(f"engram {args.command}: note: {message}", file=sys.stderr)
+        else:
+            show(message, category, *rest, **kw)
+
     try:
-        return int(args.func(args))
+        with warnings.catch_warnings():  # restores showwarning afterwards
+            warnings.simplefilter("always", UnscannedTableWarning)
+            warnings.showwarning = note
+            return int(args.func(args))
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"engram {args.command}: error: {e}", file=sys.stderr)
         return 2

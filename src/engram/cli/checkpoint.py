@@ -16,6 +16,7 @@ import torch
 
 from engram.apps.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
+from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
 from engram.cli.options import SIZE_HELP, byte_size
 
@@ -40,6 +41,11 @@ def register(sub: Any) -> None:
         default=DEFAULT_MAX_SHARD_BYTES,
         help=f"bytes per shard file, e.g. 5GB (the default), 500MB, 2GiB ({SIZE_HELP})",
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"scan every table for NaN / Inf, also those over {SCAN_LIMIT_BYTES // 2**20} MiB (reads them whole)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_convert)
 
@@ -63,6 +69,11 @@ def register(sub: Any) -> None:
         help=f"residual width of the built checkpoint (default {DEFAULT_HIDDEN_SIZE})",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the built weights and the pseudo-embeddings")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"scan every table for NaN / Inf, also those over {SCAN_LIMIT_BYTES // 2**20} MiB (reads them whole)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_run_layer)
 
@@ -70,7 +81,12 @@ def register(sub: Any) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     shards = convert_table(
-        args.src, args.dst, args.to, getattr(torch, args.dtype), max_shard_bytes=args.max_shard_size
+        args.src,
+        args.dst,
+        args.to,
+        getattr(torch, args.dtype),
+        max_shard_bytes=args.max_shard_size,
+        verify=args.verify,
     )
     elapsed = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in shards)
@@ -97,7 +113,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_run_layer(args: argparse.Namespace) -> int:
     """0 when every row is in range and every gate in (0, 1), else 1."""
     report = run_layer(
-        args.checkpoint, args.text, base=args.base, hidden_size=args.hidden_size, seed=args.seed
+        args.checkpoint,
+        args.text,
+        base=args.base,
+        hidden_size=args.hidden_size,
+        seed=args.seed,
+        verify=args.verify,
     )
     if args.json:
         print(json.dumps(report, ensure_ascii=False))
@@ -136,5 +157,5 @@ def print_run_layer_report(r: dict[str, Any]) -> None:
     deltas = ", ".join(f"layer {layer['layer_id']} {layer['max_abs_delta_h']:.4f}" for layer in r["layers"])
     print(f"\nmax |delta h|: {deltas}; over all layers {r['max_abs_delta_h']:.4f}")
     secs = ", ".join(f"{k} {v:.2f}" for k, v in r["seconds"].items())
-    verdict = "ok" if r["ok"] else "FAILED: a row out of its head's range or a gate outside (0, 1)"
+    verdict = "ok" if r["ok"] else "FAILED: " + "; ".join(r["problems"])
     print(f"seconds: {secs}\n{verdict}")
