@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -101,6 +102,108 @@ def test_keep_last_checkpoints(corpus, data, tmp_path):
     cfg = tiny_cfg(corpus, steps=6, eval_every=0, checkpoint_every=2, keep_checkpoints=2)
     Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
+
+
+def _retype(path, key, dtype) -> None:
+    """Rewrite checkpoint file `path` with tensor `key`'s bytes under another dtype name (same size)."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(path))
+    t[key] = t[key].view(dtype)
+    save_file(t, str(path))
+
+
+def test_damaged_checkpoints_are_refused_naming_the_cause(corpus, data, tmp_path):
+    cfg = tiny_cfg(corpus, steps=2, eval_every=0)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run()
+    ckpt = latest_checkpoint(tmp_path)
+    key = "engrams.1.wkv.weight"
+    _retype(ckpt / "model.safetensors", key, torch.int32)  # same bytes: it would load cast, 0.7 nats worse
+    with pytest.raises(
+        ValueError, match=rf"model.safetensors: tensor '{key}' has dtype I32, but the model expects F32"
+    ):
+        load_trained_model(tmp_path)
+    _retype(ckpt / "model.safetensors", key, torch.float32)
+    load_trained_model(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(ckpt / "model.safetensors"))
+    t[key][0, 0] = float("nan")
+    save_file(t, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{key}': 1 of its \d+ values are NaN or Inf"):
+        load_trained_model(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors").symlink_to(tmp_path / "model.safetensors")  # data from outside the folder
+    with pytest.raises(
+        ValueError, match=r"'model.safetensors', a symlink to .* outside the checkpoint folder"
+    ):
+        load_trained_model(tmp_path)
+
+
+def test_resume_skips_damaged_checkpoints(corpus, data, tmp_path, capsys):
+    from engram.cli import main
+
+    cfg = tiny_cfg(corpus, steps=6, eval_every=0, checkpoint_every=2, keep_checkpoints=3)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in sorted(root.iterdir())] == ["step-0000002", "step-0000004", "step-0000006"]
+    model = root / "step-0000006" / "model.safetensors"
+    os.truncate(model, model.stat().st_size - 100)  # killed while copying
+    _retype(root / "step-0000004" / "model.safetensors", "engrams.1.wkv.weight", torch.int32)
+    t = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    path, skipped = t.resume_latest()
+    assert path == root / "step-0000002" and t.step == 2
+    assert [p.name for p, _ in skipped] == ["step-0000006", "step-0000004"]
+    assert "truncated" in skipped[0][1] and "has dtype I32, but the model expects F32" in skipped[1][1]
+    # a checkpoint of another config is an error, not skipped
+    other = Trainer(cfg.replace(lr=1.0), data, build_model(cfg, data), out_dir=tmp_path)
+    with pytest.raises(ValueError, match="another training config"):
+        other.resume_latest()
+    # the command says what it skipped, resumes, and rewrites the damaged ones as it passes them
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    args = ["train", "--config", str(conf), "--out", str(tmp_path), "--resume", "--no-progress", "--json"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert f"skipped damaged checkpoint {root / 'step-0000006'}: " in err and "truncated" in err
+    assert f"skipped damaged checkpoint {root / 'step-0000004'}: " in err
+    assert f"resumed from {root / 'step-0000002'} at step 2" in err
+    assert load_trained_model(tmp_path)[2]["step"] == 6
+    # nothing intact: one clear error naming each checkpoint and why
+    for p in root.iterdir():
+        (p / "state.json").write_text("{")
+    with pytest.raises(ValueError, match=r"no intact checkpoint in .*step-0000006: .*not valid JSON"):
+        Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).resume_latest()
+    assert main(args) == 2
+    assert capsys.readouterr().err.startswith("engram train: error: no intact checkpoint")
+
+
+def test_stale_temporary_folders_are_removed(corpus, data, tmp_path, capsys):
+    import subprocess
+
+    from engram.apps.train import remove_stale_tmp
+    from engram.cli import main
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root = tmp_path / "checkpoints"
+    stale = root / f".tmp-step-0000004-{dead.pid}"
+    live = root / f".tmp-step-0000004-{os.getpid()}"
+    for p in (stale, live):
+        p.mkdir(parents=True)
+        (p / "model.safetensors").write_bytes(b"half")
+    assert remove_stale_tmp(tmp_path) == [
+        (stale, f"left by process {dead.pid}, which is gone (a checkpoint write interrupted)")
+    ]
+    assert not stale.exists() and live.exists()
+    stale.mkdir()
+    cfg = tiny_cfg(corpus, steps=2, eval_every=0)
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    assert main(["train", "--config", str(conf), "--out", str(tmp_path), "--no-progress", "--json"]) == 0
+    assert f"removed {stale}: left by process {dead.pid}, which is gone" in capsys.readouterr().err
+    assert not stale.exists()
 
 
 def test_masked_engram_equals_baseline_path(corpus, data):
@@ -294,3 +397,27 @@ def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
         demo.run_demo(cfg, seeds=(0,), minutes=0.001, out_dir=tmp_path, progress=False)
     monkeypatch.undo()
     assert 0 < demo._time_steps(cfg, prepare_data(cfg), n=2) < 10
+
+
+def test_eval_scans_large_tables_only_with_verify(corpus, data, tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from engram.checkpoint import integrity
+    from engram.cli import main
+
+    cfg = tiny_cfg(corpus, steps=1, eval_every=0)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run()
+    path = latest_checkpoint(tmp_path) / "model.safetensors"
+    t = load_file(str(path))
+    t["engrams.1.table.weight"][17, 2] = float("nan")
+    save_file(t, str(path))
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2  # a small table: scanned at load
+    assert "tensor 'engrams.1.table.weight': 1 of its" in capsys.readouterr().err
+    monkeypatch.setattr(integrity, "SCAN_LIMIT_BYTES", 1024)  # as if the table were large
+    with pytest.warns(integrity.UnscannedTableWarning, match="engrams.1.table.weight"):
+        load_trained_model(tmp_path)
+    assert main(["eval", "--checkpoint", str(tmp_path), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engram eval: error: ") and "at row 17, column 2" in err
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "In the", "--verify"]) == 2
+    assert "at row 17, column 2" in capsys.readouterr().err

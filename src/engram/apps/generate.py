@@ -17,6 +17,7 @@ is known, and never change as the window slides: a step hashes one token, howeve
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,8 +160,11 @@ def generate(
     return Generation(tokens, rows, t0, time.perf_counter() - start)
 
 
-def load_generator(checkpoint: str | Path) -> tuple[EngramLM, Any, NgramHasher | None, dict[str, Any]]:
-    """(model in eval mode, tokenizer, hasher or None, state.json) of a run folder or checkpoint folder.
+def load_generator(
+    checkpoint: str | Path, *, verify: bool = False
+) -> tuple[EngramLM, Any, NgramHasher | None, dict[str, Any]]:
+    """(model in eval mode, tokenizer, hasher or None, state.json) of a run folder or checkpoint folder,
+    checked as `load_trained_model(checkpoint, verify=verify)` checks it.
 
     The tokenizer is the one the checkpoint saved (the run's own); a checkpoint without one gets it
     rebuilt by `prepare_data` from the run's config. The hasher is built from the model's Engram config
@@ -170,16 +174,21 @@ def load_generator(checkpoint: str | Path) -> tuple[EngramLM, Any, NgramHasher |
 
     from engram.addressing.compression import TokenizerCompression
     from engram.apps.train import load_trained_model, prepare_data
+    from engram.checkpoint.files import member_file
 
     if not Path(checkpoint).exists():
         raise FileNotFoundError(
             f"--checkpoint {checkpoint}: no such folder; give a run folder (`engram train --out DIR`) "
             "or one of its checkpoints/step-N folders"
         )
-    cfg, model, state = load_trained_model(checkpoint)
+    cfg, model, state = load_trained_model(checkpoint, verify=verify)
     tok_file = Path(state["path"]) / "tokenizer.json"
-    if tok_file.is_file():
-        tok = Tokenizer.from_file(str(tok_file))
+    if os.path.lexists(tok_file):  # a regular file inside the checkpoint, never a FIFO or a link out
+        path = member_file(state["path"], tok_file.name, "the checkpoint's")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers package raises plain Exceptions
+            raise ValueError(f"{path}: not a readable tokenizer ({e}); the checkpoint is damaged") from None
     else:
         tok = prepare_data(cfg, with_engram=False).tokenizer
     vocab = tok.get_vocab_size(with_added_tokens=True)

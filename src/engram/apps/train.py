@@ -9,7 +9,8 @@ Holds:
   rows depend only on token ids).
 - `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
   Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints
-  (`Trainer.resume_from(path)` continues one; `load_trained_model(path)` reads one for use).
+  (`Trainer.resume_from(path)` continues one, `Trainer.resume_latest()` the newest intact one of its
+  run; `load_trained_model(path)` reads one for use; `remove_stale_tmp(out)` clears interrupted writes).
 - `evaluate` (from `engram.apps.evaluation`): held-out loss per token, overall and per category.
 
 `Trainer.train_step` is split into overridable pieces (`_param_groups`, `_batch_starts`, `_batch`,
@@ -19,7 +20,10 @@ Holds:
 Checkpoints (`<out>/checkpoints/step-NNNNNNN/`): `model.safetensors`, `optimizer.safetensors`
 (every optimizer state tensor), `state.json` (step, configs, history, optimizer groups). A
 checkpoint is written in a temporary folder and renamed into place, so a kill during the write
-leaves the previous one intact; the last `keep_checkpoints` are kept. Batches are a pure
+leaves the previous one intact (and a `.tmp-step-NNNNNNN-<pid>` folder, which `remove_stale_tmp` removes
+once that process is gone); the last `keep_checkpoints` are kept. Reading one checks it (every file a
+regular file inside the folder, the model's dtypes, no NaN / Inf: `engram.checkpoint.shards.read_checkpoint`);
+`resume_latest` skips damaged ones, newest first, and says why. Batches are a pure
 function of (seed, step) and the schedule of step, so a resumed run continues exactly as if it
 had never stopped. Every reader here also takes a distributed run's sharded checkpoint (its tables
 in one file per owner rank, see `engram.checkpoint.shards`) and assembles the whole tables.
@@ -32,6 +36,7 @@ import enum
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -49,6 +54,7 @@ from engram.addressing.compression import TokenizerCompression, resolve_tokenize
 from engram.addressing.hashing import NgramHasher
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
+from engram.checkpoint.files import member_file
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import read_checkpoint
 from engram.config import EngramConfig
@@ -66,6 +72,7 @@ __all__ = [
     "latest_checkpoint",
     "load_trained_model",
     "prepare_data",
+    "remove_stale_tmp",
 ]
 
 
@@ -89,6 +96,9 @@ DEFAULT_ENGRAM = EngramConfig(
     hidden_size=128,
     hc_mult=1,
 )
+
+# What reading a damaged checkpoint raises (RuntimeError: load_state_dict's missing or misshaped tensors).
+_DAMAGE = (ValueError, TypeError, KeyError, OSError, RuntimeError)
 
 # The fields of the old flat format (before `engram` held an EngramConfig); refused, never misread.
 _FLAT_ENGRAM_KEYS = ("engram_layers", "engram_max_ngram", "engram_heads", "engram_head_dim", "engram_base")
@@ -503,23 +513,78 @@ class Trainer:
 
     def resume_from(self, path: str | Path) -> None:
         """Continue the run of checkpoint folder `path`: restore model, optimizers, step and history.
-        The checkpoint's training config must be this trainer's (the total steps aside)."""
+        The checkpoint's training config must be this trainer's (the total steps aside); a damaged
+        checkpoint is refused (ValueError naming the file and what is wrong with it)."""
         path = Path(path)
         state, cfg = _read_state(path)
+        self._check_config(path, cfg)
+        self._restore(path, state)
+
+    def resume_latest(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """Continue from the newest intact checkpoint in `out_dir`: (its path or None when there is
+        none, [(skipped checkpoint, why)] newest first). A damaged checkpoint (unreadable state.json,
+        a missing, truncated or foreign file, a wrong dtype, NaN / Inf) is skipped for the next older
+        one; one of another training config is an error, not skipped (resume with that config).
+        ValueError when every checkpoint is damaged, naming each and why."""
+        if self.out_dir is None:
+            raise ValueError("this Trainer has no out_dir to resume from")
+        found = _checkpoint_dirs(self.out_dir)
+        skipped: list[tuple[Path, str]] = []
+        for path in reversed(found):
+            error: BaseException | None = None
+            try:
+                state, cfg = _read_state(path)
+            except _DAMAGE as e:
+                error = e
+            if error is None:
+                self._check_config(path, cfg)  # another run's checkpoint: an error, never skipped
+                try:
+                    self._restore(path, state)
+                except _DAMAGE as e:
+                    error = e
+            error = self._agree_intact(error)
+            if error is None:
+                return path, skipped
+            skipped.append((path, " ".join(str(error).split())))
+        if skipped:
+            why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
+            raise ValueError(
+                f"no intact checkpoint in {self.out_dir / 'checkpoints'} to resume from ({why}); repair one, "
+                "or start afresh in another --out"
+            )
+        return None, skipped
+
+    def _check_config(self, path: Path, cfg: TrainConfig) -> None:
         if cfg.replace(steps=self.cfg.steps) != self.cfg:
             raise ValueError(
                 f"{path} was written by a run with another training config; resume with that config"
             )
-        self._restore_tensors(*self._read_checkpoint(path, state), state["optimizer_groups"])
-        self.step = int(state["step"])
-        self.history = list(state["history"])
-        self.train_seconds = float(state.get("train_seconds", 0.0))
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> None:
+        """Restore model, optimizers, step and history from checkpoint `path` (state.json `state`)."""
+        try:
+            groups = state["optimizer_groups"]
+            step, history = int(state["step"]), list(state["history"])
+            seconds = float(state.get("train_seconds", 0.0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
+        self._restore_tensors(*self._read_checkpoint(path, state), groups)
+        self.step, self.history, self.train_seconds = step, history, seconds
+
+    def _agree_intact(self, error: BaseException | None) -> BaseException | None:
+        """The outcome of reading one checkpoint, agreed by every process (here: just this one's)."""
+        return error
+
+    def _model_dtypes(self) -> dict[str, torch.dtype]:
+        """{state_dict key: dtype} the model expects of a checkpoint's tensors."""
+        return {k: v.dtype for k, v in self.model.state_dict().items()}
 
     def _read_checkpoint(
         self, path: Path, state: dict[str, Any]
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(model tensors, optimizer tensors) of checkpoint `path`, whole tables (also from shard files)."""
-        return read_checkpoint(path, state)
+        """(model tensors, optimizer tensors) of checkpoint `path`, whole tables (also from shard files),
+        checked (dtypes, NaN / Inf; see `read_checkpoint`)."""
+        return read_checkpoint(path, state, dtypes=self._model_dtypes())
 
     def _restore_tensors(
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
@@ -529,20 +594,69 @@ class Trainer:
         optimizers_from_tensors({"dense": self.opt, "table": self.table_opt}, opt_tensors, groups)
 
 
+def _checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """The checkpoint folders of `out_dir`, oldest first (`out_dir` itself if it is one)."""
+    if os.path.lexists(out_dir / "state.json"):
+        return [out_dir]
+    return sorted(p for p in (out_dir / "checkpoints").glob("step-*") if p.is_dir())
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under `out_dir` (or `out_dir` itself if it is one)."""
-    out_dir = Path(out_dir)
-    if (out_dir / "state.json").is_file():
-        return out_dir
-    found = sorted((out_dir / "checkpoints").glob("step-*"))
+    found = _checkpoint_dirs(Path(out_dir))
     return found[-1] if found else None
+
+
+_TMP_RE = re.compile(r"^\.tmp-step-\d+-(\d+|sharded)$")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (signal 0 checks, sends nothing)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_tmp(out_dir: str | Path) -> list[tuple[Path, str]]:
+    """Remove the temporary folders interrupted checkpoint writes left in `out_dir`/checkpoints:
+    `.tmp-step-NNNNNNN-<pid>` whose process is gone, and a distributed run's `.tmp-step-NNNNNNN-sharded`
+    (call it at the start of a run, before any checkpoint is written). Returns [(folder, why)]."""
+    root = Path(out_dir) / "checkpoints"
+    removed: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return removed
+    for p in sorted(root.iterdir()):
+        m = _TMP_RE.match(p.name)
+        if not m or not p.is_dir() or p.is_symlink():
+            continue
+        tag = m.group(1)
+        if tag == "sharded":
+            why = "left by an interrupted write of a distributed run"
+        elif _alive(int(tag)):
+            continue  # that process may still be writing it
+        else:
+            why = f"left by process {tag}, which is gone (a checkpoint write interrupted)"
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append((p, why))
+    return removed
 
 
 def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
     """(state.json, its training config) of checkpoint folder `ckpt`; a checkpoint of another format
-    is refused, naming the file."""
-    file = ckpt / "state.json"
-    state = json.loads(file.read_text())
+    or a damaged state.json is refused (ValueError), naming the file."""
+    file = member_file(ckpt, "state.json", "the checkpoint's")  # a regular file inside the folder
+    try:
+        state = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(state, dict) or "train_config" not in state:
+        raise ValueError(f"{file}: not a checkpoint's state (no train_config); the checkpoint is damaged")
     try:
         return state, TrainConfig.from_dict(state["train_config"])
     except (ValueError, TypeError) as e:
@@ -552,13 +666,27 @@ def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
         ) from None
 
 
-def load_trained_model(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
-    """(train config, model with its weights, state.json) of a checkpoint folder or a run folder."""
+def load_trained_model(
+    path: str | Path, *, verify: bool = False
+) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
+    """(train config, model with its weights, state.json) of a checkpoint folder or a run folder (its
+    newest checkpoint). The checkpoint is checked (`read_checkpoint`: dtypes, NaN / Inf; `verify` scans
+    tables of any size)."""
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
     state, cfg = _read_state(ckpt)
-    model = EngramLM(LMConfig.from_dict(state["lm_config"]))
-    model.load_state_dict(read_checkpoint(ckpt, state, optimizer=False)[0])  # tables whole, also if sharded
+    try:
+        model = EngramLM(LMConfig.from_dict(state["lm_config"]))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{ckpt / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    tensors = read_checkpoint(ckpt, state, optimizer=False, dtypes=dtypes, verify=verify)[0]  # tables whole
+    try:
+        model.load_state_dict(tensors)
+    except RuntimeError as e:  # missing, unexpected or misshaped tensors
+        raise ValueError(
+            f"{ckpt}: does not match its state.json's model: {' '.join(str(e).split())}"
+        ) from None
     state["path"] = str(ckpt)
     return cfg, model, state

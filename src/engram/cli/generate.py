@@ -44,6 +44,11 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--offload-dir", help="with --offload ssd: folder for the table files (default: a temp folder)"
     )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_generate)
@@ -58,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.cache_rows < 0:
         raise ValueError(f"--cache-rows {args.cache_rows} must be >= 0 (0: no cache)")
     set_threads(args)
-    model, tok, hasher, state = load_generator(args.checkpoint)
+    model, tok, hasher, state = load_generator(args.checkpoint, verify=args.verify)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask; drop --mask-engram")
     with tempfile.TemporaryDirectory(prefix="engram-generate-") as tmp:  # --offload ssd's default folder

@@ -93,8 +93,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) -> None:
-    from engram.apps.train import latest_checkpoint
+    """Clear interrupted writes (main rank: `verbose`), then continue the newest intact checkpoint."""
+    from engram.apps.train import latest_checkpoint, remove_stale_tmp
 
+    if verbose:
+        for folder, why in remove_stale_tmp(out):
+            print(f"removed {folder}: {why}", file=sys.stderr)
     ckpt = latest_checkpoint(out)
     if ckpt is not None:
         if not args.resume:
@@ -102,8 +106,10 @@ def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) ->
                 f"{out} already holds checkpoint {ckpt.name}; pass --resume to continue it, "
                 "or choose another --out"
             )
-        trainer.resume_from(ckpt)
+        ckpt, skipped = trainer.resume_latest()
         if verbose:
+            for path, why in skipped:
+                print(f"skipped damaged checkpoint {path}: {why}", file=sys.stderr)
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
 
 
@@ -197,7 +203,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from engram.apps.train import evaluate, load_trained_model, prepare_data
 
     set_threads(args)
-    cfg, model, state = load_trained_model(args.checkpoint)
+    cfg, model, state = load_trained_model(args.checkpoint, verify=args.verify)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
     data = prepare_data(cfg)
@@ -281,6 +287,11 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
     p.add_argument("--mask-engram", action="store_true", help="also score with Engram's output masked")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
+    )
     p.add_argument("--threads", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)

@@ -450,7 +450,19 @@ class DistributedTrainer(Trainer):
                 "another config? Resume with that run's config"
             )
         self.sharded_checkpoints = True
-        return read_checkpoint(path, state, {n: (t.lo, t.hi) for n, t in tables.items()})
+        ranges = {n: (t.lo, t.hi) for n, t in tables.items()}
+        return read_checkpoint(path, state, ranges, dtypes=self._model_dtypes())
+
+    def _agree_intact(self, error: BaseException | None) -> BaseException | None:
+        """A checkpoint is intact only if every rank read its part of it: one all-reduce, so every rank
+        skips the same checkpoints (a damaged shard file is seen only by the ranks that read it)."""
+        failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if error is None and int(failed[0]):
+            return ValueError(
+                "another rank found its part of this checkpoint damaged; see that rank's output"
+            )
+        return error
 
     def _restore_tensors(
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
