@@ -42,19 +42,36 @@ def corpus(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def no_hang():
-    """Fail the test (TimeoutError) instead of hanging past 60 s: for code that could block forever,
-    such as opening a FIFO."""
-    import signal
+def mkfifo():
+    """`mkfifo(path)` makes a named pipe. Code that opens one blocks until a writer comes (a signal does not
+    interrupt it), so a watchdog opens every such pipe for writing after 20 s: the blocked reader gets an
+    empty file and the test fails at teardown, instead of hanging forever."""
+    import os
+    import threading
 
-    def expire(signum, frame):
-        raise TimeoutError("blocked for 60 s (opened a FIFO?)")
+    fifos, blocked, done = [], [], threading.Event()
 
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    def make(path):
+        os.mkfifo(path)
+        fifos.append(path)
+        return path
+
+    def watchdog():
+        while not done.wait(20):
+            for path in fifos:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # succeeds only if a reader waits
+                except OSError:
+                    continue
+                blocked.append(path)
+                os.close(fd)
+
+    thread = threading.Thread(target=watchdog, daemon=True)
+    thread.start()
+    yield make
+    done.set()
+    thread.join()
+    assert not blocked, f"the code opened FIFO(s) {blocked} and blocked on them"
 
 
 def pytest_collection_modifyitems(config, items):

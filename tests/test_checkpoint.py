@@ -465,13 +465,13 @@ def test_index_naming_a_file_outside_is_refused(indexed, tmp_path, where):
     assert not (tmp_path / "copy").exists() or not shards(tmp_path / "copy")
 
 
-def test_index_naming_a_system_file_or_a_fifo(indexed, no_hang):
+def test_index_naming_a_system_file_or_a_fifo(indexed, mkfifo):
     first = shards(indexed)[0].name
     remap(indexed, first, "/etc/passwd")
     msg = load_error(indexed)
     assert "'/etc/passwd', which is not a plain file name" in msg and "root:" not in msg
     assert not re.search(r"\d{6,}", msg), msg  # no bytes of it shown as a number
-    os.mkfifo(indexed / "pipe.safetensors")
+    mkfifo(indexed / "pipe.safetensors")
     remap(indexed, "/etc/passwd", "pipe.safetensors")
     assert "'pipe.safetensors': a named pipe (FIFO), not a file" in load_error(indexed)  # never opened
     (indexed / INDEX_FILE).unlink()  # without an index, every *.safetensors is read: not the FIFO

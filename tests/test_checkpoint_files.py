@@ -229,7 +229,7 @@ def test_member_file_refuses_paths(tmp_path, name):
         member_file(ckpt, 3, "index.json maps 't' to")
 
 
-def test_member_file_refuses_links_out_and_special_files(tmp_path, no_hang):
+def test_member_file_refuses_links_out_and_special_files(tmp_path, mkfifo):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (tmp_path / "outside.safetensors").write_bytes(b"x")
@@ -238,7 +238,7 @@ def test_member_file_refuses_links_out_and_special_files(tmp_path, no_hang):
         ValueError, match=r"'out.safetensors', a symlink to .*outside.safetensors, outside the"
     ):
         member_file(ckpt, "out.safetensors", "state.json names")
-    os.mkfifo(ckpt / "pipe.safetensors")
+    mkfifo(ckpt / "pipe.safetensors")
     with pytest.raises(
         ValueError, match=r"state.json names 'pipe.safetensors': a named pipe \(FIFO\), not a"
     ):
