@@ -23,7 +23,7 @@ Holds:
   owners) and a single process (`engram eval`, `Trainer.resume_from`) gets the whole tables.
 - `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format,
   checked: every file a regular file inside the folder (`member_file`), the model tensors of the dtypes
-  the model expects, no NaN / Inf in dense tensors, nor in tables up to `SCAN_LIMIT_BYTES` (every table
+  the model expects (any float for a float), no NaN / Inf in dense tensors, nor in tables up to `SCAN_LIMIT_BYTES` (every table
   with `verify=True`). Table tensors: `{name}.weight` of a module named `table`, and `table.*` optimizer state.
 
 Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and
@@ -167,7 +167,11 @@ class TableShards:
                     )
                 e = fh.entry(key)
                 shape, dtype = list(e.shape), e.dtype
-                if key.endswith(".weight") and weight_dtype is not None and dtype != dtype_name(weight_dtype):
+                if (
+                    key.endswith(".weight")
+                    and weight_dtype is not None
+                    and not _compatible(e.torch_dtype, weight_dtype)
+                ):
                     raise ValueError(
                         f"{path}: tensor {key!r} has dtype {dtype}, but the model's table is "
                         f"{dtype_name(weight_dtype)}; the file is damaged or from another run: resume from "
@@ -255,6 +259,13 @@ def read_table_rows(
     return model, opt
 
 
+def _compatible(stored: torch.dtype, want: torch.dtype) -> bool:
+    """Whether a stored tensor may load into a model tensor of dtype `want`: any float into a float (a
+    float64 run evaluated in float32 is a cast), otherwise only the same dtype (an I32 read as F32 is
+    garbage: the same bytes, other numbers)."""
+    return stored == want or (stored.is_floating_point and want.is_floating_point)
+
+
 def is_table_key(key: str) -> bool:
     """Whether a checkpoint tensor is (a part of) a table: the weight of a module named `table`, or the
     table optimizer's state (`table.{index}.{field}`). Only these may skip the NaN scan (see `read_checkpoint`)."""
@@ -268,7 +279,7 @@ def _read_file(
     f = open_tensors(member_file(folder, name, f"the checkpoint {folder} holds"))
     for key in f:
         want = None if dtypes is None else dtypes.get(key)
-        if want is not None and f.entry(key).dtype != dtype_name(want):
+        if want is not None and not _compatible(f.entry(key).torch_dtype, want):
             raise ValueError(
                 f"{f.path}: tensor {key!r} has dtype {f.entry(key).dtype}, but the model expects "
                 f"{dtype_name(want)}; the file is damaged or from another model: resume from another checkpoint"
@@ -288,8 +299,8 @@ def read_checkpoint(
     """(model tensors, optimizer tensors) of a checkpoint folder whose state.json is `state`, in either
     format; a sharded one's tables as `read_table_rows` gives them (ranges: see there).
 
-    `dtypes` ({model key: dtype}, e.g. from the model's state_dict): a model tensor of another dtype is
-    refused (an I32 where F32 is expected would load, cast, as garbage). Every float tensor is scanned
+    `dtypes` ({model key: dtype}, e.g. from the model's state_dict): a model tensor of another kind is
+    refused (an I32 where F32 is expected would load, cast, as garbage); float dtypes load into each other. Every float tensor is scanned
     for NaN / Inf, except table tensors (`is_table_key`) over `SCAN_LIMIT_BYTES` without `verify`. Errors
     are ValueErrors naming the file, the tensor and the fix."""
     folder = Path(folder)
