@@ -37,6 +37,7 @@ from torch import nn
 from engram.addressing.layout import Layout
 from engram.checkpoint.files import TensorEntry, TensorFile, listed_names, open_tensors, save_tensors
 from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
+from engram.checkpoint.json_file import read_json
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
@@ -218,10 +219,7 @@ def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str |
     path = Path(ckpt_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json; pass config=... or save the checkpoint with one")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     try:
@@ -238,10 +236,10 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
     index_path = ckpt_dir / INDEX_FILE
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = read_json(index_path)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map is not {tensor name: file name}")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{index_path}: not a safetensors index ({e!r})") from None
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
