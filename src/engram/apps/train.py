@@ -27,6 +27,7 @@ in one file per owner rank, see `engram.checkpoint.shards`) and assembles the wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -34,7 +35,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from engram.addressing.compression import TokenizerCompression, resolve_tokenize
 from engram.addressing.hashing import NgramHasher
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
+from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import read_checkpoint
 from engram.config import EngramConfig
@@ -198,8 +200,11 @@ class TrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
+        data = read_json(path)  # ValueError naming the file: a folder, not JSON, nested too deep
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of TrainConfig fields, got {type(data).__name__}")
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            return cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
 
@@ -510,7 +515,8 @@ class Trainer:
             raise ValueError(
                 f"{path} was written by a run with another training config; resume with that config"
             )
-        self._restore_tensors(*self._read_checkpoint(path, state), state["optimizer_groups"])
+        with _weights_of(path):
+            self._restore_tensors(*self._read_checkpoint(path, state), state["optimizer_groups"])
         self.step = int(state["step"])
         self.history = list(state["history"])
         self.train_seconds = float(state.get("train_seconds", 0.0))
@@ -538,11 +544,36 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+_STATE_KEYS = ("step", "train_config", "lm_config", "optimizer_groups", "history")
+
+
+@contextlib.contextmanager
+def _weights_of(ckpt: Path) -> Iterator[None]:
+    """torch's refusal of a checkpoint's tensors (wrong shapes, missing or extra names) as one ValueError
+    naming the checkpoint."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith("Error(s) in loading state_dict"):
+            raise
+        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
+        raise ValueError(
+            f"{ckpt / 'model.safetensors'} does not fit the model its state.json describes ({first}); "
+            "the checkpoint is damaged: use another one or retrain"
+        ) from None
+
+
 def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
     """(state.json, its training config) of checkpoint folder `ckpt`; a checkpoint of another format
     is refused, naming the file."""
     file = ckpt / "state.json"
-    state = json.loads(file.read_text())
+    state = read_json(file)
+    missing = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
+    if missing:
+        raise ValueError(
+            f"{file}: no {', '.join(map(repr, missing))} entry: not a complete training state (damaged?); "
+            "resume from another checkpoint or retrain"
+        )
     try:
         return state, TrainConfig.from_dict(state["train_config"])
     except (ValueError, TypeError) as e:
@@ -559,6 +590,7 @@ def load_trained_model(path: str | Path) -> tuple[TrainConfig, EngramLM, dict[st
         raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
     state, cfg = _read_state(ckpt)
     model = EngramLM(LMConfig.from_dict(state["lm_config"]))
-    model.load_state_dict(read_checkpoint(ckpt, state, optimizer=False)[0])  # tables whole, also if sharded
+    with _weights_of(ckpt):
+        model.load_state_dict(read_checkpoint(ckpt, state, optimizer=False)[0])  # tables whole, also if sharded
     state["path"] = str(ckpt)
     return cfg, model, state
