@@ -166,9 +166,7 @@ def load_generator(checkpoint: str | Path) -> tuple[EngramLM, Any, NgramHasher |
     rebuilt by `prepare_data` from the run's config. The hasher is built from the model's Engram config
     and the tokenizer's compression map, as training built it.
     """
-    from tokenizers import Tokenizer
-
-    from engram.addressing.compression import TokenizerCompression
+    from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
     from engram.apps.train import load_trained_model, prepare_data
 
     if not Path(checkpoint).exists():
@@ -179,7 +177,7 @@ def load_generator(checkpoint: str | Path) -> tuple[EngramLM, Any, NgramHasher |
     cfg, model, state = load_trained_model(checkpoint)
     tok_file = Path(state["path"]) / "tokenizer.json"
     if tok_file.is_file():
-        tok = Tokenizer.from_file(str(tok_file))
+        tok = resolve_tokenizer(tok_file)  # a damaged file: ValueError naming it
     else:
         tok = prepare_data(cfg, with_engram=False).tokenizer
     vocab = tok.get_vocab_size(with_added_tokens=True)
