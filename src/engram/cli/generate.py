@@ -13,10 +13,20 @@ import tempfile
 from typing import Any
 
 from engram.apps.generate import check_options, generate, load_generator
-from engram.cli.options import set_threads
+from engram.cli.options import (
+    non_negative_int,
+    output_folder,
+    positive_int,
+    set_threads,
+    threads,
+    whole_number,
+)
 from engram.model.lm import EngramLM
 
 __all__ = ["register"]
+
+# One forward per new token: a million is days of work on a CPU, and its buffers still fit in memory.
+MAX_NEW_TOKENS = 1_000_000
 
 
 def register(sub: Any) -> None:
@@ -26,11 +36,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument(
+        "--tokens",
+        type=whole_number(1, MAX_NEW_TOKENS),
+        default=64,
+        help=f"tokens to generate (default 64, at most {MAX_NEW_TOKENS:,})",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only (default: all)")
+    p.add_argument("--top-k", type=positive_int, help="sample among the k likeliest tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs repeat exactly)")
-    p.add_argument("--batch", type=int, default=1, help="sequences sampled from the same prompt")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences sampled from the same prompt")
     p.add_argument("--greedy", action="store_true", help="always take the likeliest token")
     p.add_argument("--mask-engram", action="store_true", help="mask Engram's output (the ablation)")
     p.add_argument(
@@ -39,12 +54,17 @@ def register(sub: Any) -> None:
         help="serve the Engram tables as FP8 from host memory or a memory-mapped file (engram.systems)",
     )
     p.add_argument(
-        "--cache-rows", type=int, default=0, help="with --offload: hot rows kept cached (default 0)"
+        "--cache-rows",
+        type=non_negative_int,
+        default=0,
+        help="with --offload: hot rows kept cached (default 0; at most the table's rows)",
     )
     p.add_argument(
-        "--offload-dir", help="with --offload ssd: folder for the table files (default: a temp folder)"
+        "--offload-dir",
+        type=output_folder,
+        help="with --offload ssd: folder for the table files (default: a temp folder)",
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_generate)
 
@@ -55,8 +75,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_options(args.tokens, args.temperature, args.top_k, args.batch)
     if not args.offload and (args.cache_rows or args.offload_dir):
         raise ValueError("--cache-rows and --offload-dir apply to offloaded tables: add --offload host|ssd")
-    if args.cache_rows < 0:
-        raise ValueError(f"--cache-rows {args.cache_rows} must be >= 0 (0: no cache)")
     set_threads(args)
     model, tok, hasher, state = load_generator(args.checkpoint)
     if args.mask_engram and not model.engrams:
@@ -138,6 +156,12 @@ def _offload(model: EngramLM, args: argparse.Namespace, folder: str) -> dict[int
 
     if not model.engrams:
         raise ValueError("--offload moves Engram tables, but this checkpoint has none; drop --offload")
+    largest = max(m.table.num_rows for m in model.engrams.values())
+    if args.cache_rows > largest:  # a cache past the table holds nothing more, and is allocated whole
+        raise ValueError(
+            f"--cache-rows {args.cache_rows}: more rows than the largest Engram table holds ({largest:,}); "
+            "give at most that"
+        )
     device = next(model.parameters()).device
     ssd_dir = folder if args.offload == "ssd" else None
     return offload_engram(
