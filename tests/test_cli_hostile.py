@@ -325,3 +325,32 @@ def test_damaged_tokenizer_in_checkpoint(run, capsys):
     (ckpt / "tokenizer.json").write_bytes(b"\x89PNG\r\n")
     refused(capsys, ["generate", "--checkpoint", str(out), "--prompt", "And"], "tokenizer.json")
 
+
+
+def test_generate_huge_batch(trained, capsys):
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2", "--batch", str(10**13)]
+    refused(capsys, argv, f"--batch {10**13}", "--tokens 2", "ask for fewer")
+
+
+def test_allocation_failure_is_one_line(trained, capsys, monkeypatch):
+    """Past every check, an allocation that fails is still one line, not a traceback."""
+    import engram.cli.generate as cli_generate
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(cli_generate, "generate", no_memory)
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2"]
+    refused(capsys, argv, "out of memory", "ask for less")
+
+
+def test_a_bug_still_shows_its_traceback(monkeypatch):
+    """main turns refusals of input into a line; any other RuntimeError (a bug) is left to propagate."""
+    import engram.cli.addressing as addressing
+
+    def boom(args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(addressing, "cmd_layout", boom)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["layout", "--preset", "tiny"])

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 from typing import Any
 
 from engram.apps.generate import check_options, generate, load_generator
 from engram.cli.options import (
+    human_bytes,
     non_negative_int,
     output_folder,
     positive_int,
@@ -90,6 +93,7 @@ def _generate_and_print(
     prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
+    _check_memory(args, model, hasher, len(prompt_ids))
     greedy = args.greedy or args.temperature == 0
     out = generate(
         model,
@@ -146,6 +150,22 @@ def _generate_and_print(
             file=sys.stderr,
         )
     return 0
+
+
+def _check_memory(args: argparse.Namespace, model: EngramLM, hasher: Any, n_prompt: int) -> None:
+    """Refuse a --batch x --tokens whose buffers alone (token ids, Engram rows, one step's logits) pass
+    this machine's memory, naming both, before anything is allocated."""
+    c = model.config
+    length = n_prompt + args.tokens
+    rows = math.prod(hasher.output_shape(())) if hasher is not None else 0  # row ids a position
+    per_sequence = 8 * length * (1 + rows) + 4 * min(length, c.max_seq_len) * c.vocab_size
+    need = args.batch * per_sequence
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(
+            f"--batch {args.batch} x --tokens {args.tokens}: the buffers alone need {human_bytes(need)}, "
+            f"more than this machine's {human_bytes(have)} of memory; ask for fewer sequences or tokens"
+        )
 
 
 def _offload(model: EngramLM, args: argparse.Namespace, folder: str) -> dict[int, Any]:
