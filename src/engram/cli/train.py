@@ -269,7 +269,7 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument(
         "--table-ranks",
-        type=positive_int,
+        type=int,  # table_owners refuses N outside 1..world size, naming the world size
         metavar="N",
         help="with --distributed: only the first N ranks hold the Engram tables (num_rows / N rows each, "
         "and their optimizer state); the others hold none and run the backbone (default: every rank)",
