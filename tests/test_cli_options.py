@@ -9,7 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram.cli import build_parser
-from engram.cli.options import byte_size, parse_size, row_count, set_threads
+from engram.cli.options import (
+    byte_size,
+    input_file,
+    output_file,
+    output_folder,
+    parse_size,
+    positive_float,
+    row_count,
+    set_threads,
+    whole_number,
+)
 
 DECIMAL = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -98,3 +108,40 @@ def test_threads():
     set_threads(argparse.Namespace(threads=None))
     with pytest.raises(ValueError, match="--threads 0: give at least 1"):
         set_threads(argparse.Namespace(threads=0))
+
+
+def test_whole_number():
+    count = whole_number(1, 10, fix=" (a hint)")
+    assert count("1") == 1 and count("10") == 10 and whole_number(0)("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^11 is out of range; give a whole number from 1 to 10 \(a hint\)$"):
+        count("11")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^-2 is out of range; give a whole number >= 1$"):
+        whole_number(1)("-2")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^'1\.5' is not a whole number"):
+        count("1.5")
+    assert positive_float("0.5") == 0.5
+    for bad in ("0", "-1", "inf", "nan", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_float(bad)
+
+
+def test_paths(tmp_path):
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    assert input_file(str(f)) == str(f)
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; give a file"):
+        input_file(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError, match="no such file"):
+        input_file(str(tmp_path / "nope"))
+    assert output_folder(str(tmp_path / "new" / "deeper")) == str(tmp_path / "new" / "deeper")  # created later
+    with pytest.raises(argparse.ArgumentTypeError, match="is a file; give a folder"):
+        output_folder(str(f))
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{f} is a file, not a folder"):
+        output_folder(str(f / "sub"))
+    assert output_file(str(tmp_path / "map.safetensors"))
+    with pytest.raises(argparse.ArgumentTypeError, match="is a folder; give a file path in it"):
+        output_file(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError, match=f"the folder {tmp_path / 'nope'} does not exist"):
+        output_file(str(tmp_path / "nope" / "map.safetensors"))
+    with pytest.raises(argparse.ArgumentTypeError, match=f"{f} is a file, not a folder"):
+        output_file(str(f / "map.safetensors"))

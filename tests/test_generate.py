@@ -204,14 +204,11 @@ def test_cli_human_and_baseline(main, runs, capsys):
     [
         (["--checkpoint", "{missing}", "--prompt", "x"], "no such folder"),
         (["--prompt", ""], "--prompt is empty"),
-        (["--prompt", "x", "--tokens", "0"], "tokens=0"),
         (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0"),
-        (["--prompt", "x", "--top-k", "0"], "top_k=0"),
-        (["--prompt", "x", "--batch", "0"], "batch_size=0"),
         (["--checkpoint", "{baseline}", "--prompt", "x", "--mask-engram"], "no Engram modules to mask"),
         (["--checkpoint", "{baseline}", "--prompt", "x", "--offload", "host"], "has none; drop --offload"),
         (["--prompt", "x", "--cache-rows", "8"], "add --offload host|ssd"),
-        (["--prompt", "x", "--offload", "host", "--cache-rows", "-1"], "--cache-rows -1"),
+        (["--prompt", "x", "--offload", "host", "--cache-rows", "100000"], "--cache-rows 100000: more rows"),
     ],
 )
 def test_cli_errors(main, runs, tmp_path, capsys, args, match):
@@ -222,6 +219,19 @@ def test_cli_errors(main, runs, tmp_path, capsys, args, match):
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engram generate: error: ") and match in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--tokens", "0"), ("--tokens", "1000001"), ("--top-k", "0"), ("--batch", "0"), ("--cache-rows", "-1")],
+)
+def test_cli_refuses_numbers_when_parsing(main, runs, capsys, option, value):
+    """Out-of-range counts are argparse's to refuse, before the checkpoint is read: usage, then one line."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--checkpoint", runs["engram"], "--prompt", "x", option, value])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"engram generate: error: argument {option}: {value} is out of range")
 
 
 @pytest.mark.parametrize("where", ["host", "ssd"])

@@ -150,3 +150,5 @@ def test_errors(hasher):
         s.step(np.array([1, 129280]))
     with pytest.raises(ValueError, match="batch_size"):
         HashStream(hasher, batch_size=0)
+    with pytest.raises(TypeError, match=r"batch_size must be an int.*None"):
+        HashStream(hasher, None)  # type: ignore[arg-type]

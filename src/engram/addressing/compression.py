@@ -62,7 +62,12 @@ def resolve_tokenizer(obj: Any) -> Tokenizer:
                 f"no tokenizer at {str(obj)!r}: give a tokenizer.json path, a folder holding one, "
                 f"or a known name ({', '.join(KNOWN_TOKENIZERS)})"
             )
-        return Tokenizer.from_file(str(path))
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(
+                f"{path} is not a tokenizer.json tokenizers can read ({e}); give a Hugging Face tokenizer.json"
+            ) from None
     raise TypeError(
         f"cannot make a tokenizer from {type(obj).__name__}: pass a tokenizers.Tokenizer, a transformers fast "
         f"tokenizer, a tokenizer.json path or one of {', '.join(KNOWN_TOKENIZERS)}"
@@ -198,6 +203,11 @@ class TokenizerCompression:
         """Write the map as safetensors (tensor `lookup`, int64) with the fingerprint in its metadata."""
         from safetensors.numpy import save_file
 
+        path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"{path} is a folder; save the map to a file in it, e.g. {path / 'map.safetensors'}")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"{path}: the folder {path.parent} does not exist; create it first")
         meta = {"format": _FORMAT, "fingerprint": self.fingerprint, "size": str(self.size)}
         if self.keys is not None:
             meta["keys"] = json.dumps(self.keys, ensure_ascii=True)

@@ -170,9 +170,7 @@ def load_generator(
     rebuilt by `prepare_data` from the run's config. The hasher is built from the model's Engram config
     and the tokenizer's compression map, as training built it.
     """
-    from tokenizers import Tokenizer
-
-    from engram.addressing.compression import TokenizerCompression
+    from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
     from engram.apps.train import load_trained_model, prepare_data
     from engram.checkpoint.files import member_file
 
@@ -185,10 +183,7 @@ def load_generator(
     tok_file = Path(state["path"]) / "tokenizer.json"
     if os.path.lexists(tok_file):  # a regular file inside the checkpoint, never a FIFO or a link out
         path = member_file(state["path"], tok_file.name, "the checkpoint's")
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as e:  # the tokenizers package raises plain Exceptions
-            raise ValueError(f"{path}: not a readable tokenizer ({e}); the checkpoint is damaged") from None
+        tok = resolve_tokenizer(path)  # a damaged file: ValueError naming it
     else:
         tok = prepare_data(cfg, with_engram=False).tokenizer
     vocab = tok.get_vocab_size(with_added_tokens=True)

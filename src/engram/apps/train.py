@@ -31,6 +31,7 @@ in one file per owner rank, see `engram.checkpoint.shards`) and assembles the wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -39,7 +40,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from engram.addressing.hashing import NgramHasher
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
 from engram.checkpoint.files import member_file
+from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import read_checkpoint
 from engram.config import EngramConfig
@@ -208,8 +210,11 @@ class TrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
+        data = read_json(path)  # ValueError naming the file: a folder, not JSON, nested too deep
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of TrainConfig fields, got {type(data).__name__}")
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            return cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
 
@@ -568,7 +573,8 @@ class Trainer:
             seconds = float(state.get("train_seconds", 0.0))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
-        self._restore_tensors(*self._read_checkpoint(path, state), groups)
+        with _weights_of(path):
+            self._restore_tensors(*self._read_checkpoint(path, state), groups)
         self.step, self.history, self.train_seconds = step, history, seconds
 
     def _agree_intact(self, error: BaseException | None) -> BaseException | None:
@@ -647,16 +653,36 @@ def remove_stale_tmp(out_dir: str | Path) -> list[tuple[Path, str]]:
     return removed
 
 
+_STATE_KEYS = ("step", "train_config", "lm_config", "optimizer_groups", "history")
+
+
+@contextlib.contextmanager
+def _weights_of(ckpt: Path) -> Iterator[None]:
+    """torch's refusal of a checkpoint's tensors (wrong shapes, missing or extra names) as one ValueError
+    naming the checkpoint."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith("Error(s) in loading state_dict"):
+            raise
+        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
+        raise ValueError(
+            f"{ckpt / 'model.safetensors'} does not fit the model its state.json describes ({first}); "
+            "the checkpoint is damaged: use another one or retrain"
+        ) from None
+
+
 def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
     """(state.json, its training config) of checkpoint folder `ckpt`; a checkpoint of another format
     or a damaged state.json is refused (ValueError), naming the file."""
     file = member_file(ckpt, "state.json", "the checkpoint's")  # a regular file inside the folder
-    try:
-        state = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e}); the checkpoint is damaged") from None
-    if not isinstance(state, dict) or "train_config" not in state:
-        raise ValueError(f"{file}: not a checkpoint's state (no train_config); the checkpoint is damaged")
+    state = read_json(file)
+    missing = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
+    if missing:
+        raise ValueError(
+            f"{file}: no {', '.join(map(repr, missing))} entry: not a complete training state (damaged?); "
+            "resume from another checkpoint or retrain"
+        )
     try:
         return state, TrainConfig.from_dict(state["train_config"])
     except (ValueError, TypeError) as e:

@@ -340,7 +340,7 @@ def listed_names(path: str | os.PathLike[str]) -> list[str]:
             if n > 100_000_000:  # safetensors' own header limit: not a header
                 return []
             header = json.loads(f.read(n))
-    except (OSError, ValueError):  # ValueError: also bad JSON / UTF-8
+    except (OSError, ValueError, RecursionError):  # ValueError: also bad JSON / UTF-8; too deep
         return []
     return sorted(k for k in header if k != "__metadata__") if isinstance(header, dict) else []
 

@@ -49,6 +49,7 @@ from engram.checkpoint.files import (
 )
 from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
 from engram.checkpoint.integrity import check_finite, check_fp8_table, scan_table
+from engram.checkpoint.json_file import read_json
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
@@ -233,10 +234,7 @@ def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str |
     if not os.path.lexists(path):
         raise FileNotFoundError(f"{path}: no config.json; pass config=... or save the checkpoint with one")
     member_file(ckpt_dir, CONFIG_FILE, "the checkpoint's")  # a regular file, inside the folder
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     try:
@@ -254,10 +252,10 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
     if os.path.lexists(index_path):
         member_file(ckpt_dir, INDEX_FILE, "the checkpoint's")  # a regular file, inside the folder
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = read_json(index_path)["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("weight_map is not {tensor name: file name}")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (KeyError, TypeError) as e:
             raise ValueError(f"{index_path}: not a safetensors index ({e!r})") from None
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():

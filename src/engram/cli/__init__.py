@@ -4,9 +4,10 @@
 package adds its commands (`register(subparsers)`) and calls plain library functions:
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
 (demo, train, eval), `generate`, `bench`, `systems` (cache-sim); `options` holds what they share.
-Library modules hold no argparse. A command's ValueError, TypeError or missing file reaches the
-user as one line, `engram CMD: error: ...`, exit status 2, never as a traceback; a table a loader did
-not scan (`UnscannedTableWarning`) as one line `engram CMD: note: ...`.
+Library modules hold no argparse. A command's ValueError, TypeError or OSError (a path refused),
+a JSON file too deep to parse or an allocation that fails reaches the user as one line,
+`engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs) still show one. A
+table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`.
 """
 
 from __future__ import annotations
@@ -54,9 +55,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("always", UnscannedTableWarning)
             warnings.showwarning = note
             return int(args.func(args))
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"engram {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `engram ... | head`: the reader left; not an error
         sys.stderr.close()
         return 0
+    except (ValueError, TypeError, OSError, RecursionError, MemoryError, RuntimeError) as e:
+        message = _refusal(e)
+        if message is None:  # a RuntimeError that is not an allocation failure: a bug, show it
+            raise
+        print(f"engram {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+# What the system's refusals of a path mean for the person who gave it.
+_OS_FIXES: dict[type[OSError], str] = {
+    FileNotFoundError: "no such file or folder; check the path",
+    IsADirectoryError: "a folder where a file is expected; give a file",
+    NotADirectoryError: "a file where a folder is expected; give a folder",
+    FileExistsError: "a file is in the way; give another path",
+    PermissionError: "permission denied; give a path you may use (or fix its permissions)",
+}
+
+
+def _refusal(e: BaseException) -> str | None:
+    """The one line a command's exception becomes; None: not a refusal of its input (a bug: re-raise).
+
+    A ValueError / TypeError / OSError of our own already names the value and the fix. The system's
+    OSErrors name the path; RecursionError is a JSON file nested too deep for Python's parser;
+    MemoryError and torch's allocation failures are a size asked for that does not fit.
+    """
+    if isinstance(e, OSError) and e.filename is not None:
+        fix = next((f for t, f in _OS_FIXES.items() if isinstance(e, t)), e.strerror or str(e))
+        return f"{e.filename}: {fix}"
+    if isinstance(e, RecursionError):  # a RuntimeError too: before the check below
+        return "input nested too deeply to read (a damaged JSON file?); check the files given"
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "allocate" in str(e)):
+        return f"out of memory ({type(e).__name__}): a size asked for does not fit; ask for less"
+    if isinstance(e, RuntimeError):
+        return None
+    return str(e)

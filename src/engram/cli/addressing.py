@@ -20,6 +20,8 @@ from engram.cli.options import (
     hasher_for,
     human,
     human_bytes,
+    output_file,
+    positive_int,
     text_from_args,
 )
 
@@ -34,9 +36,11 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("compress", help="build a tokenizer's compression map and show what merged")
     p.add_argument("--tokenizer", default="deepseek-v4", help="'deepseek-v4' or a tokenizer.json path")
-    p.add_argument("--top", type=int, default=10, help="how many of the largest groups to show")
+    p.add_argument("--top", type=positive_int, default=10, help="how many of the largest groups to show")
     p.add_argument(
-        "--save", help="write the map (safetensors, with the tokenizer's fingerprint) to this path"
+        "--save",
+        type=output_file,
+        help="write the map (safetensors, with the tokenizer's fingerprint) to this path",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_compress)
@@ -128,7 +132,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     hasher, tok = hasher_for(config)
     if args.ids is not None:
-        ids = np.array([int(x) for x in args.ids.replace(",", " ").split()], dtype=np.int64)
+        ids = _parse_ids(args.ids, tok.get_vocab_size(with_added_tokens=True))
     else:
         ids = np.array(tok.encode(args.text, add_special_tokens=False).ids, dtype=np.int64)
     rows = hasher.hash(ids)  # (T, n_layers, heads)
@@ -165,6 +169,23 @@ def cmd_hash(args: argparse.Namespace) -> int:
                 line += f"  {gram[:24]:<24} " + " ".join(f"{int(v):>9}" for v in vals)
             print(line)
     return 0
+
+
+def _parse_ids(text: str, vocab_size: int) -> np.ndarray:
+    """--ids '1 2,3' -> int64 ids; a word that is not an int, or one past int64, refused by position
+    (ids inside int64 but past the vocabulary are the hasher's to refuse)."""
+    ids = []
+    for i, word in enumerate(text.replace(",", " ").split()):
+        try:
+            value = int(word)
+        except ValueError:
+            raise ValueError(f"--ids: {word!r} (position {i}) is not a token id; give whole numbers") from None
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(
+                f"--ids: {word} (position {i}) is out of range; token ids run from 0 to {vocab_size - 1}"
+            )
+        ids.append(value)
+    return np.array(ids, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------- collisions

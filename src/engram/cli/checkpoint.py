@@ -18,7 +18,7 @@ from engram.apps.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEX
 from engram.checkpoint.convert import convert_table
 from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
-from engram.cli.options import SIZE_HELP, byte_size
+from engram.cli.options import SIZE_HELP, byte_size, output_folder, positive_int
 
 __all__ = ["register"]
 
@@ -27,7 +27,7 @@ def register(sub: Any) -> None:
     """Add convert and run-layer to the `engram` subparsers."""
     p = sub.add_parser("convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables")
     p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
-    p.add_argument("dst", help="directory to write (created; must differ from src)")
+    p.add_argument("dst", type=output_folder, help="directory to write (created; must differ from src)")
     p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
     p.add_argument(
         "--dtype",
@@ -60,12 +60,12 @@ def register(sub: Any) -> None:
     p.add_argument("--text", default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})")
     p.add_argument(
         "--base",
-        type=int,
+        type=positive_int,
         help=f"prime-search base of the built checkpoint (default {DEFAULT_BASE}; V4.1 uses 16000000)",
     )
     p.add_argument(
         "--hidden-size",
-        type=int,
+        type=positive_int,
         help=f"residual width of the built checkpoint (default {DEFAULT_HIDDEN_SIZE})",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the built weights and the pseudo-embeddings")

@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 from typing import Any
 
 from engram.apps.generate import check_options, generate, load_generator
-from engram.cli.options import set_threads
+from engram.cli.options import (
+    human_bytes,
+    non_negative_int,
+    output_folder,
+    positive_int,
+    set_threads,
+    threads,
+    whole_number,
+)
 from engram.model.lm import EngramLM
 
 __all__ = ["register"]
+
+# One forward per new token: a million is days of work on a CPU, and its buffers still fit in memory.
+MAX_NEW_TOKENS = 1_000_000
 
 
 def register(sub: Any) -> None:
@@ -26,11 +39,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument(
+        "--tokens",
+        type=whole_number(1, MAX_NEW_TOKENS),
+        default=64,
+        help=f"tokens to generate (default 64, at most {MAX_NEW_TOKENS:,})",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only (default: all)")
+    p.add_argument("--top-k", type=positive_int, help="sample among the k likeliest tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs repeat exactly)")
-    p.add_argument("--batch", type=int, default=1, help="sequences sampled from the same prompt")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences sampled from the same prompt")
     p.add_argument("--greedy", action="store_true", help="always take the likeliest token")
     p.add_argument("--mask-engram", action="store_true", help="mask Engram's output (the ablation)")
     p.add_argument(
@@ -39,17 +57,22 @@ def register(sub: Any) -> None:
         help="serve the Engram tables as FP8 from host memory or a memory-mapped file (engram.systems)",
     )
     p.add_argument(
-        "--cache-rows", type=int, default=0, help="with --offload: hot rows kept cached (default 0)"
+        "--cache-rows",
+        type=non_negative_int,
+        default=0,
+        help="with --offload: hot rows kept cached (default 0; at most the table's rows)",
     )
     p.add_argument(
-        "--offload-dir", help="with --offload ssd: folder for the table files (default: a temp folder)"
+        "--offload-dir",
+        type=output_folder,
+        help="with --offload ssd: folder for the table files (default: a temp folder)",
     )
     p.add_argument(
         "--verify",
         action="store_true",
         help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_generate)
 
@@ -60,8 +83,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_options(args.tokens, args.temperature, args.top_k, args.batch)
     if not args.offload and (args.cache_rows or args.offload_dir):
         raise ValueError("--cache-rows and --offload-dir apply to offloaded tables: add --offload host|ssd")
-    if args.cache_rows < 0:
-        raise ValueError(f"--cache-rows {args.cache_rows} must be >= 0 (0: no cache)")
     set_threads(args)
     model, tok, hasher, state = load_generator(args.checkpoint, verify=args.verify)
     if args.mask_engram and not model.engrams:
@@ -77,6 +98,7 @@ def _generate_and_print(
     prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens; give some text to continue")
+    _check_memory(args, model, hasher, len(prompt_ids))
     greedy = args.greedy or args.temperature == 0
     out = generate(
         model,
@@ -135,6 +157,22 @@ def _generate_and_print(
     return 0
 
 
+def _check_memory(args: argparse.Namespace, model: EngramLM, hasher: Any, n_prompt: int) -> None:
+    """Refuse a --batch x --tokens whose buffers alone (token ids, Engram rows, one step's logits) pass
+    this machine's memory, naming both, before anything is allocated."""
+    c = model.config
+    length = n_prompt + args.tokens
+    rows = math.prod(hasher.output_shape(())) if hasher is not None else 0  # row ids a position
+    per_sequence = 8 * length * (1 + rows) + 4 * min(length, c.max_seq_len) * c.vocab_size
+    need = args.batch * per_sequence
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(
+            f"--batch {args.batch} x --tokens {args.tokens}: the buffers alone need {human_bytes(need)}, "
+            f"more than this machine's {human_bytes(have)} of memory; ask for fewer sequences or tokens"
+        )
+
+
 def _offload(model: EngramLM, args: argparse.Namespace, folder: str) -> dict[int, Any]:
     """--offload host|ssd: the Engram tables quantised to FP8 + ue8m0 (V4.1's format, lossy for a table
     trained in float) and served by `engram.systems.TieredTable` from DRAM or a memory-mapped file in
@@ -143,6 +181,12 @@ def _offload(model: EngramLM, args: argparse.Namespace, folder: str) -> dict[int
 
     if not model.engrams:
         raise ValueError("--offload moves Engram tables, but this checkpoint has none; drop --offload")
+    largest = max(m.table.num_rows for m in model.engrams.values())
+    if args.cache_rows > largest:  # a cache past the table holds nothing more, and is allocated whole
+        raise ValueError(
+            f"--cache-rows {args.cache_rows}: more rows than the largest Engram table holds ({largest:,}); "
+            "give at most that"
+        )
     device = next(model.parameters()).device
     ssd_dir = folder if args.offload == "ssd" else None
     return offload_engram(

@@ -5,6 +5,8 @@ Holds:
   `row_count` / `byte_size`: the same rule as argparse types.
 - `add_config_options` / `config_from_args` / `hasher_for`: --preset, --config, --tokenizer, --json.
 - `add_text_options` / `text_from_args`: --text-file (default: the King James Bible), --max-chars.
+- `whole_number(lo, hi)` (and `positive_int`, `non_negative_int`, `threads`), `positive_float`:
+  checked numbers as argparse types; `input_file`, `output_file`, `output_folder`: paths checked before any work starts.
 - `set_threads`: --threads, checked; `human`, `human_bytes`: short numbers for readable output.
 
 It knows argparse and the config registry; the commands themselves live beside it in `engram.cli`.
@@ -13,13 +15,15 @@ It knows argparse and the config registry; the commands themselves live beside i
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from engram.checkpoint.hf_config import from_hf_dict
+from engram.checkpoint.json_file import read_json
 from engram.config import PRESETS, EngramConfig
 
 __all__ = [
@@ -31,10 +35,18 @@ __all__ = [
     "hasher_for",
     "human",
     "human_bytes",
+    "input_file",
+    "non_negative_int",
+    "output_file",
+    "output_folder",
     "parse_size",
+    "positive_float",
+    "positive_int",
     "row_count",
     "set_threads",
     "text_from_args",
+    "threads",
+    "whole_number",
 ]
 
 # ------------------------------------------------------------------------------------------- sizes
@@ -87,10 +99,90 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# ------------------------------------------------------------------------------------------- numbers
+def whole_number(lo: int, hi: int | None = None, fix: str = "") -> Callable[[str], int]:
+    """argparse type: an int in [lo, hi]; a refusal quotes the text, the bound and `fix` (a hint)."""
+    bounds = f">= {lo}" if hi is None else f"from {lo} to {hi:,}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one {bounds}{fix}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{text} is out of range; give a whole number {bounds}{fix}")
+        return value
+
+    parse.__name__ = f"whole number {bounds}"  # argparse's name for it in its own messages
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one > 0") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give a finite number > 0")
+    return value
+
+
+positive_int = whole_number(1)
+non_negative_int = whole_number(0)
+threads = whole_number(1, fix=" (or leave --threads out: all cores)")
+
+
+# ------------------------------------------------------------------------------------------- paths
+def input_file(text: str) -> str:
+    """argparse type: an existing regular file (not a folder); the text itself is returned."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    """Refuse a `folder` to write into (or create, parents too) that is blocked by a file or read-only."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor
+        probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{probe} is a file, not a folder; give {what} outside it")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{probe} is not writable; give {what} you may write to")
+
+
+def output_folder(text: str) -> str:
+    """argparse type: a folder to write into, created (with its parents) if missing; not a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a folder (created if missing)")
+    _writable_folder(path, "a folder")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type: a file to write, in a folder that exists; not a folder itself."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path in it, e.g. {path / 'map.safetensors'}")
+    if not path.parent.is_dir():
+        if path.parent.exists():
+            raise argparse.ArgumentTypeError(f"{path.parent} is a file, not a folder; give another path")
+        raise argparse.ArgumentTypeError(f"the folder {path.parent} does not exist; create it first")
+    _writable_folder(path.parent, "a file in a folder")
+    return text
+
+
 # ------------------------------------------------------------------------------------------- config
 def add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> None:
     p.add_argument("--preset", default="deepseek-v4.1", choices=sorted(PRESETS), help="config preset")
-    p.add_argument("--config", help="a Hugging Face config.json with engram_* keys (instead of --preset)")
+    p.add_argument(
+        "--config", type=input_file, help="a Hugging Face config.json with engram_* keys (instead of --preset)"
+    )
     if tokenizer:
         p.add_argument("--tokenizer", help="'deepseek-v4' or a tokenizer.json path (default: the config's)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
@@ -99,7 +191,9 @@ def add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> No
 def config_from_args(args: argparse.Namespace) -> EngramConfig:
     """The config of --config (a Hugging Face config.json) or --preset, with --tokenizer applied."""
     if getattr(args, "config", None):
-        data = json.loads(Path(args.config).read_text())
+        data = read_json(args.config)
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: expected a JSON object of config keys, got {type(data).__name__}")
         return from_hf_dict(data, name=Path(args.config).name, tokenizer=args.tokenizer)
     config = EngramConfig.preset(args.preset)
     tok = getattr(args, "tokenizer", None)
@@ -122,15 +216,18 @@ def hasher_for(config: EngramConfig) -> tuple[Any, Any]:
 # ------------------------------------------------------------------------------------------- text
 def add_text_options(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument(
-        "--text-file", action="append", help=f"text file(s) to {verb} (default: the King James Bible)"
+        "--text-file",
+        action="append",
+        type=input_file,
+        help=f"text file(s) to {verb} (default: the King James Bible)",
     )
-    p.add_argument("--max-chars", type=int, help="only the first N characters of the text")
+    p.add_argument("--max-chars", type=positive_int, help="only the first N characters of the text")
 
 
 def text_from_args(args: argparse.Namespace) -> tuple[str, str]:
     """(text, where it came from): the --text-file files, or the King James Bible; cut to --max-chars."""
     if args.text_file:
-        text = "\n".join(Path(f).read_text(encoding="utf-8") for f in args.text_file)
+        text = "\n".join(_read_text(f) for f in args.text_file)
         source = ", ".join(args.text_file)
     else:
         from engram.apps.corpus import kjv_text
@@ -139,6 +236,13 @@ def text_from_args(args: argparse.Namespace) -> tuple[str, str]:
     if args.max_chars is not None:
         text = text[: args.max_chars]
     return text, source
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); give a text file") from None
 
 
 # ------------------------------------------------------------------------------------------- misc

@@ -19,6 +19,7 @@ from engram.cli.options import (
     add_text_options,
     config_from_args,
     hasher_for,
+    positive_int,
     row_count,
     text_from_args,
 )
@@ -36,7 +37,7 @@ def register(sub: Any) -> None:
     )
     add_config_options(p)
     add_text_options(p, "replay")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per fetch (default 4096)")
+    p.add_argument("--batch-tokens", type=positive_int, default=4096, help="tokens per fetch (default 4096)")
     p.add_argument(
         "--cache-rows",
         type=row_count,

@@ -10,7 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engram.cli.options import set_threads
+from engram.cli.options import (
+    input_file,
+    non_negative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    set_threads,
+    threads,
+)
 
 __all__ = ["add_training_commands"]
 
@@ -26,8 +34,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg = cfg.replace(corpus=args.corpus)
     if args.tokenizer is not None:
         cfg = cfg.replace(tokenizer=args.tokenizer)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds {args.seeds}: give at least 1")
     command = (
         "engram demo " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         if sys.argv[1:2] == ["demo"]
@@ -228,13 +234,13 @@ def add_training_commands(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="train a baseline and an Engram LM on the King James Bible and compare them"
     )
-    p.add_argument("--steps", type=int, help="training steps per model (default 240)")
-    p.add_argument("--minutes", type=float, help="fit the step count to this many minutes of training")
-    p.add_argument("--seeds", type=int, default=2, help="seeds to run (the spread tells noise from effect)")
+    p.add_argument("--steps", type=positive_int, help="training steps per model (default 240)")
+    p.add_argument("--minutes", type=positive_float, help="fit the step count to this many minutes of training")
+    p.add_argument("--seeds", type=positive_int, default=2, help="seeds to run (the spread tells noise from effect)")
     p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
     p.add_argument("--tokenizer", help="'bpe' (default: trained on the training split) or 'deepseek-v4'")
-    p.add_argument("--out", default="reports/demo", help="report folder (default reports/demo)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--out", type=output_folder, default="reports/demo", help="report folder (default reports/demo)")
+    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
@@ -242,14 +248,18 @@ def add_training_commands(sub: Any) -> None:
     p = sub.add_parser(
         "train", help="train an LM (with Engram unless --no-engram) from a JSON config, with checkpoints"
     )
-    p.add_argument("--config", help="JSON file of TrainConfig fields")
+    p.add_argument("--config", type=input_file, help="JSON file of TrainConfig fields")
     p.add_argument("--preset", choices=["tiny", "demo", "small"], help="a named config (default: demo)")
-    p.add_argument("--out", required=True, help="run folder: checkpoints/, train_config.json")
+    p.add_argument("--out", type=output_folder, required=True, help="run folder: checkpoints/, train_config.json")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--steps", type=int, help="override the config's total steps")
-    p.add_argument("--until", type=int, help="stop at this step (the schedule still spans --steps)")
+    p.add_argument("--steps", type=positive_int, help="override the config's total steps")
+    p.add_argument(
+        "--until", type=positive_int, help="stop at this step (the schedule still spans --steps)"
+    )
     p.add_argument("--seed", type=int)
-    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument(
+        "--checkpoint-every", type=non_negative_int, help="steps between checkpoints (0: only at the end)"
+    )
     p.add_argument("--no-engram", action="store_true", help="train the baseline backbone without Engram")
     p.add_argument(
         "--distributed",
@@ -265,7 +275,7 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument(
         "--table-ranks",
-        type=int,
+        type=int,  # table_owners refuses N outside 1..world size, naming the world size
         metavar="N",
         help="with --distributed: only the first N ranks hold the Engram tables (num_rows / N rows each, "
         "and their optimizer state); the others hold none and run the backbone (default: every rank)",
@@ -277,7 +287,7 @@ def add_training_commands(sub: Any) -> None:
         "instead of gathering every table onto rank 0; resumes on any world size, and `engram eval` "
         "reads it (a run resumed from such a checkpoint keeps writing them)",
     )
-    p.add_argument("--threads", type=int, help="torch threads (per rank with --distributed: cores / ranks)")
+    p.add_argument("--threads", type=threads, help="torch threads (per rank with --distributed: cores / ranks)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)
@@ -292,6 +302,6 @@ def add_training_commands(sub: Any) -> None:
         action="store_true",
         help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
     )
-    p.add_argument("--threads", type=int)
+    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)

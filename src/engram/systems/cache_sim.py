@@ -93,8 +93,11 @@ def simulate_cache(
     for li in range(n_layers):
         # distinct rows of each batch, sorted int64 (what RowCache.plan takes), computed once per layer
         batches = [np.unique(rows[s : s + batch_tokens, li].astype(np.int64)) for s in starts]
+        seen = int(np.unique(np.concatenate(batches)).size)
         for cap in capacities:
-            cache = RowCache(cap, 32)  # only the index and counters matter: rows 32 bytes wide
+            # only the index and counters matter (rows 32 bytes wide); an LRU cache with a slot for every
+            # row the stream asks never evicts, so more slots than that change nothing and are not allocated
+            cache = RowCache(min(cap, seen), 32)
             hits_late = distinct_late = 0
             for b, uniq in enumerate(batches):
                 before = cache.hits
