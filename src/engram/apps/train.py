@@ -708,11 +708,7 @@ def load_trained_model(
         raise ValueError(f"{ckpt / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
     dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     tensors = read_checkpoint(ckpt, state, optimizer=False, dtypes=dtypes, verify=verify)[0]  # tables whole
-    try:
+    with _weights_of(ckpt):  # missing, unexpected or misshaped tensors: one ValueError naming the file
         model.load_state_dict(tensors)
-    except RuntimeError as e:  # missing, unexpected or misshaped tensors
-        raise ValueError(
-            f"{ckpt}: does not match its state.json's model: {' '.join(str(e).split())}"
-        ) from None
     state["path"] = str(ckpt)
     return cfg, model, state
