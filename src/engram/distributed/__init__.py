@@ -3,11 +3,19 @@
 The only package that imports torch.distributed: the model code (`engram.model.module`,
 `engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
-(sharding a model, the dense all-reduce), `train` (the distributed trainer).
+(sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
+into an error naming the rank and the step), `train` (the distributed trainer).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
 
+from engram.distributed.guard import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    RankError,
+    describe,
+    disagreements,
+    named_failures,
+)
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -39,10 +47,12 @@ from engram.distributed.train import (
 )
 
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
     "INIT_CHUNK_ROWS",
     "Backend",
     "DistEnv",
     "DistributedTrainer",
+    "RankError",
     "ShardedTable",
     "TableInit",
     "all_reduce_grads",
@@ -50,9 +60,12 @@ __all__ = [
     "build_sharded_model",
     "check_owners",
     "chunked_normal",
+    "describe",
+    "disagreements",
     "gather_shards",
     "global_num_params",
     "init_distributed",
+    "named_failures",
     "prefetch_model_rows",
     "prefetch_tables",
     "release_tables",
