@@ -4,7 +4,8 @@ The only package that imports torch.distributed: the model code (`engram.model.m
 `engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
 (sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
-into an error naming the rank and the step), `train` (the distributed trainer).
+into an error naming the rank and the step), `launch` (one rank from torchrun's environment), `train`
+(the distributed trainer).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
@@ -16,6 +17,7 @@ from engram.distributed.guard import (
     disagreements,
     named_failures,
 )
+from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -37,18 +39,12 @@ from engram.distributed.sharded_table import (
     shard_bounds,
     sync_table_grads,
 )
-from engram.distributed.train import (
-    Backend,
-    DistEnv,
-    DistributedTrainer,
-    build_distributed_model,
-    global_num_params,
-    init_distributed,
-)
+from engram.distributed.train import DistributedTrainer, build_distributed_model, global_num_params
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "INIT_CHUNK_ROWS",
+    "TORCHRUN_VARS",
     "Backend",
     "DistEnv",
     "DistributedTrainer",
