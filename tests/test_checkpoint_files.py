@@ -201,3 +201,33 @@ def test_save_from_the_gpu(tmp_path):
     t = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).cuda()
     save_tensors(tmp_path / "g.safetensors", {"s": t})
     assert same_bits(open_tensors(tmp_path / "g.safetensors").tensor("s"), t.cpu())
+
+
+def test_file_watch_sees_truncation_of_the_opened_file(tmp_path):
+    """TensorFile.watch(): silent while the file holds its bytes (or grows, or its path is replaced:
+    the descriptor still sees the mapped file), a ValueError naming the file and both sizes once it
+    is truncated; copies share it, a pickled one reopens the path."""
+    import copy
+    import pickle
+
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(100, dtype=torch.float32)}, str(path))
+    f = open_tensors(path)
+    watch = f.watch()
+    assert watch.size == f.size == path.stat().st_size
+    watch.check()
+    assert copy.deepcopy(watch) is watch and pickle.loads(pickle.dumps(watch)).size == watch.size
+    with open(path, "ab") as out:
+        out.write(b"\0" * 8)
+    watch.check()  # larger is fine: the mapped bytes are all there
+    os.truncate(path, 100)
+    with pytest.raises(
+        ValueError,
+        match=rf"{re.escape(str(path))} was truncated after it was opened: 100 bytes, expected {watch.size}; .*Restore the file",
+    ):
+        watch.check()
+    other = tmp_path / "other.safetensors"
+    save_file({"a": torch.arange(100, dtype=torch.float32)}, str(other))
+    watch = open_tensors(other).watch()
+    os.replace(path, other)  # the path now names the truncated file; the watched one is intact
+    watch.check()
