@@ -44,7 +44,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--offload-dir", help="with --offload ssd: folder for the table files (default: a temp folder)"
     )
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="torch threads (default: one per idle core)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_generate)
 

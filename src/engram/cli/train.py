@@ -240,7 +240,7 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
     p.add_argument("--tokenizer", help="'bpe' (default: trained on the training split) or 'deepseek-v4'")
     p.add_argument("--out", default="reports/demo", help="report folder (default reports/demo)")
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
@@ -290,7 +290,7 @@ def add_training_commands(sub: Any) -> None:
         help="with --distributed: a collective waiting longer than this for the other ranks ends the "
         "job with an error naming the rank and the step (default 300)",
     )
-    p.add_argument("--threads", type=int, help="torch threads (per rank with --distributed: cores / ranks)")
+    p.add_argument("--threads", type=int, help="torch threads (default: idle cores; per rank: cores / ranks)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)
