@@ -261,7 +261,9 @@ def test_truncated_ssd_file_raises_instead_of_sigbus(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", _TRUNCATE, str(path)], capture_output=True, text=True, timeout=120
     )
-    assert proc.returncode == 0, f"exit status {proc.returncode} (-7: killed by SIGBUS)\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode} (-7: killed by SIGBUS)\n{proc.stderr[-2000:]}"
+    )
     lines = proc.stdout.strip().splitlines()
     assert [line.split()[0] for line in lines] == ["ssd", "ssd+cache", "prefetch", "mmap", "to_float"]
     for line in lines:

@@ -73,8 +73,8 @@ def threads_for(cores: int, idle: float | None, slack: float = 0.3) -> int:
     """torch threads for `cores` cores of which `idle` are free (None: all): one per free core, a core
     counting as free from 1 - `slack` of it idle, at least 1. Every thread of a torch parallel region
     waits for the slowest at its end (spinning, with libgomp), so a thread whose core another process
-    shares stalls them all: beside one busy process on 2 cores, 2 threads ran the demo's steps many
-    times slower than 1 (BENCHMARKS.md, benchmarks/bench_threads.py)."""
+    shares stalls them all: beside one busy process on 2 cores, 2 threads ran the demo's steps 2-4x
+    slower than 1 (BENCHMARKS.md, benchmarks/bench_threads.py)."""
     if cores < 1:
         raise ValueError(f"cores={cores}: a process has at least 1 core")
     if idle is None:
