@@ -171,6 +171,7 @@ def _train_part(
 
     if world == 2:  # --table-ranks 1: the tables on rank 0 only; resumed with them on rank 1 only
         res.update(_table_ranks_part(cfg, data, out_dir))
+        res.update(_guard_part(cfg, data))
 
     # a model born sharded (CHUNKED): its tables gathered whole, for the world-size comparison
     chunked = build_distributed_model(cfg, data, init=TableInit.CHUNKED)
@@ -281,6 +282,57 @@ def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
     res["owned_resumed_rows"] = [t.weight.shape[0] for t in resumed.tables]
     resumed.run()
     res["owned_resumed_history64"] = resumed.history
+    return res
+
+
+class _Stalled(Exception):
+    """Rank 1 leaving a step's collectives to its peer (as a rank that hangs or diverged would)."""
+
+
+def _guard_part(cfg: Any, data: Any) -> dict[str, Any]:
+    """Ranks disagreeing on `until` or on the table init, refused on every rank before the first step;
+    a collective that times out (rank 1 leaves step 2 before its gradient exchange) ends rank 0 with
+    an error naming the rank and the step."""
+    import datetime
+    import time
+
+    from engram.apps.train import build_model
+    from engram.distributed import DistributedTrainer, RankError, TableInit, build_distributed_model
+
+    rank = dist.get_rank()
+    res: dict[str, Any] = {}
+    trainer = DistributedTrainer(cfg, data, build_model(cfg, data))
+    try:
+        trainer.run(until=2 + rank)
+        res["until_error"] = None
+    except ValueError as e:
+        res["until_error"] = str(e)
+    res["until_steps"] = trainer.step  # no rank trained a step
+    init = TableInit.COPY if rank == 0 else TableInit.CHUNKED
+    try:  # without the CLI's settings: the initial models differ
+        DistributedTrainer(cfg, data, build_distributed_model(cfg, data, init=init))
+        res["init_error"] = None
+    except ValueError as e:
+        res["init_error"] = str(e)
+
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+    trainer = DistributedTrainer(cfg, data, build_model(cfg, data), group=short)
+    backward = trainer._backward
+
+    def stall_at_step_2(loss: torch.Tensor) -> float:
+        if rank == 1 and trainer.step == 1:
+            raise _Stalled
+        return backward(loss)
+
+    trainer._backward = stall_at_step_2  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    try:
+        trainer.run(until=3)
+        res["timeout_error"] = None
+    except (_Stalled, RankError) as e:
+        res["timeout_error"] = (type(e).__name__, str(e))
+    res["timeout_seconds"] = time.perf_counter() - t0
+    dist.barrier()  # the default group still works
     return res
 
 

@@ -252,3 +252,31 @@ def test_member_file_refuses_links_out_and_special_files(tmp_path, mkfifo):
     with pytest.raises(ValueError, match=r"pipe.safetensors: a named pipe \(FIFO\), not a safetensors file"):
         open_tensors(ckpt / "pipe.safetensors")
     assert listed_names(ckpt / "pipe.safetensors") == []
+def test_file_watch_sees_truncation_of_the_opened_file(tmp_path):
+    """TensorFile.watch(): silent while the file holds its bytes (or grows, or its path is replaced:
+    the descriptor still sees the mapped file), a ValueError naming the file and both sizes once it
+    is truncated; copies share it, a pickled one reopens the path."""
+    import copy
+    import pickle
+
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(100, dtype=torch.float32)}, str(path))
+    f = open_tensors(path)
+    watch = f.watch()
+    assert watch.size == f.size == path.stat().st_size
+    watch.check()
+    assert copy.deepcopy(watch) is watch and pickle.loads(pickle.dumps(watch)).size == watch.size
+    with open(path, "ab") as out:
+        out.write(b"\0" * 8)
+    watch.check()  # larger is fine: the mapped bytes are all there
+    os.truncate(path, 100)
+    with pytest.raises(
+        ValueError,
+        match=rf"{re.escape(str(path))} was truncated after it was opened: 100 bytes, expected {watch.size}; .*Restore the file",
+    ):
+        watch.check()
+    other = tmp_path / "other.safetensors"
+    save_file({"a": torch.arange(100, dtype=torch.float32)}, str(other))
+    watch = open_tensors(other).watch()
+    os.replace(path, other)  # the path now names the truncated file; the watched one is intact
+    watch.check()

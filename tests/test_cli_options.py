@@ -104,8 +104,20 @@ def test_help_states_the_rule(capsys):
         assert "powers of 1000" in capsys.readouterr().out
 
 
-def test_threads():
-    set_threads(argparse.Namespace(threads=None))
+def test_threads(monkeypatch):
+    """--threads N wins; without it, default_threads() (the idle cores) is what torch gets."""
+    import torch
+
+    import engram.kernels.threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(engram.kernels.threads, "default_threads", lambda: 1)
+    try:
+        assert set_threads(argparse.Namespace(threads=None)) == 1 and torch.get_num_threads() == 1
+        assert set_threads(argparse.Namespace(threads=2)) == 2 and torch.get_num_threads() == 2
+        assert set_threads(argparse.Namespace()) == 1  # a command without the option
+    finally:
+        torch.set_num_threads(before)
     with pytest.raises(ValueError, match="--threads 0: give at least 1"):
         set_threads(argparse.Namespace(threads=0))
 

@@ -425,6 +425,26 @@ def test_ranks_must_agree_on_config_and_step(runs):
         assert "every rank must resume from the same checkpoint" in r["step_error"]
 
 
+def test_ranks_must_agree_on_until_and_table_init(runs):
+    """Ranks given another `until` or table init are refused on every rank before the first step
+    (they would call different collectives and hang), naming what differs."""
+    for r in runs[2]["ranks"]:
+        assert "until (rank 0: 2, rank 1: 3)" in r["until_error"] and "same --until" in r["until_error"]
+        assert r["until_steps"] == 0
+        assert "initial model" in r["init_error"] and "--table-init" in r["init_error"], r["init_error"]
+
+
+def test_collective_timeout_names_rank_and_step(runs):
+    """Rank 1 leaves step 2 before the gradient exchange: rank 0's collective times out (5 s group)
+    into a RankError naming rank 0 and step 2, instead of waiting forever."""
+    rank0, rank1 = runs[2]["ranks"]
+    assert rank1["timeout_error"][0] == "_Stalled"
+    kind, msg = rank0["timeout_error"]
+    assert kind == "RankError" and msg.startswith("rank 0 failed in step 2 of 6: "), msg
+    assert "Timed out" in msg and "--collective-timeout" in msg, msg
+    assert rank0["timeout_seconds"] < 30
+
+
 def test_eval_with_fewer_windows_than_ranks(runs, cfg, data):
     """2 held-out windows over 2 or 3 ranks: ranks without a window still join the exchange, and the
     result is one process's."""

@@ -210,3 +210,63 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     ckpt = json.loads((Path(summary["checkpoint"]) / "state.json").read_text())
     assert ckpt["train_config"]["steps"] == 2 and sys.executable
     assert [p.name for p in Path(summary["checkpoint"]).glob("tables-rank-*")] == [shard_file(0)]
+
+
+def test_collective_timeout_reaches_process_group(monkeypatch):
+    """init_distributed(timeout=...) (the CLI's --collective-timeout) is the process group's timeout
+    (default 300 s); a timeout <= 0 is refused naming the value."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from engram.distributed import DEFAULT_COLLECTIVE_TIMEOUT, init_distributed
+
+    _one_rank_env(monkeypatch)
+    seen = []
+
+    def init(backend, **kw):
+        seen.append(kw["timeout"])
+        raise RuntimeError("stopped before the group starts")
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    for timeout in (7.5, None):
+        with pytest.raises(RuntimeError, match="stopped before"):
+            init_distributed("gloo", timeout=timeout)
+    assert seen == [datetime.timedelta(seconds=7.5), datetime.timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT)]
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match=f"collective timeout {bad!r}: give the seconds"):
+            init_distributed("gloo", timeout=bad)
+
+
+def test_ranks_launched_differently_end_quickly(cfg, data, tmp_path):
+    """Two ranks of `engram train --distributed` launched with different --until and --table-init
+    (torchrun's environment set by hand, one command line each): both end within seconds with exit
+    status 2 and an error naming the rank and every setting that differs, instead of hanging in a
+    collective."""
+    import socket
+
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.replace(eval_every=0).to_dict()))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = [sys.executable, "-m", "engram", "train", "--config", str(conf), "--distributed"]
+    base += ["--out", str(tmp_path / "run"), "--no-progress", "--collective-timeout", "60"]
+    extra = (["--until", "2"], ["--until", "4", "--table-init", "chunked"])
+    procs = []
+    t0 = time.perf_counter()
+    for rank in (0, 1):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([*base, *extra[rank]], env=env, stderr=subprocess.PIPE, text=True))
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    print(f"refused in {time.perf_counter() - t0:.1f} s")
+    for rank, (p, err) in enumerate(zip(procs, errors, strict=True)):
+        assert p.returncode == 2, err[-3000:]
+        assert f"rank {rank}'s training config differs from another rank's" in err, err[-3000:]
+        assert "--until (rank 0: 2, rank 1: 4)" in err, err[-3000:]
+        assert "--table-init (rank 0: 'copy', rank 1: 'chunked')" in err, err[-3000:]

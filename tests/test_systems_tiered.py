@@ -3,6 +3,9 @@ exactly what FP8Table.gather returns; counters; boundary errors. CUDA paths are 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -217,3 +220,52 @@ def test_tmp_files_are_cleaned(tmp_path: Path):
     del t
     path.unlink()
     assert not path.exists()
+
+
+_TRUNCATE = textwrap.dedent(
+    """
+    import os, sys, torch
+    from safetensors.torch import save_file
+    from engram.model.table import FP8Table, MmapFP8Table
+    from engram.systems import TieredTable
+
+    path = sys.argv[1]
+    fp8 = FP8Table.from_float(torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)))
+    save_file({"w": fp8.weight, "s": fp8.scale}, path)
+    mmap = MmapFP8Table(path, "w", "s")
+    tables = {"ssd": TieredTable(mmap, "ssd"), "ssd+cache": TieredTable(mmap, "ssd", cache_rows=64)}
+    for t in tables.values():
+        t.gather(torch.tensor([1, 2]))  # pages of the intact file are mapped now
+    os.truncate(path, 4096)  # the data ends inside row 0's values
+    runs = {name: lambda t=t: t.gather(torch.arange(4000)) for name, t in tables.items()}
+    t, rows = tables["ssd+cache"], torch.arange(100, 4000)
+    runs["prefetch"] = lambda: t.gather(rows, prefetched=t.prefetch(rows))  # raised by the worker
+    runs["mmap"] = lambda: mmap.gather(torch.arange(4000))
+    runs["to_float"] = lambda: mmap.to_float()
+    for name, run in runs.items():
+        try:
+            run()
+            print(name, "no error")
+        except ValueError as e:
+            print(name, "ValueError:", e)
+    """
+)
+
+
+def test_truncated_ssd_file_raises_instead_of_sigbus(tmp_path):
+    """A table file truncated after it was opened: every read path (TieredTable SSD with and without
+    a cache, a prefetch, MmapFP8Table.gather / to_float) raises a ValueError naming the file and the
+    sizes instead of dying of SIGBUS (exit 135). In a subprocess, so a regression fails this test
+    rather than killing pytest."""
+    path = tmp_path / "t.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode} (-7: killed by SIGBUS)\n{proc.stderr[-2000:]}"
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["ssd", "ssd+cache", "prefetch", "mmap", "to_float"]
+    for line in lines:
+        assert f"ValueError: {path} was truncated after it was opened: 4096 bytes, expected" in line, line
+        assert "Restore the file" in line, line

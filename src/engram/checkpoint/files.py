@@ -9,6 +9,8 @@ Holds:
 - `listed_names(path)`: the tensors a file safetensors refuses (truncated) still lists, for error messages.
 - `member_file(folder, name, what)`: a file name a checkpoint holds (an index's shard, a state.json entry)
   -> the regular file of that name inside the folder, or an error naming the entry and the fix.
+- `FileWatch` (`TensorFile.watch()`): a mapped file's size at opening, checked before reads (a read
+  past the end of a file truncated since would kill the process with SIGBUS).
 
 Every error is a ValueError / TypeError / FileNotFoundError naming the file (and the tensor) and the fix;
 safetensors' own exceptions never leave this module. It knows nothing of checkpoints, configs or tables.
@@ -22,6 +24,7 @@ import math
 import os
 import stat
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,7 @@ from safetensors.torch import save_file
 
 __all__ = [
     "DTYPES",
+    "FileWatch",
     "TensorEntry",
     "TensorFile",
     "TensorSlice",
@@ -205,6 +209,42 @@ class TensorSlice:
             return self._slice[index]
 
 
+class FileWatch:
+    """A descriptor kept open on a memory-mapped file, and the size the mapping needs (`size` bytes).
+
+    Reading a mapped page that a truncation has cut off is a SIGBUS: the process dies (exit 135)
+    with no Python error. `check()` (one fstat, microseconds) raises a ValueError naming the file
+    instead, so a reader calls it before each batch of reads; a truncation during the batch itself
+    is not caught. fstat of the descriptor sees the mapped file itself, even if its path has been
+    replaced or removed since (then the mapping is intact and so is the check). A copy shares the
+    descriptor; a pickled one reopens the path.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], size: int) -> None:
+        self.path, self.size = Path(path), int(size)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+
+    def check(self) -> None:
+        """Raise ValueError if the file now holds fewer than `size` bytes."""
+        now = os.fstat(self._fd).st_size
+        if now < self.size:
+            raise ValueError(
+                f"{self.path} was truncated after it was opened: {now} bytes, expected {self.size}; "
+                "reading it would crash the process (SIGBUS). Restore the file (re-copy or re-convert "
+                "it) and open the table again"
+            )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FileWatch:
+        return self  # immutable: the copy watches the same file through the same descriptor
+
+    def __reduce__(self) -> tuple[type[FileWatch], tuple[Path, int]]:
+        return type(self), (self.path, self.size)
+
+    def __repr__(self) -> str:
+        return f"FileWatch({str(self.path)!r}, size={self.size})"
+
+
 class TensorFile:
     """An open safetensors file (see `open_tensors`)."""
 
@@ -214,6 +254,7 @@ class TensorFile:
         # RAM + swap (a huge table is read through `mapped` instead).
         self.path, self._handle = path, handle
         self._torch: Any = None
+        self.size = path.stat().st_size  # bytes, as safetensors checked the header against
         with _refusals(path):
             self.metadata: dict[str, str] = dict(handle.metadata() or {})
             self._keys: list[str] = list(handle.keys())
@@ -274,7 +315,7 @@ class TensorFile:
             if itemsize is None:
                 raise TypeError(f"{self.path}: tensor {key!r} has dtype {e.dtype}, which engram cannot map")
             sizes[key] = math.prod(e.shape) * itemsize
-        start = self.path.stat().st_size - sum(sizes.values())
+        start = self.size - sum(sizes.values())
         offset = start + sum(sizes[k] for k in order[: order.index(name)])
         e = self.entry(name)
         if sizes[name] == 0:
@@ -284,6 +325,10 @@ class TensorFile:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(arr)
         return raw.view(e.torch_dtype).view(e.shape)
+
+    def watch(self) -> FileWatch:
+        """A FileWatch on this file at the size it was opened with (for readers of `mapped` tensors)."""
+        return FileWatch(self.path, self.size)
 
     def slice(self, name: str) -> TensorSlice:
         """`slice(name)[a:b]`: only those rows of tensor `name` are read."""

@@ -72,7 +72,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
     )
-    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_generate)
 

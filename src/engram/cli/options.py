@@ -130,7 +130,7 @@ def positive_float(text: str) -> float:
 
 positive_int = whole_number(1)
 non_negative_int = whole_number(0)
-threads = whole_number(1, fix=" (or leave --threads out: all cores)")
+threads = whole_number(1, fix=" (or leave --threads out: one per idle core)")
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -246,16 +246,20 @@ def _read_text(path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- misc
-def set_threads(args: argparse.Namespace) -> None:
-    """Apply --threads N (N >= 1) to torch; absent or None leaves torch's default (all cores)."""
+def set_threads(args: argparse.Namespace) -> int:
+    """Apply --threads N (N >= 1) to torch; absent or None: `default_threads()`, one thread per core
+    that other processes leave idle (measured over 0.1 s), so a busy machine does not make torch's
+    threads wait on each other (BENCHMARKS.md, bench_threads). Returns the count set."""
+    from engram.kernels.threads import default_threads
+
     threads = getattr(args, "threads", None)
-    if threads is None:
-        return
-    if threads < 1:
-        raise ValueError(f"--threads {threads}: give at least 1 (or leave it out: all cores)")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads {threads}: give at least 1 (or leave it out: the idle cores)")
     import torch
 
+    threads = default_threads() if threads is None else threads
     torch.set_num_threads(threads)
+    return threads
 
 
 def human(n: float) -> str:

@@ -167,6 +167,9 @@ def _train_and_report(
     )
 
 
+_RANK_SETTINGS = ("until", "table_ranks", "sharded_checkpoints", "resume", "collective_timeout")
+
+
 def _cmd_train_distributed(args: argparse.Namespace) -> int:
     """`engram train --distributed` on one rank of a torchrun launch: gloo on CPU, NCCL on GPU."""
     import torch.distributed as dist
@@ -182,7 +185,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
     )
 
     cfg = _train_config(args)  # config errors before any process group is started
-    env = init_distributed(threads=args.threads)
+    env = init_distributed(threads=args.threads, timeout=args.collective_timeout)
     try:
         # --table-ranks N: rows on ranks 0..N-1 only (None: the tables' default, every rank)
         owners = None if args.table_ranks is None else table_owners(args.table_ranks, env.world)
@@ -192,10 +195,19 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
         init = TableInit(args.table_init or TableInit.COPY)
         model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
+        # what else changes what the ranks do: checked to be the same on every rank, with cfg
+        settings = {f"--{k.replace('_', '-')}": getattr(args, k) for k in _RANK_SETTINGS}
+        settings["--table-init"] = init.value
         trainer = DistributedTrainer(
-            cfg, data, model, out_dir=out, device=env.device, sharded_checkpoints=args.sharded_checkpoints
+            cfg,
+            data,
+            model,
+            out_dir=out,
+            device=env.device,
+            sharded_checkpoints=args.sharded_checkpoints,
+            settings=settings,
         )
-        dist.barrier()  # every rank sees the same checkpoints: none is written before all have looked
+        trainer.barrier()  # every rank sees the same checkpoints: none is written before all have looked
         _resume(args, trainer, out, verbose=env.is_main)
         if env.is_main:
             (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -240,7 +252,7 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
     p.add_argument("--tokenizer", help="'bpe' (default: trained on the training split) or 'deepseek-v4'")
     p.add_argument("--out", type=output_folder, default="reports/demo", help="report folder (default reports/demo)")
-    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_demo)
@@ -287,7 +299,14 @@ def add_training_commands(sub: Any) -> None:
         "instead of gathering every table onto rank 0; resumes on any world size, and `engram eval` "
         "reads it (a run resumed from such a checkpoint keeps writing them)",
     )
-    p.add_argument("--threads", type=threads, help="torch threads (per rank with --distributed: cores / ranks)")
+    p.add_argument(
+        "--collective-timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help="with --distributed: a collective waiting longer than this for the other ranks ends the "
+        "job with an error naming the rank and the step (default 300)",
+    )
+    p.add_argument("--threads", type=threads, help="torch threads (default: idle cores; per rank: cores / ranks)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)

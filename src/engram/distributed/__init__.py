@@ -3,11 +3,21 @@
 The only package that imports torch.distributed: the model code (`engram.model.module`,
 `engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
-(sharding a model, the dense all-reduce), `train` (the distributed trainer).
+(sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
+into an error naming the rank and the step), `launch` (one rank from torchrun's environment), `train`
+(the distributed trainer).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
 
+from engram.distributed.guard import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    RankError,
+    describe,
+    disagreements,
+    named_failures,
+)
+from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -29,20 +39,16 @@ from engram.distributed.sharded_table import (
     shard_bounds,
     sync_table_grads,
 )
-from engram.distributed.train import (
-    Backend,
-    DistEnv,
-    DistributedTrainer,
-    build_distributed_model,
-    global_num_params,
-    init_distributed,
-)
+from engram.distributed.train import DistributedTrainer, build_distributed_model, global_num_params
 
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
     "INIT_CHUNK_ROWS",
+    "TORCHRUN_VARS",
     "Backend",
     "DistEnv",
     "DistributedTrainer",
+    "RankError",
     "ShardedTable",
     "TableInit",
     "all_reduce_grads",
@@ -50,9 +56,12 @@ __all__ = [
     "build_sharded_model",
     "check_owners",
     "chunked_normal",
+    "describe",
+    "disagreements",
     "gather_shards",
     "global_num_params",
     "init_distributed",
+    "named_failures",
     "prefetch_model_rows",
     "prefetch_tables",
     "release_tables",

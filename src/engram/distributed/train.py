@@ -1,9 +1,6 @@
 """Data-parallel training with row-sharded Engram tables (launched with torchrun).
 
 Holds:
-- `Backend`, `DistEnv`, `init_distributed()`: read torchrun's environment, pick the backend (NCCL
-  with one CUDA device per LOCAL_RANK, else gloo on the CPU), start the process group, set torch
-  threads.
 - `build_distributed_model(cfg, data, init=..., owners=...)`: engram.apps.train.build_model's model with
   its tables sharded (COPY: identical to the single-process model) or born sharded (CHUNKED), their
   rows on `owners` (default: every rank).
@@ -13,6 +10,10 @@ Holds:
   loss is scaled by 1/W, dense gradients are summed (all-reduce) and table gradients are summed
   at the rows' owners (all-to-all), so both equal the global mean's gradient.
 - `global_num_params(model)`: EngramLM.num_params with the tables' full sizes.
+
+Every rank checks, before the first step, that it agrees with the others on the config, the launch
+settings, the data, the table layout and the initial model; every collective times out (`timeout`,
+`--collective-timeout`) into a RankError naming the rank and the step (engram.distributed.guard).
 
 Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
 are all-reduced (float64), so the result equals single-process evaluation up to summation order.
@@ -38,13 +39,9 @@ checkpoints are those of the default layout.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
 import math
-import os
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +53,7 @@ from torch import nn
 from engram.apps.evaluation import eval_summary, score_windows, window_rows
 from engram.apps.train import DataBundle, TrainConfig, Trainer, build_model
 from engram.checkpoint.shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
+from engram.distributed.guard import describe, disagreements, named_failures
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -69,81 +67,9 @@ from engram.distributed.sharded_table import ShardedTable, gather_shards, releas
 from engram.model.lm import EngramLM
 from engram.model.table import TrainableTable
 
-__all__ = [
-    "TORCHRUN_VARS",
-    "Backend",
-    "DistEnv",
-    "DistributedTrainer",
-    "build_distributed_model",
-    "global_num_params",
-    "init_distributed",
-]
+__all__ = ["DistributedTrainer", "build_distributed_model", "global_num_params"]
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _EVAL_BATCH = 32  # windows per evaluation batch on each rank (engram.apps.train.evaluate's default)
-
-
-class Backend(enum.StrEnum):
-    """The process group's backend."""
-
-    NCCL = "nccl"  # CUDA, one device per rank
-    GLOO = "gloo"  # CPU
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world: int
-    local_rank: int
-    backend: Backend
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(backend: Backend | str | None = None, *, threads: int | None = None) -> DistEnv:
-    """Start the default process group from torchrun's environment variables.
-
-    backend: default NCCL when CUDA is available (device cuda:LOCAL_RANK, or cuda:0 when each rank
-    sees one device), else GLOO (CPU).
-    threads: torch threads of this rank (default: the cores split evenly over the node's ranks).
-    """
-    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
-    if missing:
-        raise ValueError(
-            f"--distributed needs torchrun's environment, but {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not set: launch with "
-            "`torchrun --nproc_per_node N -m engram train --distributed ...`"
-        )
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if backend is None:
-        backend = Backend.NCCL if torch.cuda.is_available() else Backend.GLOO
-    try:
-        backend = Backend(backend)
-    except ValueError:
-        raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)") from None
-    if backend is Backend.NCCL:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (count > 1 and local_rank >= count):
-            raise ValueError(
-                f"backend nccl needs a CUDA device for LOCAL_RANK={local_rank}, found {count}: start at "
-                "most that many ranks per node, or use gloo"
-            )
-        # one visible device: the launcher gave each rank its own GPU (CUDA_VISIBLE_DEVICES per rank)
-        device = torch.device("cuda", local_rank if count > 1 else 0)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        kw: dict[str, Any] = {"device_id": device} if backend is Backend.NCCL else {}
-        dist.init_process_group(backend.value, **kw)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    # Ranks of a node share its cores: oversubscribing them (each rank using all) is far slower.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(threads or max(1, cores // local_world))
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
 
 
 def build_distributed_model(
@@ -194,6 +120,11 @@ class DistributedTrainer(Trainer):
     rows on `owners`, default every rank; tables already sharded keep their owners). Only rank 0
     writes checkpoints (out_dir must be the same shared folder on every rank), unless
     `sharded_checkpoints`: then every owner rank writes its table rows too (module docstring).
+
+    `settings`: how the ranks were launched beyond cfg, by name (the CLI passes --until,
+    --table-init, --table-ranks, --resume); checked with cfg, the data, the table layout and the
+    initial model to be the same on every rank (else ValueError on every rank, naming what differs).
+    A failed or timed-out collective raises RankError naming the rank and the step.
     """
 
     def __init__(
@@ -207,6 +138,7 @@ class DistributedTrainer(Trainer):
         device: torch.device | str | None = None,
         owners: Iterable[int] | None = None,
         sharded_checkpoints: bool = False,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError(
@@ -229,40 +161,62 @@ class DistributedTrainer(Trainer):
         self.tables = sharded_tables(model)
         self.sharded_checkpoints = bool(sharded_checkpoints)
         super().__init__(cfg, data, model, out_dir)
-        self._check_same_data(data)
+        self._check_ranks_agree(data, dict(settings or {}))
         # table optimizer's param index -> its table (for gathering / slicing its state in checkpoints)
         owner = {id(t.weight): t for t in self.tables}
         self._opt_tables = (
             [owner[id(p)] for g in self.table_opt.param_groups for p in g["params"]] if self.table_opt else []
         )
 
-    def _check_same_data(self, data: DataBundle) -> None:
-        """One all-reduce: every rank has the same training config, data and table layout (owners,
-        rows); ranks disagreeing on the owners would ask non-owners for rows they do not hold, and on
-        the config (seed, steps, learning rates) would train different models or hang."""
-        crc = _data_checksum(data)
-        layout = zlib.crc32(repr([t.bounds for t in self.tables]).encode())
-        setup = [self.cfg.to_dict(), self.sharded_checkpoints]
-        config = zlib.crc32(json.dumps(setup, sort_keys=True).encode())
-        vals = [crc, -crc, layout, -layout, config, -config]
-        both = torch.tensor(vals, dtype=torch.int64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min) of each
-        if int(both[4]) != config or int(-both[5]) != config:
+    def _check_ranks_agree(self, data: DataBundle, settings: dict[str, Any]) -> None:
+        """One all-gather: every rank has the same training config and launch settings, data, table
+        layout (owners, rows) and initial dense model, or every rank raises naming what differs.
+        Ranks disagreeing on the owners would ask non-owners for rows they do not hold; on the config
+        or the settings (seed, steps, --until, --table-init) they would train different models or
+        call different collectives and hang."""
+        model = self.model
+        sharded = {id(t.weight) for t in self.tables}
+        dense = sorted((k, v) for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded)
+        crc = 0
+        for key, value in dense:  # the replicated part of the model, as built (before any resume)
+            crc = zlib.crc32(key.encode(), crc)
+            crc = zlib.crc32(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+        config = {f"config {k}": v for k, v in self.cfg.to_dict().items()}
+        launch = {"sharded_checkpoints": self.sharded_checkpoints, **settings}
+        checks = {"data": _data_checksum(data), "layout": [t.bounds for t in self.tables], "model": crc}
+        with named_failures(self.rank, lambda: "checking that the ranks agree (before step 1)"):
+            diff = disagreements({**config, **launch, **checks}, self.group)
+        setup = {k: v for k, v in diff.items() if k not in checks}
+        if setup:
             raise ValueError(
-                f"rank {self.rank}'s training config differs from another rank's: launch every rank with "
-                "the same command line (or config file)"
+                f"rank {self.rank}'s training config differs from another rank's: {describe(setup)}; launch "
+                "every rank with the same command line (or config file)"
             )
-        if int(both[0]) != crc or int(-both[1]) != crc:
+        if "data" in diff:
             raise ValueError(
                 f"rank {self.rank}'s data (tokenizer and token streams) differs from another rank's: every "
                 "rank must prepare the same data (same corpus, tokenizer and config)"
             )
-        if int(both[2]) != layout or int(-both[3]) != layout:
+        if "layout" in diff:
             owners = [t.owners for t in self.tables]
             raise ValueError(
                 f"rank {self.rank}'s Engram tables (owners {owners}) are sharded unlike another rank's: "
                 "every rank must shard them with the same owners (the same --table-ranks)"
             )
+        if "model" in diff:
+            raise ValueError(
+                f"rank {self.rank}'s initial model (its replicated weights) differs from another rank's: "
+                "every rank must build it the same way (the same seed and --table-init)"
+            )
+
+    def _failures(self, where: Callable[[], str]) -> Any:
+        """named_failures for this rank: a failed or timed-out collective names the rank and `where()`."""
+        return named_failures(self.rank, where)
+
+    def barrier(self) -> None:
+        """dist.barrier over the trainer's group; a timeout names this rank and the step."""
+        with self._failures(lambda: f"in a barrier after step {self.step}"):
+            dist.barrier(group=self.group)
 
     # ------------------------------------------------------------------ the step's pieces
     def _param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -287,24 +241,37 @@ class DistributedTrainer(Trainer):
         assert total is not None
         return float(total[0])  # the global batch's mean loss; sync point
 
+    def train_step(self) -> float:
+        with self._failures(lambda: f"in step {self.step + 1} of {self.cfg.steps}"):
+            return super().train_step()
+
     def run(self, on_step: Callable[[Trainer, float], None] | None = None, until: int | None = None) -> None:
-        """Trainer.run, after checking that every rank starts from the same step (a rank that found
-        no checkpoint, or another one, in a folder not shared with the others would train other
-        batches and hang in a collective)."""
-        steps = torch.tensor([self.step, -self.step], dtype=torch.int64, device=self.device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.group)  # (max, -min)
-        if int(steps[0]) != self.step or int(-steps[1]) != self.step:
+        """Trainer.run, after checking that every rank starts from the same step and stops at the same
+        one (a rank that found no checkpoint, or another one, in a folder not shared with the others,
+        or that was given another `until`, would train other batches and hang in a collective)."""
+        with self._failures(lambda: f"before step {self.step + 1} of {self.cfg.steps}"):
+            diff = disagreements({"start": self.step, "until": until}, self.group)
+        if "start" in diff:
             raise ValueError(
-                f"rank {self.rank} starts at step {self.step} but another rank at step "
-                f"{int(steps[0]) if int(steps[0]) != self.step else int(-steps[1])}: every rank must resume "
-                "from the same checkpoint (--out must be one folder that all ranks share)"
+                f"rank {self.rank} starts at step {self.step} but not every rank does ({describe(diff)}): "
+                "every rank must resume from the same checkpoint (--out must be one folder that all ranks "
+                "share)"
+            )
+        if diff:
+            raise ValueError(
+                f"rank {self.rank} was asked to stop at another step than the others ({describe(diff)}): "
+                "give every rank the same --until"
             )
         super().run(on_step, until)
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self, max_tokens: int | None = None, engram_scale: float = 1.0) -> dict[str, Any]:
         """engram.apps.train.evaluate over the held-out split, the windows shared out among the ranks."""
+        with self._failures(lambda: f"in the evaluation after step {self.step}"):
+            return self._evaluate(max_tokens, engram_scale)
+
+    @torch.no_grad()
+    def _evaluate(self, max_tokens: int | None, engram_scale: float) -> dict[str, Any]:
         model, stream, seq = self.model, self.data.held_out, self.cfg.seq_len
         was_training = model.training
         model.eval()
@@ -336,15 +303,16 @@ class DistributedTrainer(Trainer):
         sharded_checkpoints, every owner rank writes its rows); a collective."""
         if self.out_dir is None:
             raise ValueError("this Trainer has no out_dir to write checkpoints into")
-        if self.sharded_checkpoints:
-            return self._save_sharded_checkpoint()
-        tensors = self._checkpoint_tensors()
-        path = self.out_dir / "checkpoints" / f"step-{self.step:07d}"
-        if self.rank == 0:
-            path = self._write_checkpoint(*tensors)
-        dist.barrier(group=self.group)  # no rank reads the folder before rank 0 has renamed it into place
-        self._saved_step = self.step
-        return path
+        with self._failures(lambda: f"writing the checkpoint of step {self.step}"):
+            if self.sharded_checkpoints:
+                return self._save_sharded_checkpoint()
+            tensors = self._checkpoint_tensors()
+            path = self.out_dir / "checkpoints" / f"step-{self.step:07d}"
+            if self.rank == 0:
+                path = self._write_checkpoint(*tensors)
+            dist.barrier(group=self.group)  # no rank reads the folder before rank 0 has renamed it
+            self._saved_step = self.step
+            return path
 
     def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
         model_tensors, opt_tensors, groups = super()._checkpoint_tensors()

@@ -1,5 +1,6 @@
-"""The CPU kernels' threads: how many cores this process may use, the `threads` argument's check,
-and one pool that splits a kernel's range into contiguous chunks.
+"""The CPU kernels' threads: how many cores this process may use (and how many of them other
+processes leave idle: `idle_cores`, `default_threads`), the `threads` argument's check, and one
+pool that splits a kernel's range into contiguous chunks.
 
 Every numba kernel that runs on several threads (hashing, gathers) goes through `run_chunks`; the
 kernels release the GIL, so the threads run in parallel. Knows nothing of what the kernels compute.
@@ -8,13 +9,23 @@ Design: docs/kernels.md.
 
 from __future__ import annotations
 
+import math
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
-__all__ = ["available_cores", "check_threads", "resolve_threads", "run_chunks"]
+__all__ = [
+    "available_cores",
+    "check_threads",
+    "default_threads",
+    "idle_cores",
+    "resolve_threads",
+    "run_chunks",
+    "threads_for",
+]
 
 
 def available_cores() -> int:
@@ -23,6 +34,59 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
+    """(idle, total) clock ticks of `cpus` since boot, from /proc/stat (None where it cannot be read)."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and not line.startswith("cpu ")]
+    except OSError:
+        return None
+    idle = total = 0
+    for fields in lines:
+        if int(fields[0][3:]) in cpus:
+            ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            idle += ticks[3] + ticks[4]
+            total += sum(ticks)
+    return (idle, total) if total else None
+
+
+def idle_cores(window: float = 0.1) -> float | None:
+    """Cores of this process's affinity mask that other processes leave idle, measured over `window`
+    seconds (Linux /proc/stat; this process's own CPU time over the window counts as idle, since it
+    is what the threads will use); None where /proc/stat cannot be read. Costs `window` seconds."""
+    cpus = (
+        set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    )
+    before, own0, t0 = _cpu_ticks(cpus), time.process_time(), time.perf_counter()
+    time.sleep(window)
+    after, own1, t1 = _cpu_ticks(cpus), time.process_time(), time.perf_counter()
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    idle_share = (after[0] - before[0]) / (after[1] - before[1])  # of every cpu in the mask, together
+    own = (own1 - own0) / max(t1 - t0, 1e-9)  # cores this process used meanwhile
+    return min(len(cpus), idle_share * len(cpus) + own)
+
+
+def threads_for(cores: int, idle: float | None, slack: float = 0.3) -> int:
+    """torch threads for `cores` cores of which `idle` are free (None: all): one per free core, a core
+    counting as free from 1 - `slack` of it idle, at least 1. Every thread of a torch parallel region
+    waits for the slowest at its end (spinning, with libgomp), so a thread whose core another process
+    shares stalls them all: beside one busy process on 2 cores, 2 threads ran the demo's steps 2-4x
+    slower than 1 (BENCHMARKS.md, benchmarks/bench_threads.py)."""
+    if cores < 1:
+        raise ValueError(f"cores={cores}: a process has at least 1 core")
+    if idle is None:
+        return cores
+    return max(1, min(cores, math.floor(idle + slack)))
+
+
+def default_threads(window: float = 0.1) -> int:
+    """The default torch thread count of an `engram` command: `threads_for(available_cores(),
+    idle_cores(window))`, so it degrades with the CPU other processes take (measured once, at the
+    start, over `window` seconds). An explicit --threads wins over it."""
+    return threads_for(available_cores(), idle_cores(window))
 
 
 def check_threads(threads: Any, name: str = "threads") -> int | None:

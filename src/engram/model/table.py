@@ -99,8 +99,7 @@ def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tu
     rows, dim = values.shape
     if dim % BLOCK:
         raise ValueError(
-            f"{what}: row width {dim} is not a multiple of {BLOCK} "
-            f"(one ue8m0 scale per {BLOCK} values)"
+            f"{what}: row width {dim} is not a multiple of {BLOCK} (one ue8m0 scale per {BLOCK} values)"
         )
     expected_scales = [rows, dim // BLOCK]
     if list(scales.shape) != expected_scales:
@@ -163,9 +162,7 @@ class FP8Table(EngramTable):
         weight = weight.detach()
         n, dim = weight.shape
         if dim % BLOCK:
-            raise ValueError(
-                f"row width {dim} is not a multiple of {BLOCK}; FP8 rows need dim % 32 == 0"
-            )
+            raise ValueError(f"row width {dim} is not a multiple of {BLOCK}; FP8 rows need dim % 32 == 0")
         values = torch.empty((n, dim), dtype=VALUE_DTYPE, device=weight.device)
         scales = torch.empty((n, dim // BLOCK), dtype=SCALE_DTYPE, device=weight.device)
         for start in range(0, n, _CHUNK_ROWS):
@@ -220,7 +217,8 @@ class MmapFP8Table(EngramTable):
         self.path = Path(path)
         self.scale_path = self.path if scale_path is None else Path(scale_path)
         self.weight_name, self.scale_name = weight_name, scale_name
-        w = open_tensors(self.path).expect(weight_name, VALUE_DTYPE, ["rows", "dim"], mapped=True)
+        values_file = open_tensors(self.path)
+        w = values_file.expect(weight_name, VALUE_DTYPE, ["rows", "dim"], mapped=True)
         if w.shape[0] < 1 or w.shape[1] % BLOCK or w.shape[1] == 0:
             raise ValueError(
                 f"{self.path}: tensor {weight_name!r} has shape {list(w.shape)}, expected [rows >= 1, dim] "
@@ -228,10 +226,19 @@ class MmapFP8Table(EngramTable):
             )
         rows, dim = w.shape
         self.weight = w  # (rows, dim) float8_e4m3fn, file-backed
-        self.scale = open_tensors(self.scale_path).expect(  # (rows, dim // 32) float8_e8m0fnu, file-backed
+        scales_file = values_file if self.scale_path == self.path else open_tensors(self.scale_path)
+        self.scale = scales_file.expect(  # (rows, dim // 32) float8_e8m0fnu, file-backed
             scale_name, SCALE_DTYPE, [rows, dim // BLOCK], mapped=True
         )
         self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")
+        # a read of a mapped page cut off by a truncation is a SIGBUS: checked before each batch of reads
+        self._watches = [values_file.watch()] + ([] if scales_file is values_file else [scales_file.watch()])
+
+    def check_files(self) -> None:
+        """Raise ValueError naming the file if a mapped file was truncated since it was opened (reading
+        it would kill the process with SIGBUS): one fstat per file, before each batch of reads."""
+        for watch in self._watches:
+            watch.check()
 
     def gather(
         self,
@@ -247,11 +254,13 @@ class MmapFP8Table(EngramTable):
             raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
         target = rows.device if device is None else torch.device(device)
         host_rows = rows if rows.device.type == "cpu" else rows.cpu()  # sync point: ids to the host
+        self.check_files()
         out = _gather_fp8(self.weight, self.scale, host_rows, dtype)
         return out if target.type == "cpu" else out.to(target, non_blocking=False)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole table [rows, dim] dequantised to `dtype` in memory (reads the whole file)."""
+        self.check_files()
         return _dequantize_table(self.weight, self.scale, dtype)
 
     def extra_repr(self) -> str:

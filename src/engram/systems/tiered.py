@@ -178,6 +178,8 @@ class TieredTable(EngramTable):
         self._pending.clear()
         self.device = device
         if self.placement is Placement.DEVICE:
+            if isinstance(self.backing, MmapFP8Table):
+                self.backing.check_files()  # a truncated file: an error, not a SIGBUS
             self._dev_values = self._host_values.to(device)
             self._dev_scales = self._host_scales.to(device)
         elif self.cache_rows:
@@ -390,6 +392,8 @@ class TieredTable(EngramTable):
         """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""
         if miss_rows.numel() == 0:
             return
+        if self.placement is Placement.SSD:
+            self.backing.check_files()  # one fstat: a file truncated since it was opened raises, no SIGBUS
         # numba byte copies (GIL released; file pages fault in for SSD), rows ascending for locality
         threads = self.fetch_threads
         lookup.gather_rows(self._host_values, miss_rows, out_v.view(VALUE_DTYPE), threads=threads)
