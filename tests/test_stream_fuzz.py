@@ -189,6 +189,14 @@ class StreamMachine(RuleBasedStateMachine):
         self.expect_unchanged(lambda s: s.feed(*args), (ValueError, TypeError, RuntimeError))
         self.expect_unchanged(lambda s: s.draft(*args), (ValueError, TypeError))
 
+    @rule(
+        method=st.sampled_from(["commit", "rollback", "reset"]),
+        seqs=st.sampled_from([[0, 0], [B], [-1], [0.5], [True, False]]),
+    )
+    def select_with_bad_seqs(self, method, seqs):
+        args = {"commit": (0,), "rollback": (), "reset": ()}[method]
+        self.expect_unchanged(lambda s: getattr(s, method)(*args, seqs=seqs), (ValueError, TypeError))
+
     @precondition(lambda self: any(self.ref.drafts))
     @rule(data=st.data())
     def commit_too_many(self, data):
