@@ -16,9 +16,8 @@ import torch
 
 from engram.apps.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
-from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
-from engram.cli.options import SIZE_HELP, byte_size, output_folder, positive_int
+from engram.cli.options import SIZE_HELP, add_verify_option, byte_size, output_folder, positive_int
 
 __all__ = ["register"]
 
@@ -41,11 +40,7 @@ def register(sub: Any) -> None:
         default=DEFAULT_MAX_SHARD_BYTES,
         help=f"bytes per shard file, e.g. 5GB (the default), 500MB, 2GiB ({SIZE_HELP})",
     )
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help=f"scan every table for NaN / Inf, also those over {SCAN_LIMIT_BYTES // 2**20} MiB (reads them whole)",
-    )
+    add_verify_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_convert)
 
@@ -69,11 +64,7 @@ def register(sub: Any) -> None:
         help=f"residual width of the built checkpoint (default {DEFAULT_HIDDEN_SIZE})",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the built weights and the pseudo-embeddings")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help=f"scan every table for NaN / Inf, also those over {SCAN_LIMIT_BYTES // 2**20} MiB (reads them whole)",
-    )
+    add_verify_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_run_layer)
 

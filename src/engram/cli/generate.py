@@ -16,6 +16,7 @@ from typing import Any
 
 from engram.apps.generate import check_options, generate, load_generator
 from engram.cli.options import (
+    add_verify_option,
     human_bytes,
     non_negative_int,
     output_folder,
@@ -67,11 +68,7 @@ def register(sub: Any) -> None:
         type=output_folder,
         help="with --offload ssd: folder for the table files (default: a temp folder)",
     )
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
-    )
+    add_verify_option(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_generate)

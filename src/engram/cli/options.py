@@ -30,6 +30,7 @@ __all__ = [
     "SIZE_HELP",
     "add_config_options",
     "add_text_options",
+    "add_verify_option",
     "byte_size",
     "config_from_args",
     "hasher_for",
@@ -278,3 +279,15 @@ def human_bytes(n: int | None) -> str:
         if n >= div:
             return f"{n / div:.1f} {unit}"
     return f"{n} B"
+
+
+def add_verify_option(p: argparse.ArgumentParser) -> None:
+    """`--verify`: scan every Engram table for NaN / Inf at load, also those the size limit skips."""
+    from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
+
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help=f"scan every Engram table for NaN / Inf, also those over {SCAN_LIMIT_BYTES // 2**20} MiB "
+        "(by default only smaller ones; this reads them whole)",
+    )

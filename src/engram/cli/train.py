@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engram.cli.options import (
+    add_verify_option,
     input_file,
     non_negative_int,
     output_folder,
@@ -316,11 +317,7 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
     p.add_argument("--mask-engram", action="store_true", help="also score with Engram's output masked")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="scan the Engram tables for NaN / Inf whatever their size (by default only tables up to 256 MiB)",
-    )
-    p.add_argument("--threads", type=threads, help="torch threads (default: all cores)")
+    add_verify_option(p)
+    p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
