@@ -1,10 +1,6 @@
-"""Making and converting Engram checkpoints (the format itself is `engram.checkpoint.v41`'s;
-`engram convert` is `engram.cli`'s).
-
-Holds:
-- `convert_table(src, dst, to=...)`: rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float tables.
-- `make_scaled_v41_checkpoint(dir)`: a small random checkpoint in the V4.1 format (same tensor names,
-  dtypes and row width as V4.1, a few thousand rows per table) for tests, examples and `engram run-layer`.
+"""Making and converting Engram checkpoints: FP8 <-> float tables, and a scaled-down random V4.1
+checkpoint for tests, examples and `engram run-layer`. The format itself is `engram.checkpoint.v41`'s;
+`engram convert` is `engram.cli`'s. Design: docs/checkpoint.md.
 """
 
 from __future__ import annotations

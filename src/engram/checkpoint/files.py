@@ -1,19 +1,7 @@
-"""Safetensors files, through the `safetensors` package's file API: nothing here parses or writes the format.
-
-Holds:
-- `save_tensors(path, tensors, metadata=None)` / `load_tensors(path)`: a whole {name: tensor} file.
-- `open_tensors(path)` -> `TensorFile`, one file whose header safetensors has checked: `.keys()`,
-  `.entry(name)` (a `TensorEntry`: file, name, dtype, shape), `.tensor(name)` (memory-mapped, nothing read
-  until touched), `.slice(name)[a:b]` (reads those rows only), `.expect(name, dtype, shape)`, `.metadata`.
-- `DTYPES` (safetensors dtype names -> torch dtypes) and `dtype_name(torch dtype)`.
-- `listed_names(path)`: the tensors a file safetensors refuses (truncated) still lists, for error messages.
-- `member_file(folder, name, what)`: a file name a checkpoint holds (an index's shard, a state.json entry)
-  -> the regular file of that name inside the folder, or an error naming the entry and the fix.
-- `FileWatch` (`TensorFile.watch()`): a mapped file's size at opening, checked before reads (a read
-  past the end of a file truncated since would kill the process with SIGBUS).
-
-Every error is a ValueError / TypeError / FileNotFoundError naming the file (and the tensor) and the fix;
-safetensors' own exceptions never leave this module. It knows nothing of checkpoints, configs or tables.
+"""Safetensors files, through the `safetensors` package's file API: nothing here parses or writes the
+format. Whole files, memory-mapped tensors, row slices, member-file checks; every error names the
+file (and the tensor) and the fix. Knows nothing of checkpoints, configs or tables.
+Design: docs/checkpoint.md.
 """
 
 from __future__ import annotations

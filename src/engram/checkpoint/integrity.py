@@ -1,17 +1,6 @@
-"""What a loaded checkpoint's tensors hold: NaN / Inf scans shared by every loader.
-
-Holds:
-- `SCAN_LIMIT_BYTES` (256 MiB): a table larger than this is scanned only when the caller asks
-  (`verify=True`, the commands' `--verify`): scanning reads every byte, which for a V4.1 table is
-  ~100 GB from disk. Dense tensors (module weights, the backbone, dense optimizer state) are always scanned.
-- `check_finite(tensor, where)`: ValueError if a float tensor holds NaN or Inf, naming where and how many.
-- `check_fp8_table(weight, scale, where)`: the same for an FP8 table's bytes: a value byte 0x7F / 0xFF is
-  NaN in e4m3 (it has no Inf), a scale byte 255 is NaN in ue8m0.
-- `scan_table(nbytes, verify, where)`: whether to scan a table of `nbytes`; when not, an
-  `UnscannedTableWarning` says so and how to scan it.
-
-Tensors are scanned in chunks (a bool mask of a whole 100 GB table would not fit in memory); nothing here
-knows checkpoint formats, configs or models.
+"""What a loaded checkpoint's tensors hold: NaN / Inf scans (float and FP8 bytes) shared by every loader,
+in chunks; tables over `SCAN_LIMIT_BYTES` only when asked. Knows no checkpoint formats, configs or
+models. Design: docs/checkpoint.md.
 """
 
 from __future__ import annotations

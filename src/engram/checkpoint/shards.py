@@ -1,35 +1,7 @@
-"""Sharded training checkpoints: every Engram table's rows split over one file per owner rank.
-
-A distributed run's table is row-sharded (SPEC §5: ~100 GB a table at V4.1 scale), so its
-checkpoint cannot gather it onto one process. With sharded checkpoints (`engram train
---distributed --sharded-checkpoints`) a checkpoint folder holds, beside the usual files:
-
-    model.safetensors, optimizer.safetensors   everything but the tables' rows (rank 0 writes them)
-    tables-rank-R.safetensors                  rank R's rows [lo, hi) of every table it owns rows of:
-        "{name}.weight"            (hi - lo, dim)  the rows of table `name` (its module path)
-        "{name}.optimizer.{field}" (hi - lo, ...)  its per-row table optimizer state (SparseRowAdam:
-                                                   exp_avg, exp_avg_sq_row, step)
-    state.json                                 as usual, plus "table_shards": one `TableShards` per table
-                                               (name, num_rows, dim, optimizer index and fields, and
-                                               for each file the row range [lo, hi) it holds)
-
-Holds:
-- `TableShards`: one table's entry of that layout (JSON round trip; `check` validates it against the
-  files' headers: every file present, the ranges covering [0, num_rows) exactly, shapes and dtypes).
-- `shard_file(rank)`, `save_shard(folder, rank, tensors)`: one rank's file.
-- `read_table_rows(folder, tables, ranges)`: rows [lo, hi) of every table and of its optimizer
-  state, assembled from whichever files overlap the range; `open_tensors(...).slice(name)[a:b]`
-  reads only those bytes, so a rank resuming reads only the rows it now owns (any world size, any
-  owners) and a single process (`engram eval`, `Trainer.resume_from`) gets the whole tables.
-- `read_checkpoint(folder, state, ...)`: a checkpoint's model and optimizer tensors in either format,
-  checked: every file a regular file inside the folder (`member_file`), the model tensors of the dtypes
-  the model expects (any float for a float), no NaN / Inf in dense tensors, nor in tables up to `SCAN_LIMIT_BYTES` (every table
-  with `verify=True`). Table tensors: `{name}.weight` of a module named `table`, and `table.*` optimizer state.
-
-Returned keys are those of the unsharded format: `{name}.weight` (the model's state_dict key) and
-`table.{index}.{field}` (engram.checkpoint.optim_state's), so readers merge them with the other two files.
-Plain file logic: no torch.distributed here (engram.distributed.train writes the files); every file is
-read and written through engram.checkpoint.files.
+"""Sharded training checkpoints (every Engram table's rows split over one file per owner rank) and
+`read_checkpoint`, which reads a run's checkpoint in either format, checked, under the unsharded
+format's keys. Plain file logic: no torch.distributed here; files go through
+`engram.checkpoint.files`. Design: docs/checkpoint.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""The V4.1 checkpoint format for Engram modules: safetensors shards + config.json, no pickle.
-
-Holds:
-- Tensor names per Engram layer L (SPEC §5): `layers.{L}.engram.embed.weight` (F8_E4M3 [rows, head_dim])
-  and `layers.{L}.engram.embed.scale` (F8_E8M0 [rows, head_dim // 32]), or a float `embed.weight` alone
-  (a trainable table); the module's other weights under the same prefix with the module's own
-  state_dict names (V4.1: `wkv.weight`, `q_weight`, `k_weight`).
-- `engram_state_dict(modules, fp8)` / `save_checkpoint(dir, config, modules)`: write config.json, the
-  shards `model-0000i-of-0000N.safetensors` and, for more than one shard, `model.safetensors.index.json`;
-  every file is written under a temporary name in the same directory and moved into place (os.replace).
-- `load_engram_modules(dir)`: validate every expected tensor (presence, dtype, shape against the
-  config) before building anything, then build `Engram` modules on `MmapFP8Table` (default),
-  `FP8Table` or `TrainableTable` tables; refuse NaN / Inf in the module weights and in tables up to
-  `engram.checkpoint.integrity.SCAN_LIMIT_BYTES` (every table with `verify=True`).
-
-Every file name the checkpoint holds (the index's shard names) must be a regular file inside its folder
-(`engram.checkpoint.files.member_file`); nothing outside it is read.
-
-Reading and writing the safetensors files themselves is `engram.checkpoint.files`'s; converting a checkpoint
-(`convert_table`, the `engram convert` command) and building a scaled-down V4.1 checkpoint
-(`make_scaled_v41_checkpoint`) are `engram.checkpoint.convert`'s.
-
-Table rows: a layer's table has either its own prime sum of rows, or, as V4.1's config.json declares
-one scalar `engram_num_embeddings` (the largest layer's prime sum), that many rows in every layer (the
-extra rows of a smaller layer are never addressed). Both forms load; any other row count is refused.
+"""The V4.1 checkpoint format for Engram modules: safetensors shards + config.json, no pickle. Writes
+atomically, validates every expected tensor before building modules, refuses NaN / Inf and any file
+outside the folder. Safetensors I/O is `engram.checkpoint.files`'s, conversions
+`engram.checkpoint.convert`'s. Design: docs/checkpoint.md.
 """
 
 from __future__ import annotations
