@@ -1,16 +1,7 @@
-"""Training data: a corpus split into train and held-out documents, a BPE tokenizer trained on the
-training split (cached), token streams, and deterministic batches.
-
-Holds:
-- `Document`, `load_corpus(spec)`: the default King James Bible (one document per book, with a
-  category) or any text files (`--corpus PATH`: a file, a folder of *.txt, or a glob).
-- `split_documents(docs)`: held-out books for the Bible (one or two per category); for other
-  corpora every tenth document, or the last 10 % of a single file.
-- `train_bpe(texts, vocab_size, cache_dir)`: a byte-level BPE from `tokenizers`, cached by a hash
-  of its training text and settings.
-- `TokenStream`: one split encoded as a single id stream with document boundaries (EOS) and
-  per-token category ids; `batch(step, ...)` samples windows as a pure function of (seed, step),
-  so a resumed run sees exactly the batches it would have seen.
+"""Training data: a corpus (the King James Bible by default, or any text files) split into train and
+held-out documents, a byte-level BPE tokenizer trained on the training split (cached), token streams,
+and batches that are a pure function of (seed, step). Knows nothing of models or training.
+Design: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Held-out evaluation: mean next-token loss, overall and per text category.
-
-Holds:
-- `evaluate(model, stream, rows, seq_len)`: the loss (nats/token) over non-overlapping windows of a
-  `TokenStream`; `engram_scale=0` masks Engram's output (the paper's ablation).
-- `score_windows(...)` (one batch's loss sums per category) and `eval_summary(...)`: its pieces,
-  shared with the distributed evaluation (`engram.distributed.train`), which scores a share of the
-  windows on each rank and sums.
-- `window_rows(rows, starts, seq_len)`: a batch's Engram rows from a stream's rows.
+"""Held-out evaluation: mean next-token loss (nats/token), overall and per text category, with the
+pieces the distributed evaluation shares. Knows the model's forward and `TokenStream`, not training.
+Design: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Text generation from a trained checkpoint, with decode-time Engram hashing (`engram generate`
-is `engram.cli`'s).
-
-Holds:
-- `Generation`: what `generate` returns: the token ids (B, T0 + N), prompt first; the Engram rows
-  of every position (B, T0 + N, n_engram_layers, heads) as the stream produced them; the timing.
-- `generate(model, prompt_ids, hasher, ...)`: the prompt is hashed once through `HashStream.feed`,
-  then every new token through one `HashStream.step`. The model has no KV cache: each step runs
-  the forward on the last `max_seq_len` tokens with their rows and samples the next token from the
-  last position's logits (temperature, top-k, a seeded `torch.Generator`; or greedily).
-- `load_generator(checkpoint)`: the model, tokenizer and hasher a training run used.
-
-A position's rows depend only on the token ids up to it, so they are hashed once, when its token
-is known, and never change as the window slides: a step hashes one token, however long the text.
+"""Text generation from a trained checkpoint, with decode-time Engram hashing (`engram generate` is
+`engram.cli`'s). The prompt is hashed once, then one `HashStream.step` per new token; no KV cache.
+The run's model and tokenizer come through `engram.apps.train`. Design: docs/training.md.
 """
 
 from __future__ import annotations

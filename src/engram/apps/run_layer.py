@@ -1,17 +1,7 @@
-"""The V4.1 Engram path end to end, on a laptop (the `engram run-layer` command is `engram.cli`'s).
-
-Text -> DeepSeek-V4 tokens -> compressed ids -> 24 hashed rows per token per layer -> memory-mapped FP8
-table rows -> each layer's Engram (wkv, gates, write into the hc residual streams), layer 1 then 14.
-Without `--checkpoint` it runs on a scaled-down V4.1 checkpoint built into a temporary directory
-(`make_scaled_v41_checkpoint`: V4.1's tensor names, dtypes, row width and compressed vocabulary, far
-fewer rows), so the real tokenizer's ids hash exactly as they would for V4.1, only modulo smaller primes.
-
-Holds:
-- `run_layer(checkpoint=None, text=...)`: the run, returned as a JSON-ready report. The checkpoint is
-  checked as it loads (`load_engram_modules`; `verify` scans tables of any size), and the table rows the
-  text reads are checked for NaN before they are used: a damaged table is named, not left to show as
-  NaN gates.
-- `pseudo_embedding(token_ids, hc, dim, seed)`: the stand-in for the backbone's embeddings.
+"""The V4.1 Engram path end to end, on a laptop (the `engram run-layer` command is `engram.cli`'s): text
+-> DeepSeek-V4 tokens -> hashed rows -> memory-mapped FP8 table rows -> each layer's Engram, on a real
+or scaled-down V4.1 checkpoint, returned as a JSON-ready report. Knows no backbone (a pseudo
+embedding stands in). Design: docs/training.md.
 """
 
 from __future__ import annotations

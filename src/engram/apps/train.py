@@ -1,32 +1,7 @@
-"""Training: config, data preparation, the training loop, evaluation and checkpoints.
-
-Holds:
-- `TrainConfig`: everything a run needs (data, backbone, its nested `EngramConfig` or None for the
-  baseline, optimisation, checkpoints); JSON round trip for config files. `TableOptimizer`: the
-  sparse row optimizer of the Engram tables.
-- `prepare_data(cfg)` -> `DataBundle`: corpus split, tokenizer (trained BPE or DeepSeek-V4),
-  compression map, token streams and, when Engram is on, the rows of every token (hashed once:
-  rows depend only on token ids).
-- `build_model(cfg, data)`, `Trainer`: AdamW for the backbone, a sparse row optimizer for the
-  Engram tables, warmup + cosine schedule, periodic held-out evaluation, checkpoints
-  (`Trainer.resume_from(path)` continues one, `Trainer.resume_latest()` the newest intact one of its
-  run; `load_trained_model(path)` reads one for use; `remove_stale_tmp(out)` clears interrupted writes).
-- `evaluate` (from `engram.apps.evaluation`): held-out loss per token, overall and per category.
-
-`Trainer.train_step` is split into overridable pieces (`_param_groups`, `_batch_starts`, `_batch`,
-`_backward`) and checkpointing into `_checkpoint_tensors` / `_write_checkpoint` /
-`_restore_tensors`, so `engram.distributed.train` reuses the loop without copying it.
-
-Checkpoints (`<out>/checkpoints/step-NNNNNNN/`): `model.safetensors`, `optimizer.safetensors`
-(every optimizer state tensor), `state.json` (step, configs, history, optimizer groups). A
-checkpoint is written in a temporary folder and renamed into place, so a kill during the write
-leaves the previous one intact (and a `.tmp-step-NNNNNNN-<pid>` folder, which `remove_stale_tmp` removes
-once that process is gone); the last `keep_checkpoints` are kept. Reading one checks it (every file a
-regular file inside the folder, the model's dtypes, no NaN / Inf: `engram.checkpoint.shards.read_checkpoint`);
-`resume_latest` skips damaged ones, newest first, and says why. Batches are a pure
-function of (seed, step) and the schedule of step, so a resumed run continues exactly as if it
-had never stopped. Every reader here also takes a distributed run's sharded checkpoint (its tables
-in one file per owner rank, see `engram.checkpoint.shards`) and assembles the whole tables.
+"""Training: config, data preparation, the training loop, periodic evaluation, checkpoints and resume.
+`Trainer` is split into overridable pieces so `engram.distributed.train` reuses the loop; checkpoint
+files are read through `engram.checkpoint.shards` (either format). Knows nothing of torch.distributed.
+Design: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The options several `engram` commands share, and the one way sizes are written on the command line.
-
-Holds:
-- `parse_size(text, bytes_=...)`: '64Ki', '5GB', '1000000' -> int (decimal K/M/G/T, binary Ki/Mi/Gi/Ti);
-  `row_count` / `byte_size`: the same rule as argparse types.
-- `add_config_options` / `config_from_args` / `hasher_for`: --preset, --config, --tokenizer, --json.
-- `add_text_options` / `text_from_args`: --text-file (default: the King James Bible), --max-chars.
-- `whole_number(lo, hi)` (and `positive_int`, `non_negative_int`, `threads`), `positive_float`:
-  checked numbers as argparse types; `input_file`, `output_file`, `output_folder`: paths checked before any work starts.
-- `set_threads`: --threads, checked; `human`, `human_bytes`: short numbers for readable output.
-
-It knows argparse and the config registry; the commands themselves live beside it in `engram.cli`.
+"""The options several `engram` commands share, and the one way sizes are written on the command line
+('64Ki', '5GB'), with checked numbers and paths as argparse types. It knows argparse and the config
+registry; the commands themselves live beside it in `engram.cli`. Design: docs/training.md.
 """
 
 from __future__ import annotations
