@@ -1,20 +1,6 @@
 """What keeps a distributed run from hanging: ranks check that they agree before they act, and a
-collective that fails or waits too long becomes an error naming the rank and the step.
-
-Holds:
-- `DEFAULT_COLLECTIVE_TIMEOUT`: seconds a collective waits for the other ranks before it fails
-  (`init_distributed(timeout=...)`, `engram train --distributed --collective-timeout`).
-- `disagreements(values, group)`: every rank's named settings gathered (a collective); the names
-  whose values differ, with each rank's value. `describe(diff)` writes them for an error message.
-- `RankError`: a RuntimeError naming the rank and where it was (the step), raised by
-  `named_failures(rank, where)` around a rank's collectives. The first rank whose collective times
-  out or loses its peer ends with it; torchrun then stops the others, and a peer that is still
-  waiting loses the connection and ends with its own RankError.
-
-Why both: a rank launched with other settings (another --until, --table-init, seed) would call
-other collectives than its peers, which waits forever or mixes tensors; the check refuses it on
-every rank before the first step. The timeout catches everything the check cannot see (a rank that
-died, a stuck filesystem). Knows nothing of what the trainer computes.
+collective that fails or waits too long becomes an error naming the rank and the step. Knows nothing
+of what the trainer computes. Design: docs/distributed.md.
 """
 
 from __future__ import annotations

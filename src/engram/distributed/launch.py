@@ -1,11 +1,6 @@
-"""Starting one rank of a distributed run from torchrun's environment.
-
-Holds:
-- `Backend` (NCCL on CUDA, gloo on the CPU), `DistEnv` (this rank: rank, world, local rank, backend,
-  device) and `TORCHRUN_VARS`.
-- `init_distributed(backend, threads=..., timeout=...)`: read torchrun's environment, pick the
-  backend (NCCL with one CUDA device per LOCAL_RANK, else gloo), start the default process group
-  with the collective timeout (engram.distributed.guard), split the node's cores over its ranks.
+"""Starting one rank of a distributed run from torchrun's environment: the backend (NCCL on CUDA, gloo
+on the CPU), the default process group with the collective timeout, the node's cores split over its
+ranks. Knows nothing of models. Design: docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""Wrap a single-device EngramLM for distributed training, without editing the model code.
-
-Holds:
-- `TableInit`: how a sharded table starts: `COPY` (the owned rows of the model's full table, so
-  the sharded model equals the unsharded one) or `CHUNKED` (seeded chunks, see
-  `sharded_table.chunked_normal`: no rank materialises the whole table).
-- `table_owners(table_ranks, world)`: the owner ranks of `--table-ranks N` (the first N ranks).
-- `shard_engram_tables(model, group)`: swap every `Engram` module's `TrainableTable` for a
-  `ShardedTable` (found by walking model.modules(), set as `module.table`).
-- `build_sharded_model(lm_config, seed=...)`: an EngramLM whose tables are born sharded (CHUNKED,
-  through EngramLM's `table_factory`). The full table never exists on any rank.
-- `split_sharded_params(model)`: (dense params, table shards), like optim.split_param_groups.
-- `prefetch_model_rows(model, rows)`: the step's one exchange for all Engram layers' rows.
-- `all_reduce_grads(params, group)`: data parallelism for the dense parameters.
-
-Dense parameters are data parallel with an explicit all-reduce of their gradients after backward
-(one flat buffer, one collective), not DDP: DDP would have to be told to ignore the table shards
-(their gradients are sparse and rank-local by design), it renames the state_dict keys
-("module."), and its overlap of communication with backward buys little at this model size. The
-explicit all-reduce also carries the step's loss in the same buffer, so logging costs no extra
-collective.
-
-Every function that shards takes `owners` (group ranks; default: all): only they hold table rows,
-num_rows / N each for N owners, while the dense model stays replicated on every rank (see
-sharded_table: tables on dedicated processes).
+"""Wrap a single-device EngramLM for distributed training, without editing the model code: tables
+swapped for (or born as) `ShardedTable`s on their owner ranks, the step's row prefetch, and an
+explicit all-reduce (not DDP) for the replicated dense parameters. Design: docs/distributed.md.
 """
 
 from __future__ import annotations

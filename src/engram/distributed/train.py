@@ -1,39 +1,7 @@
-"""Data-parallel training with row-sharded Engram tables (launched with torchrun).
-
-Holds:
-- `build_distributed_model(cfg, data, init=..., owners=...)`: engram.apps.train.build_model's model with
-  its tables sharded (COPY: identical to the single-process model) or born sharded (CHUNKED), their
-  rows on `owners` (default: every rank).
-- `DistributedTrainer`: engram.apps.train.Trainer with its batch, backward and checkpoint pieces
-  replaced. W ranks with a global batch of B sequences train the model one process trains with
-  batch B: rank r takes the contiguous part [r*B/W, (r+1)*B/W) of the step's window starts, the
-  loss is scaled by 1/W, dense gradients are summed (all-reduce) and table gradients are summed
-  at the rows' owners (all-to-all), so both equal the global mean's gradient.
-- `global_num_params(model)`: EngramLM.num_params with the tables' full sizes.
-
-Every rank checks, before the first step, that it agrees with the others on the config, the launch
-settings, the data, the table layout and the initial model; every collective times out (`timeout`,
-`--collective-timeout`) into a RankError naming the rank and the step (engram.distributed.guard).
-
-Evaluation is sharded: rank r scores a contiguous part of the held-out windows, and the loss sums
-are all-reduced (float64), so the result equals single-process evaluation up to summation order.
-Checkpoints, two formats (both resume on any world size and any owners, or in one process, and
-`engram eval` / `engram.apps.train.load_trained_model` read both):
-- default, the single-process format: the table shards and their optimizer state are gathered to
-  rank 0, which writes. That holds one full table on rank 0 for a moment: fine at this project's
-  scale, not at V4.1's. Resuming reads the full files on every rank and keeps the owned rows.
-- sharded (`sharded_checkpoints=True`, `--sharded-checkpoints`; see engram.checkpoint.shards): each
-  owner rank writes its own rows of every table and of their optimizer state to
-  `tables-rank-R.safetensors` in the shared temporary folder, rank 0 the rest; rank 0 renames the
-  folder into place after all have written. No rank holds more than its own rows, and on resume
-  each rank reads only the rows it now owns (slices of the files overlapping them). A run resumed
-  from a sharded checkpoint keeps writing sharded ones.
-
-Table ranks (`owners`, `engram train --distributed --table-ranks N`): the tables' rows and their
-sparse optimizer state live on N owner ranks only (num_rows / N rows each); the other ranks hold an
-empty (0, dim) shard and no table optimizer state, but train on their share of the batch like the
-owners (their rows are looked up and their row gradients summed at the owners). The losses and the
-checkpoints are those of the default layout.
+"""Data-parallel training with row-sharded Engram tables (launched with torchrun): `DistributedTrainer`
+is `engram.apps.train.Trainer` with its batch, backward, evaluation and checkpoint pieces replaced, so
+W ranks train the model one process trains with the same global batch. Checkpoints in the
+single-process or the sharded format. Design: docs/distributed.md.
 """
 
 from __future__ import annotations
