@@ -252,6 +252,8 @@ def test_member_file_refuses_links_out_and_special_files(tmp_path, mkfifo):
     with pytest.raises(ValueError, match=r"pipe.safetensors: a named pipe \(FIFO\), not a safetensors file"):
         open_tensors(ckpt / "pipe.safetensors")
     assert listed_names(ckpt / "pipe.safetensors") == []
+
+
 def test_file_watch_sees_truncation_of_the_opened_file(tmp_path):
     """TensorFile.watch(): silent while the file holds its bytes (or grows, or its path is replaced:
     the descriptor still sees the mapped file), a ValueError naming the file and both sizes once it

@@ -208,7 +208,9 @@ def test_binary_tokenizer(tmp_path, capsys, cmd):
 
 def test_compress_save_missing_folder(tmp_path, capsys, tiny_tokenizer):
     target = tmp_path / "nope" / "map.safetensors"
-    refused(capsys, ["compress", "--tokenizer", tiny_tokenizer, "--save", str(target)], str(tmp_path / "nope"))
+    refused(
+        capsys, ["compress", "--tokenizer", tiny_tokenizer, "--save", str(target)], str(tmp_path / "nope")
+    )
 
 
 def test_compress_save_to_a_folder(tmp_path, capsys, tiny_tokenizer):
@@ -307,7 +309,17 @@ def test_cache_sim_huge_cache_rows(tmp_path, capsys):
     """A cache larger than every row the text asks is exact with a slot per such row: not allocated whole."""
     text = tmp_path / "t.txt"
     text.write_text("And the earth was without form, and void. " * 20)
-    argv = ["cache-sim", "--preset", "tiny", "--text-file", str(text), "--cache-rows", "64Ki", "1000T", "--json"]
+    argv = [
+        "cache-sim",
+        "--preset",
+        "tiny",
+        "--text-file",
+        str(text),
+        "--cache-rows",
+        "64Ki",
+        "1000T",
+        "--json",
+    ]
     assert main(argv) == 0
     reports = json.loads(capsys.readouterr().out)["reports"]
     assert [r["capacity"] for r in reports] == [65536, 10**15]
@@ -326,9 +338,18 @@ def test_damaged_tokenizer_in_checkpoint(run, capsys):
     refused(capsys, ["generate", "--checkpoint", str(out), "--prompt", "And"], "tokenizer.json")
 
 
-
 def test_generate_huge_batch(trained, capsys):
-    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2", "--batch", str(10**13)]
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(trained),
+        "--prompt",
+        "And",
+        "--tokens",
+        "2",
+        "--batch",
+        str(10**13),
+    ]
     refused(capsys, argv, f"--batch {10**13}", "--tokens 2", "ask for fewer")
 
 

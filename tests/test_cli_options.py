@@ -125,7 +125,9 @@ def test_threads(monkeypatch):
 def test_whole_number():
     count = whole_number(1, 10, fix=" (a hint)")
     assert count("1") == 1 and count("10") == 10 and whole_number(0)("0") == 0
-    with pytest.raises(argparse.ArgumentTypeError, match=r"^11 is out of range; give a whole number from 1 to 10 \(a hint\)$"):
+    with pytest.raises(
+        argparse.ArgumentTypeError, match=r"^11 is out of range; give a whole number from 1 to 10 \(a hint\)$"
+    ):
         count("11")
     with pytest.raises(argparse.ArgumentTypeError, match=r"^-2 is out of range; give a whole number >= 1$"):
         whole_number(1)("-2")
@@ -145,7 +147,9 @@ def test_paths(tmp_path):
         input_file(str(tmp_path))
     with pytest.raises(argparse.ArgumentTypeError, match="no such file"):
         input_file(str(tmp_path / "nope"))
-    assert output_folder(str(tmp_path / "new" / "deeper")) == str(tmp_path / "new" / "deeper")  # created later
+    assert output_folder(str(tmp_path / "new" / "deeper")) == str(
+        tmp_path / "new" / "deeper"
+    )  # created later
     with pytest.raises(argparse.ArgumentTypeError, match="is a file; give a folder"):
         output_folder(str(f))
     with pytest.raises(argparse.ArgumentTypeError, match=f"{f} is a file, not a folder"):

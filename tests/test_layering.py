@@ -142,7 +142,9 @@ def layer_violations(modules: dict[str, ast.Module]) -> list[str]:
         layer = layer_of(name)
         for line, target, _, _ in imports(modules, name):
             if layer == "config" and target != name:
-                found.append(f"{name}:{line} imports {target}: the config imports nothing else of the package")
+                found.append(
+                    f"{name}:{line} imports {target}: the config imports nothing else of the package"
+                )
             if layer in LOWER and layer_of(target) in UPPER:
                 found.append(f"{name}:{line} ({layer}) imports {target} ({layer_of(target)})")
         if layer in LOWER:

@@ -50,9 +50,7 @@ def both(values, scales, rows, dtype, **kw) -> tuple[torch.Tensor, torch.Tensor]
 def test_every_value_byte_times_every_scale_byte(dtype: torch.dtype) -> None:
     """Row b holds all 256 value bytes under scale byte b (0..254): 65280 products, each bit-exact."""
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1).view(VALUE_DTYPE)
-    scales = (
-        torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(SCALE_DTYPE)
-    )
+    scales = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(SCALE_DTYPE)
     rows = torch.randperm(255, generator=torch.Generator().manual_seed(0))
     fast, ref = both(values, scales, rows, dtype)
     assert torch.equal(bits(fast), bits(ref))

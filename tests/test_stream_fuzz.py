@@ -78,7 +78,9 @@ class StreamMachine(RuleBasedStateMachine):
             with pytest.raises(error):
                 call(s)
             after = snapshot(s)
-            assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)), "a failed call changed state"
+            assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)), (
+                "a failed call changed state"
+            )
 
     # ------------------------------------------------------------------ committed tokens
     @rule(seqs=seqs_st, data=st.data())
@@ -89,7 +91,12 @@ class StreamMachine(RuleBasedStateMachine):
         if any(self.ref.drafts[b] for b in seqs):
             self.expect_unchanged(lambda s: s.feed(ids, dead, seqs=seqs), RuntimeError)
             return
-        want = np.stack([self.ref.rows(b, self.ref.tokens(list(ids[i]), list(dead[i])), False) for i, b in enumerate(seqs)])
+        want = np.stack(
+            [
+                self.ref.rows(b, self.ref.tokens(list(ids[i]), list(dead[i])), False)
+                for i, b in enumerate(seqs)
+            ]
+        )
         for s in self.streams:
             assert np.array_equal(s.feed(ids, dead, seqs=seqs), want)
         for i, b in enumerate(seqs):
@@ -107,7 +114,9 @@ class StreamMachine(RuleBasedStateMachine):
         want = np.stack([self.ref.rows(b, new[b], False)[0] for b in range(B)])
         for s in self.streams:
             if kind == "torch":
-                got = s.step(torch.from_numpy(ids_np), None if dead_np is None else torch.from_numpy(dead_np)).numpy()
+                got = s.step(
+                    torch.from_numpy(ids_np), None if dead_np is None else torch.from_numpy(dead_np)
+                ).numpy()
             elif kind == "out32":
                 out = np.empty((B, CONFIG.n_layers, CONFIG.rows_per_token), dtype=np.int32)
                 got = s.step(ids_np, dead_np, out=out)

@@ -114,9 +114,7 @@ def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) ->
 def test_fp8_gather_every_byte(kernels, dtype: torch.dtype) -> None:
     """Row b: all 256 value bytes under scale byte b (0..254); exact, NaN bytes NaN."""
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1).view(VALUE_DTYPE)
-    scales = (
-        torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(SCALE_DTYPE)
-    )
+    scales = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(SCALE_DTYPE)
     rows = torch.randperm(255, generator=torch.Generator().manual_seed(0)).view(5, 51)
     want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
     got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype).cpu()

@@ -205,7 +205,9 @@ class TokenizerCompression:
 
         path = Path(path)
         if path.is_dir():
-            raise ValueError(f"{path} is a folder; save the map to a file in it, e.g. {path / 'map.safetensors'}")
+            raise ValueError(
+                f"{path} is a folder; save the map to a file in it, e.g. {path / 'map.safetensors'}"
+            )
         if not path.parent.is_dir():
             raise FileNotFoundError(f"{path}: the folder {path.parent} does not exist; create it first")
         meta = {"format": _FORMAT, "fingerprint": self.fingerprint, "size": str(self.size)}

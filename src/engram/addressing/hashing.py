@@ -23,7 +23,14 @@ from engram.addressing.layout import Layout
 from engram.config import EngramConfig
 from engram.kernels.threads import check_threads, resolve_threads
 
-__all__ = ["HashBackend", "NgramHasher", "check_dead_mask", "check_device_inputs", "check_token_ids", "rows_like"]
+__all__ = [
+    "HashBackend",
+    "NgramHasher",
+    "check_dead_mask",
+    "check_device_inputs",
+    "check_token_ids",
+    "rows_like",
+]
 
 # Below this many tokens `threads=None` stays on the calling thread: a thread hand-off costs tens
 # of microseconds, about what the kernel needs for 1000 tokens.

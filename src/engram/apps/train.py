@@ -187,7 +187,9 @@ class TrainConfig:
     def from_file(cls, path: str | Path) -> TrainConfig:
         data = read_json(path)  # ValueError naming the file: a folder, not JSON, nested too deep
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object of TrainConfig fields, got {type(data).__name__}")
+            raise ValueError(
+                f"{path}: expected a JSON object of TrainConfig fields, got {type(data).__name__}"
+            )
         try:
             return cls.from_dict(data)
         except ValueError as e:

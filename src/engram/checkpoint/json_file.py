@@ -25,8 +25,12 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}): not a JSON file; give the right file") from None
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {e.start}): not a JSON file; give the right file"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged or not JSON") from None
     except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply to read; the file is damaged or not the one expected") from None
+        raise ValueError(
+            f"{path}: JSON nested too deeply to read; the file is damaged or not the one expected"
+        ) from None

@@ -179,7 +179,9 @@ def _parse_ids(text: str, vocab_size: int) -> np.ndarray:
         try:
             value = int(word)
         except ValueError:
-            raise ValueError(f"--ids: {word!r} (position {i}) is not a token id; give whole numbers") from None
+            raise ValueError(
+                f"--ids: {word!r} (position {i}) is not a token id; give whole numbers"
+            ) from None
         if not -(2**63) <= value < 2**63:
             raise ValueError(
                 f"--ids: {word} (position {i}) is out of range; token ids run from 0 to {vocab_size - 1}"

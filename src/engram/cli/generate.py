@@ -47,7 +47,9 @@ def register(sub: Any) -> None:
         help=f"tokens to generate (default 64, at most {MAX_NEW_TOKENS:,})",
     )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--top-k", type=positive_int, help="sample among the k likeliest tokens only (default: all)")
+    p.add_argument(
+        "--top-k", type=positive_int, help="sample among the k likeliest tokens only (default: all)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs repeat exactly)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences sampled from the same prompt")
     p.add_argument("--greedy", action="store_true", help="always take the likeliest token")

@@ -100,7 +100,9 @@ def whole_number(lo: int, hi: int | None = None, fix: str = "") -> Callable[[str
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one {bounds}{fix}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number; give one {bounds}{fix}"
+            ) from None
         if value < lo or (hi is not None and value > hi):
             raise argparse.ArgumentTypeError(f"{text} is out of range; give a whole number {bounds}{fix}")
         return value
@@ -160,7 +162,9 @@ def output_file(text: str) -> str:
     """argparse type: a file to write, in a folder that exists; not a folder itself."""
     path = Path(text)
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path in it, e.g. {path / 'map.safetensors'}")
+        raise argparse.ArgumentTypeError(
+            f"{text} is a folder; give a file path in it, e.g. {path / 'map.safetensors'}"
+        )
     if not path.parent.is_dir():
         if path.parent.exists():
             raise argparse.ArgumentTypeError(f"{path.parent} is a file, not a folder; give another path")
@@ -173,7 +177,9 @@ def output_file(text: str) -> str:
 def add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> None:
     p.add_argument("--preset", default="deepseek-v4.1", choices=sorted(PRESETS), help="config preset")
     p.add_argument(
-        "--config", type=input_file, help="a Hugging Face config.json with engram_* keys (instead of --preset)"
+        "--config",
+        type=input_file,
+        help="a Hugging Face config.json with engram_* keys (instead of --preset)",
     )
     if tokenizer:
         p.add_argument("--tokenizer", help="'deepseek-v4' or a tokenizer.json path (default: the config's)")
@@ -185,7 +191,9 @@ def config_from_args(args: argparse.Namespace) -> EngramConfig:
     if getattr(args, "config", None):
         data = read_json(args.config)
         if not isinstance(data, dict):
-            raise ValueError(f"{args.config}: expected a JSON object of config keys, got {type(data).__name__}")
+            raise ValueError(
+                f"{args.config}: expected a JSON object of config keys, got {type(data).__name__}"
+            )
         return from_hf_dict(data, name=Path(args.config).name, tokenizer=args.tokenizer)
     config = EngramConfig.preset(args.preset)
     tok = getattr(args, "tokenizer", None)

@@ -248,11 +248,17 @@ def add_training_commands(sub: Any) -> None:
         "demo", help="train a baseline and an Engram LM on the King James Bible and compare them"
     )
     p.add_argument("--steps", type=positive_int, help="training steps per model (default 240)")
-    p.add_argument("--minutes", type=positive_float, help="fit the step count to this many minutes of training")
-    p.add_argument("--seeds", type=positive_int, default=2, help="seeds to run (the spread tells noise from effect)")
+    p.add_argument(
+        "--minutes", type=positive_float, help="fit the step count to this many minutes of training"
+    )
+    p.add_argument(
+        "--seeds", type=positive_int, default=2, help="seeds to run (the spread tells noise from effect)"
+    )
     p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
     p.add_argument("--tokenizer", help="'bpe' (default: trained on the training split) or 'deepseek-v4'")
-    p.add_argument("--out", type=output_folder, default="reports/demo", help="report folder (default reports/demo)")
+    p.add_argument(
+        "--out", type=output_folder, default="reports/demo", help="report folder (default reports/demo)"
+    )
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -263,12 +269,12 @@ def add_training_commands(sub: Any) -> None:
     )
     p.add_argument("--config", type=input_file, help="JSON file of TrainConfig fields")
     p.add_argument("--preset", choices=["tiny", "demo", "small"], help="a named config (default: demo)")
-    p.add_argument("--out", type=output_folder, required=True, help="run folder: checkpoints/, train_config.json")
+    p.add_argument(
+        "--out", type=output_folder, required=True, help="run folder: checkpoints/, train_config.json"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--steps", type=positive_int, help="override the config's total steps")
-    p.add_argument(
-        "--until", type=positive_int, help="stop at this step (the schedule still spans --steps)"
-    )
+    p.add_argument("--until", type=positive_int, help="stop at this step (the schedule still spans --steps)")
     p.add_argument("--seed", type=int)
     p.add_argument(
         "--checkpoint-every", type=non_negative_int, help="steps between checkpoints (0: only at the end)"
@@ -307,7 +313,9 @@ def add_training_commands(sub: Any) -> None:
         help="with --distributed: a collective waiting longer than this for the other ranks ends the "
         "job with an error naming the rank and the step (default 300)",
     )
-    p.add_argument("--threads", type=threads, help="torch threads (default: idle cores; per rank: cores / ranks)")
+    p.add_argument(
+        "--threads", type=threads, help="torch threads (default: idle cores; per rank: cores / ranks)"
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)

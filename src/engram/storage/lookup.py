@@ -171,7 +171,9 @@ def gather_rows(
     if n == 0:
         return result
     module = _cpu_kernels(backend, weight)
-    if module is not None and module.rows_gather(weight, flat, out2d, resolve_threads(threads, n, _PARALLEL_MIN_ROWS)):
+    if module is not None and module.rows_gather(
+        weight, flat, out2d, resolve_threads(threads, n, _PARALLEL_MIN_ROWS)
+    ):
         return result
     check_row_range(rows, weight.shape[0])
     with torch.no_grad():

@@ -26,7 +26,6 @@ from engram.storage.fp8 import (
 __all__ = ["dequantize_into", "dequantize_rows", "quantize_rows", "scale_bytes_to_float"]
 
 
-
 # Scale exponent range the quantiser emits: byte = exponent + 127 lies in [1, 254] (see docs/storage.md).
 _MIN_EXP = -126
 _MAX_EXP = 127

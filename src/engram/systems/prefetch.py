@@ -149,7 +149,9 @@ class Prefetcher:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"depth={depth!r} must be an int >= 0 (batches prefetched ahead; 0: none)")
         if not isinstance(hasher, NgramHasher):
-            raise TypeError(f"hasher must be an engram.addressing.hashing.NgramHasher, got {type(hasher).__name__}")
+            raise TypeError(
+                f"hasher must be an engram.addressing.hashing.NgramHasher, got {type(hasher).__name__}"
+            )
         self.tables: dict[int, TieredTable] = {}
         self.layer_index: dict[int, int] = {}
         for lid, m in engram_modules(model).items():
