@@ -78,15 +78,15 @@ def test_checkpoint_write_is_atomic(corpus, data, tmp_path, monkeypatch):
     import engram.apps.train as train_mod
 
     calls = {"n": 0}
-    real = train_mod.save_file
+    real = train_mod.save_tensors
 
-    def dying_save(tensors, path, *a, **k):  # the process "dies" while writing the optimizer state
+    def dying_save(path, tensors, *a, **k):  # the process "dies" while writing the optimizer state
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt("killed")
-        return real(tensors, path, *a, **k)
+        return real(path, tensors, *a, **k)
 
-    monkeypatch.setattr(train_mod, "save_file", dying_save)
+    monkeypatch.setattr(train_mod, "save_tensors", dying_save)
     with pytest.raises(KeyboardInterrupt):
         t.save_checkpoint()
     monkeypatch.undo()

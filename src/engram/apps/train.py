@@ -23,14 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
 from engram.addressing.hashing import NgramHasher
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
-from engram.checkpoint.files import member_file
+from engram.checkpoint.files import member_file, save_tensors
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import read_checkpoint
@@ -472,8 +471,8 @@ class Trainer:
         final = root / f"step-{self.step:07d}"
         if tmp is None:
             tmp = self._checkpoint_tmp(str(os.getpid()))
-        save_file(model_tensors, str(tmp / "model.safetensors"))
-        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        save_tensors(tmp / "model.safetensors", model_tensors)
+        save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         state = {
             "step": self.step,
             "train_config": self.cfg.to_dict(),

@@ -296,16 +296,12 @@ class TensorFile:
         self._check_name(name)
         with _refusals(self.path, name):
             order = list(self._handle.offset_keys())
-        sizes = {}
-        for key in order:
-            e = self.entry(key)
-            itemsize = torch.empty(0, dtype=DTYPES[e.dtype]).element_size() if e.dtype in DTYPES else None
-            if itemsize is None:
-                raise TypeError(f"{self.path}: tensor {key!r} has dtype {e.dtype}, which engram cannot map")
-            sizes[key] = math.prod(e.shape) * itemsize
+        entries = {key: self.entry(key) for key in order}
+        # torch_dtype raises TypeError for a dtype engram cannot read: its size is unknown here too
+        sizes = {key: math.prod(e.shape) * e.torch_dtype.itemsize for key, e in entries.items()}
         start = self.size - sum(sizes.values())
         offset = start + sum(sizes[k] for k in order[: order.index(name)])
-        e = self.entry(name)
+        e = entries[name]
         if sizes[name] == 0:
             return torch.empty(e.shape, dtype=e.torch_dtype)
         arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(sizes[name],))
