@@ -1,4 +1,4 @@
-"""Training: config, data preparation, the training loop, periodic evaluation, checkpoints and resume.
+"""Training: data preparation, the training loop, periodic evaluation, checkpoints and resume.
 `Trainer` is split into overridable pieces so `engram.distributed.train` reuses the loop; checkpoint
 files are read through `engram.checkpoint.shards` (either format). Knows nothing of torch.distributed.
 Design: docs/training.md.
@@ -7,8 +7,6 @@ Design: docs/training.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import json
 import math
 import os
@@ -16,7 +14,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from engram.addressing.compression import TokenizerCompression, resolve_tokenize
 from engram.addressing.hashing import NgramHasher
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
+from engram.apps.train_config import DEFAULT_ENGRAM, TRAIN_PRESETS, TableOptimizer, TrainConfig
 from engram.checkpoint.files import member_file, save_tensors
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
@@ -39,6 +38,7 @@ from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_grou
 
 __all__ = [
     "DEFAULT_ENGRAM",
+    "TRAIN_PRESETS",
     "DataBundle",
     "TableOptimizer",
     "TrainConfig",
@@ -52,183 +52,8 @@ __all__ = [
 ]
 
 
-class TableOptimizer(enum.StrEnum):
-    """The sparse row optimizer of the Engram tables (engram.model.optim)."""
-
-    ADAM = "adam"  # SparseRowAdam
-    ADAGRAD = "adagrad"  # SparseRowAdagrad
-
-
-# TrainConfig's Engram: layer 1, orders 2-3, 4 heads of 32-wide rows, prime-search base 30000 per
-# order (rows per head ~ base). hidden_size and hc_mult are the backbone's dim and hc.
-DEFAULT_ENGRAM = EngramConfig(
-    name="lm",
-    layer_ids=(1,),
-    max_ngram_size=3,
-    n_heads=4,
-    engram_vocab_size=(30000, 30000),
-    tokenizer=None,
-    head_dim=32,
-    hidden_size=128,
-    hc_mult=1,
-)
-
 # What reading a damaged checkpoint raises (RuntimeError: load_state_dict's missing or misshaped tensors).
 _DAMAGE = (ValueError, TypeError, KeyError, OSError, RuntimeError)
-
-# The fields of the old flat format (before `engram` held an EngramConfig); refused, never misread.
-_FLAT_ENGRAM_KEYS = ("engram_layers", "engram_max_ngram", "engram_heads", "engram_head_dim", "engram_base")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """A training run. `engram` is the Engram module (None: the baseline backbone alone); its
-    tokenizer fields (tokenizer, vocab_size, compressed_vocab_size, pad_token_id) are set by
-    `prepare_data` from the run's tokenizer, whatever they hold here."""
-
-    # data
-    corpus: str | None = None  # None: the King James Bible; else a text file, folder or glob
-    tokenizer: str = "bpe"  # "bpe" (trained on the training split), "deepseek-v4", or a tokenizer.json
-    bpe_vocab_size: int = 4096
-    # backbone
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_hidden: int = 384
-    seq_len: int = 128
-    hc: int = 1
-    tie_embeddings: bool = True
-    # Engram (hidden_size == dim, hc_mult == hc)
-    engram: EngramConfig | None = DEFAULT_ENGRAM
-    # optimisation
-    steps: int = 300
-    batch_size: int = 32
-    lr: float = 3e-3
-    table_lr: float = 5e-2
-    table_optimizer: TableOptimizer = TableOptimizer.ADAM
-    warmup: int = 30
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    # evaluation and checkpoints
-    eval_every: int = 50
-    eval_tokens: int = 16384  # held-out tokens scored at each periodic evaluation
-    checkpoint_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
-    threads: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "table_optimizer", TableOptimizer(self.table_optimizer))
-        except ValueError:
-            raise ValueError(
-                f"table_optimizer={self.table_optimizer!r}: use one of "
-                f"{', '.join(repr(o.value) for o in TableOptimizer)}"
-            ) from None
-        for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
-        e = self.engram
-        if e is None:
-            return
-        if not isinstance(e, EngramConfig):
-            raise TypeError(
-                f"engram must be an EngramConfig or None (the baseline), got {type(e).__name__}; "
-                "a dict of its fields is read with TrainConfig.from_dict"
-            )
-        if max(e.layer_ids) >= self.n_layers:
-            raise ValueError(
-                f"engram.layer_ids={e.layer_ids} must name layers of the {self.n_layers}-layer model "
-                f"(0..{self.n_layers - 1})"
-            )
-        if (e.hidden_size, e.hc_mult) != (self.dim, self.hc):
-            raise ValueError(
-                f"engram.hidden_size={e.hidden_size}, engram.hc_mult={e.hc_mult} but the backbone has "
-                f"dim={self.dim}, hc={self.hc}: Engram adds into the backbone's residual streams; use "
-                f"engram=cfg.engram.replace(hidden_size={self.dim}, hc_mult={self.hc})"
-            )
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON values: `engram` as EngramConfig.to_dict() (or None), enums as their strings."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["engram"] = None if self.engram is None else self.engram.to_dict()
-        d["table_optimizer"] = self.table_optimizer.value
-        d["extra"] = dict(self.extra)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """The inverse of `to_dict`; refuses unknown keys and the old flat format (`engram: true` and
-        `engram_*` keys)."""
-        if isinstance(d.get("engram"), bool) or any(k in d for k in _FLAT_ENGRAM_KEYS):
-            raise ValueError(
-                "a training config of the old flat format (engram: true/false, engram_layers, engram_heads, "
-                "...); `engram` now holds an EngramConfig's fields (EngramConfig.to_dict), or null for the "
-                "baseline"
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown training config keys {unknown}; known keys: {sorted(known)}")
-        kw = dict(d)
-        if kw.get("engram") is not None:
-            kw["engram"] = EngramConfig.from_dict(kw["engram"])
-        return cls(**kw)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> TrainConfig:
-        data = read_json(path)  # ValueError naming the file: a folder, not JSON, nested too deep
-        if not isinstance(data, dict):
-            raise ValueError(
-                f"{path}: expected a JSON object of TrainConfig fields, got {type(data).__name__}"
-            )
-        try:
-            return cls.from_dict(data)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-
-
-# Named configs sized for a 2-core CPU (tokens/s measured there: about 10K for "demo").
-TRAIN_PRESETS: dict[str, TrainConfig] = {
-    # a few seconds: smoke tests and examples
-    "tiny": TrainConfig(
-        bpe_vocab_size=1024,
-        dim=64,
-        n_layers=2,
-        n_heads=2,
-        mlp_hidden=192,
-        seq_len=64,
-        engram=DEFAULT_ENGRAM.replace(hidden_size=64, engram_vocab_size=(5000, 5000)),
-        steps=50,
-        batch_size=16,
-        eval_every=25,
-        eval_tokens=8192,
-    ),
-    # `engram demo`'s model: 4 layers of 128, Engram at layer 1 (about 3.5 minutes per model)
-    "demo": TrainConfig(steps=240, eval_every=40, eval_tokens=16384),
-    # a longer run: 6 layers of 192, two Engram layers (1 and 4); about an hour on 2 cores
-    "small": TrainConfig(
-        dim=192,
-        n_layers=6,
-        n_heads=6,
-        mlp_hidden=512,
-        seq_len=256,
-        engram=DEFAULT_ENGRAM.replace(
-            hidden_size=192, layer_ids=(1, 4), max_ngram_size=4, engram_vocab_size=(60000,) * 3
-        ),
-        steps=2000,
-        batch_size=16,
-        eval_every=200,
-        checkpoint_every=500,
-    ),
-}
 
 
 # ---------------------------------------------------------------------------- data
