@@ -6,6 +6,7 @@ models. Design: docs/checkpoint.md.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +33,20 @@ def _chunks(flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return [(a, flat[a : a + step]) for a in range(0, flat.numel(), step)]
 
 
+def _count(flat: torch.Tensor, test: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, int]:
+    """(how many, flat index of the first) of the values of 1-D `flat` where `test` is True, chunk by chunk
+    (bounded temporaries); (0, -1) when none."""
+    bad, first = 0, -1
+    for start, piece in _chunks(flat):
+        hit = test(piece)
+        if bool(hit.any()):  # sync point (a loader's check, not a hot path)
+            idx = torch.nonzero(hit).reshape(-1)
+            if first < 0:
+                first = start + int(idx[0])
+            bad += idx.numel()
+    return bad, first
+
+
 def _position(index: int, shape: torch.Size) -> str:
     """A flat index as a position: "row 3, column 7" for a matrix, "[i, j, k]" otherwise."""
     pos = []
@@ -50,14 +65,7 @@ def check_finite(t: torch.Tensor, where: str) -> None:
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return
     flat = t.detach().reshape(-1)
-    bad, first = 0, -1
-    for start, piece in _chunks(flat):
-        ok = torch.isfinite(piece)
-        if not bool(ok.all()):  # sync point (a loader's check, not a hot path)
-            idx = torch.nonzero(~ok).reshape(-1)
-            if first < 0:
-                first = start + int(idx[0])
-            bad += idx.numel()
+    bad, first = _count(flat, lambda piece: ~torch.isfinite(piece))
     if bad:
         value = float(flat[first])
         raise ValueError(
@@ -74,14 +82,7 @@ def check_fp8_table(weight: torch.Tensor, scale: torch.Tensor, where: str) -> No
         (scale, "scales", lambda b: b == 0xFF, "255, NaN in ue8m0"),
     ):
         flat = t.reshape(-1).view(torch.uint8)
-        bad, first = 0, -1
-        for start, piece in _chunks(flat):
-            hit = test(piece)
-            if bool(hit.any()):  # sync point
-                idx = torch.nonzero(hit).reshape(-1)
-                if first < 0:
-                    first = start + int(idx[0])
-                bad += idx.numel()
+        bad, first = _count(flat, test)
         if bad:
             raise ValueError(
                 f"{where}: {bad} of its {flat.numel()} {name} are the byte {nan} (the first at "
