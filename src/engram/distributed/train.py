@@ -315,13 +315,18 @@ class DistributedTrainer(Trainer):
             layout.append(TableShards(name, t.num_rows, t.dim, [f for f in files if f[2] > f[1]], i, fields))
         return layout
 
-    def _agree(self, error: BaseException | None, what: str) -> None:
-        """One all-reduce: raise on every rank if `what` failed on any (no rank left in a barrier)."""
+    def _any_failed(self, error: BaseException | None) -> bool:
+        """One all-reduce (every rank calls it): whether `error` is set on any rank."""
         failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(failed[0])
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank if `what` failed on any (no rank left in a barrier)."""
+        failed = self._any_failed(error)
         if error is not None:
             raise error
-        if int(failed[0]):
+        if failed:
             raise RuntimeError(f"another rank failed to {what}; see its error")
 
     def _save_sharded_checkpoint(self) -> Path:
@@ -392,9 +397,7 @@ class DistributedTrainer(Trainer):
     def _agree_intact(self, error: BaseException | None) -> BaseException | None:
         """A checkpoint is intact only if every rank read its part of it: one all-reduce, so every rank
         skips the same checkpoints (a damaged shard file is seen only by the ranks that read it)."""
-        failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        if error is None and int(failed[0]):
+        if self._any_failed(error) and error is None:
             return ValueError(
                 "another rank found its part of this checkpoint damaged; see that rank's output"
             )
