@@ -2,8 +2,11 @@
 
 Holds `Variant` (which published module), `EngramConfig` (every number the hash layout and the
 module need, validated on construction; derived values are properties) and `PRESETS`
-(`deepseek-v4.1`, `demo-v1`, `tiny`). It imports nothing else of engram: primes are
-`engram.addressing.layout`'s, the Hugging Face `engram_*` keys `engram.checkpoint.hf_config`'s.
+(`deepseek-v4.1`, `demo-v1`, `tiny`, `qwen4-exp-ple`). `EngramConfig.from_hf_config` reads the
+keys of a Hugging Face config (DeepSeek-V4.1's `engram_*`, Qwen4-Exp's `ple_*` / `ngram_*`). It
+imports nothing else of engram: primes are `engram.addressing.layout`'s, and the check of a declared
+`engram_num_embeddings` against them (and the writing of `engram_*` keys) is
+`engram.checkpoint.hf_config`'s.
 """
 
 from __future__ import annotations
@@ -220,6 +223,27 @@ class EngramConfig:
                 f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
             ) from None
 
+    # ------------------------------------------------------------------ Hugging Face configs
+    @classmethod
+    def from_hf_config(cls, config: Any, *, name: str = "hf", tokenizer: str | None = None) -> EngramConfig:
+        """The config of a Hugging Face model config: a transformers config object or a plain dict
+        (a config.json), of either family: DeepSeek-V4.1's `engram_*` keys or Qwen4-Exp's `ple_*` /
+        `ngram_*` keys (of a `Qwen4ExpTextConfig`, or a `Qwen4ExpConfig`'s `text_config`).
+
+        A declared `engram_num_embeddings` is kept, not checked (the primes are not this module's):
+        `engram.checkpoint.hf_config.from_hf_dict` reads the same keys and checks it.
+        """
+        d = _hf_mapping(config)
+        if "engram_layer_ids" in d:
+            return _from_engram_keys(d, name, tokenizer)
+        if "ple_layer_ids" in d or "ngram_size" in d:
+            return _from_qwen4_exp_keys(d, name)
+        raise ValueError(
+            f"{type(config).__name__} holds no Engram settings: looked for DeepSeek-V4.1's engram_* keys "
+            f"({', '.join(HF_ENGRAM_KEYS)}) and Qwen4-Exp's ple_*/ngram_* keys ({', '.join(HF_QWEN4_EXP_KEYS)}); "
+            f"found keys {sorted(d)[:30]}"
+        )
+
     # ------------------------------------------------------------------ plain round trip
     def to_dict(self) -> dict[str, Any]:
         """Every field as JSON-ready values (the Hugging Face `engram_*` keys are `engram.checkpoint.hf_config`'s)."""
@@ -248,6 +272,172 @@ class EngramConfig:
         return cls(**kw)
 
 
+# ------------------------------------------------------------------------- Hugging Face keys
+HF_ENGRAM_KEYS = (  # DeepSeek-V4.1's config.json: all required
+    "engram_layer_ids",
+    "engram_max_ngram_size",
+    "engram_vocab_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_pad_token_id",
+    "engram_compressed_vocab_size",
+)
+# EngramConfig field -> config.json key, for the optional keys of the engram_* family
+HF_ENGRAM_OPTIONAL = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("hc_mult", "hc_mult"),
+    ("seed", "engram_seed"),
+    ("kernel_size", "engram_kernel_size"),
+    ("norm_eps", "engram_norm_eps"),
+    ("gate_clamp", "engram_gate_clamp"),
+    ("restart_after_id", "engram_restart_after_id"),
+    ("multiplier_scheme", "engram_multiplier_scheme"),
+    ("table_rows_multiple", "engram_table_rows_multiple"),
+)
+HF_QWEN4_EXP_KEYS = (  # Qwen4ExpTextConfig's PLE keys (defaults are transformers')
+    "ple_layer_ids",
+    "ple_embed_dim",
+    "ple_conv_kernel_size",
+    "ngram_size",
+    "heads_per_ngram",
+    "ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by",
+    "seed",
+    "eos_token_id",
+    "vocab_size",
+    "hidden_size",
+    "hc_count",
+    "rms_norm_eps",
+)
+_QWEN4_EXP_DEFAULTS = {
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20_000_000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "seed": 1234,
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "hc_count": 4,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def _hf_mapping(config: Any) -> Mapping[str, Any]:
+    """The keys of a transformers config object or a dict; a multimodal config's text_config."""
+    if isinstance(config, Mapping):
+        d: Mapping[str, Any] = config
+    elif callable(getattr(config, "to_dict", None)):
+        d = config.to_dict()
+    else:
+        raise TypeError(f"from_hf_config takes a transformers config or a dict, got {type(config).__name__}")
+    text = d.get("text_config")
+    if text is not None and "engram_layer_ids" not in d and "ple_layer_ids" not in d:
+        if not isinstance(text, Mapping):
+            text = text.to_dict() if callable(getattr(text, "to_dict", None)) else text
+        if not isinstance(text, Mapping):
+            raise TypeError(f"text_config must be a config or a dict, got {type(text).__name__}")
+        d = text
+    return d
+
+
+def _int_key(d: Mapping[str, Any], key: str) -> int:
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{key} must be an int, got {v!r}")
+    return v
+
+
+def _from_engram_keys(d: Mapping[str, Any], name: str, tokenizer: str | None) -> EngramConfig:
+    missing = [k for k in HF_ENGRAM_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})")
+    bases = d["engram_vocab_size"]
+    layer_ids = d["engram_layer_ids"]
+    if not isinstance(layer_ids, list | tuple):
+        raise TypeError(f"engram_layer_ids must be a list of ints, got {layer_ids!r}")
+    kw: dict[str, Any] = {
+        "name": name,
+        "variant": Variant(d.get("engram_variant", Variant.V4_1.value)),
+        "layer_ids": tuple(layer_ids),
+        "max_ngram_size": d["engram_max_ngram_size"],
+        "n_heads": d["engram_n_heads"],
+        "engram_vocab_size": tuple(bases) if isinstance(bases, list) else bases,
+        "head_dim": d["engram_head_dim"],
+        "pad_token_id": d["engram_pad_token_id"],
+        "compressed_vocab_size": d["engram_compressed_vocab_size"],
+        "seed": 0,
+        "tokenizer": tokenizer,
+    }
+    for key, hf_key in HF_ENGRAM_OPTIONAL:
+        if hf_key in d:
+            kw[key] = d[hf_key]
+    declared = d.get("engram_num_embeddings")
+    if isinstance(declared, list):
+        declared = tuple(declared)
+    if declared is not None and not (
+        (isinstance(declared, int) and not isinstance(declared, bool))
+        or (
+            isinstance(declared, tuple)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in declared)
+        )
+    ):
+        raise TypeError(f"engram_num_embeddings must be an int or a list of ints, got {declared!r}")
+    return EngramConfig(**kw, declared_num_embeddings=declared)
+
+
+def _from_qwen4_exp_keys(d: Mapping[str, Any], name: str) -> EngramConfig:
+    g = {**_QWEN4_EXP_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+    ple = d.get("ple_layer_ids") or []
+    if not isinstance(ple, list | tuple) or not ple:
+        raise ValueError(
+            f"ple_layer_ids={d.get('ple_layer_ids')!r}: this Qwen4-Exp config has no PLE layers "
+            "(give the one-indexed decoder layers that use PLE, e.g. ple_layer_ids=[1, 3])"
+        )
+    layers = sorted({int(i) for i in ple})
+    if layers[0] < 1:
+        raise ValueError(f"ple_layer_ids {list(ple)} must be one-indexed decoder layers (>= 1)")
+    eos = g.get("eos_token_id")
+    if isinstance(eos, list | tuple):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise ValueError(
+            "eos_token_id must be set: Qwen4-Exp's PLE pads with EOS and restarts windows after it"
+        )
+    n, k = _int_key(g, "ngram_size"), _int_key(g, "heads_per_ngram")
+    hidden = _int_key(g, "hidden_size")
+    embed = d.get("ple_embed_dim") or hidden
+    heads = (n - 1) * k
+    if heads <= 0 or embed <= 0 or embed % heads:
+        raise ValueError(
+            f"ple_embed_dim={embed} must be a positive multiple of the n-gram heads (ngram_size-1)*heads_per_ngram "
+            f"= ({n}-1)*{k} = {heads}"
+        )
+    vocab = _int_key(g, "vocab_size")
+    return EngramConfig(
+        name=name,
+        variant=Variant.QWEN4_EXP_PLE,
+        layer_ids=tuple(i - 1 for i in layers),  # 0-based: PLE runs at the entrance of decoder layer i-1
+        max_ngram_size=n,
+        n_heads=k,
+        engram_vocab_size=_int_key(g, "ngram_vocab_size_base"),
+        vocab_size=vocab,
+        compressed_vocab_size=vocab,
+        pad_token_id=int(eos),
+        restart_after_id=int(eos),
+        seed=_int_key(g, "seed"),
+        tokenizer=None,
+        head_dim=embed // heads,
+        hidden_size=hidden,
+        hc_mult=_int_key(g, "hc_count"),
+        kernel_size=_int_key(g, "ple_conv_kernel_size"),
+        norm_eps=float(g["rms_norm_eps"]),
+        multiplier_scheme=MultiplierScheme.SPLITMIX64,
+        table_rows_multiple=_int_key(g, "make_ngram_vocab_size_divisible_by"),
+    )
+
+
 PRESETS: dict[str, EngramConfig] = {
     # DeepSeek-V4.1: layers 1 and 14, orders 2-4, 8 heads, 256-wide FP8 rows, base 16M per order.
     "deepseek-v4.1": EngramConfig(name="deepseek-v4.1"),
@@ -265,6 +455,28 @@ PRESETS: dict[str, EngramConfig] = {
         hidden_size=1024,
         hc_mult=4,
         kernel_size=4,
+    ),
+    # Qwen4-Exp's PLE at CPU size (the real model's keys: EngramConfig.from_hf_config of its
+    # Qwen4ExpTextConfig): raw ids of a 1000-id vocabulary, EOS 1, PLE at decoder layers 2 and 4.
+    "qwen4-exp-tiny": EngramConfig(
+        name="qwen4-exp-tiny",
+        variant=Variant.QWEN4_EXP_PLE,
+        layer_ids=(1, 3),
+        max_ngram_size=3,
+        n_heads=4,
+        engram_vocab_size=(4096, 4096),
+        vocab_size=1000,
+        compressed_vocab_size=1000,
+        pad_token_id=1,
+        restart_after_id=1,
+        seed=1234,
+        tokenizer=None,
+        head_dim=8,
+        hidden_size=64,
+        hc_mult=2,
+        kernel_size=4,
+        multiplier_scheme=MultiplierScheme.SPLITMIX64,
+        table_rows_multiple=128,
     ),
     # CPU-sized: one layer, orders 2-3, 4 heads of 32 rows of a few thousand; runs in seconds.
     "tiny": EngramConfig(
