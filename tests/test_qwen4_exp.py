@@ -277,3 +277,39 @@ def test_loader_refusals() -> None:
     with pytest.raises(ValueError, match="conv_state is for variant"):
         tiny = Engram(EngramConfig.preset("tiny"), 1)
         tiny(torch.zeros(1, 1, 2, 64), torch.zeros(1, 1, 8, dtype=torch.long), conv_state=torch.zeros(1))
+
+
+class _RowIds(torch.nn.Module):
+    """Stands in for a full-size n-gram table: returns the row ids it is asked for (as float64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, 1, dtype=torch.float64))
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.double()[..., None]
+
+
+def test_row_ids_full_scale() -> None:
+    """transformers' default sizes (248320 ids, base 20M, orders 2-3, 8 heads, seed 1234; tables of
+    3.2e8 rows, not allocated): primes >= 4096 take the division-free modulo in our kernels."""
+    cfg = text_config(
+        ngram=3, heads=8, layers=(1, 2), vocab_size=248320, ngram_vocab_size_base=20_000_000, seed=1234
+    )
+    ours = EngramConfig.from_hf_config(cfg)
+    hasher = NgramHasher(ours)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 248320, (2, 64), generator=g)
+    ids[torch.rand(2, 64, generator=g) < 0.1] = EOS
+    ids[:, 30:32] = torch.tensor([248319, 0])  # the extreme ids
+    got = hasher.hash(ids.numpy())
+    for index, lid in enumerate(ours.layer_ids):
+        with torch.device("meta"):
+            emb = q.Qwen4ExpTextNGramEmbedding(cfg, cfg.ple_embed_dim, lid, index)
+        emb.layer_multipliers = q._build_layer_multipliers(cfg.vocab_size, 3, index, cfg.seed)
+        emb.ngram_heads_vocab_sizes = torch.tensor(emb.head_vocab_sizes)
+        emb.ngram_heads_offsets = torch.tensor(emb.head_offsets)
+        emb.ngram_embedding = _RowIds()
+        assert emb.head_vocab_sizes == Layout(ours).layer(lid).flat_primes.tolist()
+        want = emb(ids, None).long()  # (B, T, heads)
+        assert torch.equal(torch.from_numpy(got[:, :, index]), want), lid
