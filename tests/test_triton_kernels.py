@@ -387,3 +387,20 @@ def test_stream_device_step_restarts(kernels):
         got = dev._step_device(ids[t], None, None, True, starts[t])
         assert np.array_equal(got.cpu().numpy(), want), t
     assert np.array_equal(dev.window, host.window)
+
+
+def test_hasher_triton_path_restarts(kernels):
+    """`NgramHasher.hash` of CUDA tensors with `starts` and `restart_after_id` (`_hash_triton`)."""
+    config = EngramConfig.preset("qwen4-exp-tiny")
+    hasher = NgramHasher(config)
+    gen = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, 8, (3, 40), generator=gen)  # id 1 (EOS, the restart id) often
+    starts = torch.rand(3, 40, generator=gen) < 0.1
+    want = hasher.hash(ids.numpy(), starts=starts.numpy())
+    got = hasher._hash_triton(ids.to(DEVICE), None, np.dtype(np.int64), starts.to(DEVICE))
+    assert np.array_equal(got.cpu().numpy(), want)
+    assert np.array_equal(
+        hasher._hash_triton(ids[0].to(DEVICE), None, np.dtype(np.int64)).cpu(), hasher.hash(ids[0])
+    )
+    with pytest.raises(TypeError, match="starts must be boolean"):
+        hasher._hash_triton(ids.to(DEVICE), None, np.dtype(np.int64), starts.int().to(DEVICE))
