@@ -313,3 +313,12 @@ def test_row_ids_full_scale() -> None:
         assert emb.head_vocab_sizes == Layout(ours).layer(lid).flat_primes.tolist()
         want = emb(ids, None).long()  # (B, T, heads)
         assert torch.equal(torch.from_numpy(got[:, :, index]), want), lid
+
+
+def test_engram_pad_id_alias() -> None:
+    d = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
+    assert d["engram_pad_id"] == d["engram_pad_token_id"] == 2
+    alias = {k: v for k, v in d.items() if k != "engram_pad_token_id"} | {"engram_pad_id": 5}
+    assert EngramConfig.from_hf_config(alias).pad_token_id == 5
+    with pytest.raises(ValueError, match="disagree"):
+        EngramConfig.from_hf_config(d | {"engram_pad_id": 5})

@@ -350,6 +350,13 @@ def _int_key(d: Mapping[str, Any], key: str) -> int:
 
 
 def _from_engram_keys(d: Mapping[str, Any], name: str, tokenizer: str | None) -> EngramConfig:
+    if "engram_pad_id" in d:  # the name SPEC §4 and the issue use; engram_pad_token_id ours
+        if "engram_pad_token_id" in d and d["engram_pad_token_id"] != d["engram_pad_id"]:
+            raise ValueError(
+                f"engram_pad_id={d['engram_pad_id']!r} and engram_pad_token_id={d['engram_pad_token_id']!r} "
+                "disagree; keep one"
+            )
+        d = {**d, "engram_pad_token_id": d["engram_pad_id"]}
     missing = [k for k in HF_ENGRAM_KEYS if k not in d]
     if missing:
         raise ValueError(f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})")

@@ -37,6 +37,7 @@ def to_hf_dict(config: EngramConfig) -> dict[str, Any]:
         "engram_n_heads": config.n_heads,
         "engram_head_dim": config.head_dim,
         "engram_pad_token_id": config.pad_token_id,
+        "engram_pad_id": config.pad_token_id,  # the same, under the name SPEC §4 uses
         "engram_compressed_vocab_size": config.compressed_vocab_size,
         "engram_seed": config.seed,
         "engram_kernel_size": config.kernel_size,
