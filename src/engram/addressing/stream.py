@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from engram import kernels
-from engram.addressing.hashing import (
-    HashBackend,
-    NgramHasher,
+from engram.addressing.hashing import HashBackend, NgramHasher
+from engram.addressing.inputs import (
     check_dead_mask,
     check_device_inputs,
     check_starts,
