@@ -20,6 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engram import EngramConfig, NgramHasher
 from engram.kernels import reference
@@ -117,6 +119,37 @@ def test_hash_starts_exact(kernels, with_dead: bool, with_window: bool) -> None:
     assert np.array_equal(hasher.hash_compressed(xc, dead, window, starts=starts, backend="numba"), want)
     assert torch.equal(reference.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t), got)
     assert not np.array_equal(hasher.hash_compressed(xc, dead, window, backend="numpy"), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_hash_starts_property(kernels, data) -> None:
+    """Random small shapes, ids, dead tokens, starts and windows: Triton == numba == numpy."""
+    hasher = _STARTS_HASHER
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
+    arr = st.lists(st.integers(0, 15), min_size=b * t, max_size=b * t)
+    flags = st.lists(st.sampled_from([False, False, True]), min_size=b * t, max_size=b * t)
+    xc = np.array(data.draw(arr), dtype=np.int64).reshape(b, t)
+    dead = np.array(data.draw(flags)).reshape(b, t) if data.draw(st.booleans()) else None
+    starts = np.array(data.draw(flags)).reshape(b, t)
+    window = None
+    if data.draw(st.booleans()):
+        window = np.array(data.draw(st.lists(st.integers(0, 15), min_size=b * 3, max_size=b * 3))).reshape(
+            b, 3
+        )
+    want = hasher.hash_compressed(xc, dead, window, starts=starts, backend="numpy")
+    assert np.array_equal(hasher.hash_compressed(xc, dead, window, starts=starts, backend="numba"), want)
+    tables = to_dev(hasher.multipliers, hasher.primes, hasher.offsets)
+    xc_t, dead_t, win_t, st_t = to_dev(xc, dead, window, starts)
+    got = kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t)
+    assert np.array_equal(got.cpu().numpy(), want)
+
+
+_STARTS_HASHER = NgramHasher(
+    EngramConfig.preset("tiny").replace(
+        vocab_size=16, compressed_vocab_size=16, pad_token_id=3, max_ngram_size=4
+    )
+)
 
 
 def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) -> None:
