@@ -150,6 +150,9 @@ def test_layer_output_one_pass(masked: bool) -> None:
         rows = torch.from_numpy(ours.hasher.hash(ids.numpy())[:, :, 1])
         got = ours(h.view(b, t, hc, dim), rows, dead_mask=~keep if masked else None)
     torch.testing.assert_close(got.reshape(b, t, hc * dim), want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # token ids in: the module hashes them as transformers does
+        by_ids = ours(h.view(b, t, hc, dim), token_ids=ids, dead_mask=~keep if masked else None)
+    torch.testing.assert_close(by_ids, got, rtol=0, atol=0)
 
 
 def test_layer_output_incremental() -> None:

@@ -166,11 +166,14 @@ class Engram(nn.Module):
 
     def rows_for(self, token_ids: torch.Tensor, dead_mask: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's rows (B, T, heads) for token ids (B, T), hashed on the CPU (a sync point:
-        in production, hash ahead of the forward pass and pass rows)."""
+        in production, hash ahead of the forward pass and pass rows). In `qwen4-exp-ple` the dead
+        mask does not enter the hash (transformers hashes padding like any token)."""
         if self.hasher is None:
             raise ValueError(
                 "this Engram module has no hasher: pass rows, or build it with hasher=NgramHasher(...)"
             )
+        if self.config.variant is Variant.QWEN4_EXP_PLE:
+            dead_mask = None
         rows = self.hasher.hash(token_ids, dead_mask)
         return rows[..., self.config.layer_index(self.layer_id), :]
 
