@@ -21,7 +21,7 @@ __all__ = ["PRESETS", "EngramConfig", "MultiplierScheme", "Variant"]
 
 
 class Variant(enum.StrEnum):
-    """The two published Engram modules (SPEC §1)."""
+    """The published Engram modules: SPEC §1's two, and Qwen4-Exp's PLE."""
 
     V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
     DEMO_V1 = "demo-v1"  # the paper's demo: separate key projections, short causal conv
