@@ -90,7 +90,7 @@ def test_direct_reads_match(tmp_path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a filesystem without O_DIRECT falls back, with a warning
         f = RowFile(path, direct=True)
-    v, s = f.gather_bytes(torch.tensor([63, 1, 20]))
+    v, _ = f.gather_bytes(torch.tensor([63, 1, 20]))
     assert torch.equal(v.view(torch.uint8), t.weight[[63, 1, 20]].view(torch.uint8))
 
 
@@ -99,9 +99,9 @@ def test_refusals(tmp_path) -> None:
     path = write_row_file(tmp_path / "t.rows", t.weight, t.scale, identity="aaa", layer_id=1)
     with pytest.raises(ValueError, match=r"rows=40.*rows=41.*engram convert"):
         RowFile(path, expect_rows=41)
-    with pytest.raises(ValueError, match="identity='aaa'.*identity='bbb'"):
+    with pytest.raises(ValueError, match=r"identity='aaa'.*identity='bbb'"):
         RowFile(path, expect_identity="bbb")
-    with pytest.raises(ValueError, match="layer_id=1.*layer_id=14"):
+    with pytest.raises(ValueError, match=r"layer_id=1.*layer_id=14"):
         RowFile(path, expect_layer_id=14)
     f = RowFile(path)
     with pytest.raises(ValueError, match="row id 40 is out of range"):

@@ -92,7 +92,7 @@ def test_verify_counts_corrupted_cache_and_file(tmp_path) -> None:
     lt.gather(rows)
     assert lt.stats()["verify_mismatches"] == 0 and lt.stats()["verify_rows"] == 3
     slot = int(lt.l1.slot_of(np.array([4]))[0])
-    lt.l1._values[slot, 0] ^= 0x01  # a flipped bit in a cached row  # noqa: SLF001
+    lt.l1.values.view(torch.uint8)[slot, 0] ^= 0x01  # a flipped bit in a cached row
     lt.gather(rows)
     assert lt.stats()["verify_mismatches"] == 1
     # the file changes under the cache: row 5's cached bytes no longer match the file

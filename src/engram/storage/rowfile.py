@@ -238,7 +238,8 @@ class RowFile:
         if direct:
             if not hasattr(os, "O_DIRECT"):
                 warnings.warn(
-                    f"{self.path}: O_DIRECT does not exist on this OS; reading through the page cache"
+                    f"{self.path}: O_DIRECT does not exist on this OS; reading through the page cache",
+                    stacklevel=2,
                 )
             else:
                 try:
@@ -247,7 +248,8 @@ class RowFile:
                 except OSError as e:
                     warnings.warn(
                         f"{self.path}: this filesystem refuses O_DIRECT ({e.strerror}); reading through the "
-                        "page cache instead (pass direct=False to silence this)"
+                        "page cache instead (pass direct=False to silence this)",
+                        stacklevel=2,
                     )
         if not self.direct:
             self._fd = os.open(self.path, flags)
