@@ -24,6 +24,7 @@ import torch
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table
 from engram.storage import lookup
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
+from engram.storage.outpool import OutputPool
 from engram.storage.rowfile import RowFile
 from engram.systems.cache import RowCache
 from engram.systems.placement import as_device
@@ -117,6 +118,7 @@ class LevelTable(EngramTable):
         self.l1 = _cache(d, self.dim, self.device, device_policy)
         self.l2 = _cache(h, self.dim, torch.device("cpu"), host_policy)
         self.levels = [LevelStats("device", d), LevelStats("host", h), LevelStats("backing", self.num_rows)]
+        self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
         self.reset_stats()
 
     # ------------------------------------------------------------------ counters
@@ -238,7 +240,8 @@ class LevelTable(EngramTable):
         dtype = torch.float32 if dtype is None else dtype
         if dtype == torch.float64:  # as FP8Table: exact in float32, then widened
             return lookup.dequantize_gather(values, scales, index, torch.float32).double()
-        return lookup.dequantize_gather(values, scales, index, dtype)
+        out = self.out_pool.empty((*index.shape, self.dim), dtype) if dev.type == "cpu" else None
+        return lookup.dequantize_gather(values, scales, index, dtype, out)
 
     def _verify(
         self,

@@ -23,6 +23,7 @@ import torch
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table
 from engram.storage import lookup
 from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
+from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import RowCache
 from engram.systems.placement import Placement, as_device, as_placement
@@ -39,7 +40,7 @@ from engram.systems.staging import (
 __all__ = ["TieredTable"]
 
 # never copied (rebuilt per instance), resp. shared by a deepcopy (the frozen stored bytes)
-_RUNTIME = ("_worker", "_lock", "_pending", "_stream", "_staging", "_next_staging", "_cpu_block")
+_RUNTIME = ("_worker", "_lock", "_pending", "_stream", "_staging", "_next_staging", "_cpu_block", "out_pool")
 _SHARED = ("backing", "_host_values", "_host_scales", "_dev_values", "_dev_scales")
 
 
@@ -131,6 +132,7 @@ class TieredTable(EngramTable):
         self._staging = [Staging(pinned=cuda) for _ in range(2)]  # alternating (CUDA: pinned)
         self._next_staging = 0
         self._cpu_block = torch.empty(0, dtype=torch.uint8)  # reused by synchronous CPU gathers
+        self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
 
     # ------------------------------------------------------------------ copying
     def __getstate__(self) -> dict[str, Any]:
@@ -298,7 +300,9 @@ class TieredTable(EngramTable):
         if resident:
             return self._dequantize(self._dev_values, self._dev_scales, rows.to(self.device), dtype)
         if handle is None:
-            block = self._fetch(host, reuse=True)
+            block = self._fetch_block(host, reuse=True, direct_dtype=dtype)
+            if block.out is not None:  # dequantised straight from the cache's slots
+                return block.out
         if block.ready is not None:  # CUDA: order the current stream after the fetch stream, no host sync
             current = torch.cuda.current_stream(self.device)
             current.wait_event(block.ready)
@@ -324,7 +328,10 @@ class TieredTable(EngramTable):
         dtype = torch.float32 if dtype is None else dtype
         if dtype == torch.float64:  # as engram.model.table: exact in float32, then widened
             return lookup.dequantize_gather(values, scales, index, torch.float32, threads=threads).double()
-        return lookup.dequantize_gather(values, scales, index, dtype, threads=threads)
+        out = None
+        if self.device.type == "cpu" and index.device.type == "cpu":  # no fresh pages to fault in
+            out = self.out_pool.empty((*index.shape, self.dim), dtype)
+        return lookup.dequantize_gather(values, scales, index, dtype, out, threads=threads)
 
     def _fetch(self, host: torch.Tensor, *, reuse: bool, dtype: torch.dtype | None = None) -> FetchedBlock:
         """Distinct rows of `host` (..., int) as a FetchedBlock on the device (docs/systems.md, steps 1-4);
@@ -341,7 +348,9 @@ class TieredTable(EngramTable):
             ready.record(self._stream)
         return block._replace(out=out, ready=ready)
 
-    def _fetch_block(self, host: torch.Tensor, *, reuse: bool) -> FetchedBlock:
+    def _fetch_block(
+        self, host: torch.Tensor, *, reuse: bool, direct_dtype: torch.dtype | None = None
+    ) -> FetchedBlock:
         # torch.unique: sorted (ascending rows: file / DRAM locality), GIL released, faster than np.unique
         uniq_t, inverse_t = torch.unique(host.reshape(-1), sorted=True, return_inverse=True)  # (U,), (n,)
         uniq, inverse = uniq_t.numpy(), inverse_t.numpy()
@@ -371,6 +380,12 @@ class TieredTable(EngramTable):
             self.rows_distinct += u
             self.bytes_fetched += m * self.row_bytes
             fetch = FetchPlan(miss_rows, inverse, hit_slots, ins_slots, u, host.shape)
+            if self.device.type == "cpu" and reuse and self.cache is not None and ins_slots.shape[0] == m:
+                block = self._direct_block(fetch)  # the cache's own bytes: dequantise under the lock, before
+                out = self._dequantize(
+                    block.values, block.scales, block.inverse, direct_dtype
+                )  # a fetch evicts
+                return block._replace(out=out)
             if self.device.type == "cpu":
                 nbytes = cpu_block_bytes(u, self.dim)
                 if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
@@ -387,6 +402,33 @@ class TieredTable(EngramTable):
             return assemble_cuda(
                 staging, self._stream, self.device, self.cache, self._gather_misses, fetch, self.dim
             )
+
+    def _direct_block(self, fetch: FetchPlan) -> FetchedBlock:
+        """A synchronous CPU gather whose distinct rows all sit in the cache after this call: the misses are
+        read into their slots, and the block is the cache itself, indexed by slot (no copy of the hits).
+        Only for a block used at once (a prefetched one could see its slots evicted before its gather)."""
+        assert self.cache is not None
+        miss_rows, _, hit_slots, ins_slots, u, shape = fetch
+        m = miss_rows.numel()
+        if m:
+            nbytes = cpu_block_bytes(m, self.dim)
+            if self._cpu_block.numel() < nbytes:
+                self._cpu_block = torch.empty(
+                    align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
+                )
+            nb = self.dim // 32
+            off_s = align(m * self.dim)
+            mv = self._cpu_block[: m * self.dim].view(m, self.dim)
+            ms = self._cpu_block[off_s : off_s + m * nb].view(m, nb)
+            self._gather_misses(miss_rows, mv, ms)
+            self.cache.write(torch.from_numpy(ins_slots), mv, ms)
+        slot = np.empty(
+            u, dtype=np.int64
+        )  # (U,) each distinct row's slot: [misses; hits] as the inverse says
+        slot[:m] = ins_slots
+        slot[m:] = hit_slots
+        index = torch.from_numpy(slot[fetch.inverse]).view(shape)
+        return FetchedBlock(self.cache.values, self.cache.scales, index, None)
 
     def _gather_misses(self, miss_rows: torch.Tensor, out_v: torch.Tensor, out_s: torch.Tensor) -> None:
         """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""
