@@ -23,7 +23,7 @@ import torch
 
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table
 from engram.storage import lookup
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
+from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_row_ids, check_rows, fp8_row_bytes
 from engram.storage.outpool import OutputPool
 from engram.storage.rowfile import RowFile
 from engram.systems.cache import RowCache
@@ -166,11 +166,13 @@ class LevelTable(EngramTable):
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
         host = rows if rows.device.type == "cpu" else rows.cpu()  # sync point for device rows
-        check_rows(host, self.num_rows)
+        check_row_ids(host)
         self.gathers += 1
         self.rows_requested += host.numel()
         uniq_t, inverse_t = torch.unique(host.reshape(-1), sorted=True, return_inverse=True)  # (U,), (n,)
         uniq = uniq_t.numpy().astype(np.int64, copy=False)
+        if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
+            check_rows(host, self.num_rows)  # raises, naming the first bad id and its position
         u = uniq.shape[0]
         self.rows_distinct += u
         nb = self.dim // BLOCK
@@ -217,11 +219,12 @@ class LevelTable(EngramTable):
             lv1.bytes_in += k1 * self.row_bytes
         lv1.seconds += time.perf_counter() - t0
         inverse = inverse_t.reshape(host.shape)
+        inverse_np = inverse_t.numpy().reshape(-1)
         if k1 == m1:  # every distinct row is in level 1 now: dequantise straight from its slots
             slot_u = np.empty(u, dtype=np.int64)
             slot_u[p1.hit_idx] = p1.hit_slots
             slot_u[p1.miss_idx] = p1.ins_slots
-            index = torch.from_numpy(slot_u)[inverse].to(dev)
+            index = torch.from_numpy(slot_u[inverse_np]).view(host.shape).to(dev)  # numpy: no thread pool
             values, scales = l1.values, l1.scales
         else:  # some misses did not fit (budget below this call's distinct rows): a block [misses; hits]
             h1 = p1.hit_idx.shape[0]
@@ -233,7 +236,7 @@ class LevelTable(EngramTable):
             pos = np.empty(u, dtype=np.int64)
             pos[p1.miss_idx] = np.arange(m1)
             pos[p1.hit_idx] = np.arange(m1, u)
-            index = torch.from_numpy(pos)[inverse].to(dev)
+            index = torch.from_numpy(pos[inverse_np]).view(host.shape).to(dev)
             values, scales = values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE)
         if self.verify:
             self._verify(uniq, values, scales, index, inverse)
