@@ -3,6 +3,7 @@ prefetches and with calls that overflow the cache: bit-exact with FP8Table.gathe
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engram.model.table import FP8Table
@@ -27,3 +28,30 @@ def test_direct_path_exact_with_prefetch_and_overflow() -> None:
         assert torch.equal(got, held)
     s = t.stats()
     assert s["cache_hits"] > 0 and s["prefetch_hits"] > 0
+
+
+def test_verify_counts_a_corrupted_cached_row(tmp_path) -> None:
+    from engram.checkpoint.files import save_tensors
+    from engram.model.table import MmapFP8Table
+
+    g = torch.Generator().manual_seed(0)
+    table = FP8Table.from_float(torch.randn(200, 64, generator=g))
+    save_tensors(tmp_path / "t.safetensors", {"w": table.weight, "s": table.scale})
+    for backing, placement in (
+        (table, Placement.HOST),
+        (MmapFP8Table(tmp_path / "t.safetensors", "w", "s"), "ssd"),
+    ):
+        for rows in (torch.tensor([3, 4, 5, 3]), torch.arange(100)):  # fits the cache / overflows it
+            t = TieredTable(backing, placement, cache_rows=16, verify=True)
+            t.gather(rows)
+            assert t.stats()["verify_mismatches"] == 0 and t.stats()["verify_rows"] == rows.unique().numel()
+            slot = int(t.cache.slot_of(np.array([4]))[0])
+            t.cache.values.view(torch.uint8)[slot, 1] ^= 0x04  # a flipped bit in a cached row
+            t.gather(torch.tensor([4, 5]))
+            assert t.stats()["verify_mismatches"] == 1
+            t.prefetch(torch.tensor([4]))
+            t.gather(torch.tensor([4]))  # a prefetched block is checked too
+            assert t.stats()["verify_mismatches"] == 2
+    plain = TieredTable(table, Placement.HOST, cache_rows=16)
+    plain.gather(torch.tensor([1, 2]))
+    assert plain.stats()["verify_rows"] == 0  # off by default

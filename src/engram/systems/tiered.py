@@ -70,6 +70,7 @@ class TieredTable(EngramTable):
         max_inflight: int = 2,
         max_pending: int = 8,
         fetch_threads: int | None = None,
+        verify: bool = False,
     ) -> None:
         super().__init__()
         self.placement = as_placement(placement)
@@ -110,6 +111,7 @@ class TieredTable(EngramTable):
         self.row_bytes = fp8_row_bytes(self.dim)
         self.device = as_device(device)
         self.cache_rows, self.max_pending, self.fetch_threads = cache_rows, max_pending, fetch_threads
+        self.verify = bool(verify)  # re-read every fetched row from the backing tier and compare (debug)
         # plain attributes, not a submodule: model.to(...) must not drag a host / SSD table along
         self.__dict__["backing"] = table
         self._host_values = table.weight  # (N, dim) float8_e4m3fn on the host (file-backed for SSD)
@@ -219,6 +221,8 @@ class TieredTable(EngramTable):
         self.prefetch_hits = 0  # gathers served by a prefetch
         self.prefetch_misses = 0  # gathers that found no prefetch and fetched synchronously
         self.wait_seconds = 0.0  # time gathers spent waiting for prefetches still in flight
+        self.verify_rows = 0  # rows compared with the backing tier (verify=True)
+        self.verify_mismatches = 0  # of those, rows whose served bytes differ
         if self.cache is not None:
             self.cache.reset_stats()
 
@@ -237,6 +241,8 @@ class TieredTable(EngramTable):
             "prefetch_hits": self.prefetch_hits,
             "prefetch_misses": self.prefetch_misses,
             "wait_seconds": self.wait_seconds,
+            "verify_rows": self.verify_rows,
+            "verify_mismatches": self.verify_mismatches,
         }
         if self.cache is not None:
             out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
@@ -382,6 +388,9 @@ class TieredTable(EngramTable):
             fetch = FetchPlan(miss_rows, inverse, hit_slots, ins_slots, u, host.shape)
             if self.device.type == "cpu" and reuse and self.cache is not None and ins_slots.shape[0] == m:
                 block = self._direct_block(fetch)  # the cache's own bytes: dequantise under the lock, before
+                if self.verify:
+                    slot = torch.from_numpy(np.concatenate([ins_slots, hit_slots]))
+                    self._verify(uniq, miss_idx, hit_idx, self.cache.values[slot], self.cache.scales[slot])
                 out = self._dequantize(
                     block.values, block.scales, block.inverse, direct_dtype
                 )  # a fetch evicts
@@ -394,14 +403,41 @@ class TieredTable(EngramTable):
                                                       dtype=torch.uint8)  # fmt: skip
                     buf = self._cpu_block
                 else:  # a prefetched block lives until its gather: its own buffer
-                    buf = torch.empty(nbytes, dtype=torch.uint8)
-                return assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim)
+                    buf = self.out_pool.empty((nbytes,), torch.uint8)  # reused once its gather let go of it
+                block = assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim)
+                if self.verify:
+                    self._verify(uniq, miss_idx, hit_idx, block.values, block.scales)
+                return block
             assert self._stream is not None
             staging = self._staging[self._next_staging]  # alternate: the other one may still be copying
             self._next_staging ^= 1
-            return assemble_cuda(
+            block = assemble_cuda(
                 staging, self._stream, self.device, self.cache, self._gather_misses, fetch, self.dim
             )
+            if self.verify:
+                assert block.ready is not None
+                block.ready.synchronize()  # sync point: verify is a debugging mode
+                self._verify(uniq, miss_idx, hit_idx, block.values.cpu(), block.scales.cpu())
+            return block
+
+    def _verify(
+        self,
+        uniq: np.ndarray,
+        miss_idx: np.ndarray,
+        hit_idx: np.ndarray,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        """Compare a block's rows [misses; hits] (values (U, dim), scales (U, nb) on the host) with a fresh
+        read of the same rows from the backing tier; count the rows that differ."""
+        rows = torch.from_numpy(np.concatenate([uniq[miss_idx], uniq[hit_idx]]))  # (U,) the block's order
+        if self.placement is Placement.SSD:
+            self.backing.check_files()
+        ref_v = lookup.gather_rows(self._host_values, rows).view(torch.uint8)
+        ref_s = lookup.gather_rows(self._host_scales, rows).view(torch.uint8)
+        bad = (values.view(torch.uint8) != ref_v).any(1) | (scales.view(torch.uint8) != ref_s).any(1)
+        self.verify_rows += int(rows.numel())
+        self.verify_mismatches += int(bad.sum())
 
     def _direct_block(self, fetch: FetchPlan) -> FetchedBlock:
         """A synchronous CPU gather whose distinct rows all sit in the cache after this call: the misses are
