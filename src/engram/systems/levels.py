@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram.kernels import cpu_cache
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table
 from engram.storage import lookup
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_row_ids, check_rows, fp8_row_bytes
@@ -169,9 +170,8 @@ class LevelTable(EngramTable):
         check_row_ids(host)
         self.gathers += 1
         self.rows_requested += host.numel()
-        uniq_t, inverse_t = torch.unique(host.reshape(-1), sorted=True, return_inverse=True)  # (U,), (n,)
-        uniq = uniq_t.numpy().astype(np.int64, copy=False)
-        if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
+        uniq, inverse_np, bad = cpu_cache.unique_rows(host.reshape(-1).numpy(), self.num_rows)  # (U,), (n,)
+        if bad >= 0:
             check_rows(host, self.num_rows)  # raises, naming the first bad id and its position
         u = uniq.shape[0]
         self.rows_distinct += u
@@ -218,8 +218,7 @@ class LevelTable(EngramTable):
             l1.write(torch.from_numpy(p1.ins_slots).to(dev), miss_v[:k1], miss_s[:k1])
             lv1.bytes_in += k1 * self.row_bytes
         lv1.seconds += time.perf_counter() - t0
-        inverse = inverse_t.reshape(host.shape)
-        inverse_np = inverse_t.numpy().reshape(-1)
+        inverse = torch.from_numpy(inverse_np).view(host.shape)
         if k1 == m1:  # every distinct row is in level 1 now: dequantise straight from its slots
             slot_u = np.empty(u, dtype=np.int64)
             slot_u[p1.hit_idx] = p1.hit_slots

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram.kernels import cpu_cache
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table
 from engram.storage import lookup
 from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
@@ -357,12 +358,10 @@ class TieredTable(EngramTable):
     def _fetch_block(
         self, host: torch.Tensor, *, reuse: bool, direct_dtype: torch.dtype | None = None
     ) -> FetchedBlock:
-        # torch.unique: sorted (ascending rows: file / DRAM locality), GIL released, faster than np.unique
-        uniq_t, inverse_t = torch.unique(host.reshape(-1), sorted=True, return_inverse=True)  # (U,), (n,)
-        uniq, inverse = uniq_t.numpy(), inverse_t.numpy()
-        if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
+        # sorted distinct rows (ascending: file / DRAM locality) and the inverse, on this thread, GIL released
+        uniq, inverse, bad = cpu_cache.unique_rows(host.reshape(-1).numpy(), self.num_rows)  # (U,), (n,)
+        if bad >= 0:
             check_rows(host, self.num_rows)  # raises, naming the first bad id and its position
-        uniq = uniq.astype(np.int64, copy=False)
         u = uniq.shape[0]
         with self._lock:
             if self.cache is not None:
