@@ -26,7 +26,7 @@ from engram.storage import lookup
 from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
 from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
-from engram.systems.cache import RowCache
+from engram.systems.cache import CachePlan, RowCache
 from engram.systems.placement import Placement, as_device, as_placement
 from engram.systems.staging import (
     FetchedBlock,
@@ -372,6 +372,9 @@ class TieredTable(EngramTable):
                     plan.hit_slots,
                     plan.ins_slots,
                 )
+                direct = self.device.type == "cpu" and reuse and ins_slots.shape[0] == miss_idx.shape[0]
+                if direct:  # every distinct row is in the cache after this call: read them from their slots
+                    return self._direct(host, uniq, inverse, plan, direct_dtype)
                 if hit_idx.shape[0]:  # the block is [misses; hits]: re-point the inverse at it
                     pos = np.empty(u, dtype=np.int64)
                     pos[miss_idx] = np.arange(miss_idx.shape[0])
@@ -385,15 +388,6 @@ class TieredTable(EngramTable):
             self.rows_distinct += u
             self.bytes_fetched += m * self.row_bytes
             fetch = FetchPlan(miss_rows, inverse, hit_slots, ins_slots, u, host.shape)
-            if self.device.type == "cpu" and reuse and self.cache is not None and ins_slots.shape[0] == m:
-                block = self._direct_block(fetch)  # the cache's own bytes: dequantise under the lock, before
-                if self.verify:
-                    slot = torch.from_numpy(np.concatenate([ins_slots, hit_slots]))
-                    self._verify(uniq, miss_idx, hit_idx, self.cache.values[slot], self.cache.scales[slot])
-                out = self._dequantize(
-                    block.values, block.scales, block.inverse, direct_dtype
-                )  # a fetch evicts
-                return block._replace(out=out)
             if self.device.type == "cpu":
                 nbytes = cpu_block_bytes(u, self.dim)
                 if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
@@ -438,13 +432,22 @@ class TieredTable(EngramTable):
         self.verify_rows += int(rows.numel())
         self.verify_mismatches += int(bad.sum())
 
-    def _direct_block(self, fetch: FetchPlan) -> FetchedBlock:
-        """A synchronous CPU gather whose distinct rows all sit in the cache after this call: the misses are
-        read into their slots, and the block is the cache itself, indexed by slot (no copy of the hits).
-        Only for a block used at once (a prefetched one could see its slots evicted before its gather)."""
+    def _direct(
+        self,
+        host: torch.Tensor,
+        uniq: np.ndarray,
+        inverse: np.ndarray,
+        plan: CachePlan,
+        dtype: torch.dtype | None,
+    ) -> FetchedBlock:
+        """A synchronous CPU gather whose distinct rows all sit in the cache after this call (under the lock):
+        the misses are read into their slots, then the rows are dequantised straight from the cache's
+        slots (no copy of the hits). Only for a result made at once, under the lock: a later fetch may
+        evict the slots. Returns the block with `out` set."""
         assert self.cache is not None
-        miss_rows, _, hit_slots, ins_slots, u, shape = fetch
-        m = miss_rows.numel()
+        m = plan.miss_idx.shape[0]
+        self.rows_distinct += uniq.shape[0]
+        self.bytes_fetched += m * self.row_bytes
         if m:
             nbytes = cpu_block_bytes(m, self.dim)
             if self._cpu_block.numel() < nbytes:
@@ -455,15 +458,18 @@ class TieredTable(EngramTable):
             off_s = align(m * self.dim)
             mv = self._cpu_block[: m * self.dim].view(m, self.dim)
             ms = self._cpu_block[off_s : off_s + m * nb].view(m, nb)
-            self._gather_misses(miss_rows, mv, ms)
-            self.cache.write(torch.from_numpy(ins_slots), mv, ms)
-        slot = np.empty(
-            u, dtype=np.int64
-        )  # (U,) each distinct row's slot: [misses; hits] as the inverse says
-        slot[:m] = ins_slots
-        slot[m:] = hit_slots
-        index = torch.from_numpy(slot[fetch.inverse]).view(shape)
-        return FetchedBlock(self.cache.values, self.cache.scales, index, None)
+            self._gather_misses(torch.from_numpy(uniq[plan.miss_idx]), mv, ms)
+            self.cache.write(torch.from_numpy(plan.ins_slots), mv, ms)
+        slot = np.empty(uniq.shape[0], dtype=np.int64)  # (U,) each distinct row's slot
+        slot[plan.miss_idx] = plan.ins_slots
+        slot[plan.hit_idx] = plan.hit_slots
+        if self.verify:
+            order = np.concatenate([plan.miss_idx, plan.hit_idx])
+            s = torch.from_numpy(slot[order])
+            self._verify(uniq, plan.miss_idx, plan.hit_idx, self.cache.values[s], self.cache.scales[s])
+        index = torch.from_numpy(slot[inverse]).view(host.shape)
+        out = self._dequantize(self.cache.values, self.cache.scales, index, dtype)
+        return FetchedBlock(self.cache.values, self.cache.scales, index, None, out)
 
     def _gather_misses(self, miss_rows: torch.Tensor, out_v: torch.Tensor, out_s: torch.Tensor) -> None:
         """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""
