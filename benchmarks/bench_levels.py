@@ -91,6 +91,7 @@ def bench_public(table: FP8Table, batches: list[torch.Tensor], repeats: int) -> 
     for name, t in (("TieredTable", tiered), ("LevelTable", levels)):
         if not torch.equal(_bits(t.gather(ids)), _bits(want)):
             raise AssertionError(f"{name}.gather disagrees with FP8Table.gather")
+    tiered.reset_stats()
     best = _best(
         {
             "kernel": lambda: lookup.dequantize_gather(table.weight, table.scale, ids, torch.float32, out),
