@@ -185,16 +185,17 @@ def bench_rowfile(
         )
         # one cold pass from the storage device: buffered vs O_DIRECT positional reads
         cold = {}
-        for direct in (False, True):
+        for direct, io_threads in ((False, 1), (True, 1), (True, 8)):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                f = RowFile(rf_path, direct=direct)
+                f = RowFile(rf_path, direct=direct, io_threads=io_threads)
             _drop_pages(rf_path)
             cold_lt = LevelTable(f, device_rows=lt.l1.capacity, host_rows=lt.l2.capacity)
             t0 = time.perf_counter()
             for b in batches:
                 cold_lt.gather(b)
-            cold["direct" if f.direct else "buffered"] = (time.perf_counter() - t0, f.stats())
+            label = ("direct" if f.direct else "buffered") + f", {io_threads} in flight"
+            cold[label] = (time.perf_counter() - t0, f.stats())
             f.close()
         for label, (secs, fst) in cold.items():
             results.append(

@@ -126,3 +126,16 @@ def test_refusals(tmp_path) -> None:
         RowFile(tmp_path / "none.rows")
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
     assert os.path.exists(path)
+
+
+def test_parallel_reads_match(tmp_path) -> None:
+    t = _table(15 * 300)
+    f = RowFile(write_row_file(tmp_path / "t.rows", t.weight, t.scale), io_threads=4)
+    rows = torch.randperm(15 * 300, generator=torch.Generator().manual_seed(0))[:700]
+    v, s = f.gather_bytes(rows)
+    assert torch.equal(v.view(torch.uint8), t.weight[rows].view(torch.uint8))
+    assert torch.equal(s.view(torch.uint8), t.scale[rows].view(torch.uint8))
+    assert f.stats()["reads"] > 16  # enough runs to be split over the threads
+    with pytest.raises(ValueError, match="io_threads=0"):
+        RowFile(tmp_path / "t.rows", io_threads=0)
+    f.close()

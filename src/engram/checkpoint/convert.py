@@ -119,7 +119,9 @@ def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
     return out
 
 
-def open_row_file(ckpt_dir: str | os.PathLike[str], layer_id: int, *, direct: bool = False) -> RowFile:
+def open_row_file(
+    ckpt_dir: str | os.PathLike[str], layer_id: int, *, direct: bool = False, io_threads: int = 1
+) -> RowFile:
     """Layer `layer_id`'s row file of the checkpoint `ckpt_dir`, checked against its config (rows, width,
     layer and layout identity): a file written for another checkpoint raises, naming the field and the fix."""
     config = read_checkpoint_config(ckpt_dir)
@@ -138,6 +140,7 @@ def open_row_file(ckpt_dir: str | os.PathLike[str], layer_id: int, *, direct: bo
         expect_identity=row_file_identity(config, layer_id),
         expect_layer_id=layer_id,
         direct=direct,
+        io_threads=io_threads,
     )
     if f.rows < rows:
         raise ValueError(

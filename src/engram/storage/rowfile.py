@@ -19,6 +19,7 @@ import os
 import struct
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,9 @@ def write_row_file(
 class RowFile:
     """A row file opened for positional reads (`read_rows`), with counters: reads, pages_read, bytes_read.
 
+    `io_threads`: reads in flight at once (a thread pool issues the runs of pages in parallel; an SSD
+    serves several outstanding reads in about the time of one).
+
     `expect_rows` / `expect_dim` / `expect_identity` / `expect_layer_id`: refuse a file whose header
     differs (made for another checkpoint or layer). `direct`: open with O_DIRECT (no page cache); where
     the filesystem refuses it, a warning says so and the file is read through the page cache.
@@ -204,7 +208,12 @@ class RowFile:
         expect_identity: str | None = None,
         expect_layer_id: int | None = None,
         direct: bool = False,
+        io_threads: int = 1,
     ) -> None:
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ValueError(f"io_threads={io_threads!r} must be an int >= 1 (reads in flight at once)")
+        self.io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None  # started on the first read that can use it
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(
@@ -272,11 +281,17 @@ class RowFile:
         }
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
     def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
         fd = getattr(self, "_fd", -1)
         if fd >= 0:
             os.close(fd)
@@ -313,8 +328,10 @@ class RowFile:
         view = memoryview(self._buf)
         starts = np.flatnonzero(np.diff(groups, prepend=-2) != 1)  # first group of each run
         ends = np.append(starts[1:], n_groups)
-        try:
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        runs = list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+        def read(chunk: list[tuple[int, int]]) -> None:  # os.preadv releases the GIL
+            for a, b in chunk:
                 off = h.page_bytes + int(groups[a]) * h.group_bytes
                 want = (b - a) * h.group_bytes
                 got = os.preadv(self._fd, [view[a * h.group_bytes : b * h.group_bytes]], off)
@@ -323,6 +340,19 @@ class RowFile:
                         f"{self.path}: read {got} of {want} bytes at offset {off}: the row file was truncated "
                         "since it was opened; rewrite it with `engram convert SRC DST --row-file`"
                     )
+
+        try:
+            k = min(self.io_threads, len(runs) // 4)  # a few runs each, else the hand-off costs more
+            if k <= 1:
+                read(runs)
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="engram-rowfile")
+                step = -(-len(runs) // k)
+                futures = [self._pool.submit(read, runs[i : i + step]) for i in range(0, len(runs), step)]
+                wait(futures)  # all of them, even after a failure: they write into the buffer
+                for f in futures:
+                    f.result()  # raises the first failed chunk's error
         finally:
             view.release()
         page = np.frombuffer(self._buf, dtype=np.uint8, count=need)
