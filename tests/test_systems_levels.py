@@ -134,3 +134,26 @@ def test_bad_input() -> None:
         LevelTable(torch.zeros(3), device_rows=1, host_rows=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device_rows"):
         LevelTable(_table(), device_rows=1.5, host_rows=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budgets", [(4, 16), (64, 128)])
+def test_cuda_level_one_on_the_device(tmp_path, budgets) -> None:
+    t = _table()
+    ref = FP8Table(t.weight.cuda(), t.scale.cuda())
+    lt = LevelTable(
+        RowFile(write_row_file(tmp_path / "t.rows", t.weight, t.scale)),
+        device_rows=budgets[0],
+        host_rows=budgets[1],
+        device="cuda",
+        verify=True,
+    )
+    assert lt.l1.values.device.type == "cuda" and lt.l2.values.device.type == "cpu"
+    g = torch.Generator().manual_seed(5)
+    for step in range(6):
+        rows = torch.randint(0, 300 if step % 2 else 20, (4, 12), generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = lt.gather(rows.cuda() if step % 3 else rows, dtype)
+            assert got.device.type == "cuda"
+            assert torch.equal(_bits(got), _bits(ref.gather(rows.cuda(), dtype)))
+    assert lt.stats()["verify_mismatches"] == 0 and lt.stats()["device"]["hits"] > 0
