@@ -139,3 +139,36 @@ def test_parallel_reads_match(tmp_path) -> None:
     with pytest.raises(ValueError, match="io_threads=0"):
         RowFile(tmp_path / "t.rows", io_threads=0)
     f.close()
+
+
+def test_copies_reopen_the_file(tmp_path) -> None:
+    import copy
+    import pickle
+
+    t = _table(30)
+    f = RowFile(write_row_file(tmp_path / "t.rows", t.weight, t.scale, identity="x"), io_threads=2)
+    for g in (copy.deepcopy(f), pickle.loads(pickle.dumps(f))):
+        assert g is not f and g.io_threads == 2 and g.header.identity == "x"
+        v, _ = g.gather_bytes(torch.tensor([29, 0]))
+        assert torch.equal(v.view(torch.uint8), t.weight[[29, 0]].view(torch.uint8))
+    write_row_file(tmp_path / "t.rows", t.weight, t.scale, identity="y")  # replaced under the same name
+    with pytest.raises(ValueError, match="identity='y'"):
+        copy.deepcopy(f)
+
+
+def test_direct_refused_falls_back_with_a_warning(tmp_path, monkeypatch) -> None:
+    t = _table(20)
+    path = write_row_file(tmp_path / "t.rows", t.weight, t.scale)
+    real_open = os.open
+
+    def no_direct(p, flags, *a):  # a filesystem that refuses O_DIRECT (tmpfs does)
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.warns(UserWarning, match="refuses O_DIRECT.*page cache"):
+        f = RowFile(path, direct=True)
+    assert not f.direct
+    v, _ = f.gather_bytes(torch.tensor([19]))
+    assert torch.equal(v.view(torch.uint8), t.weight[[19]].view(torch.uint8))

@@ -157,3 +157,17 @@ def test_cuda_level_one_on_the_device(tmp_path, budgets) -> None:
             assert got.device.type == "cuda"
             assert torch.equal(_bits(got), _bits(ref.gather(rows.cuda(), dtype)))
     assert lt.stats()["verify_mismatches"] == 0 and lt.stats()["device"]["hits"] > 0
+
+
+def test_deepcopy_has_its_own_caches(backing) -> None:
+    import copy
+
+    t, b = backing
+    lt = LevelTable(b, device_rows=8, host_rows=32)
+    rows = torch.tensor([1, 2, 3])
+    lt.gather(rows)
+    twin = copy.deepcopy(lt)
+    assert (twin.backing is b) == (not isinstance(b, RowFile))
+    assert twin.l1 is not lt.l1 and twin.stats()["device"]["misses"] == 3
+    assert torch.equal(twin.gather(rows), t.gather(rows)) and twin.stats()["device"]["hits"] == 3
+    assert lt.stats()["device"]["hits"] == 0

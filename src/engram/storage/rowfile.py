@@ -14,6 +14,7 @@ and files, nothing of caches or models. Design: docs/storage.md.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -243,6 +244,7 @@ class RowFile:
             )
         self.rows, self.dim, self.row_bytes = h.rows, h.dim, h.row_bytes
         self.direct = False
+        self._direct_asked = direct
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         if direct:
             if not hasattr(os, "O_DIRECT"):
@@ -296,8 +298,18 @@ class RowFile:
         if fd >= 0:
             os.close(fd)
 
-    def __getstate__(self) -> dict:
-        raise TypeError("a RowFile holds an open file: open the path again instead of copying it")
+    def __reduce__(self) -> tuple:
+        """A copy (deepcopy, pickle) opens the same path again, refusing a file that changed identity."""
+        h = self.header
+        kwargs = {
+            "expect_rows": h.rows,
+            "expect_dim": h.dim,
+            "expect_identity": h.identity,
+            "expect_layer_id": h.layer_id,
+            "direct": self._direct_asked,
+            "io_threads": self.io_threads,
+        }
+        return (functools.partial(RowFile, **kwargs), (self.path,))
 
     def read_rows(
         self, rows: np.ndarray, out_values: np.ndarray, out_scales: np.ndarray, *, count: bool = True

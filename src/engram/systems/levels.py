@@ -14,6 +14,7 @@ On a CPU-only machine level 1 is simply the first in-memory level. Synchronous (
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,16 @@ class LevelTable(EngramTable):
         self.levels = [LevelStats("device", d), LevelStats("host", h), LevelStats("backing", self.num_rows)]
         self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
         self.reset_stats()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LevelTable:
+        """A copy with its own caches and counters; an in-memory or mapped backing table is shared (read
+        only), a RowFile is opened again (its read buffer is per instance)."""
+        if not isinstance(self.backing, RowFile):
+            memo[id(self.backing)] = self.backing
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:
