@@ -171,3 +171,23 @@ def test_deepcopy_has_its_own_caches(backing) -> None:
     assert twin.l1 is not lt.l1 and twin.stats()["device"]["misses"] == 3
     assert torch.equal(twin.gather(rows), t.gather(rows)) and twin.stats()["device"]["hits"] == 3
     assert lt.stats()["device"]["hits"] == 0
+
+
+def test_level_one_misses_in_any_order() -> None:
+    """A pinned policy may list level 1's misses admitted-first (not ascending): level 2 still plans them
+    sorted and every row lands where it belongs."""
+    from engram.systems.cache import CachePlan
+
+    t = _table()
+    lt = LevelTable(t, device_rows=4, host_rows=64)
+    real = lt.l1.plan
+
+    def shuffled(uniq: np.ndarray) -> CachePlan:
+        p = real(uniq)
+        none = np.empty(0, dtype=np.int64)
+        return CachePlan(p.hit_idx, p.hit_slots, p.miss_idx[::-1].copy(), none)  # admit nothing, descending
+
+    lt.l1.plan = shuffled  # type: ignore[method-assign]
+    rows = torch.tensor([[250, 3, 77], [3, 120, 9]])
+    assert torch.equal(lt.gather(rows), t.gather(rows))
+    assert lt.stats()["host"]["misses"] == 5

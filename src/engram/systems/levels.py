@@ -15,6 +15,7 @@ On a CPU-only machine level 1 is simply the first in-memory level. Synchronous (
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,9 +74,11 @@ def _budget(name: str, value: object, num_rows: int) -> int:
     return value
 
 
-def _cache(capacity: int, dim: int, device: torch.device, policy: str | None) -> RowCache:
+def _cache(name: str, capacity: int, dim: int, device: torch.device, policy: str | None) -> RowCache:
     if policy is None:
         return RowCache(capacity, dim, device)
+    if "policy" not in inspect.signature(RowCache).parameters:
+        raise ValueError(f"{name}={policy!r}: this RowCache has one policy (exact LRU); pass {name}=None")
     return RowCache(capacity, dim, device, policy=policy)  # type: ignore[call-arg]
 
 
@@ -117,8 +120,8 @@ class LevelTable(EngramTable):
         d = _budget("device_rows", device_rows, self.num_rows)
         h = _budget("host_rows", host_rows, self.num_rows)
         self.verify = bool(verify)
-        self.l1 = _cache(d, self.dim, self.device, device_policy)
-        self.l2 = _cache(h, self.dim, torch.device("cpu"), host_policy)
+        self.l1 = _cache("device_policy", d, self.dim, self.device, device_policy)
+        self.l2 = _cache("host_policy", h, self.dim, torch.device("cpu"), host_policy)
         self.levels = [LevelStats("device", d), LevelStats("host", h), LevelStats("backing", self.num_rows)]
         self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
         self.reset_stats()
@@ -161,7 +164,7 @@ class LevelTable(EngramTable):
 
     # ------------------------------------------------------------------ the backing store
     def _read_backing(self, rows: np.ndarray, v: np.ndarray, s: np.ndarray, *, count: bool = True) -> None:
-        """v (M, dim) / s (M, nb) uint8 <- rows (M,) ascending from the backing store."""
+        """v (M, dim) / s (M, nb) uint8 <- rows (M,) (any order) from the backing store."""
         b = self.backing
         if isinstance(b, RowFile):
             b.read_rows(rows, v, s, count=count)
@@ -199,11 +202,16 @@ class LevelTable(EngramTable):
         v1 = np.empty((m1, self.dim), dtype=np.uint8)  # level-1 misses' bytes, assembled on the host
         s1 = np.empty((m1, nb), dtype=np.uint8)
         if m1:
-            p2 = l2.plan(miss1)  # level 2: hits from DRAM
+            # a pinned policy may list level 1's misses admitted-first: level 2 plans them sorted
+            order = np.argsort(miss1, kind="stable") if (np.diff(miss1) < 0).any() else None
+            sorted1 = miss1 if order is None else miss1[order]
+            p2 = l2.plan(sorted1)  # level 2: hits from DRAM
             m2 = p2.miss_idx.shape[0]
             lv2.hits += m1 - m2
             lv2.misses += m2
-            miss2 = miss1[p2.miss_idx]
+            at_miss = p2.miss_idx if order is None else order[p2.miss_idx]  # their rows in v1 / s1
+            at_hit = p2.hit_idx if order is None else order[p2.hit_idx]
+            miss2 = sorted1[p2.miss_idx]
             v2 = np.empty((m2, self.dim), dtype=np.uint8)
             s2 = np.empty((m2, nb), dtype=np.uint8)
             t1 = time.perf_counter()
@@ -215,13 +223,13 @@ class LevelTable(EngramTable):
             if k2:
                 l2.write(torch.from_numpy(p2.ins_slots), torch.from_numpy(v2[:k2]), torch.from_numpy(s2[:k2]))
                 lv2.bytes_in += k2 * self.row_bytes
-            v1[p2.miss_idx], s1[p2.miss_idx] = v2, s2
+            v1[at_miss], s1[at_miss] = v2, s2
             h2 = p2.hit_idx.shape[0]
             if h2:
                 hv = torch.empty((h2, self.dim), dtype=torch.uint8)
                 hs = torch.empty((h2, nb), dtype=torch.uint8)
                 l2.read(torch.from_numpy(p2.hit_slots), hv, hs)
-                v1[p2.hit_idx], s1[p2.hit_idx] = hv.numpy(), hs.numpy()
+                v1[at_hit], s1[at_hit] = hv.numpy(), hs.numpy()
         k1 = p1.ins_slots.shape[0]
         miss_v = torch.from_numpy(v1).to(dev)  # the one host -> device copy of the call
         miss_s = torch.from_numpy(s1).to(dev)
