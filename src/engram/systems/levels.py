@@ -74,20 +74,26 @@ def _budget(name: str, value: object, num_rows: int) -> int:
     return value
 
 
-def _cache(name: str, capacity: int, dim: int, device: torch.device, policy: str | None) -> RowCache:
-    if policy is None:
-        return RowCache(capacity, dim, device)
-    if "policy" not in inspect.signature(RowCache).parameters:
-        raise ValueError(f"{name}={policy!r}: this RowCache has one policy (exact LRU); pass {name}=None")
-    return RowCache(capacity, dim, device, policy=policy)  # type: ignore[call-arg]
+def _cache(
+    level: str, capacity: int, dim: int, device: torch.device, policy: Any, pinned_rows: np.ndarray | None
+) -> RowCache:
+    """A RowCache, given `policy` / `pinned_rows` only when set (RowCache's default policy otherwise)."""
+    kwargs = {k: v for k, v in (("policy", policy), ("pinned_rows", pinned_rows)) if v is not None}
+    known = inspect.signature(RowCache).parameters
+    for k in kwargs:
+        if k not in known:
+            raise ValueError(
+                f"{level}_{k} is set, but this RowCache has one policy (exact LRU); leave it None"
+            )
+    return RowCache(capacity, dim, device, **kwargs)
 
 
 class LevelTable(EngramTable):
     """A frozen FP8 table in three levels: `device_rows` on `device`, `host_rows` in DRAM, `backing` below.
 
     `backing`: a `RowFile` (SSD, positional reads), an `MmapFP8Table` (SSD, memory-mapped) or an
-    `FP8Table` on the host. `device_policy` / `host_policy`: the caches' eviction policies (None: the
-    `RowCache` default, exact LRU). `verify`: re-read every served row from `backing` and count
+    `FP8Table` on the host. `device_policy` / `host_policy`: the caches' replacement policies (None: the
+    `RowCache` default); `*_pinned_rows`: the rows a pinned policy pins (`RowCache(pinned_rows=...)`). `verify`: re-read every served row from `backing` and count
     mismatches (`stats()["verify_mismatches"]`); off by default (it reads every row twice).
     """
 
@@ -98,8 +104,10 @@ class LevelTable(EngramTable):
         device_rows: int,
         host_rows: int,
         device: torch.device | str | None = None,
-        device_policy: str | None = None,
-        host_policy: str | None = None,
+        device_policy: Any = None,
+        host_policy: Any = None,
+        device_pinned_rows: np.ndarray | None = None,
+        host_pinned_rows: np.ndarray | None = None,
         verify: bool = False,
     ) -> None:
         super().__init__()
@@ -120,8 +128,8 @@ class LevelTable(EngramTable):
         d = _budget("device_rows", device_rows, self.num_rows)
         h = _budget("host_rows", host_rows, self.num_rows)
         self.verify = bool(verify)
-        self.l1 = _cache("device_policy", d, self.dim, self.device, device_policy)
-        self.l2 = _cache("host_policy", h, self.dim, torch.device("cpu"), host_policy)
+        self.l1 = _cache("device", d, self.dim, self.device, device_policy, device_pinned_rows)
+        self.l2 = _cache("host", h, self.dim, torch.device("cpu"), host_policy, host_pinned_rows)
         self.levels = [LevelStats("device", d), LevelStats("host", h), LevelStats("backing", self.num_rows)]
         self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
         self.reset_stats()
