@@ -126,6 +126,7 @@ def test_bad_budgets(kw, match) -> None:
 
 def test_bad_input() -> None:
     lt = LevelTable(_table(), device_rows=4, host_rows=8)
+    assert lt.gather(torch.empty(2, 0, dtype=torch.int32)).shape == (2, 0, 64)  # no rows: an empty result
     with pytest.raises(ValueError, match="row id 300"):
         lt.gather(torch.tensor([1, 300]))
     with pytest.raises(TypeError, match="int64 or int32"):

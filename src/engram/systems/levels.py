@@ -205,7 +205,7 @@ class LevelTable(EngramTable):
         m1 = p1.miss_idx.shape[0]
         lv1.hits += u - m1
         lv1.misses += m1
-        miss1 = uniq[p1.miss_idx]  # (M1,) ascending
+        miss1 = uniq[p1.miss_idx]  # (M1,) ascending (a pinned policy: admitted ones first)
         t0 = time.perf_counter()
         v1 = np.empty((m1, self.dim), dtype=np.uint8)  # level-1 misses' bytes, assembled on the host
         s1 = np.empty((m1, nb), dtype=np.uint8)
