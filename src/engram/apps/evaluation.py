@@ -36,7 +36,9 @@ def evaluate(
     batch_size: int = 32,
     engram_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category."""
+    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category.
+    `max_tokens`: score a fixed sample of about that many tokens, windows spread over every document
+    (`TokenStream.sample_starts`: the periodic evaluation's estimate of the full one); None: all."""
     was_training = model.training
     model.eval()
     starts = stream.eval_starts(seq_len, max_tokens)

@@ -76,7 +76,7 @@ class TrainConfig:
     seed: int = 0
     # evaluation and checkpoints
     eval_every: int = 50
-    eval_tokens: int = 16384  # held-out tokens scored at each periodic evaluation
+    eval_tokens: int = 16384  # held-out tokens sampled (over every document) at each periodic evaluation
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     threads: int | None = None
