@@ -45,7 +45,7 @@ def evaluate(
     n_cat = len(stream.categories)
     loss_sum = torch.zeros(n_cat, dtype=torch.float64)
     count = torch.zeros(n_cat, dtype=torch.float64)
-    use_rows = rows if model.engrams else None
+    use_rows = rows if model.needs_rows else None
     for i in range(0, len(starts), batch_size):
         score_windows(
             model, stream, use_rows, starts[i : i + batch_size], seq_len, loss_sum, count, engram_scale
