@@ -134,7 +134,7 @@ class TrainConfig:
         e = self.engram
         if e is None:
             changed = [
-                f"{k}={getattr(self, k)!r}"
+                f"{k}={getattr(getattr(self, k), 'value', getattr(self, k))!r}"
                 for k, default in (
                     ("engram_mode", "gated"),
                     ("row_hash", RowHash.NGRAM),

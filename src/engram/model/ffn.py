@@ -59,7 +59,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, D)
-        logits = self.router(flat).float()  # (N, E)
+        logits = self.router(flat)  # (N, E)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # route in fp32
         probs = logits.softmax(-1)
         top_logits, chosen = logits.topk(self.top_k, dim=-1)  # (N, k); ties: the lower expert id
         weights = top_logits.softmax(-1).to(x.dtype)  # (N, k)
