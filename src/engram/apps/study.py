@@ -102,6 +102,20 @@ def table_rows(e: EngramConfig) -> int:
     return Layout(e).total_rows
 
 
+def _with_rows(e: EngramConfig, target: int) -> EngramConfig:
+    """`e` with the base per head whose tables hold the number of rows nearest `target` (each head
+    takes a distinct prime above the base, so rows are not simply base x heads at small sizes)."""
+    lo, hi = 2, max(2, target)
+    while lo < hi:  # the smallest base with at least `target` rows (rows grow with the base)
+        mid = (lo + hi) // 2
+        if table_rows(_with_table_base(e, mid)) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    best = [_with_table_base(e, b) for b in (max(2, lo - 1), lo)]
+    return min(best, key=lambda c: abs(table_rows(c) - target))
+
+
 # ---------------------------------------------------------------------------- the studies' runs
 def _engram(base: TrainConfig) -> EngramConfig:
     if base.engram is None:
@@ -167,14 +181,14 @@ def _plan_ablations(base: TrainConfig, quick: bool) -> list[tuple[str, TrainConf
     for n in (2, 4):
         if n - 1 == orders0:
             continue
-        ec = e.replace(max_ngram_size=n, engram_vocab_size=(round(b0 * orders0 / (n - 1)),) * (n - 1))
+        ec = _with_rows(e.replace(max_ngram_size=n, engram_vocab_size=(b0,) * (n - 1)), table_rows(e))
         out.append(
             (f"orders 2-{n}" if n > 2 else "order 2 only", ref.replace(engram=ec), None, "same total rows")
         )
     for k in (1, 8):
         if k == heads0:
             continue
-        ec = _with_table_base(e.replace(n_heads=k), round(b0 * heads0 / k))
+        ec = _with_rows(e.replace(n_heads=k), table_rows(e))
         out.append(
             (f"{k} head{'s' if k > 1 else ''} per order", ref.replace(engram=ec), None, "same total rows")
         )
@@ -245,7 +259,6 @@ def _plan_allocation(base: TrainConfig, quick: bool) -> list[tuple[str, TrainCon
     expert = 3 * base.dim * hidden * base.n_layers  # one expert in every layer
     budget = ALLOCATION_BUDGET_EXPERTS * expert
     out: list[tuple[str, TrainConfig, float | None, str]] = []
-    orders_heads = (e.max_ngram_size - 1) * e.n_heads * len(e.layer_ids)
     for rho in QUICK_ALLOCATION_RATIOS if quick else ALLOCATION_RATIOS:
         idle = round(rho * ALLOCATION_BUDGET_EXPERTS)
         moe = base.replace(moe_experts=k + idle, moe_top_k=k, moe_hidden=hidden)
@@ -253,7 +266,7 @@ def _plan_allocation(base: TrainConfig, quick: bool) -> list[tuple[str, TrainCon
         if left <= 0:
             cfg, table = moe.replace(engram=None), 0
         else:
-            ec = _with_table_base(e, round(left / e.head_dim / orders_heads))
+            ec = _with_rows(e, round(left / e.head_dim))
             cfg, table = moe.replace(engram=ec), table_rows(ec) * e.head_dim
         actual = idle * expert / (idle * expert + table)
         out.append(
