@@ -131,3 +131,21 @@ def test_bad_moe_config_refused():
         LMConfig(vocab_size=10, dim=16, n_heads=2, moe_experts=-1)
     with pytest.raises(ValueError, match="top_k=0"):
         MoE(8, 4, 2, 0)
+
+
+def test_trainer_adds_the_load_balancing_loss(corpus):
+    """The Trainer trains on loss + moe_aux_coef * aux and records the next-token loss alone."""
+    from engram.apps.train import Trainer, build_model, prepare_data
+    from training_setup import tiny_cfg
+
+    runs = {}
+    for coef in (0.0, 10.0):
+        cfg = tiny_cfg(
+            corpus, engram=None, moe_experts=4, moe_top_k=2, moe_aux_coef=coef, steps=2, eval_every=0
+        )
+        data = prepare_data(cfg)
+        t = Trainer(cfg, data, build_model(cfg, data))
+        first = t.train_step()
+        runs[coef] = (first, t.model.blocks[0].mlp.router.weight.detach().clone())
+    assert runs[0.0][0] == runs[10.0][0]  # the same model and batch: the same next-token loss
+    assert not torch.equal(runs[0.0][1], runs[10.0][1])  # the aux term moved the router

@@ -66,19 +66,20 @@ class RunSpec:
 
 # ---------------------------------------------------------------------------- base config
 def study_base(
-    size: str = "demo",
+    size: str | None = None,
     *,
     steps: int | None = None,
     corpus: str | None = None,
     threads: int | None = None,
     quick: bool = False,
 ) -> TrainConfig:
-    """The studies' training config: preset `size` (quick: "tiny", 150 steps), `steps` and `corpus`
-    overrides; periodic evaluations every quarter of the run on a sample (studies compare the final
-    full evaluation only)."""
+    """The studies' training config: preset `size` (default "demo"; quick: "tiny" and 150 steps),
+    `steps` and `corpus` overrides; periodic evaluations every quarter of the run on a sample
+    (studies compare the final full evaluation only)."""
+    size = size or ("tiny" if quick else "demo")
     if size not in TRAIN_PRESETS:
         raise ValueError(f"--size {size!r}: use one of {', '.join(TRAIN_PRESETS)}")
-    cfg = TRAIN_PRESETS["tiny" if quick and size == "demo" else size]
+    cfg = TRAIN_PRESETS[size]
     n = steps if steps is not None else (150 if quick else cfg.steps)
     if n < 1:
         raise ValueError(f"--steps {n} must be >= 1")
@@ -394,7 +395,7 @@ def run_study(
     study: str,
     base: TrainConfig,
     *,
-    seeds: tuple[int, ...] = (0, 1),
+    seeds: tuple[int, ...] = (0, 1, 2),
     quick: bool = False,
     out_dir: str | Path = "reports/study",
     progress: bool = True,

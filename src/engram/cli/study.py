@@ -65,11 +65,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("study", choices=CHOICES, help="which study ('all': each in turn, sharing runs)")
     p.add_argument(
-        "--size", choices=["tiny", "demo", "small"], default="demo", help="the model preset (default: demo)"
+        "--size",
+        choices=["tiny", "demo", "small"],
+        help="the model preset (default: demo; with --quick: tiny)",
     )
     p.add_argument("--steps", type=positive_int, help="training steps per run (default: the preset's)")
     p.add_argument(
-        "--seeds", type=positive_int, default=2, help="seeds per variant (default 2; the spread needs 2+)"
+        "--seeds",
+        type=positive_int,
+        default=3,
+        help="seeds per variant (default 3; a spread needs 2 or more)",
     )
     p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
     p.add_argument(
@@ -79,7 +84,9 @@ def register(sub: Any) -> None:
         help="folder of the reports (<out>/<study>/) and the run cache (<out>/runs/) (default reports/study)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="a few minutes: the tiny model, 150 steps, fewer variants"
+        "--quick",
+        action="store_true",
+        help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants",
     )
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
