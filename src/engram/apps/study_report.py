@@ -149,7 +149,7 @@ def study_lines(results: dict[str, Any]) -> list[str]:
     summary = results["summary"]
     ref = _reference(results["study"], summary)
     lines = [
-        f"| variant | held-out loss (mean ± spread, {len(results['seeds'])} seeds) | vs {ref['variant']} | "
+        f"| variant | held-out loss (mean ± spread, {len(results['seeds'])} seeds) | vs {ref['variant']} (- is lower) | "
         "total params | activated params | tokens/s | what it is |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
