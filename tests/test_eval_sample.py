@@ -86,3 +86,28 @@ def test_sampled_estimate_matches_full():
 def test_bad_sample_size_refused():
     with pytest.raises(ValueError, match="max_tokens=0"):
         stream([500]).eval_starts(16, 0)
+
+
+def test_periodic_evaluation_leaves_training_alone_and_tracks_the_full_one(corpus):
+    """Evaluating every few steps changes no weight (the sample uses its own RNG), and the last
+    sampled point is close to the final evaluation on every held-out token."""
+    import torch
+
+    from engram.apps.train import Trainer, build_model, prepare_data
+    from training_setup import tiny_cfg
+
+    finals = []
+    for every in (0, 4):
+        cfg = tiny_cfg(corpus, steps=12, eval_every=every, eval_tokens=1024, threads=1)
+        data = prepare_data(cfg)
+        t = Trainer(cfg, data, build_model(cfg, data))
+        t.run()
+        finals.append((t.model.state_dict(), t))
+    (a, _), (b, t) = finals
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sampled = t.history[-1]["held_out_loss"]
+    assert (
+        t.data.held_out.eval_starts(t.cfg.seq_len, 1024).size
+        < t.data.held_out.eval_starts(t.cfg.seq_len).size
+    )
+    assert abs(sampled - t.evaluate()["loss"]) < 0.1
