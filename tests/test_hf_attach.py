@@ -137,7 +137,7 @@ def test_find_decoder_layers_rule_and_errors():
     model = S.llama(layers=2)
     assert find_decoder_layers(model) == list(model.model.layers)
     assert find_decoder_layers(model, "model.layers") == list(model.model.layers)
-    with pytest.raises(ValueError, match="tried model.layers, transformer.h"):
+    with pytest.raises(ValueError, match=r"tried model\.layers, transformer\.h"):
         find_decoder_layers(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="does not name a list"):
         find_decoder_layers(model, "model.nothing")

@@ -8,7 +8,6 @@ read the Engram part alone. Design and usage: notes/README-hf.md.
 
 from __future__ import annotations
 
-from engram.hf.collator import EngramCollator
 from engram.hf.attach import (
     DECODER_LAYER_PATHS,
     EngramAttachment,
@@ -16,6 +15,7 @@ from engram.hf.attach import (
     find_decoder_layers,
     get_attachment,
 )
+from engram.hf.collator import EngramCollator
 
 __all__ = [
     "DECODER_LAYER_PATHS",
