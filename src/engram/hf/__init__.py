@@ -16,12 +16,15 @@ from engram.hf.attach import (
     get_attachment,
 )
 from engram.hf.collator import EngramCollator
+from engram.hf.optim import EngramOptimizer, build_optimizer
 
 __all__ = [
     "DECODER_LAYER_PATHS",
     "EngramAttachment",
     "EngramCollator",
+    "EngramOptimizer",
     "add_engram",
+    "build_optimizer",
     "find_decoder_layers",
     "get_attachment",
 ]

@@ -154,7 +154,9 @@ class EngramAttachment(nn.Module):
 def get_attachment(model: nn.Module) -> EngramAttachment:
     """The EngramAttachment of a model `add_engram` returned (raise if it has none)."""
     att = getattr(model, "engram", None)
-    if not isinstance(att, EngramAttachment):
+    if not isinstance(att, EngramAttachment):  # a wrapper (e.g. a peft model): search its modules
+        att = next((m for m in model.modules() if isinstance(m, EngramAttachment)), None)
+    if att is None:
         raise ValueError(
             f"{type(model).__name__} has no Engram attached: call engram.hf.add_engram(model, ...)"
         )
