@@ -16,6 +16,7 @@ from engram.hf.attach import (
     get_attachment,
 )
 from engram.hf.collator import EngramCollator
+from engram.hf.io import export_fp8, load_engram, save_engram
 from engram.hf.optim import EngramOptimizer, build_optimizer
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "EngramOptimizer",
     "add_engram",
     "build_optimizer",
+    "export_fp8",
     "find_decoder_layers",
     "get_attachment",
+    "load_engram",
+    "save_engram",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "add_engram",
     "find_decoder_layers",
     "get_attachment",
+    "model_hidden_size",
 ]
 
 # Where decoder-only models of transformers 5 keep their decoder layers, tried in this order on the
@@ -90,7 +91,8 @@ def find_decoder_layers(
     )
 
 
-def _hidden_size(model: nn.Module) -> int | None:
+def model_hidden_size(model: nn.Module) -> int | None:
+    """The residual width of an HF model (config hidden_size / n_embd / d_model, else its embeddings)."""
     cfg = getattr(model, "config", None)
     if cfg is not None:
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -233,7 +235,7 @@ def add_engram(
             f"config {config.name!r} has hc_mult={config.hc_mult}, but a Hugging Face model has one residual "
             "stream: use config.replace(hc_mult=1)"
         )
-    hidden = _hidden_size(model)
+    hidden = model_hidden_size(model)
     if hidden is not None and hidden != config.hidden_size:
         raise ValueError(
             f"the model's hidden size is {hidden} but config {config.name!r} has hidden_size="
