@@ -75,7 +75,7 @@ def test_load_refuses_another_hidden_size_and_attaches_nothing(tmp_path):
         load_engram(other, tmp_path / "e")
     assert not hasattr(other, "engram") and not other._forward_pre_hooks
     small = S.llama(layers=2)
-    with pytest.raises(ValueError, match="layers \\[0, 2\\].*2 decoder layers"):
+    with pytest.raises(ValueError, match=r"layers \[0, 2\].*2 decoder layers"):
         load_engram(small, tmp_path / "e")
     assert not hasattr(small, "engram")
 
