@@ -96,6 +96,29 @@ def test_hash_exact(kernels, ds_compression, preset: str, with_dead: bool, with_
     assert np.array_equal(out32.cpu().numpy(), want)
 
 
+@pytest.mark.parametrize("with_dead", [False, True])
+@pytest.mark.parametrize("with_window", [False, True])
+def test_hash_starts_exact(kernels, with_dead: bool, with_window: bool) -> None:
+    """Window restarts (`starts`) in the kernel: the numpy twin's bits, and the torch twin's."""
+    config = EngramConfig.preset("tiny").replace(vocab_size=50, compressed_vocab_size=50, pad_token_id=3)
+    hasher = NgramHasher(config)
+    rng = np.random.default_rng(1)
+    b, t = 3, 150
+    xc = rng.integers(0, 50, size=(b, t)).astype(np.int64)
+    starts = rng.random((b, t)) < 0.15
+    starts[0, 0] = True  # a start at position 0 hides the carried window
+    dead = rng.random((b, t)) < 0.1 if with_dead else None
+    window = rng.integers(0, 50, size=(b, hasher.window_size)) if with_window else None
+    tables = to_dev(hasher.multipliers, hasher.primes, hasher.offsets)
+    xc_t, dead_t, win_t, st_t = to_dev(xc, dead, window, starts)
+    got = kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t)
+    want = hasher.hash_compressed(xc, dead, window, starts=starts, backend="numpy")
+    assert np.array_equal(got.cpu().numpy(), want)
+    assert np.array_equal(hasher.hash_compressed(xc, dead, window, starts=starts, backend="numba"), want)
+    assert torch.equal(reference.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t), got)
+    assert not np.array_equal(hasher.hash_compressed(xc, dead, window, backend="numpy"), want)
+
+
 def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) -> None:
     """The published V4.1 rows of every golden case (one with dead image positions), through the kernel."""
     tables = to_dev(v41_hasher.multipliers, v41_hasher.primes, v41_hasher.offsets)
@@ -342,3 +365,25 @@ def test_stream_device_step(kernels, ds_compression):
     dev.draft(np.array([[1], [2], [3]]))
     with pytest.raises(RuntimeError, match="drafted tokens are pending"):
         dev._step_device(ids[0], None, None, True)
+
+
+def test_stream_device_step_restarts(kernels):
+    """`_step_device` with `starts` and `restart_after_id`: the host stream's rows, step by step."""
+    from engram import HashStream
+
+    config = EngramConfig.preset("tiny").replace(
+        vocab_size=20, compressed_vocab_size=20, pad_token_id=2, restart_after_id=2
+    )
+    hasher = NgramHasher(config)
+    gen = torch.Generator().manual_seed(9)
+    b, steps = 3, 12
+    ids = torch.randint(0, 6, (steps, b), generator=gen).to(DEVICE)  # id 2 (the restart id) often
+    starts = (torch.rand(steps, b, generator=gen) < 0.2).to(DEVICE)
+    host, dev = HashStream(hasher, b), HashStream(hasher, b)
+    for s in (host, dev):
+        s.feed(np.array([[1, 2], [3, 4], [2, 5]]))
+    for t in range(steps):
+        want = host.step(ids[t].cpu().numpy(), starts=starts[t].cpu().numpy())
+        got = dev._step_device(ids[t], None, None, True, starts[t])
+        assert np.array_equal(got.cpu().numpy(), want), t
+    assert np.array_equal(dev.window, host.window)

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PRESETS", "EngramConfig", "Variant"]
+__all__ = ["PRESETS", "EngramConfig", "MultiplierScheme", "Variant"]
 
 
 class Variant(enum.StrEnum):
@@ -22,6 +22,16 @@ class Variant(enum.StrEnum):
 
     V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
     DEMO_V1 = "demo-v1"  # the paper's demo: separate key projections, short causal conv
+    # Qwen4-Exp's Per-Layer Embedding (transformers' `qwen4_exp`): raw ids, splitmix64 multipliers,
+    # windows restarting after EOS, one fused key projection normed per stream, dilated conv.
+    QWEN4_EXP_PLE = "qwen4-exp-ple"
+
+
+class MultiplierScheme(enum.StrEnum):
+    """How a layer's odd hash multipliers are drawn (both bounded so that x * m fits int64)."""
+
+    NUMPY_RNG = "numpy-rng"  # V4.1 / demo: numpy default_rng(seed + 10007 * layer_id)
+    SPLITMIX64 = "splitmix64"  # Qwen4-Exp: splitmix64 of seed + 10007 * (index in layer_ids)
 
 
 def _tuple_of_ints(name: str, value: Any) -> tuple[int, ...]:
@@ -62,6 +72,12 @@ class EngramConfig:
     kernel_size: int = 4  # demo-v1 short conv only
     norm_eps: float = 1e-6
     gate_clamp: float = 1e-6  # |dot| floor before the signed square root
+    # --- variants beyond V4.1 ---
+    # Windows restart after this tokenizer id (Qwen4-Exp: EOS): the token after it looks back at
+    # nothing before it (pads), as if a new sequence began. None: no automatic restarts (V4.1).
+    restart_after_id: int | None = None
+    multiplier_scheme: MultiplierScheme = MultiplierScheme.NUMPY_RNG
+    table_rows_multiple: int = 1  # each layer's table padded up to a multiple of this many rows
     # What a loaded config.json declared for `engram_num_embeddings` (int or per layer), kept for
     # the round trip and checked against the prime sums by `from_hf_dict`.
     declared_num_embeddings: int | tuple[int, ...] | None = field(default=None, compare=False)
@@ -69,6 +85,13 @@ class EngramConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
         set_(self, "variant", Variant(self.variant))
+        try:
+            set_(self, "multiplier_scheme", MultiplierScheme(self.multiplier_scheme))
+        except ValueError:
+            raise ValueError(
+                f"multiplier_scheme={self.multiplier_scheme!r} is not one of "
+                f"{', '.join(repr(m.value) for m in MultiplierScheme)}"
+            ) from None
         set_(self, "layer_ids", _tuple_of_ints("layer_ids", self.layer_ids))
         if isinstance(self.engram_vocab_size, int):
             set_(self, "engram_vocab_size", (self.engram_vocab_size,) * max(self.max_ngram_size - 1, 0))
@@ -84,6 +107,7 @@ class EngramConfig:
             "hidden_size",
             "hc_mult",
             "kernel_size",
+            "table_rows_multiple",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -125,6 +149,28 @@ class EngramConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.norm_eps <= 0 or self.gate_clamp <= 0:
             raise ValueError(f"norm_eps={self.norm_eps} and gate_clamp={self.gate_clamp} must be > 0")
+        if self.table_rows_multiple < 1:
+            raise ValueError(f"table_rows_multiple={self.table_rows_multiple} must be >= 1 (1 = no padding)")
+        rid = self.restart_after_id
+        if rid is not None:
+            if isinstance(rid, bool) or not isinstance(rid, int):
+                raise TypeError(f"EngramConfig.restart_after_id must be an int or None, got {rid!r}")
+            if not 0 <= rid < self.vocab_size:
+                raise ValueError(
+                    f"restart_after_id={rid} is outside the tokenizer's ids [0, {self.vocab_size}); "
+                    "give the id of the token after which windows restart (e.g. EOS), or None"
+                )
+        if self.variant is Variant.QWEN4_EXP_PLE:
+            if self.compressed_vocab_size != self.vocab_size:
+                raise ValueError(
+                    f"variant {self.variant.value!r} hashes raw token ids: compressed_vocab_size="
+                    f"{self.compressed_vocab_size} must equal vocab_size={self.vocab_size}"
+                )
+            if len(set(self.engram_vocab_size)) != 1:
+                raise ValueError(
+                    f"variant {self.variant.value!r} counts primes up from one base "
+                    f"(ngram_vocab_size_base), got per-order bases {self.engram_vocab_size}"
+                )
 
     # ------------------------------------------------------------------ derived values
     @property

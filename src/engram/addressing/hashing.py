@@ -28,6 +28,7 @@ __all__ = [
     "NgramHasher",
     "check_dead_mask",
     "check_device_inputs",
+    "check_starts",
     "check_token_ids",
     "rows_like",
 ]
@@ -128,7 +129,9 @@ def check_token_ids(token_ids: Any, vocab_size: int, name: str = "token_ids") ->
     return arr.astype(np.int64, copy=False)
 
 
-def check_dead_mask(dead_mask: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+def check_dead_mask(
+    dead_mask: Any, shape: tuple[int, ...], name: str = "dead_mask", meaning: str = "dead position"
+) -> np.ndarray | None:
     """`dead_mask` (None, or bool of `shape`: True = dead position) as a numpy array."""
     if dead_mask is None:
         return None
@@ -136,10 +139,15 @@ def check_dead_mask(dead_mask: Any, shape: tuple[int, ...]) -> np.ndarray | None
         dead_mask = dead_mask.detach().cpu().numpy()
     mask = np.asarray(dead_mask)
     if mask.dtype != np.bool_:
-        raise TypeError(f"dead_mask must be boolean (True = dead position), got dtype {mask.dtype}")
+        raise TypeError(f"{name} must be boolean (True = {meaning}), got dtype {mask.dtype}")
     if mask.shape != shape:
-        raise ValueError(f"dead_mask has shape {mask.shape} but token_ids has shape {shape}; they must match")
+        raise ValueError(f"{name} has shape {mask.shape} but token_ids has shape {shape}; they must match")
     return mask
+
+
+def check_starts(starts: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """`starts` (None, or bool of `shape`: True = a window restarts at this position) as numpy."""
+    return check_dead_mask(starts, shape, "starts", "a new window starts at this position")
 
 
 class NgramHasher:
@@ -149,16 +157,26 @@ class NgramHasher:
     1-D input), columns in (order, head) order, each head's table offset included.
     `backend` (a `HashBackend` or its value) and `threads` are the defaults of every call that
     does not pass its own; `threads=None` uses every core for inputs of >= 16K tokens.
+    Without `compression`, ids are hashed raw (the identity map; the config must have
+    compressed_vocab_size == vocab_size, as raw-id variants like Qwen4-Exp's PLE do).
     """
 
     def __init__(
         self,
         config: EngramConfig,
-        compression: TokenizerCompression,
+        compression: TokenizerCompression | None = None,
         *,
         backend: HashBackend | str = HashBackend.AUTO,
         threads: int | None = None,
     ) -> None:
+        if compression is None:  # raw-id variants (Qwen4-Exp): the identity map
+            if config.compressed_vocab_size != config.vocab_size:
+                raise ValueError(
+                    f"config {config.name!r} hashes compressed ids (compressed_vocab_size="
+                    f"{config.compressed_vocab_size} < vocab_size={config.vocab_size}): pass its compression map, "
+                    "e.g. TokenizerCompression.from_tokenizer(tokenizer)"
+                )
+            compression = TokenizerCompression.identity(config.vocab_size)
         if compression.vocab_size != config.vocab_size:
             raise ValueError(
                 f"the compression map covers {compression.vocab_size} tokenizer ids but config {config.name!r} has "
@@ -233,27 +251,34 @@ class NgramHasher:
         token_ids: Any,
         dead_mask: Any = None,
         *,
+        starts: Any = None,
         out_dtype: Any = np.int64,
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> Any:
         """Physical rows for raw tokenizer ids ([T] or [B, T]; numpy, torch or a list).
 
-        `dead_mask` (bool, same shape) marks dead (image) positions. A torch tensor input gives a
-        torch tensor on the same device; anything else gives a numpy array. `out_dtype` int32
-        halves the output (allowed when every table has < 2^31 rows, as in V4.1); `backend` and
-        `threads` override the hasher's defaults (see `hash_compressed`).
+        `dead_mask` (bool, same shape) marks dead (image) positions. `starts` (bool, same shape)
+        marks positions that begin a new window: from there on, nothing before reads as anything but
+        the pad id (as at a sequence start). With `config.restart_after_id` set, the position after
+        every such id starts a window too. A torch tensor input gives a torch tensor on the same
+        device; anything else gives a numpy array. `out_dtype` int32 halves the output (allowed when
+        every table has < 2^31 rows, as in V4.1); `backend` and `threads` override the hasher's
+        defaults (see `hash_compressed`).
         """
         auto = backend in (None, HashBackend.AUTO, "auto")
         if auto and isinstance(token_ids, torch.Tensor) and kernels.use_triton(token_ids):
-            return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype))
+            return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype), starts)
         ids = check_token_ids(token_ids, self.config.vocab_size)
         dead = check_dead_mask(dead_mask, ids.shape)
         one_d = ids.ndim == 1
-        xc = self.compression.lookup[ids.reshape(1, -1) if one_d else ids]
+        ids2 = ids.reshape(1, -1) if one_d else ids
+        st, _ = self.boundaries(ids2, check_starts(starts, ids.shape))
+        xc = self.compression.lookup[ids2]
         rows = self.hash_compressed(
             xc,
             None if dead is None else dead.reshape(xc.shape),
+            starts=st,
             out_dtype=out_dtype,
             backend=backend,
             threads=threads,
@@ -261,6 +286,23 @@ class NgramHasher:
         if one_d:
             rows = rows[0]
         return rows_like(rows, token_ids)
+
+    def boundaries(
+        self, ids: np.ndarray, starts: np.ndarray | None
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(starts, ends) of raw ids (B, T): `starts` with the restarts after `restart_after_id`
+        added (the position after each such id), and `ends` (True where the id is that id: the
+        window after it restarts, which carries into the next chunk); None where nothing is marked."""
+        starts = None if starts is None else starts.reshape(ids.shape)
+        rid = self.config.restart_after_id
+        if rid is None:
+            return starts, None
+        ends = ids == rid
+        if not ends.any():
+            return starts, None
+        derived = np.zeros(ids.shape, dtype=bool)
+        derived[:, 1:] = ends[:, :-1]
+        return (derived if starts is None else derived | starts), ends
 
     def device_tables(self, device: Any) -> tuple[Any, ...]:
         """(compression lookup, multipliers, primes, offsets) as int64 tensors on `device`, made once
@@ -274,7 +316,7 @@ class NgramHasher:
             self._device_tables[device] = tables
         return tables
 
-    def _hash_triton(self, token_ids: Any, dead_mask: Any, dtype: np.dtype) -> Any:
+    def _hash_triton(self, token_ids: Any, dead_mask: Any, dtype: np.dtype, starts: Any = None) -> Any:
         """`hash` of a CUDA tensor with the Triton kernel: ids, compression and rows stay on the device.
 
         The boundary checks run on the device (one sync); only an input that fails them is copied to
@@ -284,16 +326,27 @@ class NgramHasher:
         if ids.dim() not in (1, 2) or ids.numel() == 0:
             check_token_ids(ids, self.config.vocab_size)  # raises with the CPU path's message
         check_device_inputs(ids, dead_mask, self.config.vocab_size)
+        if starts is not None and (
+            not isinstance(starts, torch.Tensor) or starts.dtype != torch.bool or starts.shape != ids.shape
+        ):
+            check_starts(starts, tuple(ids.shape))  # raises with the reason
         lut, mult, primes, offsets = self.device_tables(ids.device)
         one_d = ids.dim() == 1
-        xc = lut[ids.reshape(1, -1) if one_d else ids]  # (B, T) compressed ids
+        ids2 = ids.reshape(1, -1) if one_d else ids
+        xc = lut[ids2]  # (B, T) compressed ids
         dead = None if dead_mask is None else dead_mask.reshape(xc.shape).to(ids.device)
+        st = None if starts is None else starts.reshape(xc.shape).to(ids.device)
+        rid = self.config.restart_after_id
+        if rid is not None:  # the position after each restart id begins a window
+            derived = torch.zeros_like(xc, dtype=torch.bool)
+            derived[:, 1:] = ids2[:, :-1] == rid
+            st = derived if st is None else derived | st
         out = torch.empty(
             (*xc.shape, self.config.n_layers, self.config.rows_per_token),
             dtype=torch.int32 if dtype == np.int32 else torch.int64,
             device=ids.device,
         )
-        kernels.hash_rows(xc, dead, None, mult, primes, offsets, self.pad, out)
+        kernels.hash_rows(xc, dead, None, mult, primes, offsets, self.pad, out, starts=st)
         return out[0] if one_d else out
 
     # ------------------------------------------------------------------ core
@@ -309,26 +362,36 @@ class NgramHasher:
         return vals, np.concatenate([window[:, ::-1], vals], axis=1)
 
     def lookback(
-        self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None
+        self,
+        xc: np.ndarray,
+        dead: np.ndarray | None,
+        window: np.ndarray | None,
+        starts: np.ndarray | None = None,
     ) -> list[np.ndarray]:
         """The max_ngram look-back columns [B, T] each, pads and blocking applied.
 
         xc: (B, T) compressed ids; dead: (B, T) bool or None; window: (B, max_ngram-1) carried
         look-back of the position before xc[:, 0] (window[:, 0] is the most recent token), or
-        None at a sequence start (all pads).
+        None at a sequence start (all pads); starts: (B, T) bool or None, True where a window
+        restarts (look-back i of position t is blocked if a start lies in t-i+1 .. t).
         """
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
         vals, ext = self._extend(xc, dead, window)
         cols = [vals]
-        if dead is None:
+        if dead is None and starts is None:
             for i in range(1, n):
                 cols.append(ext[:, n - 1 - i : n - 1 - i + t])
             return cols
-        ext_dead = np.concatenate([np.zeros((b, n - 1), dtype=bool), dead], axis=1)
-        blocked = dead.copy()
-        for i in range(1, n):
-            blocked |= ext_dead[:, n - 1 - i : n - 1 - i + t]  # sticky: once blocked, farther is too
+        lead = np.zeros((b, n - 1), dtype=bool)
+        ext_dead = None if dead is None else np.concatenate([lead, dead], axis=1)
+        ext_start = None if starts is None else np.concatenate([lead, starts], axis=1)
+        blocked = np.zeros((b, t), dtype=bool) if dead is None else dead.copy()
+        for i in range(1, n):  # sticky: once blocked, farther is too
+            if ext_start is not None:
+                blocked |= ext_start[:, n - i : n - i + t]  # a start at t-i+1 hides t-i
+            if ext_dead is not None:
+                blocked |= ext_dead[:, n - 1 - i : n - 1 - i + t]
             cols.append(np.where(blocked, pad, ext[:, n - 1 - i : n - 1 - i + t]))
         return cols
 
@@ -338,12 +401,14 @@ class NgramHasher:
         dead: np.ndarray | None = None,
         window: np.ndarray | None = None,
         *,
+        starts: np.ndarray | None = None,
         out: np.ndarray | None = None,
         out_dtype: Any = np.int64,
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> np.ndarray:
-        """Rows (B, T, n_layers, rows_per_token) for compressed ids xc (B, T); see `lookback`.
+        """Rows (B, T, n_layers, rows_per_token) for compressed ids xc (B, T); see `lookback`
+        (`starts`: True where a window restarts; a start at position 0 hides the carried window).
 
         Writes into `out` when given (C-contiguous, int64 or int32, that shape) and returns it;
         else allocates `out_dtype`. `threads`: None = all cores for large inputs (>= 16K tokens),
@@ -359,13 +424,21 @@ class NgramHasher:
                 f"window has shape {np.shape(window)}; expected {(xc.shape[0], self.window_size)} "
                 "(batch, max_ngram_size - 1)"
             )
+        if starts is not None:
+            starts = np.asarray(starts)
+            if starts.shape != xc.shape or starts.dtype != np.bool_:
+                raise ValueError(
+                    f"starts must be bool of xc's shape {xc.shape}, got {starts.dtype} {starts.shape}"
+                )
+            if not starts.any():
+                starts = None
         shape = self.output_shape(xc.shape)
         dtype = self.check_out_dtype(out_dtype if out is None else out.dtype)
         if out is not None and (out.shape != shape or not out.flags.c_contiguous):
             raise ValueError(f"out must be C-contiguous with shape {shape}, got {out.shape}")
         tables = self.kernel_tables(backend)
         if tables is None or xc.size == 0:
-            rows = self.hash_compressed_numpy(xc, dead, window)
+            rows = self.hash_compressed_numpy(xc, dead, window, starts)
             if out is None:
                 return rows if dtype == _INT64 else rows.astype(dtype)
             out[...] = rows
@@ -382,14 +455,19 @@ class NgramHasher:
             *tables.layout_args,
             out,
             n_threads,
+            starts=None if starts is None else np.ascontiguousarray(starts, dtype=np.bool_),
         )
 
     def hash_compressed_numpy(
-        self, xc: np.ndarray, dead: np.ndarray | None = None, window: np.ndarray | None = None
+        self,
+        xc: np.ndarray,
+        dead: np.ndarray | None = None,
+        window: np.ndarray | None = None,
+        starts: np.ndarray | None = None,
     ) -> np.ndarray:
         """The numpy twin of `hash_compressed`: int64 rows from whole-array operations."""
         b, t = xc.shape
-        cols = self.lookback(xc, dead, window)
+        cols = self.lookback(xc, dead, window, starts)
         k = self.config.n_heads
         out = np.empty((b, t, self.config.n_layers, self.config.rows_per_token), dtype=np.int64)
         for li in range(self.config.n_layers):
@@ -418,21 +496,33 @@ class NgramHasher:
         dead: np.ndarray | None,
         window: np.ndarray | None,
         lengths: np.ndarray | None = None,
+        starts: np.ndarray | None = None,
+        ends: np.ndarray | None = None,
     ) -> np.ndarray:
         """The look-back window (B, max_ngram-1) of the position after the first `lengths[b]` tokens of
-        each row of xc (all T tokens by default), given the window before xc."""
+        each row of xc (all T tokens by default), given the window before xc.
+
+        `starts` (B, T) as in `lookback`; `ends` (B, T) bool: True where the window restarts after
+        the token (see `boundaries`), so a window after such a token is all pads."""
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
         _, ext = self._extend(xc, dead, window)
         ext_dead = np.zeros_like(ext, dtype=bool)
         if dead is not None:
             ext_dead[:, n - 1 :] = dead
+        ext_start = np.zeros_like(ext, dtype=bool)
+        if starts is not None:
+            ext_start[:, n - 1 :] = starts
         end = np.full(b, t, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
         rows = np.arange(b)
         new = np.empty((b, n - 1), dtype=np.int64)
         blocked = np.zeros(b, dtype=bool)
+        if ends is not None:  # the new position restarts if the last token kept is a restart id
+            blocked |= (end > 0) & ends[rows, np.maximum(end - 1, 0)]
         for j in range(n - 1):
             src = n - 2 + end - j  # ext index of the token j+1 back from the new position
+            if j > 0:
+                blocked |= ext_start[rows, src + 1]  # a start right after that token hides it
             blocked |= ext_dead[rows, src]
             new[:, j] = np.where(blocked, pad, ext[rows, src])
         return new
