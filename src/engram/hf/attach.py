@@ -258,6 +258,8 @@ def add_engram(
             raise ValueError(
                 f"boundaries='eos' needs an eos_token_id in [0, {config.vocab_size}), got {eos_token_id!r}"
             )
+    if boundaries == "eos":  # the hasher and its streams restart windows after EOS themselves
+        config = config.replace(restart_after_id=eos_token_id)
     hasher = build_hasher(config, tokenizer, compression)
     p = _model_param(model)
     if dtype is None:
@@ -274,6 +276,9 @@ def add_engram(
             modules[lid] = m
     elif set(modules) != set(config.layer_ids):
         raise ValueError(f"modules cover layers {sorted(modules)}, config has {list(config.layer_ids)}")
+    else:
+        for m in modules.values():
+            m.config = config  # the same addressing; records the restart rule with the modules
 
     # ---- nothing above changed the model; attach now
     att = EngramAttachment(config, hasher, modules, boundaries=boundaries, eos_token_id=eos_token_id)

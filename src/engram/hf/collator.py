@@ -60,7 +60,7 @@ class EngramCollator:
     def __call__(self, features: Sequence[Any]) -> dict[str, torch.Tensor]:
         if not features:
             raise ValueError("EngramCollator got an empty list of features")
-        seqs, extra_labels = [], []
+        seqs, extra_labels, positions = [], [], []
         for i, f in enumerate(features):
             ids = f["input_ids"] if isinstance(f, Mapping) else f
             arr = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(
@@ -71,6 +71,8 @@ class EngramCollator:
             if self.max_length is not None:
                 arr = arr[: self.max_length]
             seqs.append(arr)
+            pos = f.get("position_ids") if isinstance(f, Mapping) else None
+            positions.append(None if pos is None else np.asarray(pos, dtype=np.int64).reshape(-1)[: arr.size])
             lab = f.get("labels") if isinstance(f, Mapping) else None
             extra_labels.append(
                 None if lab is None else np.asarray(lab, dtype=np.int64).reshape(-1)[: arr.size]
@@ -85,15 +87,25 @@ class EngramCollator:
             labels[i, sl] = s if extra_labels[i] is None else extra_labels[i]
         dead = mask == 0
         ids_t = torch.from_numpy(ids)
-        if self.rows is not None and self.rows.boundaries is not None:
-            starts = self.rows.starts(ids_t, None)
-            rows = self.hasher.hash(ids, dead if dead.any() else None, starts=starts.numpy())
-        else:
-            rows = self.hasher.hash(ids, dead if dead.any() else None)
+        extra: dict[str, torch.Tensor] = {}
+        starts = None
+        if self.rows is not None and self.rows.boundaries == "position_ids":
+            if any(p is None or p.size != s.size for p, s in zip(positions, seqs, strict=True)):
+                raise ValueError(
+                    "boundaries='position_ids': every feature needs position_ids (0 where a packed document "
+                    "begins), as long as its input_ids"
+                )
+            pos = np.zeros((b, t), dtype=np.int64)
+            for i, (p, s) in enumerate(zip(positions, seqs, strict=True)):
+                pos[i, slice(t - s.size, t) if self.padding_side == "left" else slice(0, s.size)] = p
+            extra["position_ids"] = torch.from_numpy(pos)
+            starts = self.rows.starts(ids_t, extra["position_ids"]).numpy()
+        rows = self.hasher.hash(ids, dead if dead.any() else None, starts=starts)
         out = {
             "input_ids": ids_t,
             "attention_mask": torch.from_numpy(mask),
             "engram_rows": torch.from_numpy(rows),
+            **extra,
         }
         if self.labels or any(lab is not None for lab in extra_labels):
             out["labels"] = torch.from_numpy(labels)

@@ -43,19 +43,22 @@ def dead_mask_from_attention(attention_mask: Any, t: int) -> torch.Tensor | None
 class DecodeState:
     """The hash state that goes with one KV cache: a HashStream and the tokens the cache holds."""
 
-    def __init__(self, hasher: NgramHasher, ids: np.ndarray, dead: np.ndarray | None) -> None:
+    def __init__(
+        self, hasher: NgramHasher, ids: np.ndarray, dead: np.ndarray | None, starts: np.ndarray | None = None
+    ) -> None:
         self.hasher = hasher
         b, t = ids.shape
         self.batch_size = b
         cap = max(64, 2 * t)
         self.ids = np.zeros((b, cap), dtype=np.int64)  # (B, cap) tokenizer ids, history
         self.dead = np.zeros((b, cap), dtype=bool)
+        self.starts = np.zeros((b, cap), dtype=bool)  # window restarts (boundaries='position_ids')
         self.length = 0  # tokens in the history (drafts included)
         self.committed = 0  # tokens committed in the stream
         self.stream: HashStream | None = None  # built lazily from the history (`_rebuild`)
-        self.record(ids, dead, 0)
+        self.record(ids, dead, starts, 0)
 
-    def record(self, ids: np.ndarray, dead: np.ndarray | None, at: int) -> None:
+    def record(self, ids: np.ndarray, dead: np.ndarray | None, starts: np.ndarray | None, at: int) -> None:
         """Store tokens [B, T] at positions at..at+T of the history."""
         t = ids.shape[1]
         need = at + t
@@ -63,8 +66,10 @@ class DecodeState:
             grow = max(need, 2 * self.ids.shape[1]) - self.ids.shape[1]
             self.ids = np.pad(self.ids, ((0, 0), (0, grow)))
             self.dead = np.pad(self.dead, ((0, 0), (0, grow)))
+            self.starts = np.pad(self.starts, ((0, 0), (0, grow)))
         self.ids[:, at:need] = ids
         self.dead[:, at:need] = False if dead is None else dead
+        self.starts[:, at:need] = False if starts is None else starts
         self.length = need
 
     def _rebuild(self, position: int) -> None:
@@ -72,8 +77,12 @@ class DecodeState:
         stream = HashStream(self.hasher, self.batch_size)
         lo = max(0, position - self.hasher.window_size)
         if position > lo:
-            dead = self.dead[:, lo:position]
-            stream.feed(self.ids[:, lo:position], dead if dead.any() else None)
+            dead, starts = self.dead[:, lo:position], self.starts[:, lo:position]
+            stream.feed(
+                self.ids[:, lo:position],
+                dead if dead.any() else None,
+                starts=starts if starts.any() else None,
+            )
         self.stream, self.committed = stream, position
 
     def sync(self, position: int) -> HashStream:
@@ -101,7 +110,7 @@ class DecodeState:
     def reorder(self, index: torch.Tensor) -> None:
         """Beam search picked sequences `index` [B] of the batch: reorder the history with them."""
         idx = index.detach().cpu().numpy()
-        self.ids, self.dead = self.ids[idx], self.dead[idx]
+        self.ids, self.dead, self.starts = self.ids[idx], self.dead[idx], self.starts[idx]
         self.stream = None  # rebuilt from the reordered history at the next call
 
 
@@ -152,13 +161,14 @@ class RowSource:
         elif past == 0:
             ids_cpu = input_ids.detach().cpu()
             dead_cpu = None if dead is None else dead.cpu()
-            rows = self._hash(ids_cpu, dead_cpu, position_ids)
+            starts = self.starts(ids_cpu, position_ids, generating=cache is not None)
+            rows = self.hasher.hash(ids_cpu, dead_cpu, starts=starts)
             if cache is not None:  # the first call of a generation: the cache's state starts here
-                self.states[cache] = DecodeState(self.hasher, ids_cpu.numpy(), _np(dead_cpu))
+                self.states[cache] = DecodeState(self.hasher, ids_cpu.numpy(), _np(dead_cpu), _np(starts))
             else:
-                self._fresh = (ids_cpu, dead_cpu)
+                self._fresh = (ids_cpu, dead_cpu, starts)
         else:
-            rows = self._step(cache, input_ids, dead, past)
+            rows = self._step(cache, input_ids, dead, position_ids, past)
         self.current = (rows.to(device, non_blocking=True), None if dead is None else dead.to(device))
 
     def end(self, output: Any) -> None:
@@ -169,31 +179,32 @@ class RowSource:
             return
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         if cache is not None and _weakrefable(cache) and cache not in self.states:
-            ids, dead = fresh
-            self.states[cache] = DecodeState(self.hasher, ids.numpy(), _np(dead))
+            ids, dead, starts = fresh
+            self.states[cache] = DecodeState(self.hasher, ids.numpy(), _np(dead), _np(starts))
 
     # ------------------------------------------------------------------ pieces
-    def _hash(self, ids: torch.Tensor, dead: torch.Tensor | None, position_ids: Any) -> torch.Tensor:
-        if self.boundaries is None:
-            return self.hasher.hash(ids, dead)
-        starts = self.starts(ids, position_ids)
-        return self.hasher.hash(ids, dead, starts=starts)
-
-    def starts(self, ids: torch.Tensor, position_ids: Any) -> torch.Tensor:
-        """Window restarts [B, T] (True at a token whose look-back begins afresh) for packed sequences."""
-        if self.boundaries == "position_ids":
-            if not isinstance(position_ids, torch.Tensor):
-                raise ValueError("boundaries='position_ids' needs position_ids [B, T] in every call")
-            pos = position_ids.detach().cpu()
-            if pos.dim() == 1:
-                pos = pos[None]
-            return (pos == 0).expand(ids.shape).clone()
-        after_eos = torch.zeros(ids.shape, dtype=torch.bool)
-        after_eos[:, 1:] = ids[:, :-1] == self.eos_token_id
-        return after_eos
+    def starts(
+        self, ids: torch.Tensor, position_ids: Any, *, generating: bool = False
+    ) -> torch.Tensor | None:
+        """Window restarts [B, T] (True where a token's look-back begins afresh): where position_ids == 0
+        with boundaries='position_ids', else None (restarts after EOS are the hasher's own, through
+        `config.restart_after_id`). `generating` (a call with a KV cache): without position_ids the
+        positions simply continue, so nothing restarts."""
+        if self.boundaries != "position_ids" or (generating and position_ids is None):
+            return None
+        if not isinstance(position_ids, torch.Tensor):
+            raise ValueError(
+                "boundaries='position_ids' needs position_ids [B, T] in every call (0 where a packed document begins)"
+            )
+        pos = position_ids.detach().cpu()
+        if pos.dim() == 1:
+            pos = pos[None]
+        if pos.shape[-1] != ids.shape[1] or pos.shape[0] not in (1, ids.shape[0]):
+            raise ValueError(f"position_ids has shape {tuple(pos.shape)}, input_ids {tuple(ids.shape)}")
+        return (pos == 0).expand(ids.shape).contiguous()
 
     def _step(
-        self, cache: Any, input_ids: torch.Tensor, dead: torch.Tensor | None, past: int
+        self, cache: Any, input_ids: torch.Tensor, dead: torch.Tensor | None, position_ids: Any, past: int
     ) -> torch.Tensor:
         state = self.states.get(cache) if _weakrefable(cache) else None
         if state is None:
@@ -207,20 +218,19 @@ class RowSource:
                 f"the cache's Engram state has {state.batch_size} sequences but this call has {b}; generation "
                 "modes that reshape the batch of a running cache are not supported"
             )
-        if self.boundaries is not None:
-            raise NotImplementedError(
-                "document boundaries (boundaries=...) are not supported with a KV cache yet; generate with "
-                "boundaries=None"
-            )
         ids = input_ids.detach().cpu()
         dead_np = None if dead is None else dead.cpu().numpy()
+        starts = self.starts(ids, position_ids, generating=True)
+        st = None if starts is None or not bool(starts.any()) else starts.numpy()
         stream = state.sync(past)
         if t == 1:
-            rows = stream.step(ids[:, 0], None if dead_np is None else dead_np[:, 0])[:, None]
+            rows = stream.step(
+                ids[:, 0], None if dead_np is None else dead_np[:, 0], starts=None if st is None else st[:, 0]
+            )[:, None]
             state.committed += 1
         else:
-            rows = stream.draft(ids, dead_np)
-        state.record(ids.numpy(), dead_np, past)
+            rows = stream.draft(ids, dead_np, starts=st)
+        state.record(ids.numpy(), dead_np, st, past)
         return rows
 
     def _check_rows(self, rows: Any, input_ids: Any, t: int, past: int) -> torch.Tensor:
