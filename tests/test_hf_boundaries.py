@@ -63,7 +63,7 @@ def test_position_ids_mode_needs_them():
 
 
 def test_generate_with_eos_restarts_matches_no_cache():
-    model, seen = _model(boundaries="eos")
+    model, _ = _model(boundaries="eos")
     ids, _, _ = _packed()
     mask = torch.ones_like(ids)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=1)
