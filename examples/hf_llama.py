@@ -57,14 +57,14 @@ def held_out_loss(model, blocks: list[list[int]], batch: int = 16) -> float:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default 600, --quick 4)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 300, --quick 4)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     import transformers
 
     torch.set_num_threads(args.threads)
     quick = args.quick
-    steps = args.steps or (4 if quick else 600)
+    steps = args.steps or (4 if quick else 300)
     verses = [v["text"] for v in kjv_verses()]
     if quick:
         verses = verses[:3000]

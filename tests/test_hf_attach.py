@@ -185,3 +185,19 @@ def test_attach_twice_refused():
     model = _attach(S.llama())
     with pytest.raises(ValueError, match="already"):
         _attach(model)
+
+
+def test_deepcopy_gives_an_independent_engram_model():
+    import copy
+
+    model = _attach(S.llama())
+    with torch.no_grad():
+        model.engram.module(1).wkv.weight.normal_(std=0.2)
+    x = S.batch(2, 8)
+    ref = model(x).logits
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin(x).logits, ref)
+    with torch.no_grad():
+        twin.engram.module(1).wkv.weight.zero_()
+    assert torch.equal(model(x).logits, ref)  # the original's hooks still drive the original
+    assert not torch.equal(twin(x).logits, ref)  # the copy's hooks drive the copy's modules

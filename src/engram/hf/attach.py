@@ -14,6 +14,7 @@ Decoder layers are found by a documented rule (`DECODER_LAYER_PATHS`, the first 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -136,6 +137,21 @@ class EngramAttachment(nn.Module):
     @property
     def compression(self) -> TokenizerCompression:
         return self.hasher.compression
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngramAttachment:
+        """A copy with its own modules and hook state; the hasher (read-only tables) is shared and a
+        built optimizer is not carried over."""
+        memo[id(self.hasher)] = self.hasher
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = None if k == "optimizer_hooks" else copy.deepcopy(v, memo)
+        return new
+
+    @property
+    def device(self) -> torch.device:
+        """Where the first Engram module's parameters are (rows are moved there once per call)."""
+        return next(iter(self.parameters())).device
 
     def module(self, layer_id: int) -> Engram:
         return self.layers[str(layer_id)]  # type: ignore[return-value]

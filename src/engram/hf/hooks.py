@@ -2,12 +2,14 @@
 `engram.hf.rows.RowSource`), one pre-hook per Engram decoder layer (Engram's output added to the
 hidden states entering it), and the model's `_reorder_cache` (beam search reorders the hash state
 with the KV cache). `remove_hooks` undoes them.
+
+The hooks are small objects holding the attachment, not closures, so `copy.deepcopy(model)` gives
+a copy whose hooks drive the copy's own Engram modules.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,85 +20,95 @@ __all__ = ["install_hooks", "remove_hooks"]
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
-def _arg_names(model: nn.Module) -> list[str]:
-    params = inspect.signature(model.forward).parameters.values()
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+class _ModelPreHook:
+    """Before the model's forward: take `engram_rows` out of the kwargs and compute this call's rows."""
 
+    def __init__(self, att: Any, names: list[str]) -> None:
+        self.att, self.names = att, names
 
-def install_hooks(model: nn.Module, att: Any, decoder: list[nn.Module]) -> None:
-    """Install the hooks of attachment `att` (an EngramAttachment) on `model` and its `decoder` layers."""
-    names = _arg_names(model)
-    source = att.rows
-
-    def model_pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         rows = kwargs.pop("engram_rows", None)
-        call = dict(zip(names, args, strict=False))
+        call = dict(zip(self.names, args, strict=False))
         call.update(kwargs)
         cache = next((call[k] for k in _CACHE_NAMES if call.get(k) is not None), None)
-        p = next(iter(att.parameters()))
-        source.begin(
+        self.att.rows.begin(
             input_ids=call.get("input_ids"),
             attention_mask=call.get("attention_mask"),
             position_ids=call.get("position_ids"),
             cache=cache,
             inputs_embeds=call.get("inputs_embeds"),
             rows=rows,
-            device=p.device,
+            device=self.att.device,
         )
         return args, kwargs
 
-    def model_post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        source.end(output)
 
-    handles = [
-        model.register_forward_pre_hook(model_pre, with_kwargs=True),
-        model.register_forward_hook(model_post, with_kwargs=True),
-    ]
-    for lid in att.config.layer_ids:
-        handles.append(decoder[lid].register_forward_pre_hook(_layer_hook(att, lid), with_kwargs=True))
-    att.handles = handles
+class _ModelPostHook:
+    def __init__(self, att: Any) -> None:
+        self.att = att
 
-    previous = getattr(model, "_reorder_cache", None)
-
-    def reorder_cache(cache: Any, beam_idx: torch.Tensor) -> Any:
-        source.reorder(cache, beam_idx)
-        if previous is not None:
-            return previous(cache, beam_idx)
-        cache.reorder_cache(beam_idx)
-        return cache
-
-    model._reorder_cache = reorder_cache  # generate() calls it when the model has it (beam search)
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self.att.rows.end(output)
 
 
-def _layer_hook(att: Any, layer_id: int) -> Callable[..., Any]:
-    index = att.config.layer_index(layer_id)
-    module = att.module(layer_id)
-    source = att.rows
+class _LayerHook:
+    """Before decoder layer `layer_id`: hidden states h -> Engram(h, this layer's rows)."""
 
-    def hook(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        if source.current is None:
+    def __init__(self, att: Any, layer_id: int) -> None:
+        self.att, self.layer_id = att, layer_id
+        self.index = att.config.layer_index(layer_id)
+
+    def __call__(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        current = self.att.rows.current
+        if current is None:
             raise RuntimeError(
-                f"Engram layer {layer_id} ran without rows: call the model that add_engram returned (its "
+                f"Engram layer {self.layer_id} ran without rows: call the model that add_engram returned (its "
                 "forward hashes the input ids), not one of its submodules"
             )
-        rows, dead = source.current
+        rows, dead = current
         h = args[0] if args else kwargs["hidden_states"]
         if rows.shape[:2] != h.shape[:2]:
             raise ValueError(
-                f"Engram rows cover {tuple(rows.shape[:2])} (batch, tokens) but layer {layer_id}'s hidden "
+                f"Engram rows cover {tuple(rows.shape[:2])} (batch, tokens) but layer {self.layer_id}'s hidden "
                 f"states are {tuple(h.shape[:2])}"
             )
-        r = rows[:, :, index]
+        r = rows[:, :, self.index]
         if r.device != h.device:
             r = r.to(h.device)
             dead = None if dead is None else dead.to(h.device)
-        new = module(h.unsqueeze(2), r, dead).squeeze(2)
+        new = self.att.module(self.layer_id)(h.unsqueeze(2), r, dead).squeeze(2)
         if args:
             return (new, *args[1:]), kwargs
         kwargs["hidden_states"] = new
         return args, kwargs
 
-    return hook
+
+class _ReorderCache:
+    """The model's `_reorder_cache`, which generate() calls in beam search when a model has one."""
+
+    def __init__(self, att: Any, previous: Any) -> None:
+        self.att, self.previous = att, previous
+
+    def __call__(self, cache: Any, beam_idx: torch.Tensor) -> Any:
+        self.att.rows.reorder(cache, beam_idx)
+        if self.previous is not None:
+            return self.previous(cache, beam_idx)
+        cache.reorder_cache(beam_idx)
+        return cache
+
+
+def install_hooks(model: nn.Module, att: Any, decoder: list[nn.Module]) -> None:
+    """Install the hooks of attachment `att` (an EngramAttachment) on `model` and its `decoder` layers."""
+    params = inspect.signature(model.forward).parameters.values()
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    handles = [
+        model.register_forward_pre_hook(_ModelPreHook(att, names), with_kwargs=True),
+        model.register_forward_hook(_ModelPostHook(att), with_kwargs=True),
+    ]
+    for lid in att.config.layer_ids:
+        handles.append(decoder[lid].register_forward_pre_hook(_LayerHook(att, lid), with_kwargs=True))
+    att.handles = handles
+    model._reorder_cache = _ReorderCache(att, getattr(model, "_reorder_cache", None))
 
 
 def remove_hooks(model: nn.Module, att: Any) -> None:

@@ -126,6 +126,11 @@ class RowSource:
         self.current: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._fresh: tuple[torch.Tensor, torch.Tensor | None] | None = None  # a call without a cache
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> RowSource:
+        """A copy (of a copied model) starts without decode states: they belong to the original's caches."""
+        hasher = memo.get(id(self.hasher), self.hasher)
+        return RowSource(hasher, boundaries=self.boundaries, eos_token_id=self.eos_token_id)
+
     # ------------------------------------------------------------------ one call
     def begin(
         self,
