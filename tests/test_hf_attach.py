@@ -201,3 +201,9 @@ def test_deepcopy_gives_an_independent_engram_model():
         twin.engram.module(1).wkv.weight.zero_()
     assert torch.equal(model(x).logits, ref)  # the original's hooks still drive the original
     assert not torch.equal(twin(x).logits, ref)  # the copy's hooks drive the copy's modules
+
+
+def test_a_transformers_tokenizer_builds_the_same_compression():
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=S.tokenizer())
+    model = add_engram(S.llama(), S.engram_config(), tokenizer=tok)
+    np.testing.assert_array_equal(model.engram.compression.lookup, S.compression().lookup)
