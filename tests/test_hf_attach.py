@@ -207,3 +207,19 @@ def test_a_transformers_tokenizer_builds_the_same_compression():
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=S.tokenizer())
     model = add_engram(S.llama(), S.engram_config(), tokenizer=tok)
     np.testing.assert_array_equal(model.engram.compression.lookup, S.compression().lookup)
+
+
+def test_remove_engram_restores_the_plain_model():
+    from engram.hf import remove_engram
+
+    model = S.llama()
+    x = S.batch(1, 6)
+    ref = model(x).logits
+    before = [n for n, _ in model.named_parameters()]
+    _attach(model)
+    with torch.no_grad():
+        model.engram.module(1).wkv.weight.normal_()
+    assert not torch.equal(model(x).logits, ref)
+    remove_engram(model)
+    _assert_untouched(model, before)
+    assert torch.equal(model(x).logits, ref)

@@ -14,6 +14,7 @@ from engram.hf.attach import (
     add_engram,
     find_decoder_layers,
     get_attachment,
+    remove_engram,
 )
 from engram.hf.collator import EngramCollator
 from engram.hf.io import export_fp8, load_engram, save_engram
@@ -30,5 +31,6 @@ __all__ = [
     "find_decoder_layers",
     "get_attachment",
     "load_engram",
+    "remove_engram",
     "save_engram",
 ]

@@ -24,7 +24,7 @@ from torch import nn
 from engram.addressing.compression import TokenizerCompression
 from engram.addressing.hashing import NgramHasher
 from engram.config import EngramConfig
-from engram.hf.hooks import install_hooks
+from engram.hf.hooks import install_hooks, remove_hooks
 from engram.hf.rows import RowSource
 from engram.model.module import Engram
 
@@ -35,6 +35,7 @@ __all__ = [
     "find_decoder_layers",
     "get_attachment",
     "model_hidden_size",
+    "remove_engram",
 ]
 
 # Where decoder-only models of transformers 5 keep their decoder layers, tried in this order on the
@@ -301,3 +302,14 @@ def add_engram(
     model.engram = att
     install_hooks(model, att, decoder)
     return model
+
+
+def remove_engram(model: nn.Module) -> EngramAttachment:
+    """Detach Engram from `model` (hooks and `model.engram`); returns the detached attachment. The
+    backbone is as it was before `add_engram`."""
+    att = getattr(model, "engram", None)
+    if not isinstance(att, EngramAttachment):
+        raise ValueError(f"{type(model).__name__} has no Engram attached (model.engram)")
+    remove_hooks(model, att)
+    del model.engram
+    return att
