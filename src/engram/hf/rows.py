@@ -182,9 +182,7 @@ class RowSource:
         fresh, self._fresh = self._fresh, None
         if fresh is None:
             return
-        cache = getattr(output, "cache", None)
-        if cache is None and isinstance(output, dict) and "past_key_values" in output:  # older output classes
-            cache = output["past_key_values"]
+        cache = getattr(output, "cache", None)  # transformers 5 outputs name the KV cache `cache`
         if cache is not None and _weakrefable(cache) and cache not in self.states:
             ids, dead, starts = fresh
             self.states[cache] = DecodeState(self.hasher, ids.numpy(), _np(dead), _np(starts))
