@@ -124,7 +124,8 @@ class RowSource:
         self.boundaries, self.eos_token_id = boundaries, eos_token_id
         self.states: weakref.WeakKeyDictionary[Any, DecodeState] = weakref.WeakKeyDictionary()
         self.current: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._fresh: tuple[torch.Tensor, torch.Tensor | None] | None = None  # a call without a cache
+        # (ids, dead, starts) of a call without a cache, for the cache the model may return
+        self._fresh: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RowSource:
         """A copy (of a copied model) starts without decode states: they belong to the original's caches."""
@@ -163,17 +164,19 @@ class RowSource:
         past = _cache_length(cache)
         if rows is not None:
             rows = self._check_rows(rows, input_ids, t, past)
-        elif past == 0:
+        elif past:
+            rows = self._step(cache, input_ids, dead, position_ids, past)
+        if past == 0 and input_ids is not None:
             ids_cpu = input_ids.detach().cpu()
             dead_cpu = None if dead is None else dead.cpu()
-            starts = self.starts(ids_cpu, position_ids, generating=cache is not None)
-            rows = self.hasher.hash(ids_cpu, dead_cpu, starts=starts)
+            given = rows is not None  # a collator's rows: position_ids only matter for a continued cache
+            starts = self.starts(ids_cpu, position_ids, generating=cache is not None or given)
+            if rows is None:
+                rows = self.hasher.hash(ids_cpu, dead_cpu, starts=starts)
             if cache is not None:  # the first call of a generation: the cache's state starts here
                 self.states[cache] = DecodeState(self.hasher, ids_cpu.numpy(), _np(dead_cpu), _np(starts))
-            else:
+            else:  # the model may make a cache itself: `end` gives it this state
                 self._fresh = (ids_cpu, dead_cpu, starts)
-        else:
-            rows = self._step(cache, input_ids, dead, position_ids, past)
         self.current = (rows.to(device, non_blocking=True), None if dead is None else dead.to(device))
 
     def end(self, output: Any) -> None:
