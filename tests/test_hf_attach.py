@@ -146,6 +146,7 @@ def test_find_decoder_layers_rule_and_errors():
 def _assert_untouched(model, params_before):
     assert not hasattr(model, "engram") or not isinstance(getattr(model, "engram", None), torch.nn.Module)
     assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
     assert all(not layer._forward_pre_hooks for layer in model.model.layers)
     assert [n for n, _ in model.named_parameters()] == params_before
 
@@ -223,3 +224,16 @@ def test_remove_engram_restores_the_plain_model():
     remove_engram(model)
     _assert_untouched(model, before)
     assert torch.equal(model(x).logits, ref)
+
+
+def test_calling_forward_directly_works_as_wrappers_do():
+    """peft's LoRA wrapper calls the outer model's forward() directly (no hooks run there)."""
+    model = _attach(S.llama())
+    with torch.no_grad():
+        model.engram.module(1).wkv.weight.normal_(std=0.2)
+    batch = EngramCollator(model, pad_token_id=0)([{"input_ids": [5, 6, 7, 8]}, {"input_ids": [9, 10]}])
+    ref = model(**batch)
+    direct = model.forward(**batch)  # engram_rows reaches the decoder stack through **kwargs
+    assert torch.equal(direct.logits, ref.logits) and torch.equal(direct.loss, ref.loss)
+    no_rows = {k: v for k, v in batch.items() if k != "engram_rows"}
+    assert torch.equal(model.forward(**no_rows).logits, ref.logits)

@@ -33,6 +33,7 @@ __all__ = [
     "EngramAttachment",
     "add_engram",
     "find_decoder_layers",
+    "find_decoder_stack",
     "get_attachment",
     "model_hidden_size",
     "remove_engram",
@@ -63,34 +64,43 @@ def _resolve(root: nn.Module, path: str) -> Any:
     return obj
 
 
-def find_decoder_layers(
+def find_decoder_stack(
     model: nn.Module, decoder_layers: str | Sequence[nn.Module] | None = None
-) -> list[nn.Module]:
-    """The decoder layers of `model`: `decoder_layers` (a dotted path or the modules themselves), else
-    the first of `DECODER_LAYER_PATHS` that names a non-empty nn.ModuleList."""
-    if decoder_layers is not None:
-        if isinstance(decoder_layers, str):
-            found = _resolve(model, decoder_layers)
-            if not isinstance(found, nn.ModuleList | list | tuple) or not found:
-                raise ValueError(
-                    f"decoder_layers={decoder_layers!r} does not name a list of layers on "
-                    f"{type(model).__name__} (found {type(found).__name__})"
-                )
-            layers = list(found)
-        else:
-            layers = list(decoder_layers)
+) -> tuple[nn.Module, list[nn.Module]]:
+    """(owner, layers): the decoder layers of `model` and the module whose forward runs them (the
+    `model.model` of a Llama, the `transformer` of a GPT-2; `model` itself for an explicit list).
+
+    `decoder_layers`: a dotted path or the layer modules themselves; default: the first of
+    `DECODER_LAYER_PATHS` that names a non-empty nn.ModuleList."""
+    if decoder_layers is not None and not isinstance(decoder_layers, str):
+        layers = list(decoder_layers)
         if not layers or not all(isinstance(m, nn.Module) for m in layers):
             raise TypeError("decoder_layers must be a dotted path or a non-empty list of nn.Module layers")
-        return layers
-    for path in DECODER_LAYER_PATHS:
+        return model, layers
+    paths = DECODER_LAYER_PATHS if decoder_layers is None else (decoder_layers,)
+    for path in paths:
         found = _resolve(model, path)
-        if isinstance(found, nn.ModuleList) and len(found) > 0:
-            return list(found)
+        if isinstance(found, nn.ModuleList | list | tuple) and len(found) > 0:
+            parent = path.rpartition(".")[0]
+            owner = model if not parent else _resolve(model, parent)
+            return owner, list(found)
+    if decoder_layers is not None:
+        raise ValueError(
+            f"decoder_layers={decoder_layers!r} does not name a list of layers on {type(model).__name__} "
+            f"(found {type(_resolve(model, decoder_layers)).__name__})"
+        )
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__}: tried "
         f"{', '.join(DECODER_LAYER_PATHS)}; pass decoder_layers='path.to.layers' (a dotted path to its "
         "nn.ModuleList of decoder layers) or the list of layer modules"
     )
+
+
+def find_decoder_layers(
+    model: nn.Module, decoder_layers: str | Sequence[nn.Module] | None = None
+) -> list[nn.Module]:
+    """The decoder layers of `model` (see `find_decoder_stack`)."""
+    return find_decoder_stack(model, decoder_layers)[1]
 
 
 def model_hidden_size(model: nn.Module) -> int | None:
@@ -258,7 +268,7 @@ def add_engram(
             f"the model's hidden size is {hidden} but config {config.name!r} has hidden_size="
             f"{config.hidden_size}: use config.replace(hidden_size={hidden})"
         )
-    decoder = find_decoder_layers(model, decoder_layers)
+    owner, decoder = find_decoder_stack(model, decoder_layers)
     bad = [i for i in config.layer_ids if i >= len(decoder)]
     if bad:
         raise ValueError(
@@ -300,7 +310,7 @@ def add_engram(
     # ---- nothing above changed the model; attach now
     att = EngramAttachment(config, hasher, modules, boundaries=boundaries, eos_token_id=eos_token_id)
     model.engram = att
-    install_hooks(model, att, decoder)
+    install_hooks(model, owner, att, decoder)
     return model
 
 

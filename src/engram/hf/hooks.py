@@ -1,7 +1,11 @@
-"""The hooks `add_engram` installs: the model's pre/post hooks (rows for the call, from
-`engram.hf.rows.RowSource`), one pre-hook per Engram decoder layer (Engram's output added to the
-hidden states entering it), and the model's `_reorder_cache` (beam search reorders the hash state
-with the KV cache). `remove_hooks` undoes them.
+"""The hooks `add_engram` installs: pre/post hooks on the module that runs the decoder layers (the
+`model.model` of a Llama: rows for the call, from `engram.hf.rows.RowSource`), one pre-hook per
+Engram decoder layer (Engram's output added to the hidden states entering it), a pre-hook on the
+model itself that takes a collator's `engram_rows` out of its kwargs, and the model's
+`_reorder_cache` (beam search reorders the hash state with the KV cache). `remove_hooks` undoes them.
+
+The rows are computed on the decoder stack, not on the outer model, because wrappers such as peft
+call the outer model's `forward` directly (no hooks), while the stack is always called as a module.
 
 The hooks are small objects holding the attachment, not closures, so `copy.deepcopy(model)` gives
 a copy whose hooks drive the copy's own Engram modules.
@@ -20,14 +24,28 @@ __all__ = ["install_hooks", "remove_hooks"]
 _CACHE_NAMES = ("cache", "past_key_values")
 
 
+class _TakeRows:
+    """Before the outer model's forward: keep a collator's `engram_rows` for the stack's hook (the
+    outer forward may not pass unknown kwargs down)."""
+
+    def __init__(self, att: Any) -> None:
+        self.att = att
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        self.att.rows.given = kwargs.pop("engram_rows", None)
+        return args, kwargs
+
+
 class _ModelPreHook:
-    """Before the model's forward: take `engram_rows` out of the kwargs and compute this call's rows."""
+    """Before the decoder stack's forward: compute this call's rows (or take the given ones)."""
 
     def __init__(self, att: Any, names: list[str]) -> None:
         self.att, self.names = att, names
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         rows = kwargs.pop("engram_rows", None)
+        if rows is None:
+            rows, self.att.rows.given = self.att.rows.given, None
         call = dict(zip(self.names, args, strict=False))
         call.update(kwargs)
         cache = next((call[k] for k in _CACHE_NAMES if call.get(k) is not None), None)
@@ -97,14 +115,19 @@ class _ReorderCache:
         return cache
 
 
-def install_hooks(model: nn.Module, att: Any, decoder: list[nn.Module]) -> None:
-    """Install the hooks of attachment `att` (an EngramAttachment) on `model` and its `decoder` layers."""
-    params = inspect.signature(model.forward).parameters.values()
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+def install_hooks(model: nn.Module, owner: nn.Module, att: Any, decoder: list[nn.Module]) -> None:
+    """Install the hooks of attachment `att` (an EngramAttachment) on `model`, on `owner` (the module
+    whose forward runs the `decoder` layers) and on the layers."""
+    params = inspect.signature(owner.forward).parameters
+    if "input_ids" not in params:  # an unusual stack: hash at the outer model
+        owner, params = model, inspect.signature(model.forward).parameters
+    names = [p.name for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     handles = [
-        model.register_forward_pre_hook(_ModelPreHook(att, names), with_kwargs=True),
-        model.register_forward_hook(_ModelPostHook(att), with_kwargs=True),
+        owner.register_forward_pre_hook(_ModelPreHook(att, names), with_kwargs=True),
+        owner.register_forward_hook(_ModelPostHook(att), with_kwargs=True),
     ]
+    if owner is not model:
+        handles.append(model.register_forward_pre_hook(_TakeRows(att), with_kwargs=True))
     for lid in att.config.layer_ids:
         handles.append(decoder[lid].register_forward_pre_hook(_LayerHook(att, lid), with_kwargs=True))
     att.handles = handles

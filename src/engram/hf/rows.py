@@ -124,6 +124,7 @@ class RowSource:
         self.boundaries, self.eos_token_id = boundaries, eos_token_id
         self.states: weakref.WeakKeyDictionary[Any, DecodeState] = weakref.WeakKeyDictionary()
         self.current: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.given: torch.Tensor | None = None  # a collator's rows, from the outer model's hook
         # (ids, dead, starts) of a call without a cache, for the cache the model may return
         self._fresh: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
