@@ -237,3 +237,12 @@ def test_calling_forward_directly_works_as_wrappers_do():
     assert torch.equal(direct.logits, ref.logits) and torch.equal(direct.loss, ref.loss)
     no_rows = {k: v for k, v in batch.items() if k != "engram_rows"}
     assert torch.equal(model.forward(**no_rows).logits, ref.logits)
+
+
+def test_bf16_model_exact_at_attach_and_engram_in_its_dtype():
+    model = S.llama().to(torch.bfloat16)
+    x = S.batch(2, 8)
+    ref = model(x).logits
+    _attach(model)
+    assert model.engram.module(1).wkv.weight.dtype == torch.bfloat16
+    assert torch.equal(model(x).logits, ref)
