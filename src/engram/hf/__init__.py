@@ -1,0 +1,36 @@
+"""Engram on Hugging Face causal LMs (transformers is needed only here: `import engram` works without it).
+
+`add_engram` attaches Engram modules to decoder layers of a decoder-only model; `EngramCollator`
+hashes rows in the data pipeline; `build_optimizer` gives the tables sparse row optimizers and the
+rest AdamW (usable with the HF `Trainer`); `save_engram` / `load_engram` / `export_fp8` write and
+read the Engram part alone. Design and usage: notes/README-hf.md.
+"""
+
+from __future__ import annotations
+
+from engram.hf.attach import (
+    DECODER_LAYER_PATHS,
+    EngramAttachment,
+    add_engram,
+    find_decoder_layers,
+    get_attachment,
+    remove_engram,
+)
+from engram.hf.collator import EngramCollator
+from engram.hf.io import export_fp8, load_engram, save_engram
+from engram.hf.optim import EngramOptimizer, build_optimizer
+
+__all__ = [
+    "DECODER_LAYER_PATHS",
+    "EngramAttachment",
+    "EngramCollator",
+    "EngramOptimizer",
+    "add_engram",
+    "build_optimizer",
+    "export_fp8",
+    "find_decoder_layers",
+    "get_attachment",
+    "load_engram",
+    "remove_engram",
+    "save_engram",
+]

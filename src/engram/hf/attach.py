@@ -1,0 +1,325 @@
+"""Attaching Engram modules to a Hugging Face decoder-only causal LM (`add_engram`).
+
+The Engram modules live in one `EngramAttachment` registered on the model as `model.engram`
+(parameter names `engram.layers.<id>.*`); the backbone's modules and weights are not touched. Two
+forward pre-hooks do the work: one on the model computes this call's rows (from `input_ids` and
+`attention_mask`, from a collator's `engram_rows`, or incrementally from the KV cache: see
+`engram.hf.rows`), one on each chosen decoder layer adds Engram's output to the hidden states
+entering it. Gradient checkpointing in transformers 5 wraps a layer's `forward`, not its hooks, so
+Engram runs once per step, outside the checkpoint.
+
+Decoder layers are found by a documented rule (`DECODER_LAYER_PATHS`, the first path that names an
+`nn.ModuleList`), or given explicitly with `decoder_layers=`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.addressing.compression import TokenizerCompression
+from engram.addressing.hashing import NgramHasher
+from engram.config import EngramConfig
+from engram.hf.hooks import install_hooks, remove_hooks
+from engram.hf.rows import RowSource
+from engram.model.module import Engram
+
+__all__ = [
+    "DECODER_LAYER_PATHS",
+    "EngramAttachment",
+    "add_engram",
+    "find_decoder_layers",
+    "find_decoder_stack",
+    "get_attachment",
+    "model_hidden_size",
+    "remove_engram",
+]
+
+# Where decoder-only models of transformers 5 keep their decoder layers, tried in this order on the
+# model given to add_engram: Llama, Qwen2/3, Mistral, Gemma, Phi ("model.layers"); GPT-2, GPT-J,
+# Bloom, Falcon ("transformer.h"); GPT-NeoX/Pythia ("gpt_neox.layers"); OPT ("model.decoder.layers");
+# and the same on a base model without its LM head ("layers", "h", "decoder.layers").
+DECODER_LAYER_PATHS = (
+    "model.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+    "model.decoder.layers",
+    "model.language_model.layers",
+    "layers",
+    "h",
+    "decoder.layers",
+)
+
+
+def _resolve(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_decoder_stack(
+    model: nn.Module, decoder_layers: str | Sequence[nn.Module] | None = None
+) -> tuple[nn.Module, list[nn.Module]]:
+    """(owner, layers): the decoder layers of `model` and the module whose forward runs them (the
+    `model.model` of a Llama, the `transformer` of a GPT-2; `model` itself for an explicit list).
+
+    `decoder_layers`: a dotted path or the layer modules themselves; default: the first of
+    `DECODER_LAYER_PATHS` that names a non-empty nn.ModuleList."""
+    if decoder_layers is not None and not isinstance(decoder_layers, str):
+        layers = list(decoder_layers)
+        if not layers or not all(isinstance(m, nn.Module) for m in layers):
+            raise TypeError("decoder_layers must be a dotted path or a non-empty list of nn.Module layers")
+        return model, layers
+    paths = DECODER_LAYER_PATHS if decoder_layers is None else (decoder_layers,)
+    for path in paths:
+        found = _resolve(model, path)
+        if isinstance(found, nn.ModuleList | list | tuple) and len(found) > 0:
+            parent = path.rpartition(".")[0]
+            owner = model if not parent else _resolve(model, parent)
+            return owner, list(found)
+    if decoder_layers is not None:
+        raise ValueError(
+            f"decoder_layers={decoder_layers!r} does not name a list of layers on {type(model).__name__} "
+            f"(found {type(_resolve(model, decoder_layers)).__name__})"
+        )
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}: tried "
+        f"{', '.join(DECODER_LAYER_PATHS)}; pass decoder_layers='path.to.layers' (a dotted path to its "
+        "nn.ModuleList of decoder layers) or the list of layer modules"
+    )
+
+
+def find_decoder_layers(
+    model: nn.Module, decoder_layers: str | Sequence[nn.Module] | None = None
+) -> list[nn.Module]:
+    """The decoder layers of `model` (see `find_decoder_stack`)."""
+    return find_decoder_stack(model, decoder_layers)[1]
+
+
+def model_hidden_size(model: nn.Module) -> int | None:
+    """The residual width of an HF model (config hidden_size / n_embd / d_model, else its embeddings)."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        for key in ("hidden_size", "n_embd", "d_model"):
+            v = getattr(text, key, None)
+            if isinstance(v, int):
+                return v
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    return getattr(emb, "embedding_dim", None)
+
+
+def _model_param(model: nn.Module) -> torch.Tensor | None:
+    return next(iter(model.parameters()), None)
+
+
+class EngramAttachment(nn.Module):
+    """The Engram part of an HF model: {layer_id: Engram} plus the hasher and the hooks' state.
+
+    Registered on the model as `model.engram`. `boundaries`: None (V4.1: windows run across the
+    whole sequence), "eos" (a window restarts after each `eos_token_id`) or "position_ids" (restarts
+    where position_ids == 0); both are for packed sequences.
+    """
+
+    def __init__(
+        self,
+        config: EngramConfig,
+        hasher: NgramHasher,
+        layers: dict[int, Engram],
+        *,
+        boundaries: str | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        super().__init__()
+
+        self.config, self.hasher = config, hasher
+        self.layers = nn.ModuleDict({str(k): v for k, v in layers.items()})
+        self.rows = RowSource(hasher, boundaries=boundaries, eos_token_id=eos_token_id)
+        self.handles: list[Any] = []
+
+    @property
+    def compression(self) -> TokenizerCompression:
+        return self.hasher.compression
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngramAttachment:
+        """A copy with its own modules and hook state; the hasher (read-only tables) is shared and a
+        built optimizer is not carried over."""
+        memo[id(self.hasher)] = self.hasher
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = None if k == "optimizer_hooks" else copy.deepcopy(v, memo)
+        return new
+
+    @property
+    def device(self) -> torch.device:
+        """Where the first Engram module's parameters are (rows are moved there once per call)."""
+        return next(iter(self.parameters())).device
+
+    def module(self, layer_id: int) -> Engram:
+        return self.layers[str(layer_id)]  # type: ignore[return-value]
+
+    def tables(self) -> list[nn.Parameter]:
+        """The trainable table weights (what the sparse row optimizers update)."""
+        out = []
+        for m in self.layers.values():
+            w = getattr(m.table, "weight", None)
+            if isinstance(w, nn.Parameter):
+                out.append(w)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("model.engram is driven by hooks on the model: call the model, not model.engram")
+
+
+def get_attachment(model: nn.Module) -> EngramAttachment:
+    """The EngramAttachment of a model `add_engram` returned (raise if it has none)."""
+    att = getattr(model, "engram", None)
+    if not isinstance(att, EngramAttachment):  # a wrapper (e.g. a peft model): search its modules
+        att = next((m for m in model.modules() if isinstance(m, EngramAttachment)), None)
+    if att is None:
+        raise ValueError(
+            f"{type(model).__name__} has no Engram attached: call engram.hf.add_engram(model, ...)"
+        )
+    return att
+
+
+def _compression_for(
+    config: EngramConfig, tokenizer: Any, compression: TokenizerCompression | None
+) -> TokenizerCompression:
+    if compression is not None:
+        if tokenizer is not None:
+            compression.check_tokenizer(tokenizer)
+        return compression
+    if tokenizer is None:
+        if config.tokenizer is None:
+            raise ValueError(
+                "pass tokenizer= (the model's tokenizer) or compression= (a TokenizerCompression): "
+                f"config {config.name!r} names no tokenizer"
+            )
+        tokenizer = config.tokenizer
+    return TokenizerCompression.from_tokenizer(tokenizer)
+
+
+def build_hasher(
+    config: EngramConfig, tokenizer: Any = None, compression: TokenizerCompression | None = None
+) -> NgramHasher:
+    """The NgramHasher of `config` for `tokenizer` (or a ready `compression`), with errors that name
+    the mismatch between the tokenizer's vocabulary and the config."""
+    comp = _compression_for(config, tokenizer, compression)
+    try:
+        return NgramHasher(config, comp)
+    except ValueError as e:
+        raise ValueError(f"the tokenizer does not match the Engram config: {e}") from None
+
+
+def add_engram(
+    model: nn.Module,
+    config: EngramConfig,
+    layers: Sequence[int] | None = None,
+    tokenizer: Any = None,
+    *,
+    compression: TokenizerCompression | None = None,
+    decoder_layers: str | Sequence[nn.Module] | None = None,
+    zero_init: bool = True,
+    boundaries: str | None = None,
+    eos_token_id: int | None = None,
+    modules: dict[int, Engram] | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Attach Engram at decoder layers `layers` (default `config.layer_ids`) of a decoder-only HF model.
+
+    Returns the same model object, with `model.engram` (an `EngramAttachment`) and its hooks. The
+    Engram output enters the residual stream at the entrance of each named layer. `zero_init`: the
+    value half of `wkv` starts at zero, so the attached model's logits equal the original's exactly
+    until it is trained. `tokenizer` (an HF tokenizer, a `tokenizers.Tokenizer`, a tokenizer.json
+    path or 'deepseek-v4') builds the compression map; or pass `compression`. `modules`: ready Engram
+    modules (used by `load_engram`). Everything is checked before the model is changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch nn.Module (a transformers model), got {type(model).__name__}")
+    if not isinstance(config, EngramConfig):
+        raise TypeError(f"config must be an engram.EngramConfig, got {type(config).__name__}")
+    if isinstance(getattr(model, "engram", None), nn.Module):
+        raise ValueError(
+            f"{type(model).__name__} already has an attribute 'engram' (Engram attached already?); "
+            "attach once per model"
+        )
+    if layers is not None:
+        ids = tuple(int(i) for i in layers)
+        if ids != config.layer_ids:
+            config = config.replace(layer_ids=ids)
+    if config.hc_mult != 1:
+        raise ValueError(
+            f"config {config.name!r} has hc_mult={config.hc_mult}, but a Hugging Face model has one residual "
+            "stream: use config.replace(hc_mult=1)"
+        )
+    hidden = model_hidden_size(model)
+    if hidden is not None and hidden != config.hidden_size:
+        raise ValueError(
+            f"the model's hidden size is {hidden} but config {config.name!r} has hidden_size="
+            f"{config.hidden_size}: use config.replace(hidden_size={hidden})"
+        )
+    owner, decoder = find_decoder_stack(model, decoder_layers)
+    bad = [i for i in config.layer_ids if i >= len(decoder)]
+    if bad:
+        raise ValueError(
+            f"layer ids {bad} are out of range: {type(model).__name__} has {len(decoder)} decoder layers "
+            f"(ids 0..{len(decoder) - 1})"
+        )
+    if boundaries not in (None, "eos", "position_ids"):
+        raise ValueError(f"boundaries={boundaries!r}: use None (V4.1), 'eos' or 'position_ids'")
+    if boundaries == "eos":
+        if eos_token_id is None:
+            eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+            eos_token_id = eos[0] if isinstance(eos, list | tuple) and eos else eos
+        if not isinstance(eos_token_id, int) or not 0 <= eos_token_id < config.vocab_size:
+            raise ValueError(
+                f"boundaries='eos' needs an eos_token_id in [0, {config.vocab_size}), got {eos_token_id!r}"
+            )
+    if boundaries == "eos":  # the hasher and its streams restart windows after EOS themselves
+        config = config.replace(restart_after_id=eos_token_id)
+    hasher = build_hasher(config, tokenizer, compression)
+    p = _model_param(model)
+    if dtype is None:
+        dtype = p.dtype if p is not None and p.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    if modules is None:
+        modules = {}
+        for lid in config.layer_ids:
+            lp = _model_param(decoder[lid])
+            device = lp.device if lp is not None else (p.device if p is not None else None)
+            m = Engram(config, lid, dtype=dtype, device=device)
+            if zero_init:
+                with torch.no_grad():
+                    m.wkv.weight[config.hc_mult * config.hidden_size :].zero_()
+            modules[lid] = m
+    elif set(modules) != set(config.layer_ids):
+        raise ValueError(f"modules cover layers {sorted(modules)}, config has {list(config.layer_ids)}")
+    else:
+        for m in modules.values():
+            m.config = config  # the same addressing; records the restart rule with the modules
+
+    # ---- nothing above changed the model; attach now
+    att = EngramAttachment(config, hasher, modules, boundaries=boundaries, eos_token_id=eos_token_id)
+    model.engram = att
+    install_hooks(model, owner, att, decoder)
+    return model
+
+
+def remove_engram(model: nn.Module) -> EngramAttachment:
+    """Detach Engram from `model` (hooks and `model.engram`); returns the detached attachment. The
+    backbone is as it was before `add_engram`."""
+    att = getattr(model, "engram", None)
+    if not isinstance(att, EngramAttachment):
+        raise ValueError(f"{type(model).__name__} has no Engram attached (model.engram)")
+    remove_hooks(model, att)
+    del model.engram
+    return att

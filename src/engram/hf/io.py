@@ -1,0 +1,108 @@
+"""Saving and loading the Engram part of an HF model alone, in the V4.1 checkpoint format.
+
+`save_engram` writes the modules (float tables and projections) as safetensors with a config.json
+of DeepSeek-V4.1's `engram_*` keys (`engram.checkpoint.v41`), the tokenizer compression map and
+the attachment options; `export_fp8` writes the same with FP8 tables (values + ue8m0 scales),
+which `MmapFP8Table` and the `engram.systems` tiers serve from host memory or SSD; `load_engram`
+attaches either to a backbone (checked before anything is attached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.addressing.compression import TokenizerCompression
+from engram.checkpoint.json_file import read_json
+from engram.checkpoint.v41 import load_engram_modules, read_checkpoint_config, save_checkpoint
+from engram.hf.attach import add_engram, find_decoder_layers, get_attachment, model_hidden_size
+
+__all__ = ["COMPRESSION_FILE", "OPTIONS_FILE", "export_fp8", "load_engram", "save_engram"]
+
+COMPRESSION_FILE = "compression.safetensors"
+OPTIONS_FILE = "engram_hf.json"  # how the part was attached: boundaries, eos_token_id
+
+
+def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path:
+    att = get_attachment(model)
+    out = Path(directory)
+    modules = {int(k): m for k, m in att.layers.items()}
+    save_checkpoint(out, att.config, modules, fp8=fp8)
+    att.compression.save(out / COMPRESSION_FILE)
+    options = {"boundaries": att.rows.boundaries, "eos_token_id": att.rows.eos_token_id}
+    (out / OPTIONS_FILE).write_text(json.dumps(options, indent=2) + "\n")
+    return out
+
+
+def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
+    """Write the Engram part of `model` (tables in their float dtype) to `directory`; return it."""
+    return _save(model, directory, fp8=False)
+
+
+def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
+    """Write the Engram part with its tables quantised to V4.1's FP8 (e4m3 values, one ue8m0 scale per
+    32), readable by `MmapFP8Table` and `engram.systems.offload_engram`; return the directory."""
+    return _save(model, directory, fp8=True)
+
+
+def load_engram(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    mmap: bool = True,
+    decoder_layers: Any = None,
+) -> nn.Module:
+    """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
+
+    Refuses, before attaching anything, a part saved for another hidden size or for more layers than
+    the model has, and (with `tokenizer`) a compression map built for another tokenizer. FP8 tables
+    load memory-mapped (`mmap=True`) or into memory; float tables load trainable.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such directory (write one with engram.hf.save_engram)")
+    config = read_checkpoint_config(d)
+    hidden = model_hidden_size(model)
+    if hidden is not None and hidden != config.hidden_size:
+        raise ValueError(
+            f"{d} holds Engram for hidden size {config.hidden_size}, but {type(model).__name__} has "
+            f"hidden size {hidden}: load it into the backbone it was trained with"
+        )
+    n_layers = len(find_decoder_layers(model, decoder_layers))
+    if max(config.layer_ids) >= n_layers:
+        raise ValueError(
+            f"{d} holds Engram for layers {list(config.layer_ids)}, but {type(model).__name__} has "
+            f"{n_layers} decoder layers"
+        )
+    comp_path = d / COMPRESSION_FILE
+    if not comp_path.is_file():
+        raise FileNotFoundError(f"{comp_path}: missing (the tokenizer compression map save_engram writes)")
+    compression = TokenizerCompression.load(comp_path, tokenizer)
+    options: dict[str, Any] = {}
+    if (d / OPTIONS_FILE).is_file():
+        options = read_json(d / OPTIONS_FILE)
+        if not isinstance(options, dict):
+            raise ValueError(f"{d / OPTIONS_FILE}: expected a JSON object")
+    p = next(iter(model.parameters()), None)
+    dtype = p.dtype if p is not None and p.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    config, modules = load_engram_modules(d, config, mmap=mmap, dtype=dtype)
+    decoder = find_decoder_layers(model, decoder_layers)
+    for lid, m in modules.items():
+        lp = next(iter(decoder[lid].parameters()), None)
+        if lp is not None and lp.device.type != "cpu":
+            m.to(lp.device)
+    return add_engram(
+        model,
+        config,
+        compression=compression,
+        modules=modules,
+        decoder_layers=decoder_layers,
+        boundaries=options.get("boundaries"),
+        eos_token_id=options.get("eos_token_id"),
+    )

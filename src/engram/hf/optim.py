@@ -1,0 +1,150 @@
+"""Optimizers for an HF model with Engram: tables with our sparse row optimizers, everything else
+AdamW, in one `torch.optim.Optimizer` the HF `Trainer` (and its LR schedulers) can drive.
+
+The Trainer of transformers 5.24 takes the norm of every parameter's gradient each step (to clip
+or log it), and torch cannot take the norm of a sparse gradient. So the tables' sparse gradients
+are taken off `.grad` as soon as backward has accumulated them (a post-accumulate-grad hook) and
+kept by the optimizer until its `step`: the Trainer only ever sees dense gradients, the tables'
+updates stay sparse (only looked-up rows are read and written), and gradient accumulation over
+micro-batches sums the sparse gradients. Clipping therefore covers the dense parameters only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.hf.attach import get_attachment
+from engram.model.optim import SparseRowAdagrad, SparseRowAdam
+
+__all__ = ["EngramOptimizer", "build_optimizer"]
+
+_TABLE_OPTIMIZERS = {"adam": SparseRowAdam, "adagrad": SparseRowAdagrad}
+
+
+class EngramOptimizer(torch.optim.Optimizer):
+    """`dense` (any torch optimizer) and `tables` (a sparse row optimizer) stepped together.
+
+    `param_groups` are the two optimizers' own group dicts, so an LR scheduler built on this
+    optimizer sets both learning rates. The tables' sparse gradients are held in `pending` between
+    backward and `step` (see the module docstring).
+    """
+
+    def __init__(self, dense: torch.optim.Optimizer | None, tables: torch.optim.Optimizer | None) -> None:
+        self.dense, self.tables = dense, tables
+        groups = [g for opt in (dense, tables) if opt is not None for g in opt.param_groups]
+        if not groups:
+            raise ValueError("nothing to optimize: no parameter requires a gradient")
+        super().__init__(groups, {})
+        self.pending: dict[torch.Tensor, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        if tables is not None:
+            for group in tables.param_groups:
+                for p in group["params"]:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._take_grad))
+
+    def _take_grad(self, p: torch.Tensor) -> None:
+        g, p.grad = p.grad, None
+        if g is not None:
+            old = self.pending.get(p)
+            self.pending[p] = g if old is None else old + g
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.dense is not None:
+            self.dense.step()
+        if self.tables is not None:
+            for p, g in self.pending.items():
+                p.grad = g
+            try:
+                self.tables.step()
+            finally:
+                for p in self.pending:
+                    p.grad = None
+                self.pending.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.dense is not None:
+            self.dense.zero_grad(set_to_none=set_to_none)
+        self.pending.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "dense": None if self.dense is None else self.dense.state_dict(),
+            "tables": None if self.tables is None else self.tables.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or set(state_dict) != {"dense", "tables"}:
+            raise ValueError("not an EngramOptimizer state dict (expected the keys 'dense' and 'tables')")
+        for name, opt in (("dense", self.dense), ("tables", self.tables)):
+            if (opt is None) != (state_dict[name] is None):
+                raise ValueError(f"the saved state {'has' if opt is None else 'lacks'} a {name!r} optimizer")
+            if opt is not None:
+                opt.load_state_dict(state_dict[name])
+
+    def remove_hooks(self) -> None:
+        """Stop taking the tables' gradients (before building another optimizer for the same model)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float = 3e-4,
+    table_lr: float = 1e-2,
+    weight_decay: float = 0.0,
+    table_weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    table_optimizer: str = "adam",
+    freeze_backbone: bool = False,
+) -> EngramOptimizer:
+    """An `EngramOptimizer` for a model with Engram attached.
+
+    Tables: `SparseRowAdam` (table_optimizer='adam') or `SparseRowAdagrad` ('adagrad') at `table_lr`;
+    every other parameter that requires a gradient: AdamW at `lr`. `freeze_backbone=True` sets
+    requires_grad=False on every parameter outside Engram (LoRA parameters of a peft model stay
+    trainable), so only Engram (and adapters) train. Engram's own parameters are made trainable.
+    Pass it to the HF Trainer as `optimizers=(optimizer, None)` (the Trainer adds its LR schedule).
+    """
+    att = get_attachment(model)
+    if table_optimizer not in _TABLE_OPTIMIZERS:
+        raise ValueError(f"table_optimizer={table_optimizer!r}: use one of {sorted(_TABLE_OPTIMIZERS)}")
+    for name, v in (("lr", lr), ("table_lr", table_lr)):
+        if not isinstance(v, int | float) or not v > 0:
+            raise ValueError(f"{name}={v!r} must be a number > 0")
+    old = getattr(att, "optimizer_hooks", None)
+    if old is not None:
+        old.remove_hooks()
+    engram_ids = {id(p) for p in att.parameters()}
+    table_params = att.tables()
+    table_ids = {id(p) for p in table_params}
+    for p in att.parameters():
+        p.requires_grad_(True)
+    if freeze_backbone:
+        for n, p in model.named_parameters():
+            if id(p) not in engram_ids and "lora_" not in n:
+                p.requires_grad_(False)
+    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in table_ids]
+    dense_opt = torch.optim.AdamW(dense, lr=lr, betas=betas, weight_decay=weight_decay) if dense else None
+    table_opt = None
+    if table_params:
+        if table_optimizer == "adam":
+            table_opt = SparseRowAdam(table_params, lr=table_lr, weight_decay=table_weight_decay)
+        elif table_weight_decay:
+            raise ValueError("SparseRowAdagrad has no weight decay: use table_weight_decay=0.0 or 'adam'")
+        else:
+            table_opt = SparseRowAdagrad(table_params, lr=table_lr)
+    opt = EngramOptimizer(dense_opt, table_opt)
+    att.optimizer_hooks = opt
+    return opt

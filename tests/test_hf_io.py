@@ -1,0 +1,92 @@
+"""engram.hf.save_engram / load_engram / export_fp8: the Engram part alone, in the V4.1 format,
+round-tripped exactly; FP8 exports served memory-mapped (and by engram.systems) give the logits of
+the model with its tables quantised; bad loads refused with nothing attached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_setup as S
+from engram.hf import add_engram, export_fp8, load_engram, save_engram
+from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+
+transformers = pytest.importorskip("transformers")
+
+
+def _trained(layers=(0, 2)):
+    model = add_engram(S.llama(), S.engram_config(layers), compression=S.compression())
+    with torch.no_grad():
+        for m in model.engram.layers.values():
+            m.wkv.weight.normal_(std=0.3)
+            m.q_weight.uniform_(0.5, 1.5)
+    return model
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = _trained()
+    x = S.batch(2, 9)
+    ref = model(x).logits
+    save_engram(model, tmp_path / "e")
+    cfg = json.loads((tmp_path / "e" / "config.json").read_text())
+    for key in (
+        "engram_layer_ids",
+        "engram_vocab_size",
+        "engram_num_embeddings",
+        "engram_max_ngram_size",
+        "engram_n_heads",
+        "engram_head_dim",
+        "engram_pad_token_id",
+        "engram_compressed_vocab_size",
+    ):
+        assert key in cfg
+    assert cfg["engram_layer_ids"] == [0, 2]
+    fresh = S.llama()  # same seed: the same backbone
+    assert load_engram(fresh, tmp_path / "e") is fresh
+    assert isinstance(fresh.engram.module(0).table, TrainableTable)
+    assert torch.equal(fresh(x).logits, ref)
+    for k, v in model.engram.state_dict().items():
+        assert torch.equal(fresh.engram.state_dict()[k], v), k
+
+
+def test_fp8_export_served_from_a_memory_mapped_table(tmp_path):
+    model = _trained()
+    x = S.batch(2, 9)
+    export_fp8(model, tmp_path / "fp8")
+    served = load_engram(S.llama(), tmp_path / "fp8", mmap=True)
+    assert isinstance(served.engram.module(0).table, MmapFP8Table)
+    with torch.no_grad():  # the attached model with its tables quantised
+        for m in model.engram.layers.values():
+            m.table = FP8Table.from_float(m.table.weight)
+        ref = model(x).logits
+        assert torch.equal(served(x).logits, ref)
+        from engram.systems.prefetch import offload_engram
+
+        offload_engram(served, "ssd")  # the systems tier reads the same file
+        torch.testing.assert_close(served(x).logits, ref, rtol=0, atol=0)
+
+
+def test_load_refuses_another_hidden_size_and_attaches_nothing(tmp_path):
+    save_engram(_trained(), tmp_path / "e")
+    other = S.llama(hidden=64)
+    with pytest.raises(ValueError, match="hidden size 32, but LlamaForCausalLM has hidden size 64"):
+        load_engram(other, tmp_path / "e")
+    assert not hasattr(other, "engram") and not other._forward_pre_hooks
+    small = S.llama(layers=2)
+    with pytest.raises(ValueError, match=r"layers \[0, 2\].*2 decoder layers"):
+        load_engram(small, tmp_path / "e")
+    assert not hasattr(small, "engram")
+
+
+def test_load_refuses_another_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    save_engram(_trained(), tmp_path / "e")
+    other = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    model = S.llama()
+    with pytest.raises(ValueError, match="another tokenizer"):
+        load_engram(model, tmp_path / "e", tokenizer=other)
+    assert not hasattr(model, "engram")
+    load_engram(model, tmp_path / "e", tokenizer=S.tokenizer())  # the right one is accepted
