@@ -1,9 +1,13 @@
-"""How much a hot-row cache saves on real text: replay a token stream's Engram rows through `RowCache`.
+"""How much a hot-row cache saves on real text: replay a token stream's Engram rows through cache policies.
 
-Hashes a corpus with the config's real layout and replays its rows batch by batch through one
-exact-LRU `RowCache` per layer and capacity, reporting what deduplication and the cache leave to
-fetch per token (`engram cache-sim`). Only the cache's index matters here, so its rows are kept
-32 bytes wide. Design: docs/systems.md.
+Replays the rows of a hashed text batch by batch (each batch deduplicated, as `RowCache.plan` sees
+it) through one cache index per layer, capacity and policy (`engram.systems.policies`: lru, clock,
+lfu, pinned, pinned+lru) and through Belady's offline optimum, the bound, reporting what
+deduplication and the cache leave to fetch per token (`engram cache-sim`). The pinned policies pin
+the hottest rows of a `Profile` of another text, so they are not scored on the text they were built
+from. With `warm`, every cache (Belady's too) starts holding the profile's hottest rows, as a
+server that loads its caches before traffic; otherwise every cache starts empty. Only the index
+matters here: no row bytes are held. Design: docs/systems.md.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from engram.systems.cache import RowCache
+from engram.systems.policies import BELADY, SIM_POLICIES, CachePolicy, belady_hits, make_policy
+from engram.systems.profile import Profile
 
-__all__ = ["CacheSimReport", "simulate_cache"]
+__all__ = ["CacheSimReport", "batch_rows", "simulate_cache"]
 
 
 @dataclass
@@ -30,6 +35,7 @@ class CacheSimReport:
     distinct_second_half: int
     row_bytes: int  # bytes of one stored row (V4.1: 256 FP8 values + 8 scales = 264)
     batches: int  # calls replayed (a warm rate needs >= 2: the first batch is always cold)
+    policy: str = "lru"  # a name of SIM_POLICIES
 
     @property
     def hit_rate(self) -> float:
@@ -59,15 +65,65 @@ class CacheSimReport:
         }
 
 
+def batch_rows(rows: np.ndarray, batch_tokens: int, layer: int) -> list[np.ndarray]:
+    """The sorted distinct int64 rows of layer index `layer` of rows (N, layers, heads), per batch."""
+    return [np.unique(rows[s : s + batch_tokens, layer]).astype(np.int64) for s in range(0, rows.shape[0], batch_tokens)]
+
+
+def replay(policy: str, batches: list[np.ndarray], capacity: int, seen: int, hottest: np.ndarray | None,
+           preload: np.ndarray | None, pinned_fraction: float) -> np.ndarray:  # fmt: skip
+    """Hits per batch (B,) of `policy` with `capacity` slots over sorted distinct batches.
+
+    `seen`: distinct rows of the whole replay (preload included): an lru / clock / lfu cache with
+    that many slots never evicts, so more slots change nothing and are not allocated. `hottest`:
+    the profile's rows, hottest first (pinned policies); `preload`: rows to start with (not counted).
+    """
+    if policy == BELADY:
+        return belady_hits(batches, capacity, preload)
+    name = CachePolicy(policy)
+    if name is CachePolicy.PINNED_LRU:
+        assert hottest is not None
+        p = min(hottest.shape[0], round(capacity * pinned_fraction))
+        lru_slots = min(capacity - p, seen)  # the same cap as a plain LRU's
+        # pinned_fraction 1: exactly the p rows given are pinned, the other lru_slots run LRU
+        cache = make_policy(name, p + lru_slots, hottest[:p], 1.0) if p + lru_slots else None
+    elif name is CachePolicy.PINNED:
+        assert hottest is not None
+        cache = make_policy(name, capacity, hottest[:capacity])
+    else:
+        cache = make_policy(name, min(capacity, seen))
+    hits = np.zeros(len(batches), dtype=np.int64)
+    if cache is None:  # pinned+lru with neither pinned rows nor anything to cache
+        return hits
+    width = max([b.shape[0] for b in batches] + [0 if preload is None else preload.shape[0]])
+    slot_of, ins_of = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
+    if preload is not None and preload.shape[0]:
+        u = np.unique(preload)
+        cache.plan(u, slot_of[: u.shape[0]], ins_of[: u.shape[0]])
+    for b, uniq in enumerate(batches):
+        n = uniq.shape[0]
+        hits[b] = cache.plan(uniq, slot_of[:n], ins_of[:n])[0]
+    return hits
+
+
 def simulate_cache(
     rows: np.ndarray,
     batch_tokens: int,
     capacities: list[int],
     row_bytes: int,
     layer_ids: list[int] | None = None,
+    policies: tuple[str, ...] | list[str] = ("lru",),
+    profile: Profile | None = None,
+    warm: bool = False,
+    pinned_fraction: float = 0.5,
 ) -> list[CacheSimReport]:
-    """Replay rows (N, n_layers, heads) of a token stream, `batch_tokens` per call, through one LRU
-    cache per (layer, capacity). Returns one report per pair, layers outermost."""
+    """Replay rows (N, n_layers, heads) of a token stream, `batch_tokens` per call, through one cache
+    per (layer, capacity, policy). Returns one report per triple, layers outermost, then capacities.
+
+    `policies`: names of SIM_POLICIES ('belady' is the offline optimum). `profile` (of another text,
+    with the same layers) gives the pinned policies their rows and, with `warm`, every cache its
+    starting contents: the `capacity` hottest rows.
+    """
     if rows.ndim != 3 or rows.shape[0] == 0:
         raise ValueError(f"rows must be (tokens >= 1, layers, heads), got shape {rows.shape}")
     if batch_tokens < 1:
@@ -79,6 +135,11 @@ def simulate_cache(
     if rows.min() < 0:
         pos = tuple(int(i) for i in np.argwhere(rows < 0)[0])
         raise ValueError(f"row id {int(rows[pos])} at position {pos} is negative; row ids are >= 0")
+    bad = [p for p in policies if p not in SIM_POLICIES]
+    if bad or not policies:
+        raise ValueError(f"unknown cache policy {bad[0] if bad else None!r}; known: {', '.join(SIM_POLICIES)}")
+    if not 0.0 < pinned_fraction <= 1.0:
+        raise ValueError(f"pinned_fraction={pinned_fraction!r} must be in (0, 1] (the share of slots pinned)")
     n, n_layers, _ = rows.shape
     layer_ids = list(range(n_layers)) if layer_ids is None else list(layer_ids)
     if len(layer_ids) != n_layers:
@@ -86,37 +147,39 @@ def simulate_cache(
             f"layer_ids {layer_ids} name {len(layer_ids)} layer(s) but rows hold {n_layers} (axis 1 of "
             f"shape {rows.shape}); give one id per layer, or layer_ids=None"
         )
-    starts = range(0, n, batch_tokens)
+    needs_profile = warm or any(p in (CachePolicy.PINNED, CachePolicy.PINNED_LRU) for p in policies)
+    if needs_profile and profile is None:
+        why = "a warm start" if warm else "the pinned policies"
+        raise ValueError(f"{why} need a profile of another text (engram profile); pass profile=...")
+    if profile is not None and not set(layer_ids) <= set(profile.layer_ids):
+        raise ValueError(f"the profile counts layers {list(profile.layer_ids)}, the rows are of layers {layer_ids}")
+    n_batches = -(-n // batch_tokens)
     # the warm half: the second half of the batches; with one batch there is none (it is cold)
-    half = len(starts) // 2 if len(starts) >= 2 else len(starts)
+    half = n_batches // 2 if n_batches >= 2 else n_batches
     reports = []
-    for li in range(n_layers):
-        # distinct rows of each batch, sorted int64 (what RowCache.plan takes), computed once per layer
-        batches = [np.unique(rows[s : s + batch_tokens, li].astype(np.int64)) for s in starts]
-        seen = int(np.unique(np.concatenate(batches)).size)
+    for li, lid in enumerate(layer_ids):
+        batches = batch_rows(rows, batch_tokens, li)  # computed once per layer
+        replay_rows = np.unique(np.concatenate(batches))
+        hottest = None if profile is None else profile.hottest(lid)
+        sizes = np.array([b.shape[0] for b in batches])
         for cap in capacities:
-            # only the index and counters matter (rows 32 bytes wide); an LRU cache with a slot for every
-            # row the stream asks never evicts, so more slots than that change nothing and are not allocated
-            cache = RowCache(min(cap, seen), 32)
-            hits_late = distinct_late = 0
-            for b, uniq in enumerate(batches):
-                before = cache.hits
-                cache.plan(uniq)
-                if b >= half:
-                    hits_late += cache.hits - before
-                    distinct_late += uniq.shape[0]
-            reports.append(
-                CacheSimReport(
-                    layer_id=layer_ids[li],
-                    capacity=cap,
-                    tokens=n,
-                    rows_asked=int(rows[:, li].size),
-                    rows_distinct=cache.hits + cache.misses,
-                    hits=cache.hits,
-                    hits_second_half=hits_late,
-                    distinct_second_half=distinct_late,
-                    row_bytes=row_bytes,
-                    batches=len(starts),
+            preload = hottest[:cap] if warm and hottest is not None else None
+            seen = replay_rows.shape[0] if preload is None else np.union1d(replay_rows, preload).shape[0]
+            for policy in policies:
+                hits = replay(policy, batches, cap, int(seen), hottest, preload, pinned_fraction)
+                reports.append(
+                    CacheSimReport(
+                        layer_id=lid,
+                        capacity=cap,
+                        tokens=n,
+                        rows_asked=int(rows[:, li].size),
+                        rows_distinct=int(sizes.sum()),
+                        hits=int(hits.sum()),
+                        hits_second_half=int(hits[half:].sum()),
+                        distinct_second_half=int(sizes[half:].sum()),
+                        row_bytes=row_bytes,
+                        batches=n_batches,
+                        policy=str(policy),
+                    )
                 )
-            )
     return reports
