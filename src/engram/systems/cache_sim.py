@@ -183,3 +183,31 @@ def simulate_cache(
                     )
                 )
     return reports
+
+
+def plot_hit_rates(reports: list[CacheSimReport], path: str, title: str = "") -> None:
+    """Hit rate vs cache size, one line per policy, one panel per layer, written to the PNG `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    layers = list(dict.fromkeys(r.layer_id for r in reports))
+    policies = list(dict.fromkeys(r.policy for r in reports))
+    fig, axes = plt.subplots(1, len(layers), figsize=(5.5 * len(layers), 4.2), squeeze=False)
+    for ax, lid in zip(axes[0], layers, strict=True):
+        for policy in policies:
+            pts = sorted((r.capacity, r.hit_rate) for r in reports if r.layer_id == lid and r.policy == policy)
+            style = {"color": "black", "linestyle": "--"} if policy == BELADY else {}
+            ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", label=policy, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache rows per layer")
+        ax.set_ylabel("hit rate (distinct rows per batch)")
+        ax.set_title(f"layer {lid}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
