@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engram.systems.policies import BELADY, SIM_POLICIES, CachePolicy, belady_hits, make_policy
+from engram.systems.policies import BELADY, SIM_POLICIES, CachePolicy, belady_hits, make_policy, sorted_distinct
 from engram.systems.profile import Profile
 
 __all__ = ["CacheSimReport", "batch_rows", "simulate_cache"]
@@ -67,7 +67,7 @@ class CacheSimReport:
 
 def batch_rows(rows: np.ndarray, batch_tokens: int, layer: int) -> list[np.ndarray]:
     """The sorted distinct int64 rows of layer index `layer` of rows (N, layers, heads), per batch."""
-    return [np.unique(rows[s : s + batch_tokens, layer]).astype(np.int64) for s in range(0, rows.shape[0], batch_tokens)]
+    return [sorted_distinct(rows[s : s + batch_tokens, layer]) for s in range(0, rows.shape[0], batch_tokens)]
 
 
 def replay(policy: str, batches: list[np.ndarray], capacity: int, seen: int, hottest: np.ndarray | None,
@@ -98,7 +98,7 @@ def replay(policy: str, batches: list[np.ndarray], capacity: int, seen: int, hot
     width = max([b.shape[0] for b in batches] + [0 if preload is None else preload.shape[0]])
     slot_of, ins_of = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
     if preload is not None and preload.shape[0]:
-        u = np.unique(preload)
+        u = sorted_distinct(preload)
         cache.plan(u, slot_of[: u.shape[0]], ins_of[: u.shape[0]])
     for b, uniq in enumerate(batches):
         n = uniq.shape[0]
@@ -159,12 +159,12 @@ def simulate_cache(
     reports = []
     for li, lid in enumerate(layer_ids):
         batches = batch_rows(rows, batch_tokens, li)  # computed once per layer
-        replay_rows = np.unique(np.concatenate(batches))
+        replay_rows = sorted_distinct(np.concatenate(batches))
         hottest = None if profile is None else profile.hottest(lid)
         sizes = np.array([b.shape[0] for b in batches])
         for cap in capacities:
             preload = hottest[:cap] if warm and hottest is not None else None
-            seen = replay_rows.shape[0] if preload is None else np.union1d(replay_rows, preload).shape[0]
+            seen = replay_rows.shape[0] if preload is None else sorted_distinct(np.concatenate([replay_rows, preload])).shape[0]
             for policy in policies:
                 hits = replay(policy, batches, cap, int(seen), hottest, preload, pinned_fraction)
                 reports.append(

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engram.systems.cache_sim import batch_rows
-from engram.systems.policies import CachePolicy, make_policy, policy_name
+from engram.systems.policies import CachePolicy, make_policy, policy_name, sorted_distinct
 from engram.systems.profile import Profile
 
 __all__ = ["LayerPlan", "MemoryPlan", "nested_hit_rates", "plan_memory"]
@@ -97,7 +97,7 @@ def _replay(policy: Any, batches: list[np.ndarray], preload: np.ndarray | None) 
     width = max([b.shape[0] for b in batches] + [0 if preload is None else preload.shape[0]])
     slot_of, ins_of = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
     if preload is not None and preload.shape[0]:
-        u = np.unique(preload)
+        u = sorted_distinct(preload)
         policy.plan(u, slot_of[: u.shape[0]], ins_of[: u.shape[0]])
     hits, misses = 0, []
     for uniq in batches:
@@ -137,7 +137,7 @@ def nested_hit_rates(
         raise ValueError(f"cache policy {name.value!r} needs a profile's hottest rows; give a profile")
     if warm and hottest is None:
         raise ValueError("a warm start needs a profile's hottest rows; give a profile or start cold")
-    seen_rows = np.unique(np.concatenate(batches)) if batches else np.empty(0, np.int64)
+    seen_rows = sorted_distinct(np.concatenate(batches)) if batches else np.empty(0, np.int64)
     distinct = sum(b.shape[0] for b in batches)
     pre1 = hottest[:hbm_rows] if warm and hottest is not None else None
     pre2 = hottest[hbm_rows : hbm_rows + dram_rows] if warm and hottest is not None else None

@@ -29,6 +29,8 @@ from engram.kernels import cache_policies, cpu_cache
 
 __all__ = [
     "BELADY",
+    "distinct_counts",
+    "sorted_distinct",
     "DEFAULT_POLICY",
     "SIM_POLICIES",
     "CachePolicy",
@@ -233,6 +235,22 @@ class Pinned(Policy):
         return out
 
 
+def sorted_distinct(a: np.ndarray) -> np.ndarray:
+    """np.unique(a.ravel()) as int64, by one sort: numpy 2.4's hash-based np.unique is ~20x slower on
+    millions of row ids."""
+    return distinct_counts(a)[0]
+
+
+def distinct_counts(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values of a as int64, how often each occurs), by one sort."""
+    s = np.sort(a, axis=None).astype(np.int64, copy=False)
+    first = np.empty(s.shape[0], dtype=bool)
+    first[:1] = True
+    np.not_equal(s[1:], s[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return s[starts], np.diff(np.append(starts, s.shape[0])).astype(np.int64)
+
+
 def check_rows(rows: object, what: str) -> np.ndarray:
     """rows as a 1-D int64 array of distinct ids >= 0; a ValueError / TypeError naming the problem."""
     if not isinstance(rows, np.ndarray) or rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
@@ -242,7 +260,7 @@ def check_rows(rows: object, what: str) -> np.ndarray:
     if rows.shape[0] and rows.min() < 0:
         i = int(np.flatnonzero(rows < 0)[0])
         raise ValueError(f"{what}: row id {int(rows[i])} at position {i} is negative; row ids are >= 0")
-    if np.unique(rows).shape[0] != rows.shape[0]:
+    if sorted_distinct(rows).shape[0] != rows.shape[0]:
         raise ValueError(f"{what} repeat a row id; give each row once (hottest first)")
     return rows
 
@@ -283,7 +301,7 @@ def belady_hits(batches: list[np.ndarray], capacity: int, preload: np.ndarray | 
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"Belady's bound needs capacity >= 1 rows, got {capacity!r}")
-    first = [] if preload is None else [np.unique(check_rows(preload, "preload"))]
+    first = [] if preload is None else [sorted_distinct(check_rows(preload, "preload"))]
     all_batches = [*first, *batches]
     sizes = np.array([b.shape[0] for b in all_batches], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

@@ -22,6 +22,7 @@ import torch
 from engram.addressing.hashing import NgramHasher
 from engram.addressing.layout import Layout
 from engram.checkpoint.files import open_tensors, save_tensors
+from engram.systems.policies import distinct_counts, sorted_distinct
 
 __all__ = ["Profile", "build_profile", "count_rows", "layout_fingerprint", "load_profile", "save_profile"]
 
@@ -52,9 +53,9 @@ def count_rows(rows: np.ndarray, batch_tokens: int) -> list[tuple[np.ndarray, np
         raise ValueError(f"batch_tokens={batch_tokens!r} must be a whole number >= 1")
     out = []
     for li in range(rows.shape[1]):
-        per_batch = [np.unique(rows[s : s + batch_tokens, li]) for s in range(0, rows.shape[0], batch_tokens)]
-        flat = np.concatenate(per_batch).astype(np.int64) if per_batch else np.empty(0, np.int64)
-        ids, counts = np.unique(flat, return_counts=True)  # ascending ids
+        per_batch = [sorted_distinct(rows[s : s + batch_tokens, li]) for s in range(0, rows.shape[0], batch_tokens)]
+        flat = np.concatenate(per_batch) if per_batch else np.empty(0, np.int64)
+        ids, counts = distinct_counts(flat)  # ascending ids
         order = np.argsort(-counts, kind="stable")  # hottest first, ties by ascending id
         out.append((ids[order], counts[order].astype(np.int64)))
     return out
