@@ -76,7 +76,9 @@ class PlainLFU:
         admitted = []
         for r in [r for r in uniq if r not in self.count][: self.capacity - len(hits)]:
             if len(self.count) == self.capacity:
-                victim = min((k for k in self.count if k not in mine), key=lambda k: (self.count[k], self.last[k], k))
+                victim = min(
+                    (k for k in self.count if k not in mine), key=lambda k: (self.count[k], self.last[k], k)
+                )
                 del self.count[victim], self.last[victim]
             self.count[r], self.last[r] = 1, self.calls
             mine.add(r)
@@ -116,7 +118,7 @@ def plain_belady(batches: list[list[int]], capacity: int) -> int:
     for b, uniq in enumerate(batches):
         hits += sum(r in cache for r in uniq)
 
-        def next_use(r: int) -> float:
+        def next_use(r: int, b: int = b) -> float:
             return next((j for j in range(b + 1, len(batches)) if r in batches[j]), float("inf"))
 
         cands = sorted(cache | set(uniq), key=next_use)

@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 import pytest
-from policy_reference import PlainLRU
 
 from engram.cli import main
 from engram.systems.planner import nested_hit_rates, plan_memory
+from policy_reference import PlainLRU
 
 
 def batches_of(seed: int, n: int = 30) -> list[np.ndarray]:
@@ -59,7 +59,9 @@ def test_plan_refusals():
     rows = np.zeros((10, 1, 2), dtype=np.int64)
     with pytest.raises(ValueError, match=r"HBM budget 99 bytes holds less than one 100-byte row"):
         plan_memory(rows, [1], [1000], 100, 99, 1000, 1.0)
-    with pytest.raises(ValueError, match=r"DRAM budget 200,000 bytes is larger than the whole table \(100,000"):
+    with pytest.raises(
+        ValueError, match=r"DRAM budget 200,000 bytes is larger than the whole table \(100,000"
+    ):
         plan_memory(rows, [1], [1000], 100, 1000, 200_000, 1.0)
     with pytest.raises(ValueError, match="unknown cache policy 'mru'"):
         plan_memory(rows, [1], [1000], 100, 1000, 1000, 1.0, policy="mru")

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from policy_reference import PlainClock, PlainLFU, PlainLRU, PlainPinned, plain_belady
 
 from engram.kernels import cpu_cache
 from engram.systems.cache import RowCache
@@ -20,6 +19,7 @@ from engram.systems.policies import (
     make_policy,
     sorted_distinct,
 )
+from policy_reference import PlainClock, PlainLFU, PlainLRU, PlainPinned, plain_belady
 
 traces = st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=14), min_size=1, max_size=40)
 capacities = st.integers(1, 24)
@@ -58,7 +58,11 @@ def run_plain(ref, batches):
 @settings(max_examples=60, deadline=None)
 @given(traces, capacities)
 def test_lru_clock_lfu_match_their_plain_twins(batches, capacity):
-    for name, ref in (("lru", PlainLRU(capacity)), ("clock", PlainClock(capacity)), ("lfu", PlainLFU(capacity))):
+    for name, ref in (
+        ("lru", PlainLRU(capacity)),
+        ("clock", PlainClock(capacity)),
+        ("lfu", PlainLFU(capacity)),
+    ):
         assert run_policy(make_policy(name, capacity), batches) == run_plain(ref, batches), name
 
 

@@ -75,5 +75,20 @@ def test_cli_profile(tmp_path, capsys):
     assert summary["layers"][0]["layer_id"] == 1 and summary["tokens"] > 0
     prof = load_profile(out)
     assert prof.source == str(text) and prof.config["name"] == "tiny"
-    assert main(["profile", "--preset", "tiny", "--corpus", "kjv-held-out", "--max-chars", "5000", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--preset",
+                "tiny",
+                "--corpus",
+                "kjv-held-out",
+                "--max-chars",
+                "5000",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "kjv-held-out" in capsys.readouterr().out

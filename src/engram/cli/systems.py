@@ -73,10 +73,16 @@ def register(sub: Any) -> None:
     p.add_argument("--plot", type=output_file, help="write hit rate vs cache size per policy to this PNG")
     p.set_defaults(func=cmd_cache_sim)
 
-    p = sub.add_parser("plan-memory", help="rows per level (HBM, DRAM, SSD), hit rates, link traffic, bottleneck")
+    p = sub.add_parser(
+        "plan-memory", help="rows per level (HBM, DRAM, SSD), hit rates, link traffic, bottleneck"
+    )
     _replay_options(p)
-    p.add_argument("--hbm", type=byte_size, required=True, help="device memory for the table cache, e.g. 16GiB")
-    p.add_argument("--dram", type=byte_size, required=True, help="host memory for the table cache, e.g. 128GiB")
+    p.add_argument(
+        "--hbm", type=byte_size, required=True, help="device memory for the table cache, e.g. 16GiB"
+    )
+    p.add_argument(
+        "--dram", type=byte_size, required=True, help="host memory for the table cache, e.g. 128GiB"
+    )
     p.add_argument("--tokens-per-s", type=positive_float, required=True, help="tokens per second to serve")
     p.add_argument("--policy", default=DEFAULT_POLICY.value, help=f"cache policy of both levels (default "
                    f"{DEFAULT_POLICY.value}; one of {', '.join(c.value for c in CachePolicy)})")  # fmt: skip
@@ -92,7 +98,9 @@ def register(sub: Any) -> None:
 def _replay_options(p: argparse.ArgumentParser) -> None:
     add_config_options(p)
     add_text_options(p, "replay")
-    p.add_argument("--profile", type=input_file, help="a profile written by `engram profile` (pinned rows, warm start)")
+    p.add_argument(
+        "--profile", type=input_file, help="a profile written by `engram profile` (pinned rows, warm start)"
+    )
     p.add_argument("--profile-text", type=input_file, help="count the profile on this text file instead")
     p.add_argument("--cold", action="store_true",
                    help="caches start empty (default: each starts holding the profile's hottest rows)")  # fmt: skip
@@ -147,7 +155,9 @@ def _replay_setup(args: argparse.Namespace) -> tuple[Any, Any, np.ndarray, str, 
         profile = load_profile(args.profile, hasher)
     elif profile_text is not None:
         assert profile_source is not None
-        profile = build_profile(hasher, _encode(tok, profile_text, profile_source), args.batch_tokens, profile_source)
+        profile = build_profile(
+            hasher, _encode(tok, profile_text, profile_source), args.batch_tokens, profile_source
+        )
     else:
         profile = None
     return config, hasher, ids, source, profile

@@ -142,7 +142,9 @@ class RowCache:
     def lru_order(self) -> np.ndarray:
         """Cached row ids from the least to the most recently used (for tests and inspection; 'lru' only)."""
         if not isinstance(self.policy, LRU):
-            raise ValueError(f"lru_order is the order of an 'lru' cache; this one runs {self.policy.name.value!r}")
+            raise ValueError(
+                f"lru_order is the order of an 'lru' cache; this one runs {self.policy.name.value!r}"
+            )
         return self.policy.lru_order()
 
     # ------------------------------------------------------------------ device half

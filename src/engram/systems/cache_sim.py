@@ -17,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from engram.systems.policies import BELADY, SIM_POLICIES, CachePolicy, belady_hits, make_policy, sorted_distinct
+from engram.systems.policies import (
+    BELADY,
+    SIM_POLICIES,
+    CachePolicy,
+    belady_hits,
+    make_policy,
+    sorted_distinct,
+)
 from engram.systems.profile import Profile
 
 __all__ = ["CacheSimReport", "batch_rows", "simulate_cache"]
@@ -137,7 +144,9 @@ def simulate_cache(
         raise ValueError(f"row id {int(rows[pos])} at position {pos} is negative; row ids are >= 0")
     bad = [p for p in policies if p not in SIM_POLICIES]
     if bad or not policies:
-        raise ValueError(f"unknown cache policy {bad[0] if bad else None!r}; known: {', '.join(SIM_POLICIES)}")
+        raise ValueError(
+            f"unknown cache policy {bad[0] if bad else None!r}; known: {', '.join(SIM_POLICIES)}"
+        )
     if not 0.0 < pinned_fraction <= 1.0:
         raise ValueError(f"pinned_fraction={pinned_fraction!r} must be in (0, 1] (the share of slots pinned)")
     n, n_layers, _ = rows.shape
@@ -152,7 +161,9 @@ def simulate_cache(
         why = "a warm start" if warm else "the pinned policies"
         raise ValueError(f"{why} need a profile of another text (engram profile); pass profile=...")
     if profile is not None and not set(layer_ids) <= set(profile.layer_ids):
-        raise ValueError(f"the profile counts layers {list(profile.layer_ids)}, the rows are of layers {layer_ids}")
+        raise ValueError(
+            f"the profile counts layers {list(profile.layer_ids)}, the rows are of layers {layer_ids}"
+        )
     n_batches = -(-n // batch_tokens)
     # the warm half: the second half of the batches; with one batch there is none (it is cold)
     half = n_batches // 2 if n_batches >= 2 else n_batches
@@ -164,7 +175,11 @@ def simulate_cache(
         sizes = np.array([b.shape[0] for b in batches])
         for cap in capacities:
             preload = hottest[:cap] if warm and hottest is not None else None
-            seen = replay_rows.shape[0] if preload is None else sorted_distinct(np.concatenate([replay_rows, preload])).shape[0]
+            seen = (
+                replay_rows.shape[0]
+                if preload is None
+                else sorted_distinct(np.concatenate([replay_rows, preload])).shape[0]
+            )
             for policy in policies:
                 hits = replay(policy, batches, cap, int(seen), hottest, preload, pinned_fraction)
                 reports.append(
@@ -197,7 +212,9 @@ def plot_hit_rates(reports: list[CacheSimReport], path: str, title: str = "") ->
     fig, axes = plt.subplots(1, len(layers), figsize=(5.5 * len(layers), 4.2), squeeze=False)
     for ax, lid in zip(axes[0], layers, strict=True):
         for policy in policies:
-            pts = sorted((r.capacity, r.hit_rate) for r in reports if r.layer_id == lid and r.policy == policy)
+            pts = sorted(
+                (r.capacity, r.hit_rate) for r in reports if r.layer_id == lid and r.policy == policy
+            )
             style = {"color": "black", "linestyle": "--"} if policy == BELADY else {}
             ax.plot([c for c, _ in pts], [h for _, h in pts], marker="o", label=policy, **style)
         ax.set_xscale("log", base=2)

@@ -92,7 +92,9 @@ class MemoryPlan:
         }
 
 
-def _replay(policy: Any, batches: list[np.ndarray], preload: np.ndarray | None) -> tuple[int, list[np.ndarray]]:
+def _replay(
+    policy: Any, batches: list[np.ndarray], preload: np.ndarray | None
+) -> tuple[int, list[np.ndarray]]:
     """(hits, misses per batch) of `policy` over sorted distinct batches, after an uncounted preload."""
     width = max([b.shape[0] for b in batches] + [0 if preload is None else preload.shape[0]])
     slot_of, ins_of = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
@@ -197,7 +199,9 @@ def plan_memory(
         if not v > 0 or v == float("inf"):
             raise ValueError(f"{what}={v!r} must be a finite number > 0")
     if rows.ndim != 3 or rows.shape[1] != len(layer_ids) or rows.shape[0] == 0:
-        raise ValueError(f"rows must be (tokens >= 1, {len(layer_ids)} layers, heads), got shape {rows.shape}")
+        raise ValueError(
+            f"rows must be (tokens >= 1, {len(layer_ids)} layers, heads), got shape {rows.shape}"
+        )
     plan = MemoryPlan(config_name, row_bytes, int(rows.shape[0]), float(tokens_per_s), name.value, warm,
                       float(pcie_gbps), float(ssd_gbps), int(ssd_read_bytes))  # fmt: skip
     share = np.array(table_rows, dtype=np.float64) / sum(table_rows)

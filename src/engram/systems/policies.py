@@ -29,15 +29,15 @@ from engram.kernels import cache_policies, cpu_cache
 
 __all__ = [
     "BELADY",
-    "distinct_counts",
-    "sorted_distinct",
     "DEFAULT_POLICY",
     "SIM_POLICIES",
     "CachePolicy",
     "Policy",
     "belady_hits",
+    "distinct_counts",
     "make_policy",
     "policy_name",
+    "sorted_distinct",
 ]
 
 
@@ -142,7 +142,16 @@ class Clock(Policy):
     def plan(self, uniq: np.ndarray, slot_of: np.ndarray, ins_of: np.ndarray) -> tuple[int, int, int]:
         self.calls += 1
         h, i, e = cache_policies.clock_plan(
-            uniq, self.keys, self.vals, self.slot_row, self.ref, self.stamp, self.hand, self.calls, slot_of, ins_of
+            uniq,
+            self.keys,
+            self.vals,
+            self.slot_row,
+            self.ref,
+            self.stamp,
+            self.hand,
+            self.calls,
+            slot_of,
+            ins_of,
         )
         return int(h), int(i), int(e)
 
@@ -187,7 +196,9 @@ class Pinned(Policy):
         super().__init__(capacity)
         self.name = name
         hottest = check_rows(hottest, "the pinned rows (a profile's hottest rows)")
-        p = min(hottest.shape[0], capacity if name is CachePolicy.PINNED else round(capacity * pinned_fraction))
+        p = min(
+            hottest.shape[0], capacity if name is CachePolicy.PINNED else round(capacity * pinned_fraction)
+        )
         order = np.argsort(hottest[:p], kind="stable")
         self.by_slot = hottest[:p].copy()  # (P,) row of each pinned slot
         self.sorted_rows = self.by_slot[order]  # (P,) ascending, for searchsorted
@@ -284,10 +295,14 @@ def make_policy(
                 "profile.hottest(layer_id, n) (write a profile with `engram profile`), or use 'lru'"
             )
         if not 0.0 < pinned_fraction <= 1.0:
-            raise ValueError(f"pinned_fraction={pinned_fraction!r} must be in (0, 1] (the share of slots pinned)")
+            raise ValueError(
+                f"pinned_fraction={pinned_fraction!r} must be in (0, 1] (the share of slots pinned)"
+            )
         return Pinned(capacity, pinned_rows, pinned_fraction, policy)
     if pinned_rows is not None:
-        raise ValueError(f"cache policy {policy.value!r} pins nothing; pinned_rows is for 'pinned' and 'pinned+lru'")
+        raise ValueError(
+            f"cache policy {policy.value!r} pins nothing; pinned_rows is for 'pinned' and 'pinned+lru'"
+        )
     return {CachePolicy.LRU: LRU, CachePolicy.CLOCK: Clock, CachePolicy.LFU: LFU}[policy](capacity)
 
 

@@ -53,7 +53,9 @@ def count_rows(rows: np.ndarray, batch_tokens: int) -> list[tuple[np.ndarray, np
         raise ValueError(f"batch_tokens={batch_tokens!r} must be a whole number >= 1")
     out = []
     for li in range(rows.shape[1]):
-        per_batch = [sorted_distinct(rows[s : s + batch_tokens, li]) for s in range(0, rows.shape[0], batch_tokens)]
+        per_batch = [
+            sorted_distinct(rows[s : s + batch_tokens, li]) for s in range(0, rows.shape[0], batch_tokens)
+        ]
         flat = np.concatenate(per_batch) if per_batch else np.empty(0, np.int64)
         ids, counts = distinct_counts(flat)  # ascending ids
         order = np.argsort(-counts, kind="stable")  # hottest first, ties by ascending id
