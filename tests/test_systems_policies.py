@@ -207,3 +207,10 @@ def test_distinct_helpers_match_numpy():
     got_u, got_c = distinct_counts(a)
     assert (got_u.tolist(), got_c.tolist()) == (u.tolist(), c.tolist())
     assert sorted_distinct(np.empty(0, dtype=np.int64)).shape == (0,)
+
+
+def test_default_policy_depends_on_a_profile():
+    assert RowCache(8, 32).policy.name is CachePolicy.LRU
+    cache = RowCache(8, 32, pinned_rows=np.array([5, 3], dtype=np.int64))
+    assert cache.policy.name is CachePolicy.PINNED_LRU and cache.policy.pinned == 2  # round(8 * 0.5) capped
+    assert RowCache(8, 32, policy="clock").stats()["policy"] == "clock"

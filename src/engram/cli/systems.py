@@ -36,7 +36,7 @@ from engram.cli.options import (
 from engram.storage.fp8 import fp8_row_bytes
 from engram.systems.cache_sim import CacheSimReport, plot_hit_rates, simulate_cache
 from engram.systems.planner import PCIE_GBPS, SSD_GBPS, SSD_READ_BYTES, plan_memory
-from engram.systems.policies import DEFAULT_POLICY, SIM_POLICIES, CachePolicy
+from engram.systems.policies import DEFAULT_PINNED_POLICY, DEFAULT_POLICY, SIM_POLICIES, CachePolicy, default_policy
 from engram.systems.profile import Profile, build_profile, load_profile, save_profile
 
 __all__ = ["register"]
@@ -84,8 +84,8 @@ def register(sub: Any) -> None:
         "--dram", type=byte_size, required=True, help="host memory for the table cache, e.g. 128GiB"
     )
     p.add_argument("--tokens-per-s", type=positive_float, required=True, help="tokens per second to serve")
-    p.add_argument("--policy", default=DEFAULT_POLICY.value, help=f"cache policy of both levels (default "
-                   f"{DEFAULT_POLICY.value}; one of {', '.join(c.value for c in CachePolicy)})")  # fmt: skip
+    p.add_argument("--policy", help=f"cache policy of both levels (default {DEFAULT_PINNED_POLICY.value} with a "
+                   f"profile, else {DEFAULT_POLICY.value}; one of {', '.join(c.value for c in CachePolicy)})")  # fmt: skip
     p.add_argument("--pcie-gbps", type=positive_float, default=PCIE_GBPS,
                    help=f"DRAM -> device bandwidth in GB/s (default {PCIE_GBPS:g}: PCIe 4.0 x16 in practice)")  # fmt: skip
     p.add_argument("--ssd-gbps", type=positive_float, default=SSD_GBPS,
@@ -257,17 +257,18 @@ def _print_cache_sim(reports: list[CacheSimReport], config: Any, hasher: Any, id
 
 # ------------------------------------------------------------------------------------------- plan-memory
 def cmd_plan_memory(args: argparse.Namespace) -> int:
-    if args.policy not in {c.value for c in CachePolicy}:
+    if args.policy is not None and args.policy not in {c.value for c in CachePolicy}:
         raise ValueError(
             f"--policy {args.policy!r} is not a cache policy a level can run; give one of "
             f"{', '.join(c.value for c in CachePolicy)} (belady is the simulator's bound only)"
         )
     config, hasher, ids, source, profile = _replay_setup(args)
+    policy = default_policy(profile is not None) if args.policy is None else args.policy
     row_bytes = fp8_row_bytes(config.head_dim)
     rows = hasher.hash(ids)
     plan = plan_memory(
         rows, list(config.layer_ids), list(hasher.layout.num_embeddings), row_bytes, args.hbm, args.dram,
-        args.tokens_per_s, config_name=config.name, batch_tokens=args.batch_tokens, policy=args.policy,
+        args.tokens_per_s, config_name=config.name, batch_tokens=args.batch_tokens, policy=policy,
         profile=profile, warm=not args.cold and profile is not None, pcie_gbps=args.pcie_gbps,
         ssd_gbps=args.ssd_gbps, ssd_read_bytes=args.ssd_read_bytes, pinned_fraction=args.pinned_fraction,
     )  # fmt: skip

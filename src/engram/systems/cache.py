@@ -17,7 +17,7 @@ import torch
 from engram.kernels import cpu_cache
 from engram.storage import lookup
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
-from engram.systems.policies import DEFAULT_POLICY, LRU, CachePolicy, make_policy
+from engram.systems.policies import LRU, CachePolicy, default_policy, make_policy
 
 __all__ = ["CachePlan", "RowCache"]
 
@@ -37,8 +37,9 @@ class CachePlan(NamedTuple):
 class RowCache:
     """`capacity` rows of FP8 bytes on `device` with a host index under `policy` (see docs/systems.md).
 
-    `policy`: a `CachePolicy` or its name ('lru', 'clock', 'lfu', 'pinned', 'pinned+lru');
-    `pinned_rows` (hottest first, from `Profile.hottest`) and `pinned_fraction` for the pinned ones.
+    `policy`: a `CachePolicy` or its name ('lru', 'clock', 'lfu', 'pinned', 'pinned+lru'); None:
+    `default_policy` ('pinned+lru' given `pinned_rows`, else 'lru'). `pinned_rows` (hottest first,
+    from `Profile.hottest`) and `pinned_fraction` are for the pinned ones.
     """
 
     def __init__(
@@ -46,7 +47,7 @@ class RowCache:
         capacity: int,
         dim: int,
         device: torch.device | str = "cpu",
-        policy: CachePolicy | str = DEFAULT_POLICY,
+        policy: CachePolicy | str | None = None,
         pinned_rows: np.ndarray | None = None,
         pinned_fraction: float = 0.5,
     ) -> None:
@@ -59,6 +60,7 @@ class RowCache:
         self.device = torch.device(device)
         self._values = torch.empty((capacity, dim), dtype=torch.uint8, device=self.device)  # (C, dim)
         self._scales = torch.empty((capacity, dim // BLOCK), dtype=torch.uint8, device=self.device)
+        policy = default_policy(pinned_rows is not None) if policy is None else policy
         self.policy = make_policy(policy, capacity, pinned_rows, pinned_fraction)
         self._slot_of = np.empty(0, dtype=np.int64)  # (U,) per-call scratch, grown as needed
         self._ins_of = np.empty(0, dtype=np.int64)
