@@ -31,6 +31,7 @@ def test_nested_lru_matches_two_plain_lrus(hbm, dram):
             h2 += len(second.call(misses)[0])
             n2 += len(misses)
     got = nested_hit_rates(batches, hbm, dram, "lru")
+    assert 0 <= got[3] <= 1 - got[1]  # first touches are DRAM misses
     distinct = sum(b.shape[0] for b in batches)
     assert got[0] == pytest.approx(h1 / distinct)
     assert got[1] == pytest.approx(h2 / n2 if n2 else 0.0)

@@ -36,7 +36,13 @@ from engram.cli.options import (
 from engram.storage.fp8 import fp8_row_bytes
 from engram.systems.cache_sim import CacheSimReport, plot_hit_rates, simulate_cache
 from engram.systems.planner import PCIE_GBPS, SSD_GBPS, SSD_READ_BYTES, plan_memory
-from engram.systems.policies import DEFAULT_PINNED_POLICY, DEFAULT_POLICY, SIM_POLICIES, CachePolicy, default_policy
+from engram.systems.policies import (
+    DEFAULT_PINNED_POLICY,
+    DEFAULT_POLICY,
+    SIM_POLICIES,
+    CachePolicy,
+    default_policy,
+)
 from engram.systems.profile import Profile, build_profile, load_profile, save_profile
 
 __all__ = ["register"]
@@ -297,6 +303,12 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     ):  # fmt: skip
         most = "no limit" if lim[key] == float("inf") else f"at most {lim[key]:,.0f} tokens/s"
         print(f"  {what:<15} {per * n / 1e9:>8.2f} GB/s ({per:,.0f} B/token) of {gbps:g} GB/s: {most}")
+    spread = plan.ssd_bytes_per_token_spread
+    if spread < plan.ssd_bytes_per_token:
+        share = max(ly.dram_first_touch for ly in plan.layers)
+        most = "no limit" if spread == 0 else f"at most {plan.ssd_gbps * 1e9 / spread:,.0f} tokens/s"
+        print(f"  {'':<15} {spread * n / 1e9:>8.2f} GB/s ({spread:,.0f} B/token) if the rows this text touches "
+              f"first ({share:.0%} of DRAM's lookups) lay spread evenly outside HBM: {most}")  # fmt: skip
     verdict = "fits" if d["fits"] else "does NOT fit"
     link = {"dram_to_device": "DRAM -> device", "ssd_to_dram": "SSD -> DRAM"}[plan.bottleneck]
     print(f"the link that limits throughput: {link}; {n:,.0f} tokens/s {verdict}")

@@ -39,6 +39,9 @@ class LayerPlan:
     distinct_per_token: float  # rows fetched per token after per-batch deduplication
     hbm_hit_rate: float  # of the distinct rows of a batch
     dram_hit_rate: float  # of the device cache's misses
+    dram_first_touch: (
+        float  # of the device cache's misses: rows the text touches first (see nested_hit_rates)
+    )
     ssd_rate: float  # share of the distinct rows read from SSD
 
 
@@ -65,6 +68,18 @@ class MemoryPlan:
         """Bytes per token read from SSD: every DRAM miss costs `ssd_read_bytes`."""
         return sum(ly.distinct_per_token * ly.ssd_rate for ly in self.layers) * self.ssd_read_bytes
 
+    @property
+    def ssd_bytes_per_token_spread(self) -> float:
+        """`ssd_bytes_per_token` if the rows the text touches first lay spread evenly over the rows
+        outside the device, so DRAM held dram_rows / (table_rows - hbm_rows) of them: an estimate for a
+        DRAM cache that has served far more text than this one (the measured rate is its lower end)."""
+        total = 0.0
+        for ly in self.layers:
+            outside = ly.table_rows - ly.hbm_rows
+            held = ly.dram_first_touch * (ly.dram_rows / outside if outside else 1.0)
+            total += ly.distinct_per_token * (1 - ly.hbm_hit_rate) * max(0.0, 1 - ly.dram_hit_rate - held)
+        return total * self.ssd_read_bytes
+
     def link_limits(self) -> dict[str, float]:
         """Tokens per second each link allows (inf: the link carries nothing)."""
 
@@ -86,6 +101,7 @@ class MemoryPlan:
         return asdict(self) | {
             "dram_to_device_bytes_per_s": self.pcie_bytes_per_token * self.tokens_per_s,
             "ssd_to_dram_bytes_per_s": self.ssd_bytes_per_token * self.tokens_per_s,
+            "ssd_to_dram_bytes_per_s_spread": self.ssd_bytes_per_token_spread * self.tokens_per_s,
             "max_tokens_per_s": {k: (v if v != float("inf") else None) for k, v in limits.items()},
             "bottleneck": self.bottleneck,
             "fits": min(limits.values()) >= self.tokens_per_s,
@@ -129,11 +145,14 @@ def nested_hit_rates(
     hottest: np.ndarray | None = None,
     warm: bool = False,
     pinned_fraction: float = 0.5,
-) -> tuple[float, float, int]:
-    """(device hit rate, DRAM hit rate of the device's misses, distinct rows seen) of batches through a
+) -> tuple[float, float, int, float]:
+    """(device hit rate, DRAM hit rate of the device's misses, distinct rows seen, first-touch share) of
+    batches through a
     device cache of `hbm_rows` then a DRAM cache of `dram_rows` (0: none), both under `policy`.
     `hottest` (a profile's rows, hottest first): the pinned policies' rows; with `warm` the device cache
-    starts with the hbm_rows hottest, the DRAM cache with the next dram_rows."""
+    starts with the hbm_rows hottest, the DRAM cache with the next dram_rows. The first-touch share:
+    of the DRAM cache's lookups, the rows neither cache ever held nor the text asked before (misses
+    of any cache that starts from this profile; a long-running one may hold some of them)."""
     name = policy_name(policy)
     if name in (CachePolicy.PINNED, CachePolicy.PINNED_LRU) and hottest is None:
         raise ValueError(f"cache policy {name.value!r} needs a profile's hottest rows; give a profile")
@@ -147,13 +166,30 @@ def nested_hit_rates(
     hbm = _level(name, hbm_rows, max(seen, 1), hottest, pinned_fraction)
     h1, misses = _replay(hbm, batches, pre1)
     if dram_rows == 0 or not sum(m.shape[0] for m in misses):
-        return (h1 / distinct if distinct else 0.0), 0.0, int(seen_rows.shape[0])
+        return (h1 / distinct if distinct else 0.0), 0.0, int(seen_rows.shape[0]), 0.0
     # the DRAM level pins the rows after the device's (its own hottest are the device's misses)
     rest = None if hottest is None else hottest[hbm_rows:]
     dram = _level(name, dram_rows, max(seen, 1), rest, pinned_fraction)
     h2, _ = _replay(dram, misses, pre2)
     n2 = sum(m.shape[0] for m in misses)
-    return h1 / distinct, h2 / n2, int(seen_rows.shape[0])
+    held = [p for p in (pre1, pre2) if p is not None]
+    first = _first_touches(batches, sorted_distinct(np.concatenate(held)) if held else None)
+    cold = sum(int(np.isin(m, f, assume_unique=True).sum()) for m, f in zip(misses, first, strict=True))
+    return h1 / distinct, h2 / n2, int(seen_rows.shape[0]), cold / n2
+
+
+def _first_touches(batches: list[np.ndarray], held: np.ndarray | None) -> list[np.ndarray]:
+    """Per batch, its rows that no earlier batch asked and `held` (sorted) does not hold."""
+    flat = np.concatenate(batches)
+    batch = np.repeat(np.arange(len(batches)), [b.shape[0] for b in batches])
+    order = np.argsort(flat, kind="stable")  # grouped by row, earliest batch first
+    s = flat[order]
+    first = order[np.concatenate([[True], s[1:] != s[:-1]])] if s.shape[0] else order
+    keep = np.zeros(flat.shape[0], dtype=bool)
+    keep[first] = True
+    if held is not None and held.shape[0]:
+        keep &= ~np.isin(flat, held)
+    return [flat[(batch == b) & keep] for b in range(len(batches))]
 
 
 def plan_memory(
@@ -210,7 +246,7 @@ def plan_memory(
         dram = min(t_rows - hbm, int(dram_bytes * share[li]) // row_bytes)
         batches = batch_rows(rows, batch_tokens, li)
         hottest = None if profile is None else profile.hottest(lid)
-        h1, h2, seen = nested_hit_rates(batches, hbm, dram, name, hottest, warm, pinned_fraction)
+        h1, h2, seen, cold = nested_hit_rates(batches, hbm, dram, name, hottest, warm, pinned_fraction)
         if hbm == t_rows:  # the device holds the whole layer: not a cache
             h1 = 1.0
         if hbm + dram == t_rows:  # DRAM holds the rest: nothing is read from SSD
@@ -226,6 +262,7 @@ def plan_memory(
                 distinct_per_token=sum(b.shape[0] for b in batches) / rows.shape[0],
                 hbm_hit_rate=h1,
                 dram_hit_rate=h2,
+                dram_first_touch=cold if hbm + dram < t_rows else 0.0,
                 ssd_rate=(1 - h1) * (1 - h2),
             )
         )

@@ -59,9 +59,10 @@ SIM_POLICIES = (*(p.value for p in CachePolicy), BELADY)  # what `engram cache-s
 # preset, real tokenizer, batches of 4096 tokens, profile of the training books; `engram cache-sim`,
 # numbers in notes/README-policies.md). With a profile, pinned+lru: first or within 1 point of the
 # best online policy at every size: 15.0 / 38.0 / 50.3 % at 64Ki / 1Mi / 4Mi rows (Belady 24.2 /
-# 41.9 / 51.4 %), against lru's 10.3 / 32.6 / 47.6 % (caches warm from the profile); pinned alone
-# wins at 64Ki and 1Mi but falls 4 points under lru when the caches start empty. Without a profile,
-# lru: clock and lfu are within 0.3 points of it at every size (equal at 64Ki and 4Mi).
+# 41.9 / 51.4 %), against lru's 10.3 / 32.6 / 47.6 % (caches warm from the profile); with caches
+# that start empty 12.9 / 22.4 / 22.7 % against lru's 9.5 / 22.6 / 22.7 % (Belady 21.8 / 22.7 / 22.7 %).
+# pinned alone wins at 64Ki and 1Mi when warm but falls under lru when cold (19.7 against 22.6 % at
+# 1Mi). Without a profile, lru: clock and lfu are within 0.3 points of it at every size.
 DEFAULT_POLICY = CachePolicy.LRU  # without a profile
 DEFAULT_PINNED_POLICY = CachePolicy.PINNED_LRU  # with a profile's hottest rows
 
