@@ -71,8 +71,8 @@ def register(sub: Any) -> None:
         "--cache-rows",
         type=row_count,
         nargs="+",
-        default=[1 << 16, 1 << 20, 1 << 22],
-        help=f"cache sizes in rows per layer, e.g. 64Ki 1Mi (default: 64Ki 1Mi 4Mi; {SIZE_HELP})",
+        default=[1 << 16, 1 << 18, 1 << 20, 1 << 22],
+        help=f"cache sizes in rows per layer, e.g. 64Ki 1Mi (default: 64Ki 256Ki 1Mi 4Mi; {SIZE_HELP})",
     )
     p.add_argument("--policies", nargs="+", default=list(SIM_POLICIES), metavar="POLICY",
                    help=f"policies to replay (default: all of {', '.join(SIM_POLICIES)})")  # fmt: skip
