@@ -21,13 +21,14 @@ from engram.systems.policies import (
     BELADY,
     SIM_POLICIES,
     CachePolicy,
+    Policy,
     belady_hits,
     make_policy,
     sorted_distinct,
 )
 from engram.systems.profile import Profile
 
-__all__ = ["CacheSimReport", "batch_rows", "simulate_cache"]
+__all__ = ["CacheSimReport", "batch_rows", "plot_hit_rates", "run_policy", "simulate_cache", "sized_policy"]
 
 
 @dataclass
@@ -77,40 +78,46 @@ def batch_rows(rows: np.ndarray, batch_tokens: int, layer: int) -> list[np.ndarr
     return [sorted_distinct(rows[s : s + batch_tokens, layer]) for s in range(0, rows.shape[0], batch_tokens)]
 
 
-def replay(policy: str, batches: list[np.ndarray], capacity: int, seen: int, hottest: np.ndarray | None,
-           preload: np.ndarray | None, pinned_fraction: float) -> np.ndarray:  # fmt: skip
-    """Hits per batch (B,) of `policy` with `capacity` slots over sorted distinct batches.
+def sized_policy(
+    name: CachePolicy, capacity: int, seen: int, hottest: np.ndarray | None, pinned_fraction: float
+) -> Policy | None:
+    """A fresh policy of `capacity` slots for a replay that touches `seen` distinct rows (preload included).
 
-    `seen`: distinct rows of the whole replay (preload included): an lru / clock / lfu cache with
-    that many slots never evicts, so more slots change nothing and are not allocated. `hottest`:
-    the profile's rows, hottest first (pinned policies); `preload`: rows to start with (not counted).
+    An lru / clock / lfu cache (or pinned+lru's LRU part) with `seen` slots never evicts, so more
+    slots change nothing and are not allocated. `hottest`: the profile's rows, hottest first (pinned
+    policies). None: pinned+lru with neither pinned rows nor anything to cache.
     """
-    if policy == BELADY:
-        return belady_hits(batches, capacity, preload)
-    name = CachePolicy(policy)
     if name is CachePolicy.PINNED_LRU:
         assert hottest is not None
         p = min(hottest.shape[0], round(capacity * pinned_fraction))
-        lru_slots = min(capacity - p, seen)  # the same cap as a plain LRU's
+        lru_slots = min(capacity - p, seen)
         # pinned_fraction 1: exactly the p rows given are pinned, the other lru_slots run LRU
-        cache = make_policy(name, p + lru_slots, hottest[:p], 1.0) if p + lru_slots else None
-    elif name is CachePolicy.PINNED:
+        return make_policy(name, p + lru_slots, hottest[:p], 1.0) if p + lru_slots else None
+    if name is CachePolicy.PINNED:
         assert hottest is not None
-        cache = make_policy(name, capacity, hottest[:capacity])
-    else:
-        cache = make_policy(name, min(capacity, seen))
-    hits = np.zeros(len(batches), dtype=np.int64)
-    if cache is None:  # pinned+lru with neither pinned rows nor anything to cache
-        return hits
+        return make_policy(name, capacity, hottest[:capacity])
+    return make_policy(name, min(capacity, seen))
+
+
+def run_policy(
+    cache: Policy | None, batches: list[np.ndarray], preload: np.ndarray | None = None
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(hits per batch (B,), the missed rows of each batch) of `cache` over sorted distinct batches,
+    after one uncounted call with the rows of `preload` (a warm start). None caches nothing."""
+    if cache is None:
+        return np.zeros(len(batches), dtype=np.int64), list(batches)
     width = max([b.shape[0] for b in batches] + [0 if preload is None else preload.shape[0]])
     slot_of, ins_of = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
     if preload is not None and preload.shape[0]:
         u = sorted_distinct(preload)
         cache.plan(u, slot_of[: u.shape[0]], ins_of[: u.shape[0]])
+    hits = np.zeros(len(batches), dtype=np.int64)
+    misses = []
     for b, uniq in enumerate(batches):
         n = uniq.shape[0]
         hits[b] = cache.plan(uniq, slot_of[:n], ins_of[:n])[0]
-    return hits
+        misses.append(uniq[slot_of[:n] < 0])
+    return hits, misses
 
 
 def simulate_cache(
@@ -181,7 +188,11 @@ def simulate_cache(
                 else sorted_distinct(np.concatenate([replay_rows, preload])).shape[0]
             )
             for policy in policies:
-                hits = replay(policy, batches, cap, int(seen), hottest, preload, pinned_fraction)
+                if policy == BELADY:
+                    hits = belady_hits(batches, cap, preload)
+                else:
+                    cache = sized_policy(CachePolicy(policy), cap, int(seen), hottest, pinned_fraction)
+                    hits = run_policy(cache, batches, preload)[0]
                 reports.append(
                     CacheSimReport(
                         layer_id=lid,

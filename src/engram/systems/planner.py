@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from engram.systems.cache_sim import batch_rows
-from engram.systems.policies import CachePolicy, make_policy, policy_name, sorted_distinct
+from engram.systems.cache_sim import batch_rows, run_policy, sized_policy
+from engram.systems.policies import CachePolicy, policy_name, sorted_distinct
 from engram.systems.profile import Profile
 
 __all__ = ["LayerPlan", "MemoryPlan", "nested_hit_rates", "plan_memory"]
@@ -108,35 +108,6 @@ class MemoryPlan:
         }
 
 
-def _replay(
-    policy: Any, batches: list[np.ndarray], preload: np.ndarray | None
-) -> tuple[int, list[np.ndarray]]:
-    """(hits, misses per batch) of `policy` over sorted distinct batches, after an uncounted preload."""
-    width = max([b.shape[0] for b in batches] + [0 if preload is None else preload.shape[0]])
-    slot_of, ins_of = np.empty(width, dtype=np.int64), np.empty(width, dtype=np.int64)
-    if preload is not None and preload.shape[0]:
-        u = sorted_distinct(preload)
-        policy.plan(u, slot_of[: u.shape[0]], ins_of[: u.shape[0]])
-    hits, misses = 0, []
-    for uniq in batches:
-        n = uniq.shape[0]
-        hits += policy.plan(uniq, slot_of[:n], ins_of[:n])[0]
-        misses.append(uniq[slot_of[:n] < 0])
-    return hits, misses
-
-
-def _level(name: CachePolicy, capacity: int, seen: int, hottest: np.ndarray | None, fraction: float) -> Any:
-    """A policy of `capacity` slots, no more than `seen` for those that then never evict (lru, clock, lfu)."""
-    if name is CachePolicy.PINNED:
-        assert hottest is not None
-        return make_policy(name, capacity, hottest[:capacity])
-    if name is CachePolicy.PINNED_LRU:
-        assert hottest is not None
-        p = min(hottest.shape[0], round(capacity * fraction))
-        return make_policy(name, p + min(capacity - p, seen), hottest[:p], 1.0)
-    return make_policy(name, min(capacity, seen))
-
-
 def nested_hit_rates(
     batches: list[np.ndarray],
     hbm_rows: int,
@@ -163,14 +134,15 @@ def nested_hit_rates(
     pre1 = hottest[:hbm_rows] if warm and hottest is not None else None
     pre2 = hottest[hbm_rows : hbm_rows + dram_rows] if warm and hottest is not None else None
     seen = int(seen_rows.shape[0]) + (0 if pre1 is None else pre1.shape[0] + pre2.shape[0])
-    hbm = _level(name, hbm_rows, max(seen, 1), hottest, pinned_fraction)
-    h1, misses = _replay(hbm, batches, pre1)
+    hbm = sized_policy(name, hbm_rows, max(seen, 1), hottest, pinned_fraction)
+    hits1, misses = run_policy(hbm, batches, pre1)
+    h1 = int(hits1.sum())
     if dram_rows == 0 or not sum(m.shape[0] for m in misses):
         return (h1 / distinct if distinct else 0.0), 0.0, int(seen_rows.shape[0]), 0.0
     # the DRAM level pins the rows after the device's (its own hottest are the device's misses)
     rest = None if hottest is None else hottest[hbm_rows:]
-    dram = _level(name, dram_rows, max(seen, 1), rest, pinned_fraction)
-    h2, _ = _replay(dram, misses, pre2)
+    dram = sized_policy(name, dram_rows, max(seen, 1), rest, pinned_fraction)
+    h2 = int(run_policy(dram, misses, pre2)[0].sum())
     n2 = sum(m.shape[0] for m in misses)
     held = [p for p in (pre1, pre2) if p is not None]
     first = _first_touches(batches, sorted_distinct(np.concatenate(held)) if held else None)
