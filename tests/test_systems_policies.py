@@ -55,7 +55,7 @@ def run_plain(ref, batches):
     return [tuple(map(list, ref.call(sorted(set(rows))))) for rows in batches]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(traces, capacities)
 def test_lru_clock_lfu_match_their_plain_twins(batches, capacity):
     for name, ref in (
@@ -66,7 +66,7 @@ def test_lru_clock_lfu_match_their_plain_twins(batches, capacity):
         assert run_policy(make_policy(name, capacity), batches) == run_plain(ref, batches), name
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(traces, capacities, st.permutations(list(range(41))), st.integers(0, 41), st.floats(0.05, 1.0))
 def test_pinned_policies_match_their_plain_twins(batches, capacity, order, n_hot, fraction):
     hottest = np.array(order[:n_hot], dtype=np.int64)
@@ -78,7 +78,7 @@ def test_pinned_policies_match_their_plain_twins(batches, capacity, order, n_hot
     assert got == run_plain(PlainPinned(order[:p], capacity - p), batches)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(traces, capacities)
 def test_belady_matches_brute_force_and_bounds_every_policy(batches, capacity):
     uniq = [np.array(sorted(set(b)), dtype=np.int64) for b in batches]
