@@ -11,7 +11,8 @@ the baselines of `bench_lookup.py`, measured in the same run on the same ids:
 
 The fast path writes into a preallocated output (as a caller that reuses its buffer would); the line
 "allocating" shows it with a fresh output per call (page faults on a 200 MB fp32 output cost more than
-the gather on a VM). Prints rows/s and GB/s of table bytes read (264 B a row) and the ratios
+the gather on a VM), and "FP8Table.gather" the public table API, whose output pool
+(`engram.storage.outpool`) reuses a buffer once the caller has let go of the previous result. Prints rows/s and GB/s of table bytes read (264 B a row) and the ratios
 (baseline time / fast path time: > 1 means the fast path is faster). Baselines run with torch's default
 intra-op threads; the fast path with 1 and with all cores. All are timed interleaved, round by round
 (best of `repeats`), so that a shared machine's changing load hits them alike. Every variant is first
@@ -115,6 +116,9 @@ def run(
             fns[label] = lambda ids=ids, dtype=dtype: lookup.dequantize_gather(
                 values, scales, ids, dtype, backend="numba"
             )
+            labels.append(label)
+            label = "FP8Table.gather (its output pool: no fresh pages)"
+            fns[label] = lambda ids=ids, dtype=dtype: table.gather(ids, dtype)
             labels.append(label)
             for label in labels:
                 got = fns[label]()

@@ -45,16 +45,21 @@ def test_unknown_preset_lists_known():
 def test_hf_round_trip(name):
     c = EngramConfig.preset(name)
     d = to_hf_dict(c)
-    for key in (
-        "engram_layer_ids",
-        "engram_num_embeddings",
-        "engram_max_ngram_size",
-        "engram_vocab_size",
-        "engram_n_heads",
-        "engram_head_dim",
-        "engram_pad_token_id",
-        "engram_compressed_vocab_size",
-    ):
+    keys = (
+        ("ple_layer_ids", "ple_embed_dim", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base")
+        if c.variant is Variant.QWEN4_EXP_PLE
+        else (
+            "engram_layer_ids",
+            "engram_num_embeddings",
+            "engram_max_ngram_size",
+            "engram_vocab_size",
+            "engram_n_heads",
+            "engram_head_dim",
+            "engram_pad_token_id",
+            "engram_compressed_vocab_size",
+        )
+    )
+    for key in keys:
         assert key in d
     back = from_hf_dict(d, name=c.name, tokenizer=c.tokenizer)
     assert back == c

@@ -259,3 +259,40 @@ def test_cli_offload_equals_fp8_tables(main, runs, capsys, tmp_path, where):
         assert list(tmp_path.glob("engram_layer*.safetensors"))
     assert main([*argv, "--offload", where, *extra]) == 0
     assert "table on " + where in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kw", "expect"),
+    [
+        (
+            {"engram_mode": "input-embedding", "engram_kw": {"head_dim": 16}},
+            None,
+        ),  # rows feed the input embedding, not a module
+        ({"compression": False}, None),  # the run hashed raw ids: the hasher must too
+        ({"row_hash": "random"}, "row_hash='random'"),  # a study control: refused, not silently wrong
+    ],
+)
+def test_cli_study_variants(main, corpus, tmp_path, capsys, kw, expect):
+    """Checkpoints of the studies' variants: generation hashes as training did, or refuses."""
+    cfg = tiny_cfg(corpus, **kw)
+    bundle = prepare_data(cfg)
+    Trainer(cfg, bundle, build_model(cfg, bundle), out_dir=tmp_path / "run").run()
+    args = [
+        "generate",
+        "--checkpoint",
+        str(tmp_path / "run"),
+        "--prompt",
+        "And God",
+        "--tokens",
+        "3",
+        "--json",
+    ]
+    code = main(args)
+    captured = capsys.readouterr()
+    if expect is None:
+        assert code == 0, captured.err
+        assert [len(s) for s in json.loads(captured.out)["token_ids"]] == [3]
+        _, _, hasher, _ = load_generator(tmp_path / "run")
+        assert np.array_equal(hasher.compression.lookup, bundle.compression.lookup)
+    else:
+        assert code == 2 and expect in captured.err

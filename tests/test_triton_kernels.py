@@ -20,6 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engram import EngramConfig, NgramHasher
 from engram.kernels import reference
@@ -94,6 +96,60 @@ def test_hash_exact(kernels, ds_compression, preset: str, with_dead: bool, with_
     out32 = torch.empty(want.shape, dtype=torch.int32, device=DEVICE)
     assert kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, out=out32) is out32
     assert np.array_equal(out32.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("with_dead", [False, True])
+@pytest.mark.parametrize("with_window", [False, True])
+def test_hash_starts_exact(kernels, with_dead: bool, with_window: bool) -> None:
+    """Window restarts (`starts`) in the kernel: the numpy twin's bits, and the torch twin's."""
+    config = EngramConfig.preset("tiny").replace(vocab_size=50, compressed_vocab_size=50, pad_token_id=3)
+    hasher = NgramHasher(config)
+    rng = np.random.default_rng(1)
+    b, t = 3, 150
+    xc = rng.integers(0, 50, size=(b, t)).astype(np.int64)
+    starts = rng.random((b, t)) < 0.15
+    starts[0, 0] = True  # a start at position 0 hides the carried window
+    dead = rng.random((b, t)) < 0.1 if with_dead else None
+    window = rng.integers(0, 50, size=(b, hasher.window_size)) if with_window else None
+    tables = to_dev(hasher.multipliers, hasher.primes, hasher.offsets)
+    xc_t, dead_t, win_t, st_t = to_dev(xc, dead, window, starts)
+    got = kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t)
+    want = hasher.hash_compressed(xc, dead, window, starts=starts, backend="numpy")
+    assert np.array_equal(got.cpu().numpy(), want)
+    assert np.array_equal(hasher.hash_compressed(xc, dead, window, starts=starts, backend="numba"), want)
+    assert torch.equal(reference.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t), got)
+    assert not np.array_equal(hasher.hash_compressed(xc, dead, window, backend="numpy"), want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_hash_starts_property(kernels, data) -> None:
+    """Random small shapes, ids, dead tokens, starts and windows: Triton == numba == numpy."""
+    hasher = _STARTS_HASHER
+    b, t = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 12))
+    arr = st.lists(st.integers(0, 15), min_size=b * t, max_size=b * t)
+    flags = st.lists(st.sampled_from([False, False, True]), min_size=b * t, max_size=b * t)
+    xc = np.array(data.draw(arr), dtype=np.int64).reshape(b, t)
+    dead = np.array(data.draw(flags)).reshape(b, t) if data.draw(st.booleans()) else None
+    starts = np.array(data.draw(flags)).reshape(b, t)
+    window = None
+    if data.draw(st.booleans()):
+        window = np.array(data.draw(st.lists(st.integers(0, 15), min_size=b * 3, max_size=b * 3))).reshape(
+            b, 3
+        )
+    want = hasher.hash_compressed(xc, dead, window, starts=starts, backend="numpy")
+    assert np.array_equal(hasher.hash_compressed(xc, dead, window, starts=starts, backend="numba"), want)
+    tables = to_dev(hasher.multipliers, hasher.primes, hasher.offsets)
+    xc_t, dead_t, win_t, st_t = to_dev(xc, dead, window, starts)
+    got = kernels.hash.hash_rows(xc_t, dead_t, win_t, *tables, hasher.pad, starts=st_t)
+    assert np.array_equal(got.cpu().numpy(), want)
+
+
+_STARTS_HASHER = NgramHasher(
+    EngramConfig.preset("tiny").replace(
+        vocab_size=16, compressed_vocab_size=16, pad_token_id=3, max_ngram_size=4
+    )
+)
 
 
 def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) -> None:
@@ -342,3 +398,42 @@ def test_stream_device_step(kernels, ds_compression):
     dev.draft(np.array([[1], [2], [3]]))
     with pytest.raises(RuntimeError, match="drafted tokens are pending"):
         dev._step_device(ids[0], None, None, True)
+
+
+def test_stream_device_step_restarts(kernels):
+    """`_step_device` with `starts` and `restart_after_id`: the host stream's rows, step by step."""
+    from engram import HashStream
+
+    config = EngramConfig.preset("tiny").replace(
+        vocab_size=20, compressed_vocab_size=20, pad_token_id=2, restart_after_id=2
+    )
+    hasher = NgramHasher(config)
+    gen = torch.Generator().manual_seed(9)
+    b, steps = 3, 12
+    ids = torch.randint(0, 6, (steps, b), generator=gen).to(DEVICE)  # id 2 (the restart id) often
+    starts = (torch.rand(steps, b, generator=gen) < 0.2).to(DEVICE)
+    host, dev = HashStream(hasher, b), HashStream(hasher, b)
+    for s in (host, dev):
+        s.feed(np.array([[1, 2], [3, 4], [2, 5]]))
+    for t in range(steps):
+        want = host.step(ids[t].cpu().numpy(), starts=starts[t].cpu().numpy())
+        got = dev._step_device(ids[t], None, None, True, starts[t])
+        assert np.array_equal(got.cpu().numpy(), want), t
+    assert np.array_equal(dev.window, host.window)
+
+
+def test_hasher_triton_path_restarts(kernels):
+    """`NgramHasher.hash` of CUDA tensors with `starts` and `restart_after_id` (`_hash_triton`)."""
+    config = EngramConfig.preset("qwen4-exp-tiny")
+    hasher = NgramHasher(config)
+    gen = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, 8, (3, 40), generator=gen)  # id 1 (EOS, the restart id) often
+    starts = torch.rand(3, 40, generator=gen) < 0.1
+    want = hasher.hash(ids.numpy(), starts=starts.numpy())
+    got = hasher._hash_triton(ids.to(DEVICE), None, np.dtype(np.int64), starts.to(DEVICE))
+    assert np.array_equal(got.cpu().numpy(), want)
+    assert np.array_equal(
+        hasher._hash_triton(ids[0].to(DEVICE), None, np.dtype(np.int64)).cpu(), hasher.hash(ids[0])
+    )
+    with pytest.raises(TypeError, match="starts must be boolean"):
+        hasher._hash_triton(ids.to(DEVICE), None, np.dtype(np.int64), starts.int().to(DEVICE))

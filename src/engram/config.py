@@ -2,8 +2,11 @@
 
 Holds `Variant` (which published module), `EngramConfig` (every number the hash layout and the
 module need, validated on construction; derived values are properties) and `PRESETS`
-(`deepseek-v4.1`, `demo-v1`, `tiny`). It imports nothing else of engram: primes are
-`engram.addressing.layout`'s, the Hugging Face `engram_*` keys `engram.checkpoint.hf_config`'s.
+(`deepseek-v4.1`, `demo-v1`, `tiny`, `qwen4-exp-ple`). `EngramConfig.from_hf_config` reads the
+keys of a Hugging Face config (DeepSeek-V4.1's `engram_*`, Qwen4-Exp's `ple_*` / `ngram_*`). It
+imports nothing else of engram: primes are `engram.addressing.layout`'s, and the check of a declared
+`engram_num_embeddings` against them (and the writing of `engram_*` keys) is
+`engram.checkpoint.hf_config`'s.
 """
 
 from __future__ import annotations
@@ -14,14 +17,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PRESETS", "EngramConfig", "Variant"]
+__all__ = ["PRESETS", "EngramConfig", "MultiplierScheme", "Variant"]
 
 
 class Variant(enum.StrEnum):
-    """The two published Engram modules (SPEC §1)."""
+    """The published Engram modules: SPEC §1's two, and Qwen4-Exp's PLE."""
 
     V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
     DEMO_V1 = "demo-v1"  # the paper's demo: separate key projections, short causal conv
+    # Qwen4-Exp's Per-Layer Embedding (transformers' `qwen4_exp`): raw ids, splitmix64 multipliers,
+    # windows restarting after EOS, one fused key projection normed per stream, dilated conv.
+    QWEN4_EXP_PLE = "qwen4-exp-ple"
+
+
+class MultiplierScheme(enum.StrEnum):
+    """How a layer's odd hash multipliers are drawn (both bounded so that x * m fits int64)."""
+
+    NUMPY_RNG = "numpy-rng"  # V4.1 / demo: numpy default_rng(seed + 10007 * layer_id)
+    SPLITMIX64 = "splitmix64"  # Qwen4-Exp: splitmix64 of seed + 10007 * (index in layer_ids)
 
 
 def _tuple_of_ints(name: str, value: Any) -> tuple[int, ...]:
@@ -62,6 +75,12 @@ class EngramConfig:
     kernel_size: int = 4  # demo-v1 short conv only
     norm_eps: float = 1e-6
     gate_clamp: float = 1e-6  # |dot| floor before the signed square root
+    # --- variants beyond V4.1 ---
+    # Windows restart after this tokenizer id (Qwen4-Exp: EOS): the token after it looks back at
+    # nothing before it (pads), as if a new sequence began. None: no automatic restarts (V4.1).
+    restart_after_id: int | None = None
+    multiplier_scheme: MultiplierScheme = MultiplierScheme.NUMPY_RNG
+    table_rows_multiple: int = 1  # each layer's table padded up to a multiple of this many rows
     # What a loaded config.json declared for `engram_num_embeddings` (int or per layer), kept for
     # the round trip and checked against the prime sums by `from_hf_dict`.
     declared_num_embeddings: int | tuple[int, ...] | None = field(default=None, compare=False)
@@ -69,6 +88,13 @@ class EngramConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
         set_(self, "variant", Variant(self.variant))
+        try:
+            set_(self, "multiplier_scheme", MultiplierScheme(self.multiplier_scheme))
+        except ValueError:
+            raise ValueError(
+                f"multiplier_scheme={self.multiplier_scheme!r} is not one of "
+                f"{', '.join(repr(m.value) for m in MultiplierScheme)}"
+            ) from None
         set_(self, "layer_ids", _tuple_of_ints("layer_ids", self.layer_ids))
         if isinstance(self.engram_vocab_size, int):
             set_(self, "engram_vocab_size", (self.engram_vocab_size,) * max(self.max_ngram_size - 1, 0))
@@ -84,6 +110,7 @@ class EngramConfig:
             "hidden_size",
             "hc_mult",
             "kernel_size",
+            "table_rows_multiple",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -125,6 +152,28 @@ class EngramConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.norm_eps <= 0 or self.gate_clamp <= 0:
             raise ValueError(f"norm_eps={self.norm_eps} and gate_clamp={self.gate_clamp} must be > 0")
+        if self.table_rows_multiple < 1:
+            raise ValueError(f"table_rows_multiple={self.table_rows_multiple} must be >= 1 (1 = no padding)")
+        rid = self.restart_after_id
+        if rid is not None:
+            if isinstance(rid, bool) or not isinstance(rid, int):
+                raise TypeError(f"EngramConfig.restart_after_id must be an int or None, got {rid!r}")
+            if not 0 <= rid < self.vocab_size:
+                raise ValueError(
+                    f"restart_after_id={rid} is outside the tokenizer's ids [0, {self.vocab_size}); "
+                    "give the id of the token after which windows restart (e.g. EOS), or None"
+                )
+        if self.variant is Variant.QWEN4_EXP_PLE:
+            if self.compressed_vocab_size != self.vocab_size:
+                raise ValueError(
+                    f"variant {self.variant.value!r} hashes raw token ids: compressed_vocab_size="
+                    f"{self.compressed_vocab_size} must equal vocab_size={self.vocab_size}"
+                )
+            if len(set(self.engram_vocab_size)) != 1:
+                raise ValueError(
+                    f"variant {self.variant.value!r} counts primes up from one base "
+                    f"(ngram_vocab_size_base), got per-order bases {self.engram_vocab_size}"
+                )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -174,6 +223,27 @@ class EngramConfig:
                 f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
             ) from None
 
+    # ------------------------------------------------------------------ Hugging Face configs
+    @classmethod
+    def from_hf_config(cls, config: Any, *, name: str = "hf", tokenizer: str | None = None) -> EngramConfig:
+        """The config of a Hugging Face model config: a transformers config object or a plain dict
+        (a config.json), of either family: DeepSeek-V4.1's `engram_*` keys or Qwen4-Exp's `ple_*` /
+        `ngram_*` keys (of a `Qwen4ExpTextConfig`, or a `Qwen4ExpConfig`'s `text_config`).
+
+        A declared `engram_num_embeddings` is kept, not checked (the primes are not this module's):
+        `engram.checkpoint.hf_config.from_hf_dict` reads the same keys and checks it.
+        """
+        d = _hf_mapping(config)
+        if "engram_layer_ids" in d:
+            return _from_engram_keys(d, name, tokenizer)
+        if "ple_layer_ids" in d or "ngram_size" in d:
+            return _from_qwen4_exp_keys(d, name)
+        raise ValueError(
+            f"{type(config).__name__} holds no Engram settings: looked for DeepSeek-V4.1's engram_* keys "
+            f"({', '.join(HF_ENGRAM_KEYS)}) and Qwen4-Exp's ple_*/ngram_* keys ({', '.join(HF_QWEN4_EXP_KEYS)}); "
+            f"found keys {sorted(d)[:30]}"
+        )
+
     # ------------------------------------------------------------------ plain round trip
     def to_dict(self) -> dict[str, Any]:
         """Every field as JSON-ready values (the Hugging Face `engram_*` keys are `engram.checkpoint.hf_config`'s)."""
@@ -202,6 +272,179 @@ class EngramConfig:
         return cls(**kw)
 
 
+# ------------------------------------------------------------------------- Hugging Face keys
+HF_ENGRAM_KEYS = (  # DeepSeek-V4.1's config.json: all required
+    "engram_layer_ids",
+    "engram_max_ngram_size",
+    "engram_vocab_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_pad_token_id",
+    "engram_compressed_vocab_size",
+)
+# EngramConfig field -> config.json key, for the optional keys of the engram_* family
+HF_ENGRAM_OPTIONAL = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("hc_mult", "hc_mult"),
+    ("seed", "engram_seed"),
+    ("kernel_size", "engram_kernel_size"),
+    ("norm_eps", "engram_norm_eps"),
+    ("gate_clamp", "engram_gate_clamp"),
+    ("restart_after_id", "engram_restart_after_id"),
+    ("multiplier_scheme", "engram_multiplier_scheme"),
+    ("table_rows_multiple", "engram_table_rows_multiple"),
+)
+HF_QWEN4_EXP_KEYS = (  # Qwen4ExpTextConfig's PLE keys (defaults are transformers')
+    "ple_layer_ids",
+    "ple_embed_dim",
+    "ple_conv_kernel_size",
+    "ngram_size",
+    "heads_per_ngram",
+    "ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by",
+    "seed",
+    "eos_token_id",
+    "vocab_size",
+    "hidden_size",
+    "hc_count",
+    "rms_norm_eps",
+)
+_QWEN4_EXP_DEFAULTS = {
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20_000_000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "seed": 1234,
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "hc_count": 4,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def _hf_mapping(config: Any) -> Mapping[str, Any]:
+    """The keys of a transformers config object or a dict; a multimodal config's text_config."""
+    if isinstance(config, Mapping):
+        d: Mapping[str, Any] = config
+    elif callable(getattr(config, "to_dict", None)):
+        d = config.to_dict()
+    else:
+        raise TypeError(f"from_hf_config takes a transformers config or a dict, got {type(config).__name__}")
+    text = d.get("text_config")
+    if text is not None and "engram_layer_ids" not in d and "ple_layer_ids" not in d:
+        if not isinstance(text, Mapping):
+            text = text.to_dict() if callable(getattr(text, "to_dict", None)) else text
+        if not isinstance(text, Mapping):
+            raise TypeError(f"text_config must be a config or a dict, got {type(text).__name__}")
+        d = text
+    return d
+
+
+def _int_key(d: Mapping[str, Any], key: str) -> int:
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{key} must be an int, got {v!r}")
+    return v
+
+
+def _from_engram_keys(d: Mapping[str, Any], name: str, tokenizer: str | None) -> EngramConfig:
+    if "engram_pad_id" in d:  # the name SPEC §4 and the issue use; engram_pad_token_id ours
+        if "engram_pad_token_id" in d and d["engram_pad_token_id"] != d["engram_pad_id"]:
+            raise ValueError(
+                f"engram_pad_id={d['engram_pad_id']!r} and engram_pad_token_id={d['engram_pad_token_id']!r} "
+                "disagree; keep one"
+            )
+        d = {**d, "engram_pad_token_id": d["engram_pad_id"]}
+    missing = [k for k in HF_ENGRAM_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"config dict lacks {', '.join(missing)}: not an Engram config (keys: {sorted(d)})")
+    bases = d["engram_vocab_size"]
+    layer_ids = d["engram_layer_ids"]
+    if not isinstance(layer_ids, list | tuple):
+        raise TypeError(f"engram_layer_ids must be a list of ints, got {layer_ids!r}")
+    kw: dict[str, Any] = {
+        "name": name,
+        "variant": Variant(d.get("engram_variant", Variant.V4_1.value)),
+        "layer_ids": tuple(layer_ids),
+        "max_ngram_size": d["engram_max_ngram_size"],
+        "n_heads": d["engram_n_heads"],
+        "engram_vocab_size": tuple(bases) if isinstance(bases, list) else bases,
+        "head_dim": d["engram_head_dim"],
+        "pad_token_id": d["engram_pad_token_id"],
+        "compressed_vocab_size": d["engram_compressed_vocab_size"],
+        "seed": 0,
+        "tokenizer": tokenizer,
+    }
+    for key, hf_key in HF_ENGRAM_OPTIONAL:
+        if hf_key in d:
+            kw[key] = d[hf_key]
+    declared = d.get("engram_num_embeddings")
+    if isinstance(declared, list):
+        declared = tuple(declared)
+    if declared is not None and not (
+        (isinstance(declared, int) and not isinstance(declared, bool))
+        or (
+            isinstance(declared, tuple)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in declared)
+        )
+    ):
+        raise TypeError(f"engram_num_embeddings must be an int or a list of ints, got {declared!r}")
+    return EngramConfig(**kw, declared_num_embeddings=declared)
+
+
+def _from_qwen4_exp_keys(d: Mapping[str, Any], name: str) -> EngramConfig:
+    g = {**_QWEN4_EXP_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
+    ple = d.get("ple_layer_ids") or []
+    if not isinstance(ple, list | tuple) or not ple:
+        raise ValueError(
+            f"ple_layer_ids={d.get('ple_layer_ids')!r}: this Qwen4-Exp config has no PLE layers "
+            "(give the one-indexed decoder layers that use PLE, e.g. ple_layer_ids=[1, 3])"
+        )
+    layers = sorted({int(i) for i in ple})
+    if layers[0] < 1:
+        raise ValueError(f"ple_layer_ids {list(ple)} must be one-indexed decoder layers (>= 1)")
+    eos = g.get("eos_token_id")
+    if isinstance(eos, list | tuple):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise ValueError(
+            "eos_token_id must be set: Qwen4-Exp's PLE pads with EOS and restarts windows after it"
+        )
+    n, k = _int_key(g, "ngram_size"), _int_key(g, "heads_per_ngram")
+    hidden = _int_key(g, "hidden_size")
+    embed = d.get("ple_embed_dim") or hidden
+    heads = (n - 1) * k
+    if heads <= 0 or embed <= 0 or embed % heads:
+        raise ValueError(
+            f"ple_embed_dim={embed} must be a positive multiple of the n-gram heads (ngram_size-1)*heads_per_ngram "
+            f"= ({n}-1)*{k} = {heads}"
+        )
+    vocab = _int_key(g, "vocab_size")
+    return EngramConfig(
+        name=name,
+        variant=Variant.QWEN4_EXP_PLE,
+        layer_ids=tuple(i - 1 for i in layers),  # 0-based: PLE runs at the entrance of decoder layer i-1
+        max_ngram_size=n,
+        n_heads=k,
+        engram_vocab_size=_int_key(g, "ngram_vocab_size_base"),
+        vocab_size=vocab,
+        compressed_vocab_size=vocab,
+        pad_token_id=int(eos),
+        restart_after_id=int(eos),
+        seed=_int_key(g, "seed"),
+        tokenizer=None,
+        head_dim=embed // heads,
+        hidden_size=hidden,
+        hc_mult=_int_key(g, "hc_count"),
+        kernel_size=_int_key(g, "ple_conv_kernel_size"),
+        norm_eps=float(g["rms_norm_eps"]),
+        multiplier_scheme=MultiplierScheme.SPLITMIX64,
+        table_rows_multiple=_int_key(g, "make_ngram_vocab_size_divisible_by"),
+    )
+
+
 PRESETS: dict[str, EngramConfig] = {
     # DeepSeek-V4.1: layers 1 and 14, orders 2-4, 8 heads, 256-wide FP8 rows, base 16M per order.
     "deepseek-v4.1": EngramConfig(name="deepseek-v4.1"),
@@ -219,6 +462,28 @@ PRESETS: dict[str, EngramConfig] = {
         hidden_size=1024,
         hc_mult=4,
         kernel_size=4,
+    ),
+    # Qwen4-Exp's PLE at CPU size (the real model's keys: EngramConfig.from_hf_config of its
+    # Qwen4ExpTextConfig): raw ids of a 1000-id vocabulary, EOS 1, PLE at decoder layers 2 and 4.
+    "qwen4-exp-tiny": EngramConfig(
+        name="qwen4-exp-tiny",
+        variant=Variant.QWEN4_EXP_PLE,
+        layer_ids=(1, 3),
+        max_ngram_size=3,
+        n_heads=4,
+        engram_vocab_size=(4096, 4096),
+        vocab_size=1000,
+        compressed_vocab_size=1000,
+        pad_token_id=1,
+        restart_after_id=1,
+        seed=1234,
+        tokenizer=None,
+        head_dim=8,
+        hidden_size=64,
+        hc_mult=2,
+        kernel_size=4,
+        multiplier_scheme=MultiplierScheme.SPLITMIX64,
+        table_rows_multiple=128,
     ),
     # CPU-sized: one layer, orders 2-3, 4 heads of 32 rows of a few thousand; runs in seconds.
     "tiny": EngramConfig(

@@ -146,6 +146,13 @@ class TokenizerCompression:
 
     # ------------------------------------------------------------------ building
     @classmethod
+    def identity(cls, vocab_size: int) -> TokenizerCompression:
+        """The map of a variant that hashes raw ids: every id is its own compressed id."""
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        return cls(lookup=np.arange(vocab_size, dtype=np.int64), fingerprint=f"identity-{vocab_size}")
+
+    @classmethod
     def from_tokenizer(cls, obj: Any) -> TokenizerCompression:
         """Build the map from a Tokenizer, a transformers tokenizer, a tokenizer.json path or 'deepseek-v4'."""
         tok = resolve_tokenizer(obj)

@@ -3,8 +3,8 @@
 `NgramHasher` owns a layout's multipliers, primes and offsets and hashes whole sequences; its
 core, `hash_compressed`, takes compressed ids and an optional carried look-back window. Two
 backends with identical bits: the numba kernels of `engram.kernels.cpu_hash` and the numpy twin
-`hash_compressed_numpy`. Knows nothing of tables, modules or decode-time state (that is
-`engram.addressing.stream`). Design, formula and the division-free modulo: docs/addressing.md.
+`hash_compressed_numpy`. Input checks are `engram.addressing.inputs`' (re-exported here). Knows
+nothing of tables, modules or decode-time state (that is `engram.addressing.stream`). Design, formula and the division-free modulo: docs/addressing.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ import torch
 
 from engram import kernels
 from engram.addressing.compression import TokenizerCompression
+from engram.addressing.inputs import (
+    check_dead_mask,
+    check_device_inputs,
+    check_starts,
+    check_token_ids,
+    rows_like,
+)
 from engram.addressing.layout import Layout
 from engram.config import EngramConfig
 from engram.kernels.threads import check_threads, resolve_threads
@@ -28,6 +35,7 @@ __all__ = [
     "NgramHasher",
     "check_dead_mask",
     "check_device_inputs",
+    "check_starts",
     "check_token_ids",
     "rows_like",
 ]
@@ -73,75 +81,6 @@ class _KernelTables:
         return all(a is b for a, b in zip(self.sources, hasher._layout_arrays(), strict=True))
 
 
-def check_device_inputs(ids: Any, dead_mask: Any, vocab_size: int, *, check_range: bool = True) -> None:
-    """Boundary checks of token ids (and a dead mask) that stay on their device (CUDA): the dtype, and
-    with `check_range` every id in [0, vocab_size) (one sync). Only an input that fails is copied to
-    the host, so that the error names the bad value and its position as the CPU path does."""
-
-    if (
-        ids.is_floating_point()
-        or ids.is_complex()
-        or ids.dtype == torch.bool
-        or (check_range and bool(((ids < 0) | (ids >= vocab_size)).any()))  # sync point
-    ):
-        check_token_ids(ids, vocab_size)  # raises with the CPU path's message
-    if dead_mask is not None and (
-        not isinstance(dead_mask, torch.Tensor)
-        or dead_mask.dtype != torch.bool
-        or dead_mask.shape != ids.shape
-    ):
-        check_dead_mask(dead_mask, tuple(ids.shape))  # raises with the reason
-
-
-def _first_position(mask: np.ndarray) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.argwhere(mask)[0])
-
-
-def check_token_ids(token_ids: Any, vocab_size: int, name: str = "token_ids") -> np.ndarray:
-    """`token_ids` as an int64 numpy array of shape [T] or [B, T], every id in [0, vocab_size).
-
-    Raises TypeError for a non-integer dtype and ValueError for a bad shape, an empty input or an
-    id out of range (naming the first such id and its position).
-    """
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
-            raise TypeError(
-                f"{name} must hold integer token ids, got a tensor of {token_ids.dtype}; cast with .long()"
-            )
-        token_ids = token_ids.detach().cpu().numpy()  # sync point on CUDA inputs
-    arr = np.asarray(token_ids)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(
-            f"{name} must hold integer token ids, got dtype {arr.dtype}; convert with .astype(np.int64)"
-        )
-    if arr.ndim not in (1, 2):
-        raise ValueError(f"{name} must have shape [T] or [B, T], got shape {arr.shape}")
-    if arr.size == 0:
-        raise ValueError(f"{name} is empty (shape {arr.shape}): there is nothing to hash")
-    bad = (arr < 0) | (arr >= vocab_size)
-    if bad.any():
-        pos = _first_position(bad)
-        raise ValueError(
-            f"{name} holds id {int(arr[pos])} at position {pos}, outside the tokenizer's ids [0, {vocab_size}); "
-            "was the text tokenized with the tokenizer this config was made for?"
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def check_dead_mask(dead_mask: Any, shape: tuple[int, ...]) -> np.ndarray | None:
-    """`dead_mask` (None, or bool of `shape`: True = dead position) as a numpy array."""
-    if dead_mask is None:
-        return None
-    if isinstance(dead_mask, torch.Tensor):
-        dead_mask = dead_mask.detach().cpu().numpy()
-    mask = np.asarray(dead_mask)
-    if mask.dtype != np.bool_:
-        raise TypeError(f"dead_mask must be boolean (True = dead position), got dtype {mask.dtype}")
-    if mask.shape != shape:
-        raise ValueError(f"dead_mask has shape {mask.shape} but token_ids has shape {shape}; they must match")
-    return mask
-
-
 class NgramHasher:
     """Hashes token ids into the physical rows of every Engram layer of a config.
 
@@ -149,16 +88,26 @@ class NgramHasher:
     1-D input), columns in (order, head) order, each head's table offset included.
     `backend` (a `HashBackend` or its value) and `threads` are the defaults of every call that
     does not pass its own; `threads=None` uses every core for inputs of >= 16K tokens.
+    Without `compression`, ids are hashed raw (the identity map; the config must have
+    compressed_vocab_size == vocab_size, as raw-id variants like Qwen4-Exp's PLE do).
     """
 
     def __init__(
         self,
         config: EngramConfig,
-        compression: TokenizerCompression,
+        compression: TokenizerCompression | None = None,
         *,
         backend: HashBackend | str = HashBackend.AUTO,
         threads: int | None = None,
     ) -> None:
+        if compression is None:  # raw-id variants (Qwen4-Exp): the identity map
+            if config.compressed_vocab_size != config.vocab_size:
+                raise ValueError(
+                    f"config {config.name!r} hashes compressed ids (compressed_vocab_size="
+                    f"{config.compressed_vocab_size} < vocab_size={config.vocab_size}): pass its compression map, "
+                    "e.g. TokenizerCompression.from_tokenizer(tokenizer)"
+                )
+            compression = TokenizerCompression.identity(config.vocab_size)
         if compression.vocab_size != config.vocab_size:
             raise ValueError(
                 f"the compression map covers {compression.vocab_size} tokenizer ids but config {config.name!r} has "
@@ -233,27 +182,34 @@ class NgramHasher:
         token_ids: Any,
         dead_mask: Any = None,
         *,
+        starts: Any = None,
         out_dtype: Any = np.int64,
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> Any:
         """Physical rows for raw tokenizer ids ([T] or [B, T]; numpy, torch or a list).
 
-        `dead_mask` (bool, same shape) marks dead (image) positions. A torch tensor input gives a
-        torch tensor on the same device; anything else gives a numpy array. `out_dtype` int32
-        halves the output (allowed when every table has < 2^31 rows, as in V4.1); `backend` and
-        `threads` override the hasher's defaults (see `hash_compressed`).
+        `dead_mask` (bool, same shape) marks dead (image) positions. `starts` (bool, same shape)
+        marks positions that begin a new window: from there on, nothing before reads as anything but
+        the pad id (as at a sequence start). With `config.restart_after_id` set, the position after
+        every such id starts a window too. A torch tensor input gives a torch tensor on the same
+        device; anything else gives a numpy array. `out_dtype` int32 halves the output (allowed when
+        every table has < 2^31 rows, as in V4.1); `backend` and `threads` override the hasher's
+        defaults (see `hash_compressed`).
         """
         auto = backend in (None, HashBackend.AUTO, "auto")
         if auto and isinstance(token_ids, torch.Tensor) and kernels.use_triton(token_ids):
-            return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype))
+            return self._hash_triton(token_ids, dead_mask, self.check_out_dtype(out_dtype), starts)
         ids = check_token_ids(token_ids, self.config.vocab_size)
         dead = check_dead_mask(dead_mask, ids.shape)
         one_d = ids.ndim == 1
-        xc = self.compression.lookup[ids.reshape(1, -1) if one_d else ids]
+        ids2 = ids.reshape(1, -1) if one_d else ids
+        st, _ = self.boundaries(ids2, check_starts(starts, ids.shape))
+        xc = self.compression.lookup[ids2]
         rows = self.hash_compressed(
             xc,
             None if dead is None else dead.reshape(xc.shape),
+            starts=st,
             out_dtype=out_dtype,
             backend=backend,
             threads=threads,
@@ -261,6 +217,23 @@ class NgramHasher:
         if one_d:
             rows = rows[0]
         return rows_like(rows, token_ids)
+
+    def boundaries(
+        self, ids: np.ndarray, starts: np.ndarray | None
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(starts, ends) of raw ids (B, T): `starts` with the restarts after `restart_after_id`
+        added (the position after each such id), and `ends` (True where the id is that id: the
+        window after it restarts, which carries into the next chunk); None where nothing is marked."""
+        starts = None if starts is None else starts.reshape(ids.shape)
+        rid = self.config.restart_after_id
+        if rid is None:
+            return starts, None
+        ends = ids == rid
+        if not ends.any():
+            return starts, None
+        derived = np.zeros(ids.shape, dtype=bool)
+        derived[:, 1:] = ends[:, :-1]
+        return (derived if starts is None else derived | starts), ends
 
     def device_tables(self, device: Any) -> tuple[Any, ...]:
         """(compression lookup, multipliers, primes, offsets) as int64 tensors on `device`, made once
@@ -274,7 +247,7 @@ class NgramHasher:
             self._device_tables[device] = tables
         return tables
 
-    def _hash_triton(self, token_ids: Any, dead_mask: Any, dtype: np.dtype) -> Any:
+    def _hash_triton(self, token_ids: Any, dead_mask: Any, dtype: np.dtype, starts: Any = None) -> Any:
         """`hash` of a CUDA tensor with the Triton kernel: ids, compression and rows stay on the device.
 
         The boundary checks run on the device (one sync); only an input that fails them is copied to
@@ -284,16 +257,27 @@ class NgramHasher:
         if ids.dim() not in (1, 2) or ids.numel() == 0:
             check_token_ids(ids, self.config.vocab_size)  # raises with the CPU path's message
         check_device_inputs(ids, dead_mask, self.config.vocab_size)
+        if starts is not None and (
+            not isinstance(starts, torch.Tensor) or starts.dtype != torch.bool or starts.shape != ids.shape
+        ):
+            check_starts(starts, tuple(ids.shape))  # raises with the reason
         lut, mult, primes, offsets = self.device_tables(ids.device)
         one_d = ids.dim() == 1
-        xc = lut[ids.reshape(1, -1) if one_d else ids]  # (B, T) compressed ids
+        ids2 = ids.reshape(1, -1) if one_d else ids
+        xc = lut[ids2]  # (B, T) compressed ids
         dead = None if dead_mask is None else dead_mask.reshape(xc.shape).to(ids.device)
+        st = None if starts is None else starts.reshape(xc.shape).to(ids.device)
+        rid = self.config.restart_after_id
+        if rid is not None:  # the position after each restart id begins a window
+            derived = torch.zeros_like(xc, dtype=torch.bool)
+            derived[:, 1:] = ids2[:, :-1] == rid
+            st = derived if st is None else derived | st
         out = torch.empty(
             (*xc.shape, self.config.n_layers, self.config.rows_per_token),
             dtype=torch.int32 if dtype == np.int32 else torch.int64,
             device=ids.device,
         )
-        kernels.hash_rows(xc, dead, None, mult, primes, offsets, self.pad, out)
+        kernels.hash_rows(xc, dead, None, mult, primes, offsets, self.pad, out, starts=st)
         return out[0] if one_d else out
 
     # ------------------------------------------------------------------ core
@@ -309,26 +293,36 @@ class NgramHasher:
         return vals, np.concatenate([window[:, ::-1], vals], axis=1)
 
     def lookback(
-        self, xc: np.ndarray, dead: np.ndarray | None, window: np.ndarray | None
+        self,
+        xc: np.ndarray,
+        dead: np.ndarray | None,
+        window: np.ndarray | None,
+        starts: np.ndarray | None = None,
     ) -> list[np.ndarray]:
         """The max_ngram look-back columns [B, T] each, pads and blocking applied.
 
         xc: (B, T) compressed ids; dead: (B, T) bool or None; window: (B, max_ngram-1) carried
         look-back of the position before xc[:, 0] (window[:, 0] is the most recent token), or
-        None at a sequence start (all pads).
+        None at a sequence start (all pads); starts: (B, T) bool or None, True where a window
+        restarts (look-back i of position t is blocked if a start lies in t-i+1 .. t).
         """
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
         vals, ext = self._extend(xc, dead, window)
         cols = [vals]
-        if dead is None:
+        if dead is None and starts is None:
             for i in range(1, n):
                 cols.append(ext[:, n - 1 - i : n - 1 - i + t])
             return cols
-        ext_dead = np.concatenate([np.zeros((b, n - 1), dtype=bool), dead], axis=1)
-        blocked = dead.copy()
-        for i in range(1, n):
-            blocked |= ext_dead[:, n - 1 - i : n - 1 - i + t]  # sticky: once blocked, farther is too
+        lead = np.zeros((b, n - 1), dtype=bool)
+        ext_dead = None if dead is None else np.concatenate([lead, dead], axis=1)
+        ext_start = None if starts is None else np.concatenate([lead, starts], axis=1)
+        blocked = np.zeros((b, t), dtype=bool) if dead is None else dead.copy()
+        for i in range(1, n):  # sticky: once blocked, farther is too
+            if ext_start is not None:
+                blocked |= ext_start[:, n - i : n - i + t]  # a start at t-i+1 hides t-i
+            if ext_dead is not None:
+                blocked |= ext_dead[:, n - 1 - i : n - 1 - i + t]
             cols.append(np.where(blocked, pad, ext[:, n - 1 - i : n - 1 - i + t]))
         return cols
 
@@ -338,12 +332,14 @@ class NgramHasher:
         dead: np.ndarray | None = None,
         window: np.ndarray | None = None,
         *,
+        starts: np.ndarray | None = None,
         out: np.ndarray | None = None,
         out_dtype: Any = np.int64,
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> np.ndarray:
-        """Rows (B, T, n_layers, rows_per_token) for compressed ids xc (B, T); see `lookback`.
+        """Rows (B, T, n_layers, rows_per_token) for compressed ids xc (B, T); see `lookback`
+        (`starts`: True where a window restarts; a start at position 0 hides the carried window).
 
         Writes into `out` when given (C-contiguous, int64 or int32, that shape) and returns it;
         else allocates `out_dtype`. `threads`: None = all cores for large inputs (>= 16K tokens),
@@ -359,13 +355,21 @@ class NgramHasher:
                 f"window has shape {np.shape(window)}; expected {(xc.shape[0], self.window_size)} "
                 "(batch, max_ngram_size - 1)"
             )
+        if starts is not None:
+            starts = np.asarray(starts)
+            if starts.shape != xc.shape or starts.dtype != np.bool_:
+                raise ValueError(
+                    f"starts must be bool of xc's shape {xc.shape}, got {starts.dtype} {starts.shape}"
+                )
+            if not starts.any():
+                starts = None
         shape = self.output_shape(xc.shape)
         dtype = self.check_out_dtype(out_dtype if out is None else out.dtype)
         if out is not None and (out.shape != shape or not out.flags.c_contiguous):
             raise ValueError(f"out must be C-contiguous with shape {shape}, got {out.shape}")
         tables = self.kernel_tables(backend)
         if tables is None or xc.size == 0:
-            rows = self.hash_compressed_numpy(xc, dead, window)
+            rows = self.hash_compressed_numpy(xc, dead, window, starts)
             if out is None:
                 return rows if dtype == _INT64 else rows.astype(dtype)
             out[...] = rows
@@ -382,14 +386,19 @@ class NgramHasher:
             *tables.layout_args,
             out,
             n_threads,
+            starts=None if starts is None else np.ascontiguousarray(starts, dtype=np.bool_),
         )
 
     def hash_compressed_numpy(
-        self, xc: np.ndarray, dead: np.ndarray | None = None, window: np.ndarray | None = None
+        self,
+        xc: np.ndarray,
+        dead: np.ndarray | None = None,
+        window: np.ndarray | None = None,
+        starts: np.ndarray | None = None,
     ) -> np.ndarray:
         """The numpy twin of `hash_compressed`: int64 rows from whole-array operations."""
         b, t = xc.shape
-        cols = self.lookback(xc, dead, window)
+        cols = self.lookback(xc, dead, window, starts)
         k = self.config.n_heads
         out = np.empty((b, t, self.config.n_layers, self.config.rows_per_token), dtype=np.int64)
         for li in range(self.config.n_layers):
@@ -418,21 +427,33 @@ class NgramHasher:
         dead: np.ndarray | None,
         window: np.ndarray | None,
         lengths: np.ndarray | None = None,
+        starts: np.ndarray | None = None,
+        ends: np.ndarray | None = None,
     ) -> np.ndarray:
         """The look-back window (B, max_ngram-1) of the position after the first `lengths[b]` tokens of
-        each row of xc (all T tokens by default), given the window before xc."""
+        each row of xc (all T tokens by default), given the window before xc.
+
+        `starts` (B, T) as in `lookback`; `ends` (B, T) bool: True where the window restarts after
+        the token (see `boundaries`), so a window after such a token is all pads."""
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
         _, ext = self._extend(xc, dead, window)
         ext_dead = np.zeros_like(ext, dtype=bool)
         if dead is not None:
             ext_dead[:, n - 1 :] = dead
+        ext_start = np.zeros_like(ext, dtype=bool)
+        if starts is not None:
+            ext_start[:, n - 1 :] = starts
         end = np.full(b, t, dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
         rows = np.arange(b)
         new = np.empty((b, n - 1), dtype=np.int64)
         blocked = np.zeros(b, dtype=bool)
+        if ends is not None:  # the new position restarts if the last token kept is a restart id
+            blocked |= (end > 0) & ends[rows, np.maximum(end - 1, 0)]
         for j in range(n - 1):
             src = n - 2 + end - j  # ext index of the token j+1 back from the new position
+            if j > 0:
+                blocked |= ext_start[rows, src + 1]  # a start right after that token hides it
             blocked |= ext_dead[rows, src]
             new[:, j] = np.where(blocked, pad, ext[rows, src])
         return new
@@ -457,11 +478,3 @@ def _check_backend(backend: HashBackend | str) -> HashBackend:
         raise ValueError(
             f"backend={backend!r} is not one of {', '.join(repr(b.value) for b in HashBackend)}"
         ) from None
-
-
-def rows_like(rows: np.ndarray, like: Any) -> Any:
-    """`rows` as a torch tensor on `like`'s device when `like` is a tensor, else as they are."""
-    if isinstance(like, torch.Tensor):
-        t = torch.from_numpy(rows)
-        return t if like.device.type == "cpu" else t.to(like.device)
-    return rows

@@ -1,7 +1,9 @@
 """Hash layout: primes, head offsets, table sizes, multipliers and byte accounting (SPEC §3).
 
-Knows how V4.1 searches its primes and draws its multipliers, and what a layout costs in rows
-and bytes (what `engram layout` prints). Computes nothing on token ids or table data.
+Knows how V4.1 searches its primes and draws its multipliers (and Qwen4-Exp's PLE: splitmix64
+multipliers per layer index, tables padded to a row multiple; its primes, consecutive primes from
+one base, are V4.1's search with one base), and what a layout costs in rows and bytes (what
+`engram layout` prints). Computes nothing on token ids or table data.
 Design: docs/addressing.md.
 """
 
@@ -14,13 +16,22 @@ from typing import Any
 import numpy as np
 import sympy
 
-from engram.config import EngramConfig
+from engram.config import EngramConfig, MultiplierScheme
 from engram.storage.fp8 import BLOCK, fp8_row_bytes
 
-__all__ = ["LayerLayout", "Layout", "find_head_primes", "layer_multipliers", "multiplier_bound"]
+__all__ = [
+    "LayerLayout",
+    "Layout",
+    "find_head_primes",
+    "layer_multipliers",
+    "multiplier_bound",
+    "splitmix64",
+]
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_SEED_LAYER_STRIDE = 10007  # rng seed = seed + 10007 * layer_id
+_SEED_LAYER_STRIDE = 10007  # rng seed = seed + 10007 * layer_id (Qwen4-Exp: * layer index)
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (2^64 / golden ratio, odd)
 
 
 def find_head_primes(config: EngramConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
@@ -54,13 +65,31 @@ def multiplier_bound(compressed_vocab_size: int) -> int:
     return max(1, (_INT64_MAX // compressed_vocab_size) // 2)
 
 
+def splitmix64(x: int) -> int:
+    """The output function of Steele, Lea and Flood's SplitMix64 for state x (an int in [0, 2^64))."""
+    z = (x + _GOLDEN_GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def layer_multipliers(config: EngramConfig, layer_id: int) -> np.ndarray:
-    """The odd multipliers m_0..m_{max_ngram-1} (int64) of one layer, drawn as V4.1 draws them."""
+    """The odd multipliers m_0..m_{max_ngram-1} (int64) of one layer.
+
+    `numpy-rng` (V4.1): numpy's default_rng(seed + 10007 * layer_id), r in [0, B), m = 2r + 1.
+    `splitmix64` (Qwen4-Exp): with s = seed + 10007 * (the layer's index in layer_ids), m_i =
+    2 * (splitmix64(s + gamma * (i + 1) mod 2^64) mod B) + 1. B as in `multiplier_bound`.
+    """
+    bound = multiplier_bound(config.compressed_vocab_size)
+    if config.multiplier_scheme is MultiplierScheme.SPLITMIX64:
+        state = config.seed + _SEED_LAYER_STRIDE * config.layer_index(layer_id)
+        r = [
+            splitmix64((state + _GOLDEN_GAMMA * (i + 1)) & _MASK64) % bound
+            for i in range(config.max_ngram_size)
+        ]
+        return np.array(r, dtype=np.int64) * 2 + 1
     g = np.random.default_rng(config.seed + _SEED_LAYER_STRIDE * layer_id)
-    r = g.integers(
-        0, multiplier_bound(config.compressed_vocab_size), size=config.max_ngram_size, dtype=np.int64
-    )
-    return r * 2 + 1
+    return g.integers(0, bound, size=config.max_ngram_size, dtype=np.int64) * 2 + 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,7 @@ class LayerLayout:
     layer_id: int
     primes: tuple[tuple[int, ...], ...]  # [order][head]
     multipliers: tuple[int, ...]
+    rows_multiple: int = 1  # the physical table is padded up to a multiple of this many rows
 
     @cached_property
     def flat_primes(self) -> np.ndarray:
@@ -83,8 +113,15 @@ class LayerLayout:
 
     @property
     def num_embeddings(self) -> int:
-        """Rows of this layer's physical table: the sum of its primes."""
+        """Rows the hash addresses in this layer: the sum of its primes."""
         return int(self.flat_primes.sum())
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of this layer's physical table: `num_embeddings` padded up to `rows_multiple`
+        (the same unless the config sets table_rows_multiple, as Qwen4-Exp does: 128)."""
+        m = self.rows_multiple
+        return -(-self.num_embeddings // m) * m
 
 
 class Layout:
@@ -98,6 +135,7 @@ class Layout:
                 layer_id=lid,
                 primes=primes[lid],
                 multipliers=tuple(int(m) for m in layer_multipliers(config, lid)),
+                rows_multiple=config.table_rows_multiple,
             )
             for lid in config.layer_ids
         )
@@ -110,8 +148,13 @@ class Layout:
         return tuple(layer.num_embeddings for layer in self.layers)
 
     @property
+    def table_rows(self) -> tuple[int, ...]:
+        """Physical rows per layer (padding included); see `LayerLayout.table_rows`."""
+        return tuple(layer.table_rows for layer in self.layers)
+
+    @property
     def total_rows(self) -> int:
-        return sum(self.num_embeddings)
+        return sum(self.table_rows)
 
     @property
     def total_params(self) -> int:
@@ -154,8 +197,9 @@ class Layout:
                     "primes": [list(order) for order in layer.primes],
                     "offsets": layer.offsets.tolist(),
                     "num_embeddings": layer.num_embeddings,
+                    "table_rows": layer.table_rows,
                     "multipliers": list(layer.multipliers),
-                    "params": layer.num_embeddings * c.head_dim,
+                    "params": layer.table_rows * c.head_dim,
                 }
                 for layer in self.layers
             ],

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from engram import kernels
-from engram.addressing.hashing import (
-    HashBackend,
-    NgramHasher,
+from engram.addressing.hashing import HashBackend, NgramHasher
+from engram.addressing.inputs import (
     check_dead_mask,
     check_device_inputs,
+    check_starts,
     check_token_ids,
     rows_like,
 )
@@ -35,6 +35,10 @@ class HashStream:
     - `draft(ids)`: hash tentative tokens after the committed ones (and after earlier drafts);
       `commit(n)` keeps the first n drafted tokens of each sequence and forgets the rest;
       `rollback()` forgets them all.
+
+    Every method takes `starts` (bool like the ids: True where a new window begins, e.g. a new
+    document packed into the same row) and honours `config.restart_after_id`; a restart after the
+    last committed token carries into the next chunk or step through the window (all pads).
     """
 
     def __init__(self, hasher: NgramHasher, batch_size: int = 1) -> None:
@@ -54,6 +58,8 @@ class HashStream:
         # drafts: compressed ids (pad at dead positions) and dead flags, (B, capacity), n_draft used
         self._draft_vals = np.zeros((batch_size, 0), dtype=np.int64)
         self._draft_dead = np.zeros((batch_size, 0), dtype=bool)
+        self._draft_starts = np.zeros((batch_size, 0), dtype=bool)
+        self._draft_ends = np.zeros((batch_size, 0), dtype=bool)
         self.n_draft = np.zeros(batch_size, dtype=np.int64)
         # step() scratch: the kernel's look-back values, and a stand-in for an absent dead mask
         self._look = np.zeros(hasher.config.max_ngram_size, dtype=np.uint64)
@@ -95,12 +101,12 @@ class HashStream:
             raise ValueError(f"seqs {idx.tolist()} names a sequence twice")
         return idx.astype(np.int64)
 
-    def _prepare(
-        self, token_ids: Any, dead_mask: Any, seqs: Any
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, bool]:
-        """Compressed (B', T) ids, dead mask, sequence indices, and whether the input was 1-D."""
+    def _prepare(self, token_ids: Any, dead_mask: Any, seqs: Any, starts: Any = None) -> tuple[Any, ...]:
+        """Compressed (B', T) ids, dead mask, starts (restarts included), ends (see
+        `NgramHasher.boundaries`), sequence indices, and whether the input was 1-D."""
         ids = check_token_ids(token_ids, self.hasher.config.vocab_size)
         dead = check_dead_mask(dead_mask, ids.shape)
+        st = check_starts(starts, ids.shape)
         idx = self._select(seqs)
         one_d = ids.ndim == 1
         if one_d:
@@ -111,38 +117,63 @@ class HashStream:
                 )
             ids = ids[None]
             dead = None if dead is None else dead[None]
+            st = None if st is None else st[None]
         elif ids.shape[0] != idx.size:
             raise ValueError(f"token_ids has {ids.shape[0]} rows but {idx.size} sequences are selected")
         xc = self.hasher.compression.lookup[ids]
         if dead is not None and not dead.any():
             dead = None
-        return xc, dead, idx, one_d
+        st, ends = self.hasher.boundaries(ids, st)
+        if st is not None and not st.any():
+            st = None
+        return xc, dead, st, ends, idx, one_d
 
     def _current_window(self, idx: np.ndarray) -> np.ndarray:
         """Look-back window after the committed tokens and the drafts of sequences idx."""
         if self._draft_vals.shape[1] == 0 or not self.n_draft[idx].any():
             return self._window[idx]
+        return self._draft_window(idx, self.n_draft[idx])
+
+    def _draft_window(self, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Look-back window after the committed tokens and the first `lengths` drafts of sequences idx."""
         return self.hasher.next_window(
-            self._draft_vals[idx], self._draft_dead[idx], self._window[idx], lengths=self.n_draft[idx]
+            self._draft_vals[idx],
+            self._draft_dead[idx],
+            self._window[idx],
+            lengths=lengths,
+            starts=self._draft_starts[idx],
+            ends=self._draft_ends[idx],
         )
 
     # ------------------------------------------------------------------ committed tokens
-    def feed(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
-        """Hash and commit a chunk; rows [T, n_layers, heads] (1-D input) or [B', T, ...]."""
+    def feed(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None, *, starts: Any = None) -> Any:
+        """Hash and commit a chunk; rows [T, n_layers, heads] (1-D input) or [B', T, ...].
+
+        `starts` (bool like token_ids): True where a new window begins (a new document)."""
         self._to_host()
-        xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
+        xc, dead, st, ends, idx, one_d = self._prepare(token_ids, dead_mask, seqs, starts)
         if self.n_draft[idx].any():
             raise RuntimeError(
                 "drafted tokens are pending for these sequences: commit() or rollback() them first"
             )
         window = self._window[idx]
-        rows = self.hasher.hash_compressed(xc, dead, window)
-        self._window[idx] = self.hasher.next_window(xc, dead, window)
+        rows = self.hasher.hash_compressed(xc, dead, window, starts=st)
+        self._window[idx] = self.hasher.next_window(xc, dead, window, starts=st, ends=ends)
         self._position[idx] += xc.shape[1]
         return rows_like(rows[0] if one_d else rows, token_ids)
 
-    def step(self, token_ids: Any, dead_mask: Any = None, *, out: Any = None, check_ids: bool = True) -> Any:
+    def step(
+        self,
+        token_ids: Any,
+        dead_mask: Any = None,
+        *,
+        starts: Any = None,
+        out: Any = None,
+        check_ids: bool = True,
+    ) -> Any:
         """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads].
+
+        `starts` (bool [B]): True for a sequence whose token begins a new window (sees only pads).
 
         Without `out`, a torch input gives a torch int64 tensor (on the input's device), anything
         else a numpy array. `out`: a preallocated C-contiguous int64 or int32 array (numpy, or a
@@ -157,7 +188,7 @@ class HashStream:
         cpu_tensor = False
         if type(token_ids) is torch.Tensor:
             if self.hasher.backend is HashBackend.AUTO and kernels.use_triton(token_ids):
-                return self._step_device(token_ids, dead_mask, out, check_ids)
+                return self._step_device(token_ids, dead_mask, out, check_ids, starts)
             cpu_tensor = token_ids.is_cpu and not token_ids.requires_grad
         if self._dev is not None:
             self._to_host()
@@ -168,7 +199,7 @@ class HashStream:
             )
         tables = self.hasher.kernel_tables()
         if tables is None:
-            return self._step_feed(token_ids, ids, dead_mask, out)
+            return self._step_feed(token_ids, ids, dead_mask, starts, out)
         if ids.dtype != np.int64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(check_token_ids(ids, self.hasher.config.vocab_size))
         if dead_mask is None:
@@ -178,6 +209,14 @@ class HashStream:
             if dead.dtype != np.bool_ or dead.shape != ids.shape:
                 check_dead_mask(dead, ids.shape)  # raises with the reason
             dead, has_dead = np.ascontiguousarray(dead), True
+        if starts is None:
+            st, has_starts = self._no_dead, False
+        else:
+            st = _host_array(starts)
+            if st.dtype != np.bool_ or st.shape != ids.shape:
+                check_starts(st, ids.shape)  # raises with the reason
+            st, has_starts = np.ascontiguousarray(st), True
+        rid = self.hasher.config.restart_after_id
         if out is None and (cpu_tensor or type(token_ids) is np.ndarray):  # the common case, kept short
             out_np = np.empty(self._shape, dtype=np.int64)
             result = torch.from_numpy(out_np) if cpu_tensor else out_np
@@ -188,6 +227,9 @@ class HashStream:
             tables.lookup,
             dead,
             has_dead,
+            st,
+            has_starts,
+            -1 if rid is None else rid,
             self._window,
             self._position,
             self.n_draft,
@@ -203,13 +245,19 @@ class HashStream:
             )
         return result
 
-    def _step_device(self, token_ids: Any, dead_mask: Any, out: Any, check_ids: bool) -> Any:
+    def _step_device(
+        self, token_ids: Any, dead_mask: Any, out: Any, check_ids: bool, starts: Any = None
+    ) -> Any:
         """step() on the ids' device with the Triton kernel; the state moves there on the first call."""
         b, cfg = self.batch_size, self.hasher.config
         ids = token_ids
         if ids.dim() != 1 or ids.shape[0] != b:
             raise ValueError(f"step() takes one token per sequence, shape [{b}], got {tuple(ids.shape)}")
         check_device_inputs(ids, dead_mask, cfg.vocab_size, check_range=check_ids)
+        if starts is not None and (
+            not isinstance(starts, torch.Tensor) or starts.dtype != torch.bool or starts.shape != ids.shape
+        ):
+            check_starts(starts, tuple(ids.shape))  # raises with the reason
         if self.n_draft.any():
             raise RuntimeError(
                 f"drafted tokens are pending for sequence {int(np.argmax(self.n_draft > 0))}: "
@@ -245,14 +293,16 @@ class HashStream:
         lut, mult, primes, offsets = self.hasher.device_tables(ids.device)
         xc = lut[ids].view(b, 1)  # (B, 1) compressed ids
         dead = None if dead_mask is None else dead_mask.view(b, 1)
-        kernels.hash_rows(
-            xc, dead, window, mult, primes, offsets, self.hasher.pad, out.view(b, 1, *shape[1:])
-        )
-        # shift in place: the new token becomes the most recent; after a dead token every look-back
-        # is blocked (sticky), so the whole window is pad
-        new = torch.cat([xc, window[:, :-1]], dim=1)  # (B, n-1)
+        pad = self.hasher.pad
+        seen = window if starts is None else window.masked_fill(starts.view(b, 1).to(ids.device), pad)
+        kernels.hash_rows(xc, dead, seen, mult, primes, offsets, pad, out.view(b, 1, *shape[1:]))
+        # shift in place: the new token becomes the most recent; after a dead token (or a restart id)
+        # every look-back is blocked (sticky), so the whole window is pad
+        new = torch.cat([xc, seen[:, :-1]], dim=1)  # (B, n-1)
         if dead is not None:
-            new.masked_fill_(dead, self.hasher.pad)
+            new.masked_fill_(dead, pad)
+        if cfg.restart_after_id is not None:
+            new.masked_fill_(ids.view(b, 1) == cfg.restart_after_id, pad)
         window.copy_(new)
         position += 1
         return out
@@ -274,12 +324,13 @@ class HashStream:
             raise ValueError(f"out must be a writeable C-contiguous array of shape {shape}, got {arr.shape}")
         return arr, out
 
-    def _step_feed(self, token_ids: Any, ids: np.ndarray, dead_mask: Any, out: Any) -> Any:
+    def _step_feed(self, token_ids: Any, ids: np.ndarray, dead_mask: Any, starts: Any, out: Any) -> Any:
         """step() without the kernel: a one-token chunk through `feed` (the numpy backend)."""
         col = ids.reshape(self.batch_size, 1)
         dm = None if dead_mask is None else _host_array(dead_mask).reshape(self.batch_size, 1)
+        st = None if starts is None else _host_array(starts).reshape(self.batch_size, 1)
         target = None if out is None else self._step_out(out, token_ids)  # a bad out raises before feed
-        rows = self.feed(col, dm)
+        rows = self.feed(col, dm, starts=st)
         rows_np = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else rows
         if target is None:
             return rows_like(np.ascontiguousarray(rows_np[:, 0]), token_ids)
@@ -288,21 +339,25 @@ class HashStream:
         return result
 
     # ------------------------------------------------------------------ speculative decoding
-    def draft(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None) -> Any:
+    def draft(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None, *, starts: Any = None) -> Any:
         """Hash tentative tokens after the committed ones and any earlier drafts (nothing committed)."""
         self._to_host()
-        xc, dead, idx, one_d = self._prepare(token_ids, dead_mask, seqs)
-        rows = self.hasher.hash_compressed(xc, dead, self._current_window(idx))
+        xc, dead, st, ends, idx, one_d = self._prepare(token_ids, dead_mask, seqs, starts)
+        rows = self.hasher.hash_compressed(xc, dead, self._current_window(idx), starts=st)
         k = xc.shape[1]
         need = int(self.n_draft[idx].max()) + k
         if need > self._draft_vals.shape[1]:  # grow the draft buffer (rare: bounded by the draft length)
-            grow = need - self._draft_vals.shape[1]
-            self._draft_vals = np.pad(self._draft_vals, ((0, 0), (0, grow)))
-            self._draft_dead = np.pad(self._draft_dead, ((0, 0), (0, grow)))
+            grow = ((0, 0), (0, need - self._draft_vals.shape[1]))
+            self._draft_vals = np.pad(self._draft_vals, grow)
+            self._draft_dead = np.pad(self._draft_dead, grow)
+            self._draft_starts = np.pad(self._draft_starts, grow)
+            self._draft_ends = np.pad(self._draft_ends, grow)
         cols = self.n_draft[idx, None] + np.arange(k)  # (B', k) slots after each sequence's drafts
         vals = xc if dead is None else np.where(dead, self.hasher.pad, xc)
         self._draft_vals[idx[:, None], cols] = vals
         self._draft_dead[idx[:, None], cols] = False if dead is None else dead
+        self._draft_starts[idx[:, None], cols] = False if st is None else st
+        self._draft_ends[idx[:, None], cols] = False if ends is None else ends
         self.n_draft[idx] += k
         return rows_like(rows[0] if one_d else rows, token_ids)
 
@@ -320,9 +375,7 @@ class HashStream:
                 f"cannot commit {int(n[j])} tokens of sequence {int(idx[j])}: it has {int(self.n_draft[idx[j]])} drafted"
             )
         if n.any():
-            self._window[idx] = self.hasher.next_window(
-                self._draft_vals[idx], self._draft_dead[idx], self._window[idx], lengths=n
-            )
+            self._window[idx] = self._draft_window(idx, n)
             self._position[idx] += n
         self.n_draft[idx] = 0
 

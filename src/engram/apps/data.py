@@ -203,6 +203,7 @@ class TokenStream:
                 f"the tokenizer has no {EOS!r} token to separate documents; add it as a special token"
             )
         self.categories = sorted({d.category for d in docs})
+        self.doc_names = [d.name for d in docs]
         ids, cats = [], []
         # encode line by line (fast in batch), then join lines with their newline tokens
         for d in docs:
@@ -214,6 +215,8 @@ class TokenStream:
             cats.append(np.full(len(doc_ids), self.categories.index(d.category), dtype=np.int8))
         self.ids = np.concatenate(ids)
         self.category_ids = np.concatenate(cats)
+        # (n_docs + 1,) token offsets: document d holds ids[doc_offsets[d] : doc_offsets[d + 1]]
+        self.doc_offsets = np.concatenate([[0], np.cumsum([a.size for a in ids])]).astype(np.int64)
 
     def __len__(self) -> int:
         return int(self.ids.size)
@@ -231,7 +234,41 @@ class TokenStream:
         w = self.ids[idx]
         return w[:, :-1], w[:, 1:]
 
-    def eval_starts(self, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
-        """Non-overlapping window starts covering the stream (or its first `max_tokens`)."""
-        n = len(self) - 1 if max_tokens is None else min(len(self) - 1, max_tokens)
-        return np.arange(0, n - seq_len + 1, seq_len)
+    def eval_starts(self, seq_len: int, max_tokens: int | None = None, seed: int = 0) -> np.ndarray:
+        """Non-overlapping window starts covering the stream; with `max_tokens`, a fixed sample of about
+        max_tokens / seq_len of them spread over every document (`sample_starts`)."""
+        starts = np.arange(0, len(self) - seq_len, seq_len)
+        if max_tokens is None:
+            return starts
+        return self.sample_starts(starts, seq_len, max_tokens, seed)
+
+    def sample_starts(self, starts: np.ndarray, seq_len: int, max_tokens: int, seed: int = 0) -> np.ndarray:
+        """A seeded sample of the windows `starts`, stratified by document: each document gets a share
+        of the max_tokens // seq_len windows in proportion to its windows (largest remainders), and at
+        least one window overlapping it, so every document is scored. Sorted; a pure function of the
+        arguments (a private RNG: the training batches and torch's RNG are untouched)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1 (or None: the whole stream)")
+        want = max(1, max_tokens // seq_len)
+        if want >= len(starts):
+            return starts
+        n_docs = len(self.doc_offsets) - 1
+        doc_of = np.searchsorted(self.doc_offsets, starts, side="right") - 1  # document of each start
+        per_doc = np.bincount(doc_of, minlength=n_docs)
+        quota = per_doc * want / len(starts)
+        take = np.floor(quota).astype(np.int64)
+        extra = want - int(take.sum())
+        if extra > 0:
+            take[np.argsort(-(quota - take), kind="stable")[:extra]] += 1
+        rng = np.random.default_rng([seed, 0x5E1EC7])
+        chosen: list[np.ndarray] = []
+        for d in range(n_docs):
+            if per_doc[d] == 0:
+                # a document shorter than a window: the window that overlaps its first token
+                chosen.append(
+                    starts[np.searchsorted(starts, self.doc_offsets[d], side="right") - 1 : None][:1]
+                )
+                continue
+            mine = starts[doc_of == d]
+            chosen.append(rng.choice(mine, size=max(1, min(int(take[d]), mine.size)), replace=False))
+        return np.unique(np.concatenate(chosen))

@@ -93,6 +93,21 @@ def _plot(results: dict[str, Any], out_dir: Path) -> None:
                 alpha=0.55 + 0.45 * (run["seed"] == results["runs"][0]["seed"]),
                 label=label,
             )
+            # the final evaluation on every held-out token (the curve's points score a fixed sample)
+            final = run[kind]["held_out"]["loss"]
+            ax.plot([hist[-1]["step"] if hist else 0], [final], marker="*", markersize=11, color=color)
+            if run["seed"] == results["runs"][0]["seed"]:
+                ax.annotate(
+                    f"{final:.3f}",
+                    (hist[-1]["step"] if hist else 0, final),
+                    textcoords="offset points",
+                    xytext=(6, 4 if kind == "baseline" else -10),
+                    fontsize=8,
+                    color=color,
+                )
+    ax.plot(
+        [], [], marker="*", linestyle="none", color="black", label="final evaluation, all held-out tokens"
+    )
     ax.set_xlabel("training step")
     ax.set_ylabel("held-out loss (nats/token)")
     ax.set_title("King James Bible, held-out books" if results["corpus"] == "kjv" else "held-out loss")
@@ -189,6 +204,10 @@ def _write_report(results: dict[str, Any], out_dir: Path) -> None:
     for cat, row in s["per_category"].items():
         lines.append(f"| {cat} | {row['baseline']:.4f} | {row['engram']:.4f} | {row['engram_masked']:.4f} |")
     lines += [
+        "",
+        f"The curves score a fixed sample of about {cfg['eval_tokens']:,} held-out tokens (windows spread over "
+        "every held-out document) every "
+        f"{cfg['eval_every']} steps; the stars, and every number above, are the final evaluation on all of them.",
         "",
         "![held-out loss](loss.png)",
         "",

@@ -36,14 +36,16 @@ def evaluate(
     batch_size: int = 32,
     engram_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category."""
+    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category.
+    `max_tokens`: score a fixed sample of about that many tokens, windows spread over every document
+    (`TokenStream.sample_starts`: the periodic evaluation's estimate of the full one); None: all."""
     was_training = model.training
     model.eval()
     starts = stream.eval_starts(seq_len, max_tokens)
     n_cat = len(stream.categories)
     loss_sum = torch.zeros(n_cat, dtype=torch.float64)
     count = torch.zeros(n_cat, dtype=torch.float64)
-    use_rows = rows if model.engrams else None
+    use_rows = rows if model.needs_rows else None
     for i in range(0, len(starts), batch_size):
         score_windows(
             model, stream, use_rows, starts[i : i + batch_size], seq_len, loss_sum, count, engram_scale

@@ -107,15 +107,18 @@ def generate(
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {ids.shape}")
     ids = check_token_ids(ids, c.vocab_size)  # raises naming the bad id and its position
-    if model.engrams:
+    if model.needs_rows:
         if hasher is None:
-            raise ValueError("this model has Engram layers: pass the NgramHasher it was trained with")
+            raise ValueError(
+                "this model reads hashed rows (Engram layers or an n-gram input embedding): pass the "
+                "NgramHasher it was trained with"
+            )
         if tuple(hasher.config.layer_ids) != tuple(c.engram.layer_ids):
             raise ValueError(
                 f"the hasher is for Engram layers {hasher.config.layer_ids} but the model has "
                 f"{c.engram.layer_ids}; build it from model.config.engram"
             )
-    elif engram_scale != 1.0:
+    if not model.engrams and engram_scale != 1.0:
         raise ValueError(
             f"engram_scale={engram_scale} asks to mask Engram, but this model has no Engram layers"
         )
@@ -129,7 +132,7 @@ def generate(
     tokens = torch.empty((b, t0 + n), dtype=torch.int64, device=device)  # (B, T0 + N)
     tokens[:, :t0] = torch.from_numpy(ids).to(device)
     stream = rows = None
-    if model.engrams:
+    if model.needs_rows:
         stream = HashStream(hasher, b)
         rows = torch.empty((b, t0 + n, *hasher.output_shape(())), dtype=torch.int64, device=device)
         prefill = stream.feed(np.ascontiguousarray(np.broadcast_to(ids, (b, t0))))  # (B, T0, L, H)
@@ -160,6 +163,7 @@ def load_generator(
     and the tokenizer's compression map, as training built it.
     """
     from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+    from engram.apps.rows import identity_compression
     from engram.apps.train import load_trained_model, prepare_data
     from engram.checkpoint.files import member_file
 
@@ -181,7 +185,13 @@ def load_generator(
             f"{state['path']}: the tokenizer has {vocab} ids but the model {model.config.vocab_size}; "
             "the checkpoint's tokenizer.json is not the run's"
         )
+    if cfg.row_hash != "ngram":
+        raise ValueError(
+            f"{state['path']}: this run was trained with row_hash={cfg.row_hash.value!r} (a study's "
+            "control whose rows are not the n-gram hash); generation serves n-gram-hashed models only"
+        )
     hasher = None
-    if model.engrams:
-        hasher = NgramHasher(model.config.engram, TokenizerCompression.from_tokenizer(tok))
+    if model.needs_rows:
+        comp = TokenizerCompression.from_tokenizer(tok) if cfg.compression else identity_compression(tok)
+        hasher = NgramHasher(model.config.engram, comp)
     return model.eval(), tok, hasher, state

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
-from engram.addressing.hashing import NgramHasher
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
+from engram.apps.rows import identity_compression, stream_rows
 from engram.apps.train_config import DEFAULT_ENGRAM, TRAIN_PRESETS, TableOptimizer, TrainConfig
 from engram.checkpoint.files import member_file, save_tensors
 from engram.checkpoint.json_file import read_json
@@ -95,7 +95,7 @@ def prepare_data(cfg: TrainConfig, *, with_engram: bool | None = None) -> DataBu
         tok = resolve_tokenizer(cfg.tokenizer)
         if tok.token_to_id(EOS) is None:
             tok.add_special_tokens([EOS])
-    comp = TokenizerCompression.from_tokenizer(tok)
+    comp = TokenizerCompression.from_tokenizer(tok) if cfg.compression else identity_compression(tok)
     train, held = TokenStream(train_docs, tok), TokenStream(held_docs, tok)
     use_engram = cfg.engram is not None if with_engram is None else with_engram
     if use_engram and cfg.engram is None:
@@ -104,9 +104,8 @@ def prepare_data(cfg: TrainConfig, *, with_engram: bool | None = None) -> DataBu
     if use_engram:
         assert cfg.engram is not None
         ecfg = _engram_config(cfg.engram, tok, comp)
-        hasher = NgramHasher(ecfg, comp)
-        train_rows = torch.from_numpy(hasher.hash(train.ids))
-        held_rows = torch.from_numpy(hasher.hash(held.ids))
+        train_rows = stream_rows(ecfg, comp, train, cfg.row_hash, "train")
+        held_rows = stream_rows(ecfg, comp, held, cfg.row_hash, "held_out")
     return DataBundle(tok, comp, train, held, ecfg, train_rows, held_rows)
 
 
@@ -128,6 +127,10 @@ def build_model(cfg: TrainConfig, data: DataBundle, *, with_engram: bool | None 
         hc=cfg.hc,
         tie_embeddings=cfg.tie_embeddings,
         engram=data.engram_config if use_engram else None,
+        engram_mode=cfg.engram_mode if use_engram else "gated",
+        moe_experts=cfg.moe_experts,
+        moe_top_k=cfg.moe_top_k,
+        moe_hidden=cfg.moe_hidden,
     )
     torch.manual_seed(cfg.seed)  # the backbone draws first, so both models share its initial weights
     model = EngramLM(lm_cfg)
@@ -168,7 +171,7 @@ class Trainer:
 
     @property
     def rows(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (self.data.train_rows, self.data.held_rows) if self.model.engrams else (None, None)
+        return (self.data.train_rows, self.data.held_rows) if self.model.needs_rows else (None, None)
 
     def lr_factor(self, step: int) -> float:
         """Linear warmup, then cosine from 1 to min_lr_ratio over the run."""
@@ -192,7 +195,12 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         if self.table_opt is not None:
             self.table_opt.zero_grad(set_to_none=True)
-        loss_value = self._backward(loss)
+        aux = self.model.aux_loss()  # MoE load balancing (None: dense)
+        if aux is None:
+            loss_value = self._backward(loss)
+        else:  # trained on loss + coef * aux; the history records the next-token loss
+            self._backward(loss + c.moe_aux_coef * aux)
+            loss_value = float(loss.detach())
         if c.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, c.grad_clip)
         self.opt.step()

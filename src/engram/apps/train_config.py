@@ -15,7 +15,7 @@ from typing import Any
 from engram.checkpoint.json_file import read_json
 from engram.config import EngramConfig
 
-__all__ = ["DEFAULT_ENGRAM", "TRAIN_PRESETS", "TableOptimizer", "TrainConfig"]
+__all__ = ["DEFAULT_ENGRAM", "ENGRAM_MODES", "TRAIN_PRESETS", "RowHash", "TableOptimizer", "TrainConfig"]
 
 
 class TableOptimizer(enum.StrEnum):
@@ -24,6 +24,19 @@ class TableOptimizer(enum.StrEnum):
     ADAM = "adam"  # SparseRowAdam
     ADAGRAD = "adagrad"  # SparseRowAdagrad
 
+
+class RowHash(enum.StrEnum):
+    """How each token's Engram rows are chosen (engram.apps.rows). Everything but NGRAM is a control
+    for the studies: rows that ignore the n-gram."""
+
+    NGRAM = "ngram"  # the Engram hash of the token's suffix n-grams (the real thing)
+    RANDOM = "random"  # a seeded random row per head and stream position (train and held-out differ)
+    POSITION = "position"  # a function of the token's position in its document only
+    CONSTANT = "constant"  # one row per head for every token: a table of capacity 1
+
+
+# engram.model.lm.EngramMode's values (this module imports no model code)
+ENGRAM_MODES = ("gated", "fixed-gate", "input-embedding")
 
 # TrainConfig's Engram: layer 1, orders 2-3, 4 heads of 32-wide rows, prime-search base 30000 per
 # order (rows per head ~ base). hidden_size and hc_mult are the backbone's dim and hc.
@@ -63,6 +76,14 @@ class TrainConfig:
     tie_embeddings: bool = True
     # Engram (hidden_size == dim, hc_mult == hc)
     engram: EngramConfig | None = DEFAULT_ENGRAM
+    engram_mode: str = "gated"  # ENGRAM_MODES: the module, its gate fixed at 1, or an input embedding
+    row_hash: RowHash = RowHash.NGRAM
+    compression: bool = True  # False: the identity map (Engram hashes raw tokenizer ids)
+    # feed-forward: 0 experts is the dense SwiGLU; else top-k routed experts (engram.model.ffn.MoE)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_hidden: int | None = None  # width of one expert (None: mlp_hidden // moe_top_k)
+    moe_aux_coef: float = 0.01  # weight of the load-balancing loss in the training loss
     # optimisation
     steps: int = 300
     batch_size: int = 32
@@ -76,7 +97,7 @@ class TrainConfig:
     seed: int = 0
     # evaluation and checkpoints
     eval_every: int = 50
-    eval_tokens: int = 16384  # held-out tokens scored at each periodic evaluation
+    eval_tokens: int = 16384  # held-out tokens sampled (over every document) at each periodic evaluation
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     threads: int | None = None
@@ -90,13 +111,41 @@ class TrainConfig:
                 f"table_optimizer={self.table_optimizer!r}: use one of "
                 f"{', '.join(repr(o.value) for o in TableOptimizer)}"
             ) from None
+        try:
+            object.__setattr__(self, "row_hash", RowHash(self.row_hash))
+        except ValueError:
+            raise ValueError(
+                f"row_hash={self.row_hash!r}: use one of {', '.join(repr(h.value) for h in RowHash)}"
+            ) from None
+        if self.engram_mode not in ENGRAM_MODES:
+            raise ValueError(f"engram_mode={self.engram_mode!r}: use one of {ENGRAM_MODES}")
         for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
+            raise ValueError(
+                f"moe_experts={self.moe_experts}, moe_top_k={self.moe_top_k}: give 0 experts (dense) or "
+                "1 <= moe_top_k <= moe_experts"
+            )
+        if self.moe_aux_coef < 0:
+            raise ValueError(f"moe_aux_coef={self.moe_aux_coef} must be >= 0")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
         e = self.engram
         if e is None:
+            changed = [
+                f"{k}={getattr(getattr(self, k), 'value', getattr(self, k))!r}"
+                for k, default in (
+                    ("engram_mode", "gated"),
+                    ("row_hash", RowHash.NGRAM),
+                    ("compression", True),
+                )
+                if getattr(self, k) != default
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} but engram is None (the baseline has no rows): drop them or give an EngramConfig"
+                )
             return
         if not isinstance(e, EngramConfig):
             raise TypeError(
@@ -123,6 +172,7 @@ class TrainConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["engram"] = None if self.engram is None else self.engram.to_dict()
         d["table_optimizer"] = self.table_optimizer.value
+        d["row_hash"] = self.row_hash.value
         d["extra"] = dict(self.extra)
         return d
 

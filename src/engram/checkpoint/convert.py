@@ -5,18 +5,34 @@ checkpoint for tests, examples and `engram run-layer`. The format itself is `eng
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
 import torch
 
 from engram.addressing.layout import Layout
-from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat, load_engram_modules, save_checkpoint
+from engram.checkpoint.v41 import (
+    DEFAULT_MAX_SHARD_BYTES,
+    TableFormat,
+    load_engram_modules,
+    read_checkpoint_config,
+    save_checkpoint,
+)
 from engram.config import EngramConfig, Variant
 from engram.model.module import Engram
-from engram.model.table import FP8Table
+from engram.model.table import FP8Table, MmapFP8Table
+from engram.storage.rowfile import RowFile, write_row_file
 
-__all__ = ["convert_table", "make_scaled_v41_checkpoint"]
+__all__ = [
+    "convert_table",
+    "make_scaled_v41_checkpoint",
+    "open_row_file",
+    "row_file_identity",
+    "row_file_path",
+    "write_row_files",
+]
 
 
 # ------------------------------------------------------------------------------------------- convert
@@ -30,8 +46,11 @@ def convert_table(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     verify: bool = False,
+    row_file: bool = False,
 ) -> list[Path]:
     """Rewrite a checkpoint with FP8 tables (quantised, `to="fp8"`) or float ones (`to="float"`, in `dtype`).
+
+    `row_file`: also write each layer's FP8 table as an SSD row file (`write_row_files`; FP8 only).
 
     The source is loaded (and checked) as `load_engram_modules` does; `verify` scans tables of any size
     for NaN / Inf (by default only those up to `SCAN_LIMIT_BYTES`), so damage is not copied on.
@@ -46,13 +65,89 @@ def convert_table(
         raise ValueError(f"to={to!r}: choose one of {', '.join(f.value for f in TableFormat)}") from None
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype={dtype}: a float table is stored as float32, bfloat16 or float16")
+    if row_file and fmt is not TableFormat.FP8:
+        raise ValueError("row files hold FP8 rows: --row-file needs --to fp8")
     src, dst = Path(src_dir), Path(dst_dir)
     if dst.exists() and src.resolve() == dst.resolve():
         raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
     config, modules = load_engram_modules(src, mmap=True, dtype=None, verify=verify)
-    return save_checkpoint(
+    shards = save_checkpoint(
         dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
     )
+    return shards + (write_row_files(dst) if row_file else [])
+
+
+# ------------------------------------------------------------------------------------------- row files
+
+
+def row_file_identity(config: EngramConfig, layer_id: int) -> str:
+    """sha256 (64 hex digits) of what a layer's row ids mean: its primes, row offsets' order, multipliers
+    and row width. A row file carries it, so one written for another layout or layer is refused."""
+    layer = Layout(config).layer(layer_id)
+    key = {
+        "layer_id": layer_id,
+        "primes": [list(p) for p in layer.primes],
+        "multipliers": list(layer.multipliers),
+        "head_dim": config.head_dim,
+        "compressed_vocab_size": config.compressed_vocab_size,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def row_file_path(ckpt_dir: str | os.PathLike[str], layer_id: int) -> Path:
+    """Where a checkpoint keeps layer `layer_id`'s row file."""
+    return Path(ckpt_dir) / f"engram_layer{layer_id}.rows"
+
+
+def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write a row file beside an FP8 checkpoint for each of its layers, from the stored bytes; returns them."""
+    config, modules = load_engram_modules(ckpt_dir, mmap=True, dtype=None)
+    out = []
+    for layer_id, module in modules.items():
+        table = module.table
+        if not isinstance(table, FP8Table | MmapFP8Table):
+            raise ValueError(
+                f"{ckpt_dir}: layer {layer_id} has a {type(table).__name__}, not FP8; convert it with --to fp8 first"
+            )
+        ident = row_file_identity(config, layer_id)
+        path = row_file_path(ckpt_dir, layer_id)
+        out.append(
+            write_row_file(
+                path, table.weight, table.scale, layer_id=layer_id, identity=ident, label=config.name
+            )
+        )
+    return out
+
+
+def open_row_file(
+    ckpt_dir: str | os.PathLike[str], layer_id: int, *, direct: bool = False, io_threads: int = 1
+) -> RowFile:
+    """Layer `layer_id`'s row file of the checkpoint `ckpt_dir`, checked against its config (rows, width,
+    layer and layout identity): a file written for another checkpoint raises, naming the field and the fix."""
+    config = read_checkpoint_config(ckpt_dir)
+    if layer_id not in config.layer_ids:
+        raise ValueError(
+            f"layer_id={layer_id} is not an Engram layer of {ckpt_dir} (layers {list(config.layer_ids)})"
+        )
+    layout = Layout(config)
+    rows = layout.layer(layer_id).num_embeddings
+    path = row_file_path(ckpt_dir, layer_id)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no row file; write it with `engram convert SRC DST --row-file`")
+    f = RowFile(
+        path,
+        expect_dim=config.head_dim,
+        expect_identity=row_file_identity(config, layer_id),
+        expect_layer_id=layer_id,
+        direct=direct,
+        io_threads=io_threads,
+    )
+    if f.rows < rows:
+        raise ValueError(
+            f"{path}: the row file has rows={f.rows} but layer {layer_id} addresses rows={rows}; "
+            "rewrite it from this checkpoint with `engram convert SRC DST --row-file`"
+        )
+    return f
 
 
 # ------------------------------------------------------------------------------------------- example

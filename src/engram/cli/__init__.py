@@ -3,7 +3,8 @@
 `main(argv)` parses and runs one command; `build_parser()` registers them all. Each module of the
 package adds its commands (`register(subparsers)`) and calls plain library functions:
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
-(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory); `options` holds what they share.
+(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory), `study`; `options`
+holds what they share.
 Library modules hold no argparse. A command's ValueError, TypeError or OSError (a path refused),
 a JSON file too deep to parse or an allocation that fails reaches the user as one line,
 `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs) still show one. A
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engram.checkpoint.integrity import UnscannedTableWarning
-from engram.cli import addressing, bench, checkpoint, generate, systems
+from engram.cli import addressing, bench, checkpoint, generate, study, systems
 from engram.cli.train import add_training_commands
 
 __all__ = ["build_parser", "main"]
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     bench.register(sub)
     systems.register(sub)
+    study.register(sub)
     return parser
 
 

@@ -40,6 +40,11 @@ def register(sub: Any) -> None:
         default=DEFAULT_MAX_SHARD_BYTES,
         help=f"bytes per shard file, e.g. 5GB (the default), 500MB, 2GiB ({SIZE_HELP})",
     )
+    p.add_argument(
+        "--row-file",
+        action="store_true",
+        help="also write each layer's FP8 table as an SSD row file (engram_layer<L>.rows: one page per row read)",
+    )
     add_verify_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_convert)
@@ -71,16 +76,19 @@ def register(sub: Any) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    shards = convert_table(
+    written = convert_table(
         args.src,
         args.dst,
         args.to,
         getattr(torch, args.dtype),
         max_shard_bytes=args.max_shard_size,
         verify=args.verify,
+        row_file=args.row_file,
     )
     elapsed = time.perf_counter() - t0
-    size = sum(p.stat().st_size for p in shards)
+    shards = [p for p in written if p.suffix != ".rows"]
+    row_files = [p for p in written if p.suffix == ".rows"]
+    size = sum(p.stat().st_size for p in written)
     if args.json:
         print(
             json.dumps(
@@ -88,6 +96,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                     "dst": str(args.dst),
                     "to": args.to,
                     "shards": [p.name for p in shards],
+                    "row_files": [p.name for p in row_files],
                     "bytes": size,
                     "seconds": elapsed,
                 }
@@ -95,7 +104,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
     else:
         print(
-            f"wrote {len(shards)} shard(s), {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
+            f"wrote {len(shards)} shard(s)"
+            + (f" and {len(row_files)} row file(s)" if row_files else "")
+            + f", {size / 1e6:.1f} MB, tables as {args.to}, to {args.dst} "
             f"({elapsed:.1f} s)"
         )
     return 0

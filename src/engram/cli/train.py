@@ -226,7 +226,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
     data = prepare_data(cfg)
-    rows = data.held_rows if model.engrams else None
+    rows = data.held_rows if model.needs_rows else None
     scales = [("engram", 1.0), ("engram masked", 0.0)] if args.mask_engram else [("model", 1.0)]
     results = {name: evaluate(model, data.held_out, rows, cfg.seq_len, engram_scale=s) for name, s in scales}
     if args.json:

@@ -1,7 +1,9 @@
 """Numba kernels of `engram.systems.cache.RowCache`: the host-side index of the hot-row cache.
 
 An open-addressing map row -> slot and an intrusive LRU list over the slots, so a call costs
-O(distinct rows), never O(capacity); plus the byte-row scatter a CPU cache writes with. Knows
+O(distinct rows), never O(capacity); plus the byte-row scatter a CPU cache writes with, and
+`unique_rows`, a call's sorted distinct rows and inverse index on one thread (torch.unique's
+thread pool stalls for hundreds of ms when a loaded machine has no core free for it). Knows
 slots and row ids, nothing of the rows' bytes or devices. Compiles on first call (cached on
 disk) and releases the GIL. Design: docs/kernels.md.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["EMPTY", "new_state", "plan", "scatter_rows"]
+__all__ = ["EMPTY", "new_state", "plan", "scatter_rows", "unique_rows"]
 
 EMPTY = -1  # an empty map key / an empty slot's row
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: spreads consecutive row ids
@@ -161,3 +163,57 @@ def scatter_rows(dst, slots, src):
         s = slots[i]
         for c in range(width):
             dst[s, c] = src[i, c]
+
+
+@_jit
+def _first_seen(ids, num_rows, keys, vals, uniq, inverse):
+    """Distinct ids in order of first occurrence into uniq, each position's index into it into inverse;
+    returns (distinct count, -1), or (-1, position) of the first id outside [0, num_rows)."""
+    mask = np.int64(keys.shape[0] - 1)
+    u = 0
+    for i in range(ids.shape[0]):
+        r = np.int64(ids[i])
+        if r < 0 or r >= num_rows:
+            return -1, i
+        h = _home(r, mask)
+        while True:
+            k = keys[h]
+            if np.int64(k) == r:
+                inverse[i] = vals[h]
+                break
+            if np.int64(k) == EMPTY:
+                keys[h] = r
+                vals[h] = u
+                uniq[u] = r
+                inverse[i] = u
+                u += 1
+                break
+            h = (h + 1) & mask
+    return u, -1
+
+
+@_jit
+def _remap(inverse, rank):
+    for i in range(inverse.shape[0]):
+        inverse[i] = rank[inverse[i]]
+
+
+def unique_rows(ids: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(uniq, inverse, bad): the sorted distinct ids (U,) int64 of ids (n,) int64/int32 and each position's
+    index into them (n,) int64, as torch.unique(sorted=True, return_inverse=True); bad = the position of
+    the first id outside [0, num_rows) (uniq and inverse then meaningless), else -1. One thread, O(n)."""
+    n = ids.shape[0]
+    size = 1 << max(1, int(2 * n - 1).bit_length())  # power of two >= 2n: at most half full
+    small = num_rows < 2**31  # 4-byte keys and values: half the map's cache footprint
+    keys = np.full(size, EMPTY, dtype=np.int32 if small else np.int64)
+    vals = np.empty(size, dtype=np.int32 if small else np.int64)
+    uniq = np.empty(n, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    u, bad = _first_seen(ids, np.int64(num_rows), keys, vals, uniq, inverse)
+    if bad >= 0:
+        return uniq[:0], inverse, int(bad)
+    order = np.argsort(uniq[:u], kind="stable")  # U log U on the distinct rows only
+    rank = np.empty(u, dtype=np.int64)
+    rank[order] = np.arange(u, dtype=np.int64)
+    _remap(inverse, rank)
+    return uniq[:u][order], inverse, -1

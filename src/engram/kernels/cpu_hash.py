@@ -67,11 +67,28 @@ def _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, dst):
 
 @_jit
 def hash_range(
-    xc, dead, has_dead, window, has_window, pad, mult, primes, offsets, inv, n_heads, fast, out, start, end
+    xc,
+    dead,
+    has_dead,
+    starts,
+    has_starts,
+    window,
+    has_window,
+    pad,
+    mult,
+    primes,
+    offsets,
+    inv,
+    n_heads,
+    fast,
+    out,
+    start,
+    end,
 ):
     """Rows of flat tokens [start, end) (token f is xc[f // T, f % T]) into out (B, T, L, orders*K).
 
-    xc (B, T) int64 compressed ids; dead (B, T) bool, read only if has_dead; window
+    xc (B, T) int64 compressed ids; dead (B, T) bool, read only if has_dead; starts (B, T) bool,
+    read only if has_starts (True: a window restarts there, hiding everything before); window
     (B, max_ngram-1) int64, the carried look-back before xc[:, 0] (column 0 most recent, read only
     if has_window, else all pads); mult (L, max_ngram) int64; primes, offsets (L*orders*K,) int64
     and inv = 1.0 / primes in (layer, order, head) order; fast: every prime >= FASTMOD_MIN_PRIME.
@@ -89,6 +106,8 @@ def hash_range(
         look[0] = upad if blocked else np.uint64(xc[b, t])
         for i in range(1, n_gram):
             s = t - i
+            if has_starts and not blocked and s >= -1 and starts[b, s + 1]:
+                blocked = True  # a window starts after position s: s and everything farther are pads
             if s >= 0:
                 if not blocked and has_dead and dead[b, s]:
                     blocked = True  # sticky: this look-back and every farther one are pads
@@ -110,6 +129,9 @@ def step(
     lookup,
     dead,
     has_dead,
+    starts,
+    has_starts,
+    restart_id,
     window,
     position,
     n_draft,
@@ -126,7 +148,8 @@ def step(
     """One decode step of B sequences, in place: returns (0, -1), or (code, b) and changes nothing.
 
     ids (B,) int64 tokenizer ids; lookup (vocab,) int64 compression map; dead (B,) bool (read if
-    has_dead); window (B, max_ngram-1) int64 and position (B,) int64 are updated in place;
+    has_dead); starts (B,) bool (read if has_starts: the token begins a new window); restart_id: the
+    window after this id restarts (-1: none); window (B, max_ngram-1) int64 and position (B,) int64 are updated in place;
     n_draft (B,) int64 must be all 0; look (max_ngram,) uint64 scratch; out (B, L, orders*K);
     the layout arrays as in `hash_range`.
     Codes: STEP_BAD_ID (ids[b] outside [0, vocab)), STEP_DRAFTS_PENDING (sequence b has drafts).
@@ -145,17 +168,18 @@ def step(
     upad = np.uint64(pad)
     for b in range(n_seq):
         is_dead = has_dead and dead[b]
+        is_start = has_starts and starts[b]
         x0 = pad if is_dead else lookup[ids[b]]
         look[0] = np.uint64(x0)
         for i in range(n_win):
-            look[i + 1] = upad if is_dead else np.uint64(window[b, i])
+            look[i + 1] = upad if is_dead or is_start else np.uint64(window[b, i])
         _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, b * width)
-        if is_dead:  # blocking is sticky: nothing before a dead token is visible after it
+        if is_dead or ids[b] == restart_id:  # sticky: nothing before is visible after it
             for i in range(n_win):
                 window[b, i] = pad
         else:
             for i in range(n_win - 1, 0, -1):
-                window[b, i] = window[b, i - 1]
+                window[b, i] = pad if is_start else window[b, i - 1]
             if n_win > 0:
                 window[b, 0] = x0
         position[b] += 1
@@ -175,8 +199,11 @@ def hash_rows(
     fast: bool,
     out: np.ndarray,
     threads: int = 1,
+    starts: np.ndarray | None = None,
 ) -> np.ndarray:
     """Fill out (B, T, L, orders*K) with the rows of xc (B, T), split over `threads` threads.
+
+    starts: (B, T) bool or None, True where a window restarts (see `hash_range`).
 
     Every array must be C-contiguous with the dtypes `hash_range` documents; out int64 or int32.
     Each thread takes a contiguous range of tokens: the result does not depend on `threads`.
@@ -186,6 +213,24 @@ def hash_rows(
     has_window = window is not None
     dead_arr = dead if dead is not None else np.zeros((1, 1), dtype=np.bool_)
     win_arr = window if window is not None else np.zeros((1, 1), dtype=np.int64)
-    args = (xc, dead_arr, has_dead, win_arr, has_window, pad, mult, primes, offsets, inv, n_heads, fast, out)
+    has_starts = starts is not None
+    starts_arr = starts if starts is not None else np.zeros((1, 1), dtype=np.bool_)
+    args = (
+        xc,
+        dead_arr,
+        has_dead,
+        starts_arr,
+        has_starts,
+        win_arr,
+        has_window,
+        pad,
+        mult,
+        primes,
+        offsets,
+        inv,
+        n_heads,
+        fast,
+        out,
+    )
     run_chunks(hash_range, args, n, threads)
     return out

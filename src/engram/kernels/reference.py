@@ -23,6 +23,8 @@ def hash_rows(
     primes: torch.Tensor,
     offsets: torch.Tensor,
     pad: int,
+    *,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows (B, T, L, orders*K) int64 of compressed ids xc (B, T); see `triton_hash.hash_rows`."""
     b, t = xc.shape
@@ -34,12 +36,17 @@ def hash_rows(
         window = torch.full((b, n - 1), pad, dtype=torch.long, device=xc.device)
     ext = torch.cat([window.long().flip(1), vals], dim=1)  # (B, n-1+T): ext[:, n-1+t] is position t
     cols = [vals]  # look-back i = 0 .. n-1, each (B, T)
-    blocked = None if dead is None else dead.clone()
-    ext_dead = None if dead is None else torch.cat([torch.zeros_like(window, dtype=torch.bool), dead], dim=1)
+    lead = torch.zeros_like(window, dtype=torch.bool)
+    blocked = dead.clone() if dead is not None else torch.zeros_like(xc, dtype=torch.bool)
+    ext_dead = None if dead is None else torch.cat([lead, dead], dim=1)
+    ext_start = None if starts is None else torch.cat([lead, starts], dim=1)
     for i in range(1, n):
         col = ext[:, n - 1 - i : n - 1 - i + t]
-        if blocked is not None and ext_dead is not None:
+        if ext_start is not None:  # a start at t-i+1 hides t-i and everything farther
+            blocked |= ext_start[:, n - i : n - i + t]
+        if ext_dead is not None:
             blocked |= ext_dead[:, n - 1 - i : n - 1 - i + t]  # sticky: once blocked, farther is too
+        if ext_start is not None or ext_dead is not None:
             col = torch.where(blocked, pad, col)
         cols.append(col)
     out = torch.empty((b, t, n_layers, (n - 1) * k), dtype=torch.long, device=xc.device)

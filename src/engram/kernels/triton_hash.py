@@ -20,6 +20,7 @@ _BLOCK = 128  # tokens per program
 def _hash_kernel(
     xc_ptr,  # (B*T,) int64 compressed ids
     dead_ptr,  # (B*T,) uint8, read if HAS_DEAD
+    starts_ptr,  # (B*T,) uint8, read if HAS_STARTS: a window restarts at this position
     win_ptr,  # (B, N_GRAM-1) int64 carried look-back (column 0 most recent), read if HAS_WINDOW
     mult_ptr,  # (L, N_GRAM) int64
     primes_ptr,  # (L*(N_GRAM-1)*K,) int64, (layer, order, head) order
@@ -33,6 +34,7 @@ def _hash_kernel(
     K: tl.constexpr,
     K_P2: tl.constexpr,
     HAS_DEAD: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -55,6 +57,9 @@ def _hash_kernel(
         for i in tl.static_range(1, N_GRAM):
             s = t - i
             in_seq = s >= 0
+            if HAS_STARTS:  # a start at s+1 hides s and everything farther (sticky)
+                start_s = tl.load(starts_ptr + f - i + 1, mask=valid & (s >= -1), other=0) != 0
+                blocked = blocked | start_s
             if HAS_DEAD:  # sticky: the first dead position pads this look-back and every farther one
                 dead_s = tl.load(dead_ptr + f - i, mask=valid & in_seq, other=0) != 0
                 blocked = blocked | (in_seq & dead_s)
@@ -82,10 +87,12 @@ def hash_rows(
     offsets: torch.Tensor,
     pad: int,
     out: torch.Tensor | None = None,
+    *,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows (B, T, L, orders*K) of compressed ids xc (B, T) int64 on one device.
 
-    dead (B, T) bool or None; window (B, max_ngram-1) int64 or None (a sequence start);
+    dead (B, T) bool or None; starts (B, T) bool or None (True: a window restarts there); window (B, max_ngram-1) int64 or None (a sequence start);
     multipliers (L, max_ngram) int64; primes, offsets (L, orders, K) int64 (`NgramHasher`'s arrays as
     tensors); out (B, T, L, orders*K) int64 or int32, contiguous, or None for int64.
     """
@@ -110,15 +117,21 @@ def hash_rows(
         raise ValueError(f"window has shape {tuple(window.shape)}; expected {(bsz, n_gram - 1)}")
     if dead is not None and dead.shape != xc.shape:
         raise ValueError(f"dead has shape {tuple(dead.shape)} but xc has shape {tuple(xc.shape)}")
+    if starts is not None and (starts.shape != xc.shape or starts.dtype != torch.bool):
+        raise ValueError(
+            f"starts must be bool of xc's shape {tuple(xc.shape)}, got {starts.dtype} {tuple(starts.shape)}"
+        )
     n_tok = bsz * seq
     if n_tok == 0:
         return out
     xc1 = xc.to(torch.int64).contiguous()
     dead1 = xc1 if dead is None else dead.contiguous().view(torch.uint8)  # any pointer when unused
     win1 = xc1 if window is None else window.to(torch.int64).contiguous()
+    starts1 = xc1 if starts is None else starts.contiguous().view(torch.uint8)
     _hash_kernel[(triton.cdiv(n_tok, _BLOCK),)](
         xc1,
         dead1,
+        starts1,
         win1,
         multipliers.to(torch.int64).contiguous(),
         primes.to(torch.int64).contiguous().view(-1),
@@ -132,6 +145,7 @@ def hash_rows(
         K=k,
         K_P2=triton.next_power_of_2(k),
         HAS_DEAD=dead is not None,
+        HAS_STARTS=starts is not None,
         HAS_WINDOW=window is not None,
         BLOCK=_BLOCK,
     )

@@ -1,14 +1,17 @@
 """A small decoder-only language model with Engram, sized for CPUs (the demo's and tests' model).
 
 `EngramLM` (configured by `LMConfig`): embedding -> `hc` residual streams -> blocks (attention,
-SwiGLU MLP, mixed across streams by `HyperConnection` when hc > 1) -> LM head, with an `Engram`
-module at the entrance of the blocks the config names. Knows nothing of hashing: rows are hashed
-outside the model and passed in as `engram_rows` [B, T, n_engram_layers, heads]; `engram_scale=0`
-masks Engram's output (ablation). Design: docs/model.md.
+SwiGLU MLP or top-k routed `MoE` experts, mixed across streams by `HyperConnection` when hc > 1) ->
+LM head, with an `Engram` module at the entrance of the blocks the config names. Knows nothing of
+hashing: rows are hashed outside the model and passed in as `engram_rows` [B, T, n_engram_layers,
+heads]; `engram_scale=0` masks Engram's output (ablation). `EngramMode` holds the studies' other
+uses of the same rows: the gate fixed at 1, and a plain hashed n-gram input embedding (the
+Over-Tokenized / SCONE family's baseline). Design: docs/model.md.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,11 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram.config import EngramConfig
+from engram.addressing.layout import Layout
+from engram.config import EngramConfig, Variant
+from engram.model.ffn import MoE, SwiGLU
 from engram.model.module import Engram
-from engram.model.table import EngramTable
+from engram.model.table import EngramTable, TrainableTable
 
-__all__ = ["EngramLM", "HyperConnection", "LMConfig"]
+__all__ = ["EngramLM", "EngramMode", "HyperConnection", "LMConfig"]
+
+
+class EngramMode(enum.StrEnum):
+    """What the model does with its Engram config's rows."""
+
+    GATED = "gated"  # the Engram module: lookup, projection, context gate (the default)
+    FIXED_GATE = "fixed-gate"  # the module with its gate fixed at 1: h + v (ablation; v4.1 variant)
+    # No Engram module: per order, the token's K head rows concatenated (K * head_dim == dim), the
+    # orders averaged, added to the token embedding; no gate, no projection (a baseline).
+    INPUT_EMBEDDING = "input-embedding"
 
 
 @dataclass(frozen=True)
@@ -41,11 +56,32 @@ class LMConfig:
     sinkhorn_iters: int = 8
     engram_zero_init: bool = True  # Engram's value projection starts at zero (identity at init)
     engram: EngramConfig | None = field(default=None)
+    engram_mode: EngramMode = EngramMode.GATED
+    # feed-forward: moe_experts = 0 is the dense SwiGLU of mlp_hidden; else top-k routed experts of
+    # moe_hidden each (None: mlp_hidden // moe_top_k, the dense MLP's activated width)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_hidden: int | None = None
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "engram_mode", EngramMode(self.engram_mode))
+        except ValueError:
+            raise ValueError(
+                f"engram_mode={self.engram_mode!r}: use one of {', '.join(repr(m.value) for m in EngramMode)}"
+            ) from None
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "mlp_hidden", "max_seq_len", "hc"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LMConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.moe_experts < 0:
+            raise ValueError(f"moe_experts={self.moe_experts} must be >= 0 (0: the dense SwiGLU MLP)")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} must be in [1, moe_experts={self.moe_experts}]")
+        if self.moe_experts and self.expert_hidden < 1:
+            raise ValueError(
+                f"moe_hidden={self.moe_hidden} (mlp_hidden={self.mlp_hidden} // moe_top_k={self.moe_top_k}) "
+                "must be >= 1"
+            )
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of even width")
         e = self.engram
@@ -61,8 +97,20 @@ class LMConfig:
                 )
             if max(e.layer_ids) >= self.n_layers:
                 problems.append(f"engram layer_ids={e.layer_ids} but the model has {self.n_layers} layers")
+            if self.engram_mode is EngramMode.FIXED_GATE and e.variant is not Variant.V4_1:
+                problems.append(f"engram_mode='fixed-gate' needs the v4.1 variant, not {e.variant.value!r}")
+            if self.engram_mode is EngramMode.INPUT_EMBEDDING and e.n_heads * e.head_dim != self.dim:
+                problems.append(
+                    f"engram_mode='input-embedding' concatenates an order's {e.n_heads} heads of {e.head_dim} "
+                    f"into the {self.dim}-wide embedding: n_heads * head_dim must equal dim"
+                )
             if problems:
                 raise ValueError("LMConfig and its EngramConfig disagree: " + "; ".join(problems))
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of one MoE expert."""
+        return self.moe_hidden if self.moe_hidden is not None else self.mlp_hidden // self.moe_top_k
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +123,7 @@ class LMConfig:
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "engram"}
         d["engram"] = None if self.engram is None else self.engram.to_dict()
+        d["engram_mode"] = self.engram_mode.value
         return d
 
     @classmethod
@@ -111,17 +160,6 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, c: LMConfig) -> None:
-        super().__init__()
-        self.w13 = nn.Linear(c.dim, 2 * c.mlp_hidden, bias=False)
-        self.w2 = nn.Linear(c.mlp_hidden, c.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, g = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(g) * a)
-
-
 class HyperConnection(nn.Module):
     """Residual connection over hc streams x (B, T, hc, D) around one sublayer f:
     u = sum_m a_m x_m (a = softmax); x <- M x + b * f(u), M doubly stochastic (Sinkhorn)."""
@@ -153,7 +191,12 @@ class Block(nn.Module):
     def __init__(self, c: LMConfig) -> None:
         super().__init__()
         self.attn_norm, self.mlp_norm = nn.RMSNorm(c.dim, eps=c.norm_eps), nn.RMSNorm(c.dim, eps=c.norm_eps)
-        self.attn, self.mlp = Attention(c), SwiGLU(c)
+        self.attn = Attention(c)
+        self.mlp: nn.Module = (
+            MoE(c.dim, c.expert_hidden, c.moe_experts, c.moe_top_k)
+            if c.moe_experts
+            else SwiGLU(c.dim, c.mlp_hidden)
+        )
         self.hc = c.hc
         if c.hc > 1:
             self.attn_hc, self.mlp_hc = (
@@ -193,8 +236,12 @@ class EngramLM(nn.Module):
         self.head = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
         self.collapse_logits = nn.Parameter(torch.zeros(c.hc)) if c.hc > 1 else None
         self.engrams = nn.ModuleDict()
+        self.ngram_embed: TrainableTable | None = None
         self.reset_parameters()  # the backbone draws first: with or without Engram, same initial weights
-        if c.engram is not None:
+        if c.engram is not None and c.engram_mode is EngramMode.INPUT_EMBEDDING:
+            rows = Layout(c.engram).layer(c.engram.layer_ids[0]).num_embeddings
+            self.ngram_embed = TrainableTable(rows, c.engram.head_dim, init_std=c.init_std)
+        elif c.engram is not None:
             for lid in c.engram.layer_ids:
                 table = None if table_factory is None else table_factory(c.engram, lid)
                 self.engrams[str(lid)] = Engram(c.engram, lid, table=table)
@@ -228,16 +275,39 @@ class EngramLM(nn.Module):
                     module.value_proj.weight.zero_()
                     module.value_proj.bias.zero_()
 
+    @property
+    def needs_rows(self) -> bool:
+        """Whether forward needs `engram_rows` (an Engram module or the n-gram input embedding)."""
+        return bool(self.engrams) or self.ngram_embed is not None
+
     def num_params(self) -> dict[str, int]:
-        """Total parameters, Engram table rows (not activated per token) and the activated rest."""
+        """Total parameters; Engram table rows and MoE experts not chosen for a token are not
+        activated: `activated` counts the rows a token reads and its top-k experts."""
+        c = self.config
         total = sum(p.numel() for p in self.parameters())
-        table = sum(m.table.weight.numel() for m in self.engrams.values())
-        heads = self.config.engram.rows_per_token * self.config.engram.head_dim if self.config.engram else 0
+        tables = [m.table for m in self.engrams.values()]
+        if self.ngram_embed is not None:
+            tables.append(self.ngram_embed)
+        table = sum(t.weight.numel() for t in tables)
+        heads = c.engram.rows_per_token * c.engram.head_dim if c.engram else 0
+        idle_experts = sum(
+            (b.mlp.num_experts - b.mlp.top_k) * b.mlp.expert_params()
+            for b in self.blocks
+            if isinstance(b.mlp, MoE)
+        )
         return {
             "total": total,
             "engram_tables": table,
-            "activated": total - table + heads * len(self.engrams),
+            "moe_idle_experts": idle_experts,
+            "activated": total - table + heads * len(tables) - idle_experts,
         }
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The MoE blocks' load-balancing losses of the last forward, summed (None: no MoE)."""
+        losses = [
+            b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None
+        ]
+        return torch.stack(losses).sum() if losses else None
 
     def forward(
         self,
@@ -257,18 +327,26 @@ class EngramLM(nn.Module):
         c = self.config
         if t > c.max_seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than max_seq_len={c.max_seq_len}")
-        if self.engrams and engram_rows is None:
+        if self.needs_rows and engram_rows is None:
             raise ValueError(
                 "this model has Engram layers: pass engram_rows (hash the input ids with NgramHasher)"
             )
-        x = self.embed(input_ids)[:, :, None].expand(b, t, c.hc, c.dim)  # streams start as copies
+        emb = self.embed(input_ids)
+        if self.ngram_embed is not None:
+            e = c.engram
+            rows = self.ngram_embed.gather(engram_rows[:, :, 0], emb.dtype)  # (B, T, orders*K, hd)
+            emb = emb + engram_scale * rows.reshape(b, t, len(e.orders), c.dim).mean(2)
+        x = emb[:, :, None].expand(b, t, c.hc, c.dim)  # streams start as copies
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         gates: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.blocks):
             if str(i) in self.engrams:
                 module = self.engrams[str(i)]
                 rows = engram_rows[:, :, c.engram.layer_index(i)]
-                new, g = module(x, rows, dead_mask, return_gates=True)
+                if c.engram_mode is EngramMode.FIXED_GATE:
+                    new, g = self._fixed_gate(module, x, rows)
+                else:
+                    new, g = module(x, rows, dead_mask, return_gates=True)
                 x = new if engram_scale == 1.0 else x + engram_scale * (new - x)
                 gates[i] = g
             x = block(x, cos, sin)
@@ -279,3 +357,11 @@ class EngramLM(nn.Module):
         h = self.norm(h)
         logits = self.head(h) if self.head is not None else h @ self.embed.weight.T
         return (logits, gates) if return_gates else logits
+
+    @staticmethod
+    def _fixed_gate(module: Engram, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The v4.1 Engram `module` with its gate fixed at 1: x + v on every stream (the keys are
+        computed by the fused projection but unused). x (B, T, hc, D), rows (B, T, heads)."""
+        b, t, hc, dim = x.shape
+        v = module.wkv(module.lookup(rows, x.dtype)).view(b, t, hc + 1, dim)[:, :, hc]  # (B, T, D)
+        return x + v[:, :, None], torch.ones(b, t, hc, dtype=x.dtype, device=x.device)

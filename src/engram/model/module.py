@@ -2,13 +2,16 @@
 
 `Engram(config, layer_id)` maps residual streams h (B, T, hc, dim) and this layer's rows
 (B, T, heads) to the updated streams, in the `deepseek-v4.1` variant (fused `wkv`, signed-sqrt
-gate, no conv; the Triton gate on CUDA) or the paper's `demo-v1` (separate projections and
-`ShortConv`). Works on one device and knows nothing of tiers, prefetch or sharding: those wrap
-it from outside by swapping its `table`. Design: docs/model.md.
+gate, no conv; the Triton gate on CUDA), the paper's `demo-v1` (separate projections and
+`ShortConv`) or Qwen4-Exp's PLE (`qwen4-exp-ple`: one key projection normed per stream, a dilated
+depthwise conv whose state a caller carries for incremental decoding). Works on one device and
+knows nothing of tiers, prefetch or sharding: those wrap it from outside by swapping its `table`.
+Design: docs/model.md.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,7 +25,24 @@ from engram.config import EngramConfig, Variant
 from engram.kernels.reference import gate, signed_sqrt_gate
 from engram.model.table import EngramTable, TrainableTable
 
-__all__ = ["Engram", "ShortConv", "signed_sqrt_gate"]
+__all__ = ["Engram", "GroupRMSNorm", "ShortConv", "signed_sqrt_gate"]
+
+
+class GroupRMSNorm(nn.Module):
+    """RMSNorm over groups of `group_size` of the last axis (one per residual stream), scaled by
+    (1 + weight), computed in float32 and cast back (Qwen4-Exp's PLE norms; weight 0 = identity)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-6, **kw: Any) -> None:
+        super().__init__()
+        if dim % group_size:
+            raise ValueError(f"dim={dim} is not a multiple of group_size={group_size}")
+        self.group_size, self.eps = group_size, eps
+        self.weight = nn.Parameter(torch.zeros(dim, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.float().unflatten(-1, (-1, self.group_size))
+        y = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return (y * (1.0 + self.weight.float())).type_as(x)
 
 
 class ShortConv(nn.Module):
@@ -69,16 +89,17 @@ class Engram(nn.Module):
         self.config, self.layer_id = config, layer_id
         self.hc, self.dim = config.hc_mult, config.hidden_size
         self.heads = config.rows_per_token
-        rows = Layout(config).layer(layer_id).num_embeddings
-        if table is None:
-            table = TrainableTable(rows, config.head_dim, dtype=dtype, device=device)
+        layout = Layout(config).layer(layer_id)
+        if table is None:  # padded rows (Qwen4-Exp: to a multiple of 128)
+            table = TrainableTable(layout.table_rows, config.head_dim, dtype=dtype, device=device)
         if table.dim != config.head_dim:
             raise ValueError(
                 f"table rows are {table.dim} wide but config {config.name!r} has head_dim={config.head_dim}"
             )
-        if table.num_rows < rows:
+        if table.num_rows < layout.num_embeddings:
             raise ValueError(
-                f"layer {layer_id}'s table has {table.num_rows} rows but its hash layout addresses {rows}; "
+                f"layer {layer_id}'s table has {table.num_rows} rows but its hash layout addresses "
+                f"{layout.num_embeddings}; "
                 "the table was made for another config"
             )
         self.table = table
@@ -93,6 +114,20 @@ class Engram(nn.Module):
             self.wkv = nn.Linear(d_in, (self.hc + 1) * self.dim, bias=False, **kw)
             self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, **kw))
             self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, **kw))
+        elif config.variant is Variant.QWEN4_EXP_PLE:
+            width = self.hc * self.dim  # the streams side by side, as transformers' hidden states
+            eps = config.norm_eps
+            self.key_proj = nn.Linear(d_in, width, bias=False, **kw)
+            self.value_proj = nn.Linear(d_in, self.dim, bias=False, **kw)
+            self.norm_key = GroupRMSNorm(width, self.dim, eps, **kw)
+            self.norm_query = GroupRMSNorm(width, self.dim, eps, **kw)
+            self.norm_conv = GroupRMSNorm(width, self.dim, eps, **kw)
+            self.conv_dilation = config.max_ngram_size
+            self.conv_state_len = (config.kernel_size - 1) * self.conv_dilation
+            self.conv1d = nn.Conv1d(
+                width, width, config.kernel_size, groups=width, dilation=self.conv_dilation, bias=False, **kw
+            )
+            nn.init.zeros_(self.conv1d.weight)  # as Qwen4-Exp initialises it: the conv starts silent
         else:
             self.value_proj = nn.Linear(d_in, self.dim, **kw)
             self.key_projs = nn.ModuleList(nn.Linear(d_in, self.dim, **kw) for _ in range(self.hc))
@@ -131,11 +166,14 @@ class Engram(nn.Module):
 
     def rows_for(self, token_ids: torch.Tensor, dead_mask: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's rows (B, T, heads) for token ids (B, T), hashed on the CPU (a sync point:
-        in production, hash ahead of the forward pass and pass rows)."""
+        in production, hash ahead of the forward pass and pass rows). In `qwen4-exp-ple` the dead
+        mask does not enter the hash (transformers hashes padding like any token)."""
         if self.hasher is None:
             raise ValueError(
                 "this Engram module has no hasher: pass rows, or build it with hasher=NgramHasher(...)"
             )
+        if self.config.variant is Variant.QWEN4_EXP_PLE:
+            dead_mask = None
         rows = self.hasher.hash(token_ids, dead_mask)
         return rows[..., self.config.layer_index(self.layer_id), :]
 
@@ -147,11 +185,19 @@ class Engram(nn.Module):
         *,
         token_ids: torch.Tensor | None = None,
         return_gates: bool = False,
+        conv_state: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """h (B, T, hc, dim), rows (B, T, heads) or token_ids (B, T), dead_mask (B, T) True = dead.
 
         Returns the updated streams (B, T, hc, dim); with `return_gates`, also the gates (B, T, hc).
-        Dead positions pass through unchanged (their gate is 0).
+        Dead positions pass through unchanged (their gate is 0), except in `qwen4-exp-ple`, which
+        does as transformers' `conv_mask` does: a dead position's gated value and conv input are 0,
+        its conv output still sees the positions before it.
+
+        `conv_state` (`qwen4-exp-ple` only; from `new_conv_state(B)`): the conv's look-back,
+        read and updated in place, for incremental decoding: start a state, run the prompt (rows
+        from `HashStream.feed`), then one token at a time (rows from `HashStream.step`, T = 1),
+        each call with the same state. Without it, h is a whole sequence from its start.
         """
         if (rows is None) == (token_ids is None):
             raise ValueError("pass exactly one of rows (B, T, heads) and token_ids (B, T)")
@@ -159,8 +205,14 @@ class Engram(nn.Module):
             rows = self.rows_for(token_ids, dead_mask).to(h.device)
         self._check(h, rows, dead_mask)
         e = self.lookup(rows, h.dtype)  # (B, T, heads*head_dim)
+        if conv_state is not None and self.config.variant is not Variant.QWEN4_EXP_PLE:
+            raise ValueError(
+                f"conv_state is for variant 'qwen4-exp-ple'; this module is {self.config.variant.value!r}"
+            )
         if self.config.variant is Variant.V4_1:
             out, gates = self._forward_v41(h, e, dead_mask)
+        elif self.config.variant is Variant.QWEN4_EXP_PLE:
+            out, gates = self._forward_ple(h, e, dead_mask, conv_state)
         else:
             out, gates = self._forward_demo(h, e, dead_mask)
         return (out, gates) if return_gates else out
@@ -193,3 +245,60 @@ class Engram(nn.Module):
         if dead_mask is not None:  # the conv would carry earlier values into a dead position
             out = out.masked_fill(dead_mask[..., None, None], 0.0)
         return h + out, g
+
+    # ------------------------------------------------------------------ Qwen4-Exp PLE
+    def new_conv_state(
+        self, batch_size: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """A zero conv look-back (B, hc*dim, (kernel_size-1)*max_ngram_size) for incremental decoding
+        (`qwen4-exp-ple`); reorder it with index_select for beam search, like the rows' HashStream."""
+        if self.config.variant is not Variant.QWEN4_EXP_PLE:
+            raise ValueError(f"variant {self.config.variant.value!r} has no conv state to carry")
+        w = self.conv1d.weight
+        return torch.zeros(
+            batch_size,
+            self.hc * self.dim,
+            self.conv_state_len,
+            dtype=w.dtype if dtype is None else dtype,
+            device=w.device if device is None else device,
+        )
+
+    def _forward_ple(
+        self,
+        h: torch.Tensor,
+        e: torch.Tensor,
+        dead_mask: torch.Tensor | None,
+        conv_state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = h.shape[:2]
+        width = self.hc * self.dim
+        key = self.norm_key(self.key_proj(e)).unflatten(-1, (self.hc, self.dim))
+        value = self.value_proj(e)  # (B, T, dim), shared by the streams
+        query = self.norm_query(h.reshape(b, t, width)).unflatten(-1, (self.hc, self.dim))
+        dot = (key * query).sum(-1, keepdim=True) / math.sqrt(self.dim)  # (B, T, hc, 1)
+        # sign(0) = 0 here (transformers' form), where signed_sqrt_gate's copysign keeps +-clamp
+        gates = torch.sigmoid(dot.abs().clamp_min(self.config.gate_clamp).sqrt() * dot.sign())
+        gated = gates * value.unsqueeze(-2)  # (B, T, hc, dim)
+        normed = self.norm_conv(gated.flatten(-2))
+        gated = gated.flatten(-2)
+        if dead_mask is not None:
+            keep = (~dead_mask)[..., None]
+            gated, normed = gated * keep, normed * keep
+        out = gated + self._ple_conv(normed, conv_state)
+        return h + out.view(b, t, self.hc, self.dim), gates.squeeze(-1)
+
+    def _ple_conv(self, x: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """SiLU of the causal dilated depthwise conv of x (B, T, hc*dim), after `state` if given."""
+        x = x.transpose(1, 2)  # (B, C, T)
+        n = self.conv_state_len
+        if state is None:
+            full = F.pad(x, (n, 0))
+        else:
+            if state.shape != (x.shape[0], x.shape[1], n):
+                raise ValueError(
+                    f"conv_state must have shape {(x.shape[0], x.shape[1], n)} (from new_conv_state), "
+                    f"got {tuple(state.shape)}"
+                )
+            full = torch.cat([state.to(x.dtype), x], dim=-1)
+            state.copy_(full[..., full.shape[-1] - n :].detach())
+        return F.silu(self.conv1d(full)).transpose(1, 2)

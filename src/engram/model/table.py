@@ -20,6 +20,7 @@ from torch import nn
 from engram.checkpoint.files import open_tensors
 from engram.storage import lookup, quant
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
+from engram.storage.outpool import OutputPool
 
 __all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable"]
 
@@ -113,13 +114,22 @@ def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tu
 
 
 def _gather_fp8(
-    values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    dtype: torch.dtype | None,
+    pool: OutputPool | None = None,
 ) -> torch.Tensor:
-    """lookup.dequantize_gather, plus float64 output (dequantised exactly in fp32, then widened)."""
+    """lookup.dequantize_gather, plus float64 output (dequantised exactly in fp32, then widened); a CPU
+    output comes from `pool` (no fresh pages to fault in: see engram.storage.outpool)."""
     dtype = torch.float32 if dtype is None else dtype
     if dtype == torch.float64:
         return lookup.dequantize_gather(values, scales, rows, torch.float32).double()
-    return lookup.dequantize_gather(values, scales, rows, dtype)
+    out = None
+    cpu = values.device.type == "cpu" and values.dim() == 2 and isinstance(rows, torch.Tensor)
+    if pool is not None and cpu and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = pool.empty((*rows.shape, values.shape[1]), dtype)
+    return lookup.dequantize_gather(values, scales, rows, dtype, out)
 
 
 def _dequantize_table(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -152,6 +162,7 @@ class FP8Table(EngramTable):
         self.num_rows, self.dim = _check_fp8_pair(values, scales, "FP8Table")
         self.register_buffer("weight", values)  # (rows, dim) float8_e4m3fn
         self.register_buffer("scale", scales)  # (rows, dim // 32) float8_e8m0fnu
+        self.out_pool = OutputPool()  # reused CPU outputs of gather (a plain attribute, not state)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> FP8Table:
@@ -181,7 +192,7 @@ class FP8Table(EngramTable):
 
         Repeated ids are dequantised once (lookup.dequantize_gather); ids outside [0, rows) raise.
         """
-        return _gather_fp8(self.weight, self.scale, rows, dtype)
+        return _gather_fp8(self.weight, self.scale, rows, dtype, self.out_pool)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Table:
         # Probe what `fn` does on an empty tensor of the same kind: if it changes the dtype (a parent's
@@ -233,6 +244,7 @@ class MmapFP8Table(EngramTable):
         self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")
         # a read of a mapped page cut off by a truncation is a SIGBUS: checked before each batch of reads
         self._watches = [values_file.watch()] + ([] if scales_file is values_file else [scales_file.watch()])
+        self.out_pool = OutputPool()  # reused host outputs of gather
 
     def check_files(self) -> None:
         """Raise ValueError naming the file if a mapped file was truncated since it was opened (reading
@@ -255,7 +267,7 @@ class MmapFP8Table(EngramTable):
         target = rows.device if device is None else torch.device(device)
         host_rows = rows if rows.device.type == "cpu" else rows.cpu()  # sync point: ids to the host
         self.check_files()
-        out = _gather_fp8(self.weight, self.scale, host_rows, dtype)
+        out = _gather_fp8(self.weight, self.scale, host_rows, dtype, self.out_pool)
         return out if target.type == "cpu" else out.to(target, non_blocking=False)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

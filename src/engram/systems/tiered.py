@@ -20,11 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram.kernels import cpu_cache
 from engram.model.table import EngramTable, FP8Table, MmapFP8Table
 from engram.storage import lookup
 from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
+from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
-from engram.systems.cache import RowCache
+from engram.systems.cache import CachePlan, RowCache
 from engram.systems.placement import Placement, as_device, as_placement
 from engram.systems.staging import (
     FetchedBlock,
@@ -39,7 +41,7 @@ from engram.systems.staging import (
 __all__ = ["TieredTable"]
 
 # never copied (rebuilt per instance), resp. shared by a deepcopy (the frozen stored bytes)
-_RUNTIME = ("_worker", "_lock", "_pending", "_stream", "_staging", "_next_staging", "_cpu_block")
+_RUNTIME = ("_worker", "_lock", "_pending", "_stream", "_staging", "_next_staging", "_cpu_block", "out_pool")
 _SHARED = ("backing", "_host_values", "_host_scales", "_dev_values", "_dev_scales")
 
 
@@ -69,6 +71,7 @@ class TieredTable(EngramTable):
         max_inflight: int = 2,
         max_pending: int = 8,
         fetch_threads: int | None = None,
+        verify: bool = False,
     ) -> None:
         super().__init__()
         self.placement = as_placement(placement)
@@ -109,6 +112,7 @@ class TieredTable(EngramTable):
         self.row_bytes = fp8_row_bytes(self.dim)
         self.device = as_device(device)
         self.cache_rows, self.max_pending, self.fetch_threads = cache_rows, max_pending, fetch_threads
+        self.verify = bool(verify)  # re-read every fetched row from the backing tier and compare (debug)
         # plain attributes, not a submodule: model.to(...) must not drag a host / SSD table along
         self.__dict__["backing"] = table
         self._host_values = table.weight  # (N, dim) float8_e4m3fn on the host (file-backed for SSD)
@@ -131,6 +135,7 @@ class TieredTable(EngramTable):
         self._staging = [Staging(pinned=cuda) for _ in range(2)]  # alternating (CUDA: pinned)
         self._next_staging = 0
         self._cpu_block = torch.empty(0, dtype=torch.uint8)  # reused by synchronous CPU gathers
+        self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
 
     # ------------------------------------------------------------------ copying
     def __getstate__(self) -> dict[str, Any]:
@@ -217,6 +222,8 @@ class TieredTable(EngramTable):
         self.prefetch_hits = 0  # gathers served by a prefetch
         self.prefetch_misses = 0  # gathers that found no prefetch and fetched synchronously
         self.wait_seconds = 0.0  # time gathers spent waiting for prefetches still in flight
+        self.verify_rows = 0  # rows compared with the backing tier (verify=True)
+        self.verify_mismatches = 0  # of those, rows whose served bytes differ
         if self.cache is not None:
             self.cache.reset_stats()
 
@@ -235,6 +242,8 @@ class TieredTable(EngramTable):
             "prefetch_hits": self.prefetch_hits,
             "prefetch_misses": self.prefetch_misses,
             "wait_seconds": self.wait_seconds,
+            "verify_rows": self.verify_rows,
+            "verify_mismatches": self.verify_mismatches,
         }
         if self.cache is not None:
             out.update({f"cache_{k}": v for k, v in self.cache.stats().items()})
@@ -298,7 +307,9 @@ class TieredTable(EngramTable):
         if resident:
             return self._dequantize(self._dev_values, self._dev_scales, rows.to(self.device), dtype)
         if handle is None:
-            block = self._fetch(host, reuse=True)
+            block = self._fetch_block(host, reuse=True, direct_dtype=dtype)
+            if block.out is not None:  # dequantised straight from the cache's slots
+                return block.out
         if block.ready is not None:  # CUDA: order the current stream after the fetch stream, no host sync
             current = torch.cuda.current_stream(self.device)
             current.wait_event(block.ready)
@@ -324,7 +335,10 @@ class TieredTable(EngramTable):
         dtype = torch.float32 if dtype is None else dtype
         if dtype == torch.float64:  # as engram.model.table: exact in float32, then widened
             return lookup.dequantize_gather(values, scales, index, torch.float32, threads=threads).double()
-        return lookup.dequantize_gather(values, scales, index, dtype, threads=threads)
+        out = None
+        if self.device.type == "cpu" and index.device.type == "cpu":  # no fresh pages to fault in
+            out = self.out_pool.empty((*index.shape, self.dim), dtype)
+        return lookup.dequantize_gather(values, scales, index, dtype, out, threads=threads)
 
     def _fetch(self, host: torch.Tensor, *, reuse: bool, dtype: torch.dtype | None = None) -> FetchedBlock:
         """Distinct rows of `host` (..., int) as a FetchedBlock on the device (docs/systems.md, steps 1-4);
@@ -341,13 +355,13 @@ class TieredTable(EngramTable):
             ready.record(self._stream)
         return block._replace(out=out, ready=ready)
 
-    def _fetch_block(self, host: torch.Tensor, *, reuse: bool) -> FetchedBlock:
-        # torch.unique: sorted (ascending rows: file / DRAM locality), GIL released, faster than np.unique
-        uniq_t, inverse_t = torch.unique(host.reshape(-1), sorted=True, return_inverse=True)  # (U,), (n,)
-        uniq, inverse = uniq_t.numpy(), inverse_t.numpy()
-        if uniq.shape[0] and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
+    def _fetch_block(
+        self, host: torch.Tensor, *, reuse: bool, direct_dtype: torch.dtype | None = None
+    ) -> FetchedBlock:
+        # sorted distinct rows (ascending: file / DRAM locality) and the inverse, on this thread, GIL released
+        uniq, inverse, bad = cpu_cache.unique_rows(host.reshape(-1).numpy(), self.num_rows)  # (U,), (n,)
+        if bad >= 0:
             check_rows(host, self.num_rows)  # raises, naming the first bad id and its position
-        uniq = uniq.astype(np.int64, copy=False)
         u = uniq.shape[0]
         with self._lock:
             if self.cache is not None:
@@ -358,6 +372,9 @@ class TieredTable(EngramTable):
                     plan.hit_slots,
                     plan.ins_slots,
                 )
+                direct = self.device.type == "cpu" and reuse and ins_slots.shape[0] == miss_idx.shape[0]
+                if direct:  # every distinct row is in the cache after this call: read them from their slots
+                    return self._direct(host, uniq, inverse, plan, direct_dtype)
                 if hit_idx.shape[0]:  # the block is [misses; hits]: re-point the inverse at it
                     pos = np.empty(u, dtype=np.int64)
                     pos[miss_idx] = np.arange(miss_idx.shape[0])
@@ -379,14 +396,80 @@ class TieredTable(EngramTable):
                                                       dtype=torch.uint8)  # fmt: skip
                     buf = self._cpu_block
                 else:  # a prefetched block lives until its gather: its own buffer
-                    buf = torch.empty(nbytes, dtype=torch.uint8)
-                return assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim)
+                    buf = self.out_pool.empty((nbytes,), torch.uint8)  # reused once its gather let go of it
+                block = assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim)
+                if self.verify:
+                    self._verify(uniq, miss_idx, hit_idx, block.values, block.scales)
+                return block
             assert self._stream is not None
             staging = self._staging[self._next_staging]  # alternate: the other one may still be copying
             self._next_staging ^= 1
-            return assemble_cuda(
+            block = assemble_cuda(
                 staging, self._stream, self.device, self.cache, self._gather_misses, fetch, self.dim
             )
+            if self.verify:
+                assert block.ready is not None
+                block.ready.synchronize()  # sync point: verify is a debugging mode
+                self._verify(uniq, miss_idx, hit_idx, block.values.cpu(), block.scales.cpu())
+            return block
+
+    def _verify(
+        self,
+        uniq: np.ndarray,
+        miss_idx: np.ndarray,
+        hit_idx: np.ndarray,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        """Compare a block's rows [misses; hits] (values (U, dim), scales (U, nb) on the host) with a fresh
+        read of the same rows from the backing tier; count the rows that differ."""
+        rows = torch.from_numpy(np.concatenate([uniq[miss_idx], uniq[hit_idx]]))  # (U,) the block's order
+        if self.placement is Placement.SSD:
+            self.backing.check_files()
+        ref_v = lookup.gather_rows(self._host_values, rows).view(torch.uint8)
+        ref_s = lookup.gather_rows(self._host_scales, rows).view(torch.uint8)
+        bad = (values.view(torch.uint8) != ref_v).any(1) | (scales.view(torch.uint8) != ref_s).any(1)
+        self.verify_rows += int(rows.numel())
+        self.verify_mismatches += int(bad.sum())
+
+    def _direct(
+        self,
+        host: torch.Tensor,
+        uniq: np.ndarray,
+        inverse: np.ndarray,
+        plan: CachePlan,
+        dtype: torch.dtype | None,
+    ) -> FetchedBlock:
+        """A synchronous CPU gather whose distinct rows all sit in the cache after this call (under the lock):
+        the misses are read into their slots, then the rows are dequantised straight from the cache's
+        slots (no copy of the hits). Only for a result made at once, under the lock: a later fetch may
+        evict the slots. Returns the block with `out` set."""
+        assert self.cache is not None
+        m = plan.miss_idx.shape[0]
+        self.rows_distinct += uniq.shape[0]
+        self.bytes_fetched += m * self.row_bytes
+        if m:
+            nbytes = cpu_block_bytes(m, self.dim)
+            if self._cpu_block.numel() < nbytes:
+                self._cpu_block = torch.empty(
+                    align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
+                )
+            nb = self.dim // 32
+            off_s = align(m * self.dim)
+            mv = self._cpu_block[: m * self.dim].view(m, self.dim)
+            ms = self._cpu_block[off_s : off_s + m * nb].view(m, nb)
+            self._gather_misses(torch.from_numpy(uniq[plan.miss_idx]), mv, ms)
+            self.cache.write(torch.from_numpy(plan.ins_slots), mv, ms)
+        slot = np.empty(uniq.shape[0], dtype=np.int64)  # (U,) each distinct row's slot
+        slot[plan.miss_idx] = plan.ins_slots
+        slot[plan.hit_idx] = plan.hit_slots
+        if self.verify:
+            order = np.concatenate([plan.miss_idx, plan.hit_idx])
+            s = torch.from_numpy(slot[order])
+            self._verify(uniq, plan.miss_idx, plan.hit_idx, self.cache.values[s], self.cache.scales[s])
+        index = torch.from_numpy(slot[inverse]).view(host.shape)
+        out = self._dequantize(self.cache.values, self.cache.scales, index, dtype)
+        return FetchedBlock(self.cache.values, self.cache.scales, index, None, out)
 
     def _gather_misses(self, miss_rows: torch.Tensor, out_v: torch.Tensor, out_s: torch.Tensor) -> None:
         """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""

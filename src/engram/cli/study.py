@@ -1,0 +1,94 @@
+"""`engram study`: the memory, ablation, baseline and allocation studies (engram.apps.study)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from engram.cli.options import output_folder, positive_int, set_threads, threads
+
+__all__ = ["register"]
+
+CHOICES = ("memory", "ablations", "baselines", "allocation", "all")
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from engram.apps.study import STUDIES, run_study, study_base
+    from engram.apps.study_report import study_lines
+
+    n = set_threads(args)
+    base = study_base(args.size, steps=args.steps, corpus=args.corpus, threads=n, quick=args.quick)
+    names = list(STUDIES) if args.study == "all" else [args.study]
+    command = "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["study"] else ""
+    done = []
+    for name in names:
+        results = run_study(
+            name,
+            base,
+            seeds=tuple(range(args.seeds)),
+            quick=args.quick,
+            out_dir=args.out,
+            progress=not args.no_progress,
+            command=command or f"engram study {name} --out {shlex.quote(args.out)}",
+        )
+        report = Path(args.out) / name / "report.md"
+        done.append(
+            {
+                "study": name,
+                "summary": results["summary"],
+                "findings": results["findings"],
+                "report": str(report),
+            }
+        )
+        if not args.json:
+            print(
+                f"\n{name}: {results['new_runs']} runs trained, {len(results['runs']) - results['new_runs']} cached"
+            )
+            print("\n".join(study_lines(results)))
+            print("\n".join(f"- {f}" for f in results["findings"]))
+            print(f"report: {report}")
+    if args.json:
+        print(json.dumps(done))
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add `study` to the `engram` subparsers."""
+    p = sub.add_parser(
+        "study",
+        help="the questions after the demo, with seed spreads: memory scaling, ablations, baselines, "
+        "MoE/Engram allocation",
+    )
+    p.add_argument("study", choices=CHOICES, help="which study ('all': each in turn, sharing runs)")
+    p.add_argument(
+        "--size",
+        choices=["tiny", "demo", "small"],
+        help="the model preset (default: demo; with --quick: tiny)",
+    )
+    p.add_argument("--steps", type=positive_int, help="training steps per run (default: the preset's)")
+    p.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=3,
+        help="seeds per variant (default 3; a spread needs 2 or more)",
+    )
+    p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
+    p.add_argument(
+        "--out",
+        type=output_folder,
+        default="reports/study",
+        help="folder of the reports (<out>/<study>/) and the run cache (<out>/runs/) (default reports/study)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants",
+    )
+    p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    p.set_defaults(func=cmd_study)

@@ -1,0 +1,415 @@
+"""The SSD row file: one FP8 table laid out so that a missed row costs one page read (SPEC §5).
+
+A safetensors table keeps a row's 256 value bytes and its 8 scale bytes in two tensors, and a
+264-byte row may straddle a 4 KiB page, so a cold row costs 2-3 page reads. Here each row's value
+bytes and scale bytes sit together, and rows are packed `page_bytes // row_bytes` to a page (15 for
+264-byte rows, the rest padding), so no row crosses a page. The first page is a header: magic,
+version, rows, dim, row stride, rows per page, layer id and the identity of the layout the rows were
+hashed with (checked against the checkpoint's). `RowFile` reads rows with batched positional reads
+(`os.preadv`, one per run of consecutive pages, offsets ascending), optionally `O_DIRECT`, never a
+memory map (whose page cache would be an uncounted extra level), and counts reads, pages and bytes.
+`split_layout_pages` counts the pages the same rows touch in the two-tensor layout. Knows bytes
+and files, nothing of caches or models. Design: docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import struct
+import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_fp8_pair, fp8_row_bytes
+
+__all__ = [
+    "MAGIC",
+    "PAGE_BYTES",
+    "VERSION",
+    "RowFile",
+    "RowFileHeader",
+    "split_layout_pages",
+    "write_row_file",
+]
+
+MAGIC = b"ENGRMROW"
+VERSION = 1
+PAGE_BYTES = 4096  # the page a read costs (and O_DIRECT's alignment)
+# magic, version, header bytes, rows, dim, block, row bytes, row stride, rows per group, pages per group,
+# page bytes, layer id, identity (64 ascii), label (128 utf-8); then a crc32 of those bytes
+_FMT = "<8sIIQIIIIIIIi64s128s"
+_FIXED = struct.calcsize(_FMT)
+_WRITE_CHUNK_ROWS = 1 << 16
+
+
+class RowFileHeader:
+    """The geometry of a row file: where row r's bytes are. Rows are packed `rows_per_group` to a group
+    of `pages_per_group` pages (15 rows to 1 page for 264-byte rows; a row over a page takes whole pages)."""
+
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        *,
+        page_bytes: int = PAGE_BYTES,
+        layer_id: int = -1,
+        identity: str = "",
+        label: str = "",
+    ) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"a row file needs rows >= 1, got {rows!r}")
+        self.rows, self.dim = rows, dim
+        self.row_bytes = fp8_row_bytes(dim)
+        if dim < 1:
+            raise ValueError(f"a row file needs dim >= {BLOCK}, got {dim}")
+        self.page_bytes = page_bytes
+        self.row_stride = self.row_bytes
+        if self.row_bytes <= page_bytes:
+            self.rows_per_group, self.pages_per_group = page_bytes // self.row_bytes, 1
+        else:
+            self.rows_per_group, self.pages_per_group = 1, -(-self.row_bytes // page_bytes)
+        self.group_bytes = self.pages_per_group * page_bytes
+        self.groups = -(-rows // self.rows_per_group)
+        self.layer_id, self.identity, self.label = layer_id, identity, label
+        if len(identity.encode()) > 64 or len(label.encode()) > 128:
+            raise ValueError("a row file's identity takes at most 64 bytes and its label 128")
+
+    @property
+    def file_bytes(self) -> int:
+        """The size a complete file has: the header page plus every group."""
+        return self.page_bytes + self.groups * self.group_bytes
+
+    def offset_of(self, rows: np.ndarray) -> np.ndarray:
+        """File offset of each row's first byte (values, then scales)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        g, k = np.divmod(rows, self.rows_per_group)
+        return self.page_bytes + g * self.group_bytes + k * self.row_stride
+
+    def pack(self) -> bytes:
+        fixed = struct.pack(
+            _FMT, MAGIC, VERSION, self.page_bytes, self.rows, self.dim, BLOCK, self.row_bytes, self.row_stride,
+            self.rows_per_group, self.pages_per_group, self.page_bytes, self.layer_id,
+            self.identity.encode(), self.label.encode(),
+        )  # fmt: skip
+        raw = fixed + struct.pack("<I", zlib.crc32(fixed))
+        return raw + bytes(self.page_bytes - len(raw))
+
+    @classmethod
+    def unpack(cls, raw: bytes, path: Path) -> RowFileHeader:
+        """Parse and check a header page; ValueError naming the file and the fix for anything else."""
+        fix = "rewrite it with `engram convert SRC DST --row-file`"
+        if len(raw) < _FIXED + 4 or raw[:8] != MAGIC:
+            raise ValueError(f"{path} is not an engram row file (no {MAGIC!r} header); {fix}")
+        fields = struct.unpack(_FMT, raw[:_FIXED])
+        (crc,) = struct.unpack("<I", raw[_FIXED : _FIXED + 4])
+        if crc != zlib.crc32(raw[:_FIXED]):
+            raise ValueError(f"{path}: the row file header is damaged (checksum mismatch); {fix}")
+        (
+            _,
+            version,
+            header_bytes,
+            rows,
+            dim,
+            block,
+            row_bytes,
+            stride,
+            rpg,
+            ppg,
+            page,
+            layer_id,
+            ident,
+            label,
+        ) = fields
+        if version != VERSION:
+            raise ValueError(
+                f"{path}: row file version {version}, this engram reads version {VERSION}; {fix}"
+            )
+        h = cls(
+            rows, dim, page_bytes=page, layer_id=layer_id,
+            identity=ident.rstrip(b"\0").decode(), label=label.rstrip(b"\0").decode(errors="replace"),
+        )  # fmt: skip
+        got = (header_bytes, block, row_bytes, stride, rpg, ppg)
+        want = (h.page_bytes, BLOCK, h.row_bytes, h.row_stride, h.rows_per_group, h.pages_per_group)
+        if got != want:
+            raise ValueError(
+                f"{path}: header geometry (header, block, row bytes, stride, rows/group, pages/group) = {got} "
+                f"does not follow from rows={rows}, dim={dim}: expected {want}; {fix}"
+            )
+        return h
+
+
+def write_row_file(
+    path: str | os.PathLike[str],
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    layer_id: int = -1,
+    identity: str = "",
+    label: str = "",
+) -> Path:
+    """Write the FP8 table values (N, dim) float8_e4m3fn / scales (N, dim // 32) float8_e8m0fnu as a row
+    file at `path` (through a temporary file, fsynced, then renamed); returns the path.
+
+    `identity` (<= 64 ASCII bytes) names the layout the rows were hashed with, so a reader can refuse
+    a file made for another checkpoint; `label` is free text (the config's name)."""
+    check_fp8_pair(values, scales)
+    if values.dim() != 2 or values.device.type != "cpu":
+        raise ValueError(
+            f"write_row_file needs a 2-D host table, got {tuple(values.shape)} on {values.device}"
+        )
+    h = RowFileHeader(
+        int(values.shape[0]), int(values.shape[1]), layer_id=layer_id, identity=identity, label=label
+    )
+    v = values.view(torch.uint8).numpy()
+    s = scales.view(torch.uint8).numpy()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    per = h.rows_per_group
+    step = max(per, _WRITE_CHUNK_ROWS // per * per)  # whole groups per chunk
+    with open(tmp, "wb") as f:
+        f.write(h.pack())
+        for r0 in range(0, h.rows, step):
+            r1 = min(r0 + step, h.rows)
+            groups = -(-(r1 - r0) // per)
+            buf = np.zeros((groups, h.group_bytes), dtype=np.uint8)  # padding stays zero
+            slots = np.zeros((groups * per, h.row_stride), dtype=np.uint8)
+            slots[: r1 - r0, : h.dim] = v[r0:r1]
+            slots[: r1 - r0, h.dim : h.row_bytes] = s[r0:r1]
+            buf[:, : per * h.row_stride] = slots.reshape(groups, per * h.row_stride)
+            f.write(buf.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+class RowFile:
+    """A row file opened for positional reads (`read_rows`), with counters: reads, pages_read, bytes_read.
+
+    `io_threads`: reads in flight at once (a thread pool issues the runs of pages in parallel; an SSD
+    serves several outstanding reads in about the time of one).
+
+    `expect_rows` / `expect_dim` / `expect_identity` / `expect_layer_id`: refuse a file whose header
+    differs (made for another checkpoint or layer). `direct`: open with O_DIRECT (no page cache); where
+    the filesystem refuses it, a warning says so and the file is read through the page cache.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        expect_rows: int | None = None,
+        expect_dim: int | None = None,
+        expect_identity: str | None = None,
+        expect_layer_id: int | None = None,
+        direct: bool = False,
+        io_threads: int = 1,
+    ) -> None:
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ValueError(f"io_threads={io_threads!r} must be an int >= 1 (reads in flight at once)")
+        self.io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None  # started on the first read that can use it
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(
+                f"row file {self.path} does not exist (write it with `engram convert --row-file`)"
+            )
+        with open(self.path, "rb") as f:
+            self.header = RowFileHeader.unpack(f.read(PAGE_BYTES), self.path)
+        h = self.header
+        fix = "rewrite the row file from this checkpoint with `engram convert SRC DST --row-file`"
+        for name, want, got in (
+            ("rows", expect_rows, h.rows),
+            ("dim", expect_dim, h.dim),
+            ("identity", expect_identity, h.identity),
+            ("layer_id", expect_layer_id, h.layer_id),
+        ):
+            if want is not None and want != got:
+                raise ValueError(
+                    f"{self.path}: the row file has {name}={got!r} but the table needs {name}={want!r} "
+                    f"(a file made for another checkpoint or layer); {fix}"
+                )
+        size = self.path.stat().st_size
+        if size != h.file_bytes:
+            raise ValueError(
+                f"{self.path}: the row file is {size} bytes but its header ({h.rows} rows x {h.row_bytes} B, "
+                f"{h.rows_per_group} rows per {h.group_bytes} B) needs {h.file_bytes} (truncated or "
+                f"damaged?); {fix}"
+            )
+        self.rows, self.dim, self.row_bytes = h.rows, h.dim, h.row_bytes
+        self.direct = False
+        self._direct_asked = direct
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        if direct:
+            if not hasattr(os, "O_DIRECT"):
+                warnings.warn(
+                    f"{self.path}: O_DIRECT does not exist on this OS; reading through the page cache",
+                    stacklevel=2,
+                )
+            else:
+                try:
+                    self._fd = os.open(self.path, flags | os.O_DIRECT)
+                    self.direct = True
+                except OSError as e:
+                    warnings.warn(
+                        f"{self.path}: this filesystem refuses O_DIRECT ({e.strerror}); reading through the "
+                        "page cache instead (pass direct=False to silence this)",
+                        stacklevel=2,
+                    )
+        if not self.direct:
+            self._fd = os.open(self.path, flags)
+        self._buf = mmap.mmap(-1, PAGE_BYTES)  # page-aligned (O_DIRECT needs it), grown as needed
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.reads = 0  # preadv calls
+        self.pages_read = 0
+        self.bytes_read = 0
+        self.rows_read = 0
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "reads": self.reads,
+            "pages_read": self.pages_read,
+            "bytes_read": self.bytes_read,
+            "rows_read": self.rows_read,
+            "pages_per_row": self.pages_read / self.rows_read if self.rows_read else 0.0,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            os.close(fd)
+
+    def __reduce__(self) -> tuple:
+        """A copy (deepcopy, pickle) opens the same path again, refusing a file that changed identity."""
+        h = self.header
+        kwargs = {
+            "expect_rows": h.rows,
+            "expect_dim": h.dim,
+            "expect_identity": h.identity,
+            "expect_layer_id": h.layer_id,
+            "direct": self._direct_asked,
+            "io_threads": self.io_threads,
+        }
+        return (functools.partial(RowFile, **kwargs), (self.path,))
+
+    def read_rows(
+        self, rows: np.ndarray, out_values: np.ndarray, out_scales: np.ndarray, *, count: bool = True
+    ) -> None:
+        """out_values (M, dim) / out_scales (M, dim // 32) uint8 <- the bytes of rows (M,) int64 (any order).
+
+        The distinct page groups are read in ascending order, one `os.preadv` per run of consecutive
+        groups; `count=False` leaves the counters alone (verify reads)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        m = rows.shape[0]
+        if out_values.shape != (m, self.dim) or out_scales.shape != (m, self.dim // BLOCK):
+            raise ValueError(
+                f"read_rows: out buffers must be ({m}, {self.dim}) and ({m}, {self.dim // BLOCK}), got "
+                f"{out_values.shape} and {out_scales.shape}"
+            )
+        if m == 0:
+            return
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo < 0 or hi >= self.rows:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"row id {bad} is out of range [0, {self.rows}) of row file {self.path}")
+        h = self.header
+        groups, gpos = np.unique(rows // h.rows_per_group, return_inverse=True)  # ascending offsets
+        n_groups = groups.shape[0]
+        need = n_groups * h.group_bytes
+        if len(self._buf) < need:
+            self._buf = mmap.mmap(-1, max(need, len(self._buf) * 3 // 2 // PAGE_BYTES * PAGE_BYTES))
+        view = memoryview(self._buf)
+        starts = np.flatnonzero(np.diff(groups, prepend=-2) != 1)  # first group of each run
+        ends = np.append(starts[1:], n_groups)
+        runs = list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+        def read(chunk: list[tuple[int, int]]) -> None:  # os.preadv releases the GIL
+            for a, b in chunk:
+                off = h.page_bytes + int(groups[a]) * h.group_bytes
+                want = (b - a) * h.group_bytes
+                got = os.preadv(self._fd, [view[a * h.group_bytes : b * h.group_bytes]], off)
+                if got != want:
+                    raise ValueError(
+                        f"{self.path}: read {got} of {want} bytes at offset {off}: the row file was truncated "
+                        "since it was opened; rewrite it with `engram convert SRC DST --row-file`"
+                    )
+
+        try:
+            k = min(self.io_threads, len(runs) // 4)  # a few runs each, else the hand-off costs more
+            if k <= 1:
+                read(runs)
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="engram-rowfile")
+                step = -(-len(runs) // k)
+                futures = [self._pool.submit(read, runs[i : i + step]) for i in range(0, len(runs), step)]
+                wait(futures)  # all of them, even after a failure: they write into the buffer
+                for f in futures:
+                    f.result()  # raises the first failed chunk's error
+        finally:
+            view.release()
+        page = np.frombuffer(self._buf, dtype=np.uint8, count=need)
+        slots = np.lib.stride_tricks.as_strided(
+            page, shape=(n_groups, h.rows_per_group, h.row_stride), strides=(h.group_bytes, h.row_stride, 1)
+        )
+        got_rows = slots[gpos, rows % h.rows_per_group]  # (M, stride) copy
+        out_values[...] = got_rows[:, : self.dim]
+        out_scales[...] = got_rows[:, self.dim : self.row_bytes]
+        if count:
+            self.reads += starts.shape[0]
+            self.pages_read += n_groups * h.pages_per_group
+            self.bytes_read += need
+            self.rows_read += m
+
+    def gather_bytes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored (values, scales) of rows (M,) as float8 tensors (M, dim) / (M, dim // 32)."""
+        r = rows.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        v = np.empty((r.shape[0], self.dim), dtype=np.uint8)
+        s = np.empty((r.shape[0], self.dim // BLOCK), dtype=np.uint8)
+        self.read_rows(r, v, s)
+        return torch.from_numpy(v).view(VALUE_DTYPE), torch.from_numpy(s).view(SCALE_DTYPE)
+
+    def __repr__(self) -> str:
+        return f"RowFile({str(self.path)!r}, rows={self.rows}, dim={self.dim}, direct={self.direct})"
+
+
+def split_layout_pages(
+    value_offset: int, scale_offset: int, dim: int, rows: np.ndarray, page_bytes: int = PAGE_BYTES
+) -> tuple[int, int]:
+    """Pages the two-tensor layout (values at file offset `value_offset`, scales at `scale_offset`, as
+    in a safetensors table) touches for `rows`: (sum over rows of each row's own pages, distinct pages
+    of the whole set). A row costs 2 pages, 3 when its values straddle a page boundary."""
+    rows = np.asarray(rows, dtype=np.int64)
+    nb = dim // BLOCK
+    pages = []
+    for base, width in ((value_offset, dim), (scale_offset, nb)):
+        first = (base + rows * width) // page_bytes
+        last = (base + rows * width + width - 1) // page_bytes
+        pages.append((first, last))
+    per_row = sum(int((last - first + 1).sum()) for first, last in pages)
+    distinct = set()
+    for first, last in pages:
+        span = int((last - first).max()) if rows.shape[0] else 0
+        for d in range(span + 1):
+            p = np.minimum(first + d, last)
+            distinct.update(p.tolist())
+    return per_row, len(distinct)
