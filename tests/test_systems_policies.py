@@ -214,3 +214,26 @@ def test_default_policy_depends_on_a_profile():
     cache = RowCache(8, 32, pinned_rows=np.array([5, 3], dtype=np.int64))
     assert cache.policy.name is CachePolicy.PINNED_LRU and cache.policy.pinned == 2  # round(8 * 0.5) capped
     assert RowCache(8, 32, policy="clock").stats()["policy"] == "clock"
+
+
+@pytest.mark.parametrize("policy", ["lru", "clock", "lfu", "pinned", "pinned+lru"])
+def test_level_table_under_each_policy_is_bit_exact(policy):
+    """The tiers' LevelTable (device cache, then host cache of its misses) built on RowCache's policies
+    serves exactly FP8Table.gather's rows, call after call."""
+    from engram.model.table import FP8Table
+    from engram.systems.levels import LevelTable
+
+    g = torch.Generator().manual_seed(0)
+    table = FP8Table.from_float(torch.randn(300, 64, generator=g))
+    hot = np.arange(0, 300, 3, dtype=np.int64)
+    pinned = policy.startswith("pinned")
+    lt = LevelTable(table, device_rows=8, host_rows=40, device_policy=policy, host_policy=policy,
+                    device_pinned_rows=hot[:20] if pinned else None,
+                    host_pinned_rows=hot[20:] if pinned else None)  # fmt: skip
+    rng = np.random.default_rng(1)
+    for _ in range(25):
+        rows = torch.from_numpy((rng.zipf(1.3, (3, 7)) % 300).astype(np.int64))
+        got, want = lt.gather(rows), table.gather(rows)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    s = lt.stats()
+    assert s["device"]["hits"] > 0 and s["host"]["hits"] > 0
