@@ -57,12 +57,17 @@ BELADY = "belady"  # the offline optimum: the simulator's bound, not a policy a 
 SIM_POLICIES = (*(p.value for p in CachePolicy), BELADY)  # what `engram cache-sim` reports
 # The defaults are the best online policies measured on the King James Bible's held-out books (V4.1
 # preset, real tokenizer, batches of 4096 tokens, profile of the training books; `engram cache-sim`,
-# numbers in notes/README-policies.md). With a profile, pinned+lru: first or within 1 point of the
-# best online policy at every size: 15.0 / 38.0 / 50.3 % at 64Ki / 1Mi / 4Mi rows (Belady 24.2 /
-# 41.9 / 51.4 %), against lru's 10.3 / 32.6 / 47.6 % (caches warm from the profile); with caches
-# that start empty 12.9 / 22.4 / 22.7 % against lru's 9.5 / 22.6 / 22.7 % (Belady 21.8 / 22.7 / 22.7 %).
-# pinned alone wins at 64Ki and 1Mi when warm but falls under lru when cold (19.7 against 22.6 % at
-# 1Mi). Without a profile, lru: clock and lfu are within 0.3 points of it at every size.
+# numbers in notes/README-policies.md). With a profile, pinned+lru: first or within 1.1 points of the
+# best online policy at every size: 15.0 / 25.6 / 38.0 / 50.3 % at 64Ki / 256Ki / 1Mi / 4Mi rows
+# (Belady 24.2 / 32.3 / 41.9 / 51.4 %), against lru's 10.3 / 18.7 / 32.6 / 47.6 % (caches warm from
+# the profile); with caches that start empty 12.9 / - / 22.4 / 22.7 % against lru's 9.5 / 16.4 /
+# 22.6 / 22.7 % (Belady 21.8 / - / 22.7 / 22.7 %). pinned alone wins at 64Ki-1Mi when warm but falls
+# under lru when cold (19.7 against 22.6 % at 1Mi). Without a profile the best measured is lfu: equal
+# to lru at 64Ki and 4Mi, ahead at 256Ki (19.5 against 18.7 % warm, 17.2 against 16.4 % cold) and by
+# 0.03 points at 1Mi; clock is never ahead of lru. But lfu's index (a heap) costs 3.3x lru's per row
+# (3.7 against 12.1 M distinct rows/s at a 100 % hit rate, 0.7 against 2.2 with misses, 1Mi slots,
+# 100K rows a call; pinned+lru 10.1 / 2.4), more than its <= 0.8 points save on a gather that the
+# index would then dominate: the default without a profile stays lru (the cache of before).
 DEFAULT_POLICY = CachePolicy.LRU  # without a profile
 DEFAULT_PINNED_POLICY = CachePolicy.PINNED_LRU  # with a profile's hottest rows
 
