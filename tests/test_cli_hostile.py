@@ -322,8 +322,8 @@ def test_cache_sim_huge_cache_rows(tmp_path, capsys):
     ]
     assert main(argv) == 0
     reports = json.loads(capsys.readouterr().out)["reports"]
-    assert [r["capacity"] for r in reports] == [65536, 10**15]
-    assert reports[0]["hit_rate"] == reports[1]["hit_rate"]
+    assert [r["capacity"] for r in reports] == [65536] * 6 + [10**15] * 6
+    assert [r["hit_rate"] for r in reports[:6]] == [r["hit_rate"] for r in reports[6:]]
 
 
 def test_text_file_not_utf8(tmp_path, capsys):
@@ -375,3 +375,74 @@ def test_a_bug_still_shows_its_traceback(monkeypatch):
     monkeypatch.setattr(addressing, "cmd_layout", boom)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["layout", "--preset", "tiny"])
+
+
+# ------------------------------------------------------------------------------------------- cache policies
+@pytest.fixture
+def small_text(tmp_path) -> Path:
+    text = tmp_path / "t.txt"
+    text.write_text("And the earth was without form, and void.\n" * 30)
+    return text
+
+
+def test_profile_for_another_layout(tmp_path, small_text, capsys):
+    prof = tmp_path / "p.safetensors"
+    assert main(["profile", "--preset", "tiny", "--text-file", str(small_text), "--out", str(prof)]) == 0
+    capsys.readouterr()
+    argv = ["cache-sim", "--preset", "demo-v1", "--text-file", str(small_text), "--profile", str(prof)]
+    refused(capsys, argv, "another layout", "config 'tiny'", "engram profile")
+    argv = ["plan-memory", "--preset", "demo-v1", "--text-file", str(small_text), "--profile", str(prof),
+            "--hbm", "1MB", "--dram", "10MB", "--tokens-per-s", "100"]  # fmt: skip
+    refused(capsys, argv, "another layout")
+
+
+def test_profile_file_of_another_kind(tmp_path, small_text, capsys):
+    other = tmp_path / "o.safetensors"
+    import torch
+
+    save_file({"x": torch.zeros(3)}, str(other))
+    argv = ["cache-sim", "--preset", "tiny", "--text-file", str(small_text), "--profile", str(other)]
+    refused(capsys, argv, "is not an Engram row profile", "engram profile --out")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needles"),
+    [
+        ("--hbm", "0", ["--hbm", "at least 1"]),
+        (
+            "--hbm",
+            "1TB",
+            ["HBM budget 1,000,000,000,000 bytes is larger than the whole table", "give at most"],
+        ),
+        ("--dram", "1", ["DRAM budget 1 bytes holds less than one 33-byte row"]),
+        ("--policy", "belady", ["--policy 'belady'", "belady is the simulator's bound only"]),
+        ("--policy", "fifo", ["--policy 'fifo'", "lru, clock, lfu"]),
+        ("--tokens-per-s", "0", ["--tokens-per-s", "out of range"]),
+    ],
+)
+def test_plan_memory_bad_budgets_and_policies(small_text, capsys, flag, value, needles):
+    args = {"--hbm": "10KB", "--dram": "100KB", "--tokens-per-s": "100"} | {flag: value}
+    argv = [
+        "plan-memory",
+        "--preset",
+        "tiny",
+        "--text-file",
+        str(small_text),
+        *[x for kv in args.items() for x in kv],
+    ]
+    refused(capsys, argv, *needles)
+
+
+def test_cache_sim_unknown_policy(small_text, capsys):
+    argv = ["cache-sim", "--preset", "tiny", "--text-file", str(small_text), "--policies", "lru", "fifo"]
+    refused(capsys, argv, "unknown policy 'fifo'", "pinned+lru, belady")
+
+
+@pytest.mark.parametrize("command", ["cache-sim", "profile", "plan-memory"])
+def test_empty_text_file(tmp_path, capsys, command):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    argv = [command, "--preset", "tiny", "--text-file", str(empty)]
+    argv += {"profile": ["--out", str(tmp_path / "p.safetensors")],
+             "plan-memory": ["--hbm", "10KB", "--dram", "100KB", "--tokens-per-s", "100"]}.get(command, [])  # fmt: skip
+    refused(capsys, argv, "empty.txt", "holds no tokens")

@@ -42,7 +42,7 @@ def plan(cache: RowCache, rows: list[int]):
 
 
 def test_crafted_sequence_counts_and_lru_order():
-    c = RowCache(3, 32)
+    c = RowCache(3, 32, policy="lru")
     p = plan(c, [1, 2, 3])
     assert p.hit_idx.tolist() == [] and p.miss_idx.tolist() == [0, 1, 2] and p.ins_slots.tolist() == [0, 1, 2]
     assert c.lru_order().tolist() == [1, 2, 3]
@@ -67,7 +67,7 @@ def test_crafted_sequence_counts_and_lru_order():
 
 
 def test_more_distinct_rows_than_capacity():
-    c = RowCache(3, 32)
+    c = RowCache(3, 32, policy="lru")
     p = plan(c, [10, 11, 12, 13, 14])
     assert p.miss_idx.tolist() == [0, 1, 2, 3, 4]
     assert p.ins_slots.tolist() == [0, 1, 2]  # only the first 3 misses fit; 13, 14 served uncached
@@ -82,7 +82,7 @@ def test_more_distinct_rows_than_capacity():
 
 
 def test_device_half_reads_and_writes_bytes():
-    c = RowCache(4, 32)
+    c = RowCache(4, 32, policy="lru")
     v = torch.randint(0, 255, (2, 32), dtype=torch.uint8)
     s = torch.randint(100, 140, (2, 1), dtype=torch.uint8)
     c.write(torch.tensor([3, 1]), v, s)
@@ -94,13 +94,13 @@ def test_device_half_reads_and_writes_bytes():
 
 def test_errors():
     with pytest.raises(ValueError, match=r"capacity >= 1 rows, got 0"):
-        RowCache(0, 32)
+        RowCache(0, 32, policy="lru")
     with pytest.raises(ValueError, match=r"capacity >= 1 rows, got -2"):
         RowCache(-2, 32)
     with pytest.raises(ValueError, match=r"dim=48 must be a positive multiple of 32"):
         RowCache(4, 48)
     with pytest.raises(TypeError, match=r"1-D int64"):
-        RowCache(4, 32).plan(np.array([1, 2], dtype=np.int32))
+        RowCache(4, 32, policy="lru").plan(np.array([1, 2], dtype=np.int32))
 
 
 @settings(max_examples=60, deadline=None)
@@ -111,7 +111,7 @@ def test_errors():
 def test_matches_plain_lru(capacity, calls):
     """Random call sequences: same resident rows, LRU order and counters as the OrderedDict twin;
     hits + misses = distinct rows requested; slots always hold the row the index says."""
-    c, ref = RowCache(capacity, 32), PlainLRU(capacity)
+    c, ref = RowCache(capacity, 32, policy="lru"), PlainLRU(capacity)
     distinct = 0
     for rows in calls:
         p = plan(c, rows)
@@ -129,7 +129,7 @@ def test_matches_plain_lru(capacity, calls):
 def test_map_survives_heavy_churn():
     """Many evictions through the open-addressing map (backward-shift deletion): the index stays exact."""
     rng = np.random.default_rng(0)
-    c, ref = RowCache(64, 32), PlainLRU(64)
+    c, ref = RowCache(64, 32, policy="lru"), PlainLRU(64)
     for _ in range(300):
         rows = rng.integers(0, 1 << 40, size=int(rng.integers(1, 40))).tolist()
         rows += rng.integers(0, 100, size=20).tolist()  # a hot set that keeps hitting
@@ -149,7 +149,7 @@ def test_map_survives_heavy_churn():
 )
 def test_plan_rejects_repeated_unsorted_or_negative_rows(uniq, match):
     """A repeated id used to take two slots for one row (and later serve another row's bytes)."""
-    c = RowCache(2, 32)
+    c = RowCache(2, 32, policy="lru")
     with pytest.raises(ValueError, match=match):
         c.plan(np.array(uniq, dtype=np.int64))
     assert c.resident_rows().tolist() == [] and (c.hits, c.misses) == (0, 0)  # nothing changed
@@ -159,7 +159,7 @@ def test_plan_rejects_repeated_unsorted_or_negative_rows(uniq, match):
 
 def test_write_and_read_check_slots_and_shapes():
     """The CPU write is an unchecked numba scatter: bad slots or lengths used to corrupt memory."""
-    c = RowCache(4, 32)
+    c = RowCache(4, 32, policy="lru")
     v, s = torch.full((1, 32), 7, dtype=torch.uint8), torch.full((1, 1), 9, dtype=torch.uint8)
     c._values.zero_()
     for slot in (-1, 4):

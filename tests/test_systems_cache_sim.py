@@ -58,21 +58,63 @@ def test_bad_arguments():
         simulate_cache(rows[:0], 2, [4], 264)
 
 
-def test_cli_on_real_text(capsys):
-    assert main(["cache-sim", "--max-chars", "20000", "--cache-rows", "1Ki", "64Ki", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    reports = out["reports"]
-    assert [(r["layer_id"], r["capacity"]) for r in reports] == [
-        (1, 1024),
-        (1, 65536),
-        (14, 1024),
-        (14, 65536),
+def test_cli_on_real_text(capsys, tmp_path):
+    argv = [
+        "cache-sim",
+        "--max-chars",
+        "20000",
+        "--cache-rows",
+        "1Ki",
+        "64Ki",
+        "--json",
+        "--plot",
+        str(tmp_path / "h.png"),
     ]
-    small, large = reports[0], reports[1]
-    assert 0 < small["hit_rate"] <= large["hit_rate"] < 1  # a larger LRU cache holds a superset
-    assert large["bytes_per_token"]["no_dedup"] == 24 * 264
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (
+        out["source"] == "King James Bible, held-out books"
+        and out["profile"] == "King James Bible, training books"
+    )
+    assert out["warm"] is True
+    reports = out["reports"]
+    names = ["lru", "clock", "lfu", "pinned", "pinned+lru", "belady"]
+    assert [(r["layer_id"], r["capacity"], r["policy"]) for r in reports] == [
+        (lid, cap, p) for lid in (1, 14) for cap in (1024, 65536) for p in names
+    ]
+    for i in range(0, len(reports), 6):  # every policy starts from the same contents: Belady bounds them
+        group = reports[i : i + 6]
+        assert all(0 <= r["hit_rate"] <= group[-1]["hit_rate"] for r in group)
+        assert group[0]["bytes_per_token"]["no_dedup"] == 24 * 264
+    assert (tmp_path / "h.png").stat().st_size > 10_000
     with pytest.raises(SystemExit):
         main(["cache-sim", "--cache-rows", "lots"])
+
+
+def test_policies_and_profile_in_simulate_cache():
+    from engram.systems.profile import Profile
+
+    rng = np.random.default_rng(3)
+    rows = (rng.zipf(1.3, size=(400, 1, 4)) % 300).astype(np.int64)
+    ids, counts = np.unique(rows[:200], return_counts=True)
+    order = np.argsort(-counts, kind="stable")
+    prof = Profile((5,), (ids[order],), (counts[order],), 1, 200, "l", "t", {}, "first half")
+    reps = simulate_cache(rows[200:], 20, [8, 64], 264, [5], ["lru", "pinned", "pinned+lru", "belady"], prof)
+    by = {(r.capacity, r.policy): r for r in reps}
+    batches = [np.unique(rows[200:][s : s + 20, 0]) for s in range(0, 200, 20)]
+    assert by[8, "lru"].hits == plain_lru(batches, 8)[0]  # cold: the LRU of today
+    for cap in (8, 64):
+        assert max(by[cap, p].hits for p in ("lru", "pinned", "pinned+lru")) <= by[cap, "belady"].hits
+    warm = simulate_cache(rows[200:], 20, [8], 264, [5], ["lru", "belady"], prof, warm=True)
+    assert warm[0].hits <= warm[1].hits
+    with pytest.raises(ValueError, match="the pinned policies need a profile"):
+        simulate_cache(rows, 20, [8], 264, policies=["pinned"])
+    with pytest.raises(ValueError, match="a warm start need a profile"):
+        simulate_cache(rows, 20, [8], 264, warm=True)
+    with pytest.raises(ValueError, match="unknown cache policy 'arc'"):
+        simulate_cache(rows, 20, [8], 264, policies=["lru", "arc"])
+    with pytest.raises(ValueError, match=r"the profile counts layers \[5\]"):
+        simulate_cache(rows, 20, [8], 264, [7], ["pinned"], prof)
 
 
 def test_bad_rows_and_layer_ids():
@@ -96,7 +138,7 @@ def test_warm_rate_needs_two_batches(capsys):
     second = np.unique(rows[50:, 0])
     assert two.batches == 2 and two.distinct_second_half == second.size
     assert two.warm_hit_rate == pytest.approx(np.isin(second, np.unique(rows[:50, 0])).mean())
-    assert main(["cache-sim", "--max-chars", "300", "--batch-tokens", "100000", "--cache-rows", "1Ki"]) == 0
-    table = capsys.readouterr().out.splitlines()
-    row = next(line for line in table if line.split()[:2] == ["1", "1,024"])
-    assert row.split()[5] == "-"  # the warm column
+    argv = ["cache-sim", "--max-chars", "300", "--batch-tokens", "100000", "--cache-rows", "1Ki", "--json"]
+    assert main(argv) == 0
+    reports = json.loads(capsys.readouterr().out)["reports"]
+    assert {r["warm_hit_rate"] for r in reports} == {None}

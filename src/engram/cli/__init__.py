@@ -3,7 +3,8 @@
 `main(argv)` parses and runs one command; `build_parser()` registers them all. Each module of the
 package adds its commands (`register(subparsers)`) and calls plain library functions:
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
-(demo, train, eval), `generate`, `bench`, `systems` (cache-sim), `study`; `options` holds what they share.
+(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory), `study`; `options`
+holds what they share.
 Library modules hold no argparse. A command's ValueError, TypeError or OSError (a path refused),
 a JSON file too deep to parse or an allocation that fails reaches the user as one line,
 `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs) still show one. A

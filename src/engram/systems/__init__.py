@@ -4,7 +4,9 @@ The model code (`engram.model.module`, `engram.model.lm`) knows nothing of this 
 `offload_engram` swaps each Engram module's table for a `TieredTable`, and `Prefetcher` starts
 fetching a batch's rows before its forward pass; `LevelTable` keeps a table in three levels (device
 cache, host cache, SSD row file). Inference only (V4.1 tables are frozen).
-`simulate_cache` (`engram cache-sim`) is imported from `engram.systems.cache_sim`, not here.
+`RowCache` runs one of the `CachePolicy` replacement policies (`engram.systems.policies`).
+`simulate_cache` (`engram cache-sim`), `Profile` (`engram profile`) and `plan_memory`
+(`engram plan-memory`) are imported from `.cache_sim`, `.profile` and `.planner`, not here.
 Importing this package compiles nothing. Design: docs/systems.md.
 """
 
@@ -12,12 +14,14 @@ from engram.systems.background import FetchWorker, PrefetchHandle
 from engram.systems.cache import CachePlan, RowCache
 from engram.systems.levels import LevelStats, LevelTable
 from engram.systems.placement import Placement
+from engram.systems.policies import CachePolicy
 from engram.systems.prefetch import PrefetchedBatch, Prefetcher, engram_modules, offload_engram
 from engram.systems.staging import FetchedBlock
 from engram.systems.tiered import TieredTable
 
 __all__ = [
     "CachePlan",
+    "CachePolicy",
     "FetchWorker",
     "FetchedBlock",
     "LevelStats",

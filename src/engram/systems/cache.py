@@ -1,9 +1,9 @@
-"""A hot-row cache of FP8 table rows on the compute device, with exact LRU eviction.
+"""A hot-row cache of FP8 table rows on the compute device, under a chosen replacement policy.
 
-`RowCache` holds raw FP8 bytes in slots on the device and a host-side index row -> slot (the numba
-kernels of `engram.kernels.cpu_cache`); `plan` is the host half of a call, `read` / `write` the
-device half, and hits, misses, evictions and bytes fetched are first-class counters. A cached row
-is bit-for-bit the stored row. Knows slots and bytes, nothing of tiers or staging; holds no locks
+`RowCache` holds raw FP8 bytes in slots on the device and a host-side index row -> slot (a
+`engram.systems.policies.Policy`: exact LRU, CLOCK, LFU with aging, pinned, pinned + LRU); `plan`
+is the host half of a call, `read` / `write` the device half, and hits, misses, evictions and bytes
+fetched are first-class counters. A cached row is bit-for-bit the stored row. Knows slots and bytes, nothing of tiers or staging; holds no locks
 (its owner, `TieredTable`, serialises calls). Design: docs/systems.md.
 """
 
@@ -17,6 +17,7 @@ import torch
 from engram.kernels import cpu_cache
 from engram.storage import lookup
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
+from engram.systems.policies import LRU, CachePolicy, default_policy, make_policy
 
 __all__ = ["CachePlan", "RowCache"]
 
@@ -26,14 +27,30 @@ class CachePlan(NamedTuple):
 
     hit_idx: np.ndarray  # (H,) int64 positions in uniq of the cached rows
     hit_slots: np.ndarray  # (H,) their slots
-    miss_idx: np.ndarray  # (M,) positions in uniq of the rows to fetch, ascending
-    ins_slots: np.ndarray  # (I,) slots given to the first I misses (I <= M; I < M only on overflow)
+    # (M,) positions in uniq of the rows to fetch: the I admitted ones first, then the others, each
+    # run ascending (lru, clock, lfu admit a prefix of the misses, so there it is ascending throughout;
+    # pinned and pinned+lru may admit any subset)
+    miss_idx: np.ndarray
+    ins_slots: np.ndarray  # (I,) slots given to the first I misses (I <= M)
 
 
 class RowCache:
-    """`capacity` rows of FP8 bytes on `device` with an exact-LRU host index (see docs/systems.md)."""
+    """`capacity` rows of FP8 bytes on `device` with a host index under `policy` (see docs/systems.md).
 
-    def __init__(self, capacity: int, dim: int, device: torch.device | str = "cpu") -> None:
+    `policy`: a `CachePolicy` or its name ('lru', 'clock', 'lfu', 'pinned', 'pinned+lru'); None:
+    `default_policy` ('pinned+lru' given `pinned_rows`, else 'lru'). `pinned_rows` (hottest first,
+    from `Profile.hottest`) and `pinned_fraction` are for the pinned ones.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        device: torch.device | str = "cpu",
+        policy: CachePolicy | str | None = None,
+        pinned_rows: np.ndarray | None = None,
+        pinned_fraction: float = 0.5,
+    ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"a RowCache needs capacity >= 1 rows, got {capacity!r} (use no cache for 0)")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim % BLOCK:
@@ -43,7 +60,8 @@ class RowCache:
         self.device = torch.device(device)
         self._values = torch.empty((capacity, dim), dtype=torch.uint8, device=self.device)  # (C, dim)
         self._scales = torch.empty((capacity, dim // BLOCK), dtype=torch.uint8, device=self.device)
-        self._state = cpu_cache.new_state(capacity)  # keys, vals, slot_row, prev, nxt, ends
+        policy = default_policy(pinned_rows is not None) if policy is None else policy
+        self.policy = make_policy(policy, capacity, pinned_rows, pinned_fraction)
         self._slot_of = np.empty(0, dtype=np.int64)  # (U,) per-call scratch, grown as needed
         self._ins_of = np.empty(0, dtype=np.int64)
         self.reset_stats()
@@ -56,7 +74,7 @@ class RowCache:
         self.evictions = 0  # cached rows replaced by a miss
         self.bytes_fetched = 0  # bytes read from the backing tier (misses * row_bytes)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         """hits, misses, evictions, bytes_fetched, hit_rate, resident rows and capacity."""
         lookups = self.hits + self.misses
         return {
@@ -65,13 +83,14 @@ class RowCache:
             "evictions": self.evictions,
             "bytes_fetched": self.bytes_fetched,
             "hit_rate": self.hits / lookups if lookups else 0.0,
-            "resident": int((self._state[2] >= 0).sum()),
+            "resident": int((self.policy.slot_rows() >= 0).sum()),
             "capacity": self.capacity,
+            "policy": self.policy.name.value,
         }
 
     def clear(self) -> None:
-        """Forget every cached row (the counters stay)."""
-        self._state = cpu_cache.new_state(self.capacity)
+        """Forget every cached row (the counters stay; pinned rows stay pinned, empty until fetched)."""
+        self.policy.clear()
 
     # ------------------------------------------------------------------ host half
     def plan(self, uniq: np.ndarray) -> CachePlan:
@@ -94,10 +113,13 @@ class RowCache:
             self._slot_of = np.empty(max(n, 2 * self._slot_of.shape[0]), dtype=np.int64)
             self._ins_of = np.empty_like(self._slot_of)
         slot_of, ins_of = self._slot_of[:n], self._ins_of[:n]
-        hits, inserted, evictions = cpu_cache.plan(uniq, *self._state, slot_of, ins_of)
+        hits, inserted, evictions = self.policy.plan(uniq, slot_of, ins_of)
         hit_idx = np.flatnonzero(slot_of >= 0)
         miss_idx = np.flatnonzero(slot_of < 0)
-        ins_slots = ins_of[miss_idx[:inserted]].copy()  # admitted misses are the first `inserted`
+        admitted = ins_of[miss_idx] >= 0
+        if not admitted[:inserted].all():  # a pinned policy admitted a subset: put those first
+            miss_idx = np.concatenate([miss_idx[admitted], miss_idx[~admitted]])
+        ins_slots = ins_of[miss_idx[:inserted]].copy()
         assert hit_idx.shape[0] == hits and (ins_slots >= 0).all()
         self.hits += int(hits)
         self.misses += int(miss_idx.shape[0])
@@ -108,7 +130,7 @@ class RowCache:
     def slot_of(self, rows: np.ndarray) -> np.ndarray:
         """The slot holding each row (-1: not cached); a read-only query, no counters or recency change."""
         rows = np.asarray(rows, dtype=np.int64)
-        slot_row = self._state[2]  # (C,) row per slot, -1 when empty
+        slot_row = self.policy.slot_rows()  # (C,) row per slot, -1 when empty
         order = np.argsort(slot_row, kind="stable")
         keys = slot_row[order]  # sorted
         pos = np.minimum(np.searchsorted(keys, rows), self.capacity - 1)
@@ -116,18 +138,16 @@ class RowCache:
 
     def resident_rows(self) -> np.ndarray:
         """Sorted row ids currently cached."""
-        rows = self._state[2]
+        rows = self.policy.slot_rows()
         return np.sort(rows[rows >= 0])
 
     def lru_order(self) -> np.ndarray:
-        """Cached row ids from the least to the most recently used (for tests and inspection)."""
-        _, _, slot_row, prev, _, ends = self._state
-        out, s = [], ends[1]
-        while s >= 0:
-            if slot_row[s] >= 0:
-                out.append(int(slot_row[s]))
-            s = prev[s]
-        return np.array(out, dtype=np.int64)
+        """Cached row ids from the least to the most recently used (for tests and inspection; 'lru' only)."""
+        if not isinstance(self.policy, LRU):
+            raise ValueError(
+                f"lru_order is the order of an 'lru' cache; this one runs {self.policy.name.value!r}"
+            )
+        return self.policy.lru_order()
 
     # ------------------------------------------------------------------ device half
     @property
@@ -200,5 +220,6 @@ class RowCache:
     def __repr__(self) -> str:
         return (
             f"RowCache(capacity={self.capacity}, dim={self.dim}, device={self.device}, "
+            f"policy={self.policy.name.value!r}, "
             f"hits={self.hits}, misses={self.misses}, evictions={self.evictions})"
         )
