@@ -31,6 +31,7 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "optim": ("bench_optim", {}, {"large_rows": 16 << 20}),
     "gate": ("bench_gate", {}, {}),
     "tiers": ("bench_tiers", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
+    "levels": ("bench_levels", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 3}),
     "hf": ("bench_hf", {}, {"seq": 128, "steps": 2, "new_tokens": 8, "repeats": 1}),
 }
 

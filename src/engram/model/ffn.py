@@ -68,7 +68,9 @@ class MoE(nn.Module):
         self.aux_loss = load_balancing_loss(probs, chosen, self.num_experts)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)  # tokens routed to expert e; sync point on CUDA
+            token, slot = (chosen == e).nonzero(
+                as_tuple=True
+            )  # tokens routed to expert e; sync point on CUDA
             if token.numel() == 0:
                 continue
             out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])

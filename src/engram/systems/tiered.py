@@ -28,6 +28,7 @@ from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import CachePlan, RowCache
 from engram.systems.placement import Placement, as_device, as_placement
+from engram.systems.policies import CachePolicy
 from engram.systems.staging import (
     FetchedBlock,
     FetchPlan,
@@ -52,11 +53,17 @@ def _check_row_ids(rows: object) -> None:
         raise TypeError(f"rows must be int64 or int32 row ids, got {rows.dtype}; convert with rows.long()")
 
 
+def _ascending(idx: np.ndarray) -> bool:
+    """Whether `idx` is in ascending order (a permutation of arange(n) that is: the identity)."""
+    return bool(idx.shape[0] < 2 or (idx[1:] > idx[:-1]).all())
+
+
 class TieredTable(EngramTable):
     """A frozen FP8 table on `placement`, computed on `device` (see docs/systems.md).
 
     `table`: an `FP8Table` (DEVICE or HOST: moved to the device, resp. kept on the host) or an
-    `MmapFP8Table` (SSD; DEVICE reads it whole onto the device). `cache_rows`: slots of the device-side
+    `MmapFP8Table` (SSD; DEVICE reads it whole onto the device). `policy` / `pinned_rows`: the cache's
+    eviction policy and a profile's hottest rows, as `RowCache` takes them. `cache_rows`: slots of the device-side
     hot-row cache (HOST / SSD only; 0 = none). `max_inflight`: prefetches in flight at once.
     `fetch_threads`: threads of the host gather (None: 1 below 2048 rows, every core above).
     """
@@ -68,6 +75,8 @@ class TieredTable(EngramTable):
         *,
         device: torch.device | str | None = None,
         cache_rows: int = 0,
+        policy: CachePolicy | str | None = None,
+        pinned_rows: np.ndarray | None = None,
         max_inflight: int = 2,
         max_pending: int = 8,
         fetch_threads: int | None = None,
@@ -111,7 +120,13 @@ class TieredTable(EngramTable):
         self.num_rows, self.dim = table.num_rows, table.dim
         self.row_bytes = fp8_row_bytes(self.dim)
         self.device = as_device(device)
+        if (policy is not None or pinned_rows is not None) and not cache_rows:
+            raise ValueError(
+                f"policy={policy!r} / pinned_rows choose how the hot-row cache evicts, but cache_rows=0 "
+                "makes no cache; give cache_rows > 0 or drop them"
+            )
         self.cache_rows, self.max_pending, self.fetch_threads = cache_rows, max_pending, fetch_threads
+        self.policy, self.pinned_rows = policy, pinned_rows
         self.verify = bool(verify)  # re-read every fetched row from the backing tier and compare (debug)
         # plain attributes, not a submodule: model.to(...) must not drag a host / SSD table along
         self.__dict__["backing"] = table
@@ -189,7 +204,9 @@ class TieredTable(EngramTable):
             self._dev_scales = self._host_scales.to(device)
         elif self.cache_rows:
             if self.cache is None:
-                self.cache = RowCache(self.cache_rows, self.dim, device)
+                self.cache = RowCache(
+                    self.cache_rows, self.dim, device, policy=self.policy, pinned_rows=self.pinned_rows
+                )
             else:
                 self.cache.to(device)
         self._make_staging(device)
@@ -375,7 +392,9 @@ class TieredTable(EngramTable):
                 direct = self.device.type == "cpu" and reuse and ins_slots.shape[0] == miss_idx.shape[0]
                 if direct:  # every distinct row is in the cache after this call: read them from their slots
                     return self._direct(host, uniq, inverse, plan, direct_dtype)
-                if hit_idx.shape[0]:  # the block is [misses; hits]: re-point the inverse at it
+                # the block is [misses in the plan's order; hits]: re-point the inverse at it (a pinned
+                # policy lists its admitted misses first, so even a call without hits may need it)
+                if hit_idx.shape[0] or not _ascending(miss_idx):
                     pos = np.empty(u, dtype=np.int64)
                     pos[miss_idx] = np.arange(miss_idx.shape[0])
                     pos[hit_idx] = np.arange(miss_idx.shape[0], u)
@@ -383,8 +402,8 @@ class TieredTable(EngramTable):
             else:
                 miss_idx = np.arange(u)
                 hit_idx = hit_slots = ins_slots = np.empty(0, dtype=np.int64)
-            m, h = miss_idx.shape[0], hit_idx.shape[0]
-            miss_rows = torch.from_numpy(uniq[miss_idx] if h else uniq)  # (M,) ascending
+            m = miss_idx.shape[0]
+            miss_rows = torch.from_numpy(uniq[miss_idx])  # (M,) in the plan's order
             self.rows_distinct += u
             self.bytes_fetched += m * self.row_bytes
             fetch = FetchPlan(miss_rows, inverse, hit_slots, ins_slots, u, host.shape)
