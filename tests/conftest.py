@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's interpreter must be on before triton is first imported (its language module is decorated
+# then), and transformers or torch may import triton while any test module is collected; so on a
+# machine without CUDA it is switched on here, before collection, and tests/test_triton_kernels.py
+# runs the kernels interpreted in the whole suite, not only when it runs alone.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engram import EngramConfig, NgramHasher, TokenizerCompression
 from engram.addressing.compression import resolve_tokenizer

@@ -1,7 +1,7 @@
 """Numba kernels of the cache policies beside exact LRU (`engram.systems.policies`): CLOCK, LFU with
 aging, and Belady's offline optimum for the simulator.
 
-CLOCK and LFU keep their own open-addressing map row -> slot (the same scheme as `cpu_cache`'s) and
+CLOCK and LFU keep their own open-addressing map row -> slot (`cpu_cache`'s map functions) and
 follow `cpu_cache.plan`'s contract: look the call's sorted distinct rows up, then admit misses in
 ascending row order, at most capacity - hits of them, never evicting a row the call itself uses.
 `belady_hits` replays whole batched traces offline. Knows slots and row ids, nothing of bytes or
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from engram.kernels.cpu_cache import EMPTY, map_delete, map_find, map_insert
+
 __all__ = ["EMPTY", "belady_hits", "clock_plan", "lfu_plan", "new_map", "next_use"]
 
-EMPTY = -1
-_FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: spreads consecutive row ids
 NEVER = np.iinfo(np.int64).max  # the next use of a row used never again
 
 _jit = numba.njit(cache=True, nogil=True)
@@ -30,51 +30,10 @@ def new_map(capacity: int) -> tuple[np.ndarray, np.ndarray]:
 
 # ------------------------------------------------------------------------------------------- the map
 @_jit
-def _home(key, mask):
-    return np.int64((np.uint64(key) * _FIB) >> np.uint64(20)) & mask
-
-
-@_jit
-def _find(keys, mask, key):
-    i = _home(key, mask)
-    while keys[i] != EMPTY:
-        if keys[i] == key:
-            return i
-        i = (i + 1) & mask
-    return -1
-
-
-@_jit
-def _delete(keys, vals, mask, i):
-    """Remove the entry at map index i, shifting later entries of its probe run back (no tombstones)."""
-    j = i
-    while True:
-        j = (j + 1) & mask
-        if keys[j] == EMPTY:
-            break
-        k = _home(keys[j], mask)
-        if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
-            continue
-        keys[i] = keys[j]
-        vals[i] = vals[j]
-        i = j
-    keys[i] = EMPTY
-
-
-@_jit
-def _insert(keys, vals, mask, key, val):
-    i = _home(key, mask)
-    while keys[i] != EMPTY:
-        i = (i + 1) & mask
-    keys[i] = key
-    vals[i] = val
-
-
-@_jit
 def _lookup(uniq, keys, vals, mask, slot_of, ins_of):
     hits = 0
     for i in range(uniq.shape[0]):
-        at = _find(keys, mask, uniq[i])
+        at = map_find(keys, mask, uniq[i])
         slot_of[i] = vals[at] if at >= 0 else -1
         ins_of[i] = -1
         if at >= 0:
@@ -88,9 +47,9 @@ def _replace(keys, vals, mask, slot_row, s, row):
     old = slot_row[s]
     evicted = 0
     if old != EMPTY:
-        _delete(keys, vals, mask, _find(keys, mask, old))
+        map_delete(keys, vals, mask, map_find(keys, mask, old))
         evicted = 1
-    _insert(keys, vals, mask, row, s)
+    map_insert(keys, vals, mask, row, s)
     slot_row[s] = row
     return evicted
 

@@ -13,7 +13,17 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["EMPTY", "new_state", "plan", "scatter_rows", "unique_rows"]
+__all__ = [
+    "EMPTY",
+    "map_delete",
+    "map_find",
+    "map_home",
+    "map_insert",
+    "new_state",
+    "plan",
+    "scatter_rows",
+    "unique_rows",
+]
 
 EMPTY = -1  # an empty map key / an empty slot's row
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: spreads consecutive row ids
@@ -41,14 +51,15 @@ def new_state(capacity: int) -> tuple[np.ndarray, ...]:
 
 
 @_jit
-def _home(key, mask):
+def map_home(key, mask):
+    """Where `key`'s probe run starts in a map of mask + 1 entries (Fibonacci hashing)."""
     return np.int64((np.uint64(key) * _FIB) >> np.uint64(20)) & mask
 
 
 @_jit
-def _find(keys, mask, key):
+def map_find(keys, mask, key):
     """Map index holding `key`, or -1."""
-    i = _home(key, mask)
+    i = map_home(key, mask)
     while keys[i] != EMPTY:
         if keys[i] == key:
             return i
@@ -57,14 +68,14 @@ def _find(keys, mask, key):
 
 
 @_jit
-def _delete(keys, vals, mask, i):
+def map_delete(keys, vals, mask, i):
     """Remove the entry at map index i, shifting later entries of its probe run back (no tombstones)."""
     j = i
     while True:
         j = (j + 1) & mask
         if keys[j] == EMPTY:
             break
-        k = _home(keys[j], mask)
+        k = map_home(keys[j], mask)
         # the entry at j may move to i only if its home k is not cyclically within (i, j]
         if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
             continue
@@ -75,8 +86,8 @@ def _delete(keys, vals, mask, i):
 
 
 @_jit
-def _insert(keys, vals, mask, key, val):
-    i = _home(key, mask)
+def map_insert(keys, vals, mask, key, val):
+    i = map_home(key, mask)
     while keys[i] != EMPTY:
         i = (i + 1) & mask
     keys[i] = key
@@ -123,7 +134,7 @@ def plan(uniq, keys, vals, slot_row, prev, nxt, ends, slot_of, ins_of):
     n = uniq.shape[0]
     hits = 0
     for i in range(n):  # (1) look up
-        at = _find(keys, mask, uniq[i])
+        at = map_find(keys, mask, uniq[i])
         slot_of[i] = vals[at] if at >= 0 else -1
         ins_of[i] = -1
         if at >= 0:
@@ -144,9 +155,9 @@ def plan(uniq, keys, vals, slot_row, prev, nxt, ends, slot_of, ins_of):
         s = ends[1]  # least recently used; never a slot this call touched (see `room`)
         old = slot_row[s]
         if old != EMPTY:
-            _delete(keys, vals, mask, _find(keys, mask, old))
+            map_delete(keys, vals, mask, map_find(keys, mask, old))
             evictions += 1
-        _insert(keys, vals, mask, uniq[i], s)
+        map_insert(keys, vals, mask, uniq[i], s)
         slot_row[s] = uniq[i]
         _unlink(prev, nxt, ends, s)
         _push_front(prev, nxt, ends, s)
@@ -175,7 +186,7 @@ def _first_seen(ids, num_rows, keys, vals, uniq, inverse):
         r = np.int64(ids[i])
         if r < 0 or r >= num_rows:
             return -1, i
-        h = _home(r, mask)
+        h = map_home(r, mask)
         while True:
             k = keys[h]
             if np.int64(k) == r:
