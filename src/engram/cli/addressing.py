@@ -79,7 +79,13 @@ def cmd_layout(args: argparse.Namespace) -> int:
     )
     for layer in d["layers"]:
         print(
-            f"\n  layer {layer['layer_id']}: {layer['num_embeddings']:,} rows, {human(layer['params'])} params"
+            f"\n  layer {layer['layer_id']}: {layer['num_embeddings']:,} rows"
+            + (
+                f" (table padded to {layer['table_rows']:,})"
+                if layer["table_rows"] != layer["num_embeddings"]
+                else ""
+            )
+            + f", {human(layer['params'])} params"
         )
         print(f"    multipliers {layer['multipliers']}")
         for order, primes in zip(c.orders, layer["primes"], strict=True):
