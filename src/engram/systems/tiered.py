@@ -337,6 +337,12 @@ class TieredTable(EngramTable):
             assert handle is not None
             handle._result = block._replace(out=None)  # the caller owns it now: serve it only once
             return block.out  # dequantised by the worker (prefetch(rows, dtype))
+        if (
+            block.inverse is None
+        ):  # dequantised from cache slots in another dtype (or served once): fetch again
+            block = self._fetch_block(host, reuse=True, direct_dtype=dtype)
+            if block.out is not None:
+                return block.out
         return self._dequantize(block.values, block.scales, block.inverse, dtype)
 
     # ------------------------------------------------------------------ internals
@@ -360,7 +366,13 @@ class TieredTable(EngramTable):
     def _fetch(self, host: torch.Tensor, *, reuse: bool, dtype: torch.dtype | None = None) -> FetchedBlock:
         """Distinct rows of `host` (..., int) as a FetchedBlock on the device (docs/systems.md, steps 1-4);
         with `dtype`, also dequantised (on the fetch stream for CUDA)."""
-        block = self._fetch_block(host, reuse=reuse)
+        if dtype is not None and self.device.type == "cpu":
+            # dequantised here, under the lock: the rows may be read straight from the cache's slots
+            block = self._fetch_block(host, reuse=reuse, direct_dtype=dtype, direct_ok=True)
+            if block.out is not None and block.inverse is None:  # the direct path: only `out` is kept
+                return block
+        else:
+            block = self._fetch_block(host, reuse=reuse)
         if dtype is None:
             return block
         if block.ready is None:
@@ -373,8 +385,17 @@ class TieredTable(EngramTable):
         return block._replace(out=out, ready=ready)
 
     def _fetch_block(
-        self, host: torch.Tensor, *, reuse: bool, direct_dtype: torch.dtype | None = None
+        self,
+        host: torch.Tensor,
+        *,
+        reuse: bool,
+        direct_dtype: torch.dtype | None = None,
+        direct_ok: bool = False,
     ) -> FetchedBlock:
+        """The call's distinct rows as a block; on a CPU, when every distinct row is in the cache after
+        this call and the result is made at once (`reuse`, or `direct_ok` from a dequantising
+        prefetch), dequantised straight from the cache's slots instead (`out` set; a prefetch's block
+        then keeps `out` alone, the slots being free to be evicted once the lock is released)."""
         # sorted distinct rows (ascending: file / DRAM locality) and the inverse, on this thread, GIL released
         uniq, inverse, bad = cpu_cache.unique_rows(host.reshape(-1).numpy(), self.num_rows)  # (U,), (n,)
         if bad >= 0:
@@ -389,9 +410,14 @@ class TieredTable(EngramTable):
                     plan.hit_slots,
                     plan.ins_slots,
                 )
-                direct = self.device.type == "cpu" and reuse and ins_slots.shape[0] == miss_idx.shape[0]
+                direct = (
+                    self.device.type == "cpu"
+                    and (reuse or direct_ok)
+                    and ins_slots.shape[0] == miss_idx.shape[0]
+                )
                 if direct:  # every distinct row is in the cache after this call: read them from their slots
-                    return self._direct(host, uniq, inverse, plan, direct_dtype)
+                    block = self._direct(host, uniq, inverse, plan, direct_dtype)
+                    return block if reuse else block._replace(values=None, scales=None, inverse=None)
                 # the block is [misses in the plan's order; hits]: re-point the inverse at it (a pinned
                 # policy lists its admitted misses first, so even a call without hits may need it)
                 if hit_idx.shape[0] or not _ascending(miss_idx):
