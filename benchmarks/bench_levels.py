@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import struct
 import tempfile
 import time
@@ -36,6 +34,7 @@ import numpy as np
 import torch
 
 from engram.benchmarks.bench_lookup import make_ids, make_table
+from engram.benchmarks.timing import best_times, drop_pages
 from engram.checkpoint.files import save_tensors
 from engram.model.table import FP8Table
 from engram.storage import lookup
@@ -44,29 +43,8 @@ from engram.systems import Placement, TieredTable
 from engram.systems.levels import LevelTable
 
 
-def _best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best seconds of each function over `repeats` rounds, interleaved (one warm-up call each first)."""
-    for fn in fns.values():
-        fn()
-    best = dict.fromkeys(fns, math.inf)
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
-
-
-def _drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _safetensors_offsets(path: Path, names: tuple[str, str]) -> tuple[int, int]:
@@ -92,7 +70,7 @@ def bench_public(table: FP8Table, batches: list[torch.Tensor], repeats: int) -> 
         if not torch.equal(_bits(t.gather(ids)), _bits(want)):
             raise AssertionError(f"{name}.gather disagrees with FP8Table.gather")
     tiered.reset_stats()
-    best = _best(
+    best = best_times(
         {
             "kernel": lambda: lookup.dequantize_gather(table.weight, table.scale, ids, torch.float32, out),
             "allocating": lambda: lookup.dequantize_gather(table.weight, table.scale, ids, torch.float32),
@@ -168,7 +146,7 @@ def bench_rowfile(
 
             return run_all
 
-        best = _best({"levels": one_pass(lt.gather), "fp8": one_pass(table.gather)}, repeats)
+        best = best_times({"levels": one_pass(lt.gather), "fp8": one_pass(table.gather)}, repeats)
         n = sum(b.numel() for b in batches)
         st = lt.stats()
         results.append(
@@ -189,7 +167,7 @@ def bench_rowfile(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 f = RowFile(rf_path, direct=direct, io_threads=io_threads)
-            _drop_pages(rf_path)
+            drop_pages(rf_path)
             cold_lt = LevelTable(f, device_rows=lt.l1.capacity, host_rows=lt.l2.capacity)
             t0 = time.perf_counter()
             for b in batches:

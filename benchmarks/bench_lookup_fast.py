@@ -22,8 +22,6 @@ checked to be bit-identical to the torch backend.
 from __future__ import annotations
 
 import argparse
-import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -36,23 +34,10 @@ from engram.benchmarks.bench_lookup import (
     raw_gather,
     torch_reference,
 )
+from engram.benchmarks.timing import best_times
 from engram.kernels.threads import available_cores
 from engram.storage import lookup
 from engram.storage.fp8 import BLOCK, fp8_row_bytes
-
-
-def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best of `repeats` seconds of each function, the functions interleaved round by round, so that
-    a change in the machine's load (a shared machine) hits every one of them alike."""
-    for fn in fns.values():
-        fn()  # warm-up: compile / cache load, page faults
-    best = dict.fromkeys(fns, math.inf)
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import tempfile
 import threading
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 import torch
 
 from engram.benchmarks.bench_lookup import make_ids, make_table
+from engram.benchmarks.timing import drop_pages
 from engram.checkpoint.files import save_tensors
 from engram.model.table import FP8Table, MmapFP8Table
 from engram.storage import lookup
@@ -75,15 +75,6 @@ def _best(
                 before()
             best[name] = min(best[name], fn())
     return best
-
-
-def _drop_pages(path: Path) -> None:
-    """Evict the file's clean pages from the page cache, so the next reads go to the storage device."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _check(table: TieredTable, ref: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> None:
@@ -151,7 +142,7 @@ def bench_ssd(
         fns: dict[str, Callable[[], float]] = {"plain": lambda: _pass_time(mm.gather, batches)}
         for key, make in variants.items():
             fns[key] = lambda make=make, key=key: cold(make, key)
-        best = _best(fns, repeats, before=lambda: _drop_pages(path))
+        best = _best(fns, repeats, before=lambda: drop_pages(path))
         size = path.stat().st_size
     out = []
     for key, label in (("ssd", "no cache"), ("ssd_cache", f"cache {fraction:.0%} of rows")):

@@ -1,9 +1,13 @@
-"""Timers the benchmarks share: `from engram.benchmarks.timing import best_time, cuda_time`."""
+"""Timers the benchmarks share: `from engram.benchmarks.timing import best_time, best_times, cuda_time`,
+and `drop_pages` for cold reads."""
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -30,3 +34,27 @@ def cuda_time(fn: Callable[[], object], repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def best_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best of `repeats` seconds of each function, the functions interleaved round by round, so that
+    a change in the machine's load (a shared machine) hits every one of them alike; one warm-up call
+    each first (compile / cache load, page faults)."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def drop_pages(path: str | os.PathLike[str] | Path) -> None:
+    """Evict the file's clean pages from the page cache, so the next reads go to the storage device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
