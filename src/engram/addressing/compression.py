@@ -146,11 +146,15 @@ class TokenizerCompression:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def identity(cls, vocab_size: int) -> TokenizerCompression:
-        """The map of a variant that hashes raw ids: every id is its own compressed id."""
+    def identity(cls, vocab_size: int, fingerprint: str | None = None) -> TokenizerCompression:
+        """The map of a variant that hashes raw ids: every id is its own compressed id. `fingerprint`:
+        the tokenizer's, when the map stands for one (default `identity-<vocab_size>`)."""
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        return cls(lookup=np.arange(vocab_size, dtype=np.int64), fingerprint=f"identity-{vocab_size}")
+        return cls(
+            lookup=np.arange(vocab_size, dtype=np.int64),
+            fingerprint=f"identity-{vocab_size}" if fingerprint is None else fingerprint,
+        )
 
     @classmethod
     def from_tokenizer(cls, obj: Any) -> TokenizerCompression:

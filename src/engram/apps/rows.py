@@ -29,9 +29,7 @@ _SPLIT_SALT = {"train": 0, "held_out": 1}
 def identity_compression(tokenizer: Tokenizer) -> TokenizerCompression:
     """The compression map that changes nothing: compressed id = tokenizer id."""
     n = tokenizer.get_vocab_size(with_added_tokens=True)
-    return TokenizerCompression(
-        lookup=np.arange(n, dtype=np.int64), fingerprint=tokenizer_fingerprint(tokenizer)
-    )
+    return TokenizerCompression.identity(n, fingerprint=tokenizer_fingerprint(tokenizer))
 
 
 def stream_rows(
