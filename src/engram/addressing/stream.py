@@ -9,6 +9,7 @@ nothing of tables or the model. Design: docs/addressing.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -202,20 +203,8 @@ class HashStream:
             return self._step_feed(token_ids, ids, dead_mask, starts, out)
         if ids.dtype != np.int64 or not ids.flags.c_contiguous:
             ids = np.ascontiguousarray(check_token_ids(ids, self.hasher.config.vocab_size))
-        if dead_mask is None:
-            dead, has_dead = self._no_dead, False
-        else:
-            dead = _host_array(dead_mask)
-            if dead.dtype != np.bool_ or dead.shape != ids.shape:
-                check_dead_mask(dead, ids.shape)  # raises with the reason
-            dead, has_dead = np.ascontiguousarray(dead), True
-        if starts is None:
-            st, has_starts = self._no_dead, False
-        else:
-            st = _host_array(starts)
-            if st.dtype != np.bool_ or st.shape != ids.shape:
-                check_starts(st, ids.shape)  # raises with the reason
-            st, has_starts = np.ascontiguousarray(st), True
+        dead, has_dead = self._step_mask(dead_mask, ids.shape, check_dead_mask)
+        st, has_starts = self._step_mask(starts, ids.shape, check_starts)
         rid = self.hasher.config.restart_after_id
         if out is None and (cpu_tensor or type(token_ids) is np.ndarray):  # the common case, kept short
             out_np = np.empty(self._shape, dtype=np.int64)
@@ -306,6 +295,17 @@ class HashStream:
         window.copy_(new)
         position += 1
         return out
+
+    def _step_mask(
+        self, mask: Any, shape: tuple[int, ...], check: Callable[[Any, tuple[int, ...]], Any]
+    ) -> tuple[np.ndarray, bool]:
+        """A step's bool mask (dead tokens or window starts) as the kernel takes it: (array, given)."""
+        if mask is None:
+            return self._no_dead, False
+        arr = _host_array(mask)
+        if arr.dtype != np.bool_ or arr.shape != shape:
+            check(arr, shape)  # raises with the reason
+        return np.ascontiguousarray(arr), True
 
     def _step_out(self, out: Any, like: Any) -> tuple[np.ndarray, Any]:
         """(the numpy array the kernel writes, what step returns) for step's `out` argument."""
