@@ -22,8 +22,6 @@ shared 2-core machine the timings are noisy: variants are interleaved round by r
 from __future__ import annotations
 
 import argparse
-import json
-import struct
 import tempfile
 import time
 import warnings
@@ -35,7 +33,7 @@ import torch
 
 from engram.benchmarks.bench_lookup import make_ids, make_table
 from engram.benchmarks.timing import best_times, drop_pages
-from engram.checkpoint.files import save_tensors
+from engram.checkpoint.files import read_header, save_tensors
 from engram.model.table import FP8Table
 from engram.storage import lookup
 from engram.storage.rowfile import RowFile, split_layout_pages, write_row_file
@@ -48,10 +46,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _safetensors_offsets(path: Path, names: tuple[str, str]) -> tuple[int, int]:
-    """File offsets of two tensors' data, from the safetensors header (u64 length, then JSON)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+    """File offsets of two tensors' data, from the safetensors header."""
+    n, header = read_header(path)
     return tuple(8 + n + header[name]["data_offsets"][0] for name in names)  # type: ignore[return-value]
 
 

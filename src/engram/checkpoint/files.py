@@ -34,6 +34,7 @@ __all__ = [
     "load_tensors",
     "member_file",
     "open_tensors",
+    "read_header",
     "save_tensors",
 ]
 
@@ -359,19 +360,30 @@ def load_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 def listed_names(path: str | os.PathLike[str]) -> list[str]:
     """The tensor names a file's header lists, even when safetensors refuses the file (e.g. truncated):
     for error messages only ("these are damaged, not missing"), never to read data. [] without a header."""
-    # safetensors has no call listing a refused file's tensors, so this reads the header itself: an
-    # 8-byte little-endian length, then that many bytes of JSON. Nothing else here reads the format.
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
             return []
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > 100_000_000:  # safetensors' own header limit: not a header
-                return []
-            header = json.loads(f.read(n))
+        _, header = read_header(path)
     except (OSError, ValueError, RecursionError):  # ValueError: also bad JSON / UTF-8; too deep
         return []
-    return sorted(k for k in header if k != "__metadata__") if isinstance(header, dict) else []
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
+    """(n, header) of a safetensors file, read without safetensors: a tensor's data starts at byte
+    8 + n + header[name]["data_offsets"][0]. For what safetensors' API does not tell (the names of a
+    refused file, where bytes lie on disk); never to read data. Raises OSError, or ValueError for a
+    file without a header."""
+    # the format: an 8-byte little-endian length, then that many bytes of JSON. Nothing else here
+    # reads the format.
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > 100_000_000:  # safetensors' own header limit: not a header
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return n, header
 
 
 # ------------------------------------------------------------------------------------------- writing
