@@ -303,3 +303,16 @@ def test_pinned_first_call_without_hits(fp8, policy):
     rows = torch.tensor([[1, 2, 194, 3, 97, 2]])
     for _ in range(2):  # the second call hits the pinned rows
         assert torch.equal(bits(t.gather(rows)), bits(fp8.gather(rows)))
+
+
+def test_dequantising_prefetch_from_cache_slots_in_another_dtype(fp8):
+    """A CPU prefetch whose rows all sit in the cache dequantises them straight from the slots and keeps
+    only that output: a gather asking another dtype fetches again, exact all the same."""
+    t = TieredTable(fp8, "host", cache_rows=ROWS)
+    rows = torch.randint(0, ROWS, (3, 7), generator=torch.Generator().manual_seed(3))
+    t.gather(rows)  # every row cached
+    handle = t.prefetch(rows, torch.float32)
+    got = t.gather(rows, torch.bfloat16, prefetched=handle)
+    assert torch.equal(bits(got), bits(fp8.gather(rows, torch.bfloat16)))
+    handle = t.prefetch(rows, torch.float32)
+    assert torch.equal(bits(t.gather(rows, prefetched=handle)), bits(fp8.gather(rows)))

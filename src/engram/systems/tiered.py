@@ -337,9 +337,8 @@ class TieredTable(EngramTable):
             assert handle is not None
             handle._result = block._replace(out=None)  # the caller owns it now: serve it only once
             return block.out  # dequantised by the worker (prefetch(rows, dtype))
-        if (
-            block.inverse is None
-        ):  # dequantised from cache slots in another dtype (or served once): fetch again
+        # a block dequantised from cache slots keeps `out` alone: in another dtype (or served once), fetch again
+        if block.inverse is None:
             block = self._fetch_block(host, reuse=True, direct_dtype=dtype)
             if block.out is not None:
                 return block.out
@@ -369,7 +368,7 @@ class TieredTable(EngramTable):
         if dtype is not None and self.device.type == "cpu":
             # dequantised here, under the lock: the rows may be read straight from the cache's slots
             block = self._fetch_block(host, reuse=reuse, direct_dtype=dtype, direct_ok=True)
-            if block.out is not None and block.inverse is None:  # the direct path: only `out` is kept
+            if block.inverse is None:  # the direct path: `out` is all the block keeps
                 return block
         else:
             block = self._fetch_block(host, reuse=reuse)
