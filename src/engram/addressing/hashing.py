@@ -71,14 +71,19 @@ class _KernelTables:
         self.fast = bool(self.primes.min() >= module.FASTMOD_MIN_PRIME)  # else hardware %
         self.lookup = np.ascontiguousarray(hasher.compression.lookup, dtype=np.int64)
         self.pad = hasher.pad
-
-    @property
-    def layout_args(self) -> tuple[Any, ...]:
-        """The layout arguments every kernel takes, in their order."""
-        return (self.pad, self.mult, self.primes, self.offsets, self.inv, self.n_heads, self.fast)
+        # the layout arguments every kernel takes, in their order
+        self.layout_args = (self.pad, self.mult, self.primes, self.offsets, self.inv, self.n_heads, self.fast)
 
     def matches(self, hasher: NgramHasher) -> bool:
-        return all(a is b for a, b in zip(self.sources, hasher._layout_arrays(), strict=True))
+        """Whether the hasher still holds the arrays these were made from (checked on every call)."""
+        mult, primes, offsets, pad, lookup = self.sources
+        return (
+            hasher.multipliers is mult
+            and hasher.primes is primes
+            and hasher.offsets is offsets
+            and hasher.pad is pad
+            and hasher.compression.lookup is lookup
+        )
 
 
 class NgramHasher:

@@ -56,7 +56,6 @@ class _ModelPreHook:
             cache=cache,
             inputs_embeds=call.get("inputs_embeds"),
             rows=rows,
-            device=self.att.device,
         )
         return args, kwargs
 
@@ -90,11 +89,10 @@ class _LayerHook:
                 f"Engram rows cover {tuple(rows.shape[:2])} (batch, tokens) but layer {self.layer_id}'s hidden "
                 f"states are {tuple(h.shape[:2])}"
             )
-        r = rows[:, :, self.index]
-        if r.device != h.device:
-            r = r.to(h.device)
-            dead = None if dead is None else dead.to(h.device)
-        new = self.att.module(self.layer_id)(h.unsqueeze(2), r, dead).squeeze(2)
+        if rows.device != h.device:  # moved once per call, for every Engram layer on that device
+            rows, dead = rows.to(h.device), None if dead is None else dead.to(h.device)
+            self.att.rows.current = (rows, dead)
+        new = self.att.module(self.layer_id)(h.unsqueeze(2), rows[:, :, self.index], dead).squeeze(2)
         if args:
             return (new, *args[1:]), kwargs
         kwargs["hidden_states"] = new

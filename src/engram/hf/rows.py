@@ -55,6 +55,7 @@ class DecodeState:
         self.starts = np.zeros((b, cap), dtype=bool)  # window restarts (boundaries='position_ids')
         self.length = 0  # tokens in the history (drafts included)
         self.committed = 0  # tokens committed in the stream
+        self.drafted = False  # whether the stream may hold drafts (set by a multi-token call)
         self.stream: HashStream | None = None  # built lazily from the history (`_rebuild`)
         self.record(ids, dead, starts, 0)
 
@@ -93,7 +94,10 @@ class DecodeState:
                 "Engram model must have been filled by that model's own forward calls"
             )
         stream = self.stream
+        if stream is not None and position == self.committed and not self.drafted:
+            return stream  # a plain decode step: the stream is where the cache is
         if stream is not None:
+            self.drafted = False
             pending = stream.n_draft
             if pending.any():
                 k = position - self.committed
@@ -143,8 +147,10 @@ class RowSource:
         cache: Any,
         inputs_embeds: Any,
         rows: Any,
-        device: torch.device,
+        device: torch.device | None = None,
     ) -> None:
+        """This call's rows and dead mask into `current`, moved to `device` (None: left where they are
+        made, the CPU for hashed rows; the layer hooks move them to the hidden states' device)."""
         self.current = self._fresh = None
         if input_ids is None:
             if rows is None:
@@ -178,7 +184,9 @@ class RowSource:
                 self.states[cache] = DecodeState(self.hasher, ids_cpu.numpy(), _np(dead_cpu), _np(starts))
             else:  # the model may make a cache itself: `end` gives it this state
                 self._fresh = (ids_cpu, dead_cpu, starts)
-        self.current = (rows.to(device, non_blocking=True), None if dead is None else dead.to(device))
+        if device is not None:
+            rows, dead = rows.to(device, non_blocking=True), None if dead is None else dead.to(device)
+        self.current = (rows, dead)
 
     def end(self, output: Any) -> None:
         """After the call: a cache the model made itself (cache=None, use_cache) gets its state."""
@@ -227,10 +235,12 @@ class RowSource:
                 f"the cache's Engram state has {state.batch_size} sequences but this call has {b}; generation "
                 "modes that reshape the batch of a running cache are not supported"
             )
-        ids = input_ids.detach().cpu()
+        ids = input_ids.detach().cpu().numpy()  # token ids: a view on the CPU
         dead_np = None if dead is None else dead.cpu().numpy()
-        starts = self.starts(ids, position_ids, generating=True)
-        st = None if starts is None or not bool(starts.any()) else starts.numpy()
+        st = None
+        if self.boundaries == "position_ids":
+            starts = self.starts(input_ids, position_ids, generating=True)
+            st = None if starts is None or not bool(starts.any()) else starts.numpy()
         stream = state.sync(past)
         if t == 1:
             rows = stream.step(
@@ -239,8 +249,9 @@ class RowSource:
             state.committed += 1
         else:
             rows = stream.draft(ids, dead_np, starts=st)
-        state.record(ids.numpy(), dead_np, st, past)
-        return rows
+            state.drafted = True
+        state.record(ids, dead_np, st, past)
+        return torch.from_numpy(rows)
 
     def _check_rows(self, rows: Any, input_ids: Any, t: int, past: int) -> torch.Tensor:
         cfg = self.hasher.config

@@ -1,7 +1,8 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
-CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, run over the cores by `threads`. CUDA
-(Triton): `hash_rows`, `fp8_gather`, `fused_gate`, with their torch twins in `reference`.
+CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, `cpu_gate`, run over the cores by
+`threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`, with their torch twins in
+`reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where
 they are needed, the Triton entries load through the lazy names below on first use (under
 triton's interpreter on a CPU when TRITON_INTERPRET=1 is set first). Design: docs/kernels.md.

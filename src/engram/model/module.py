@@ -11,7 +11,10 @@ Design: docs/model.md.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -26,6 +29,12 @@ from engram.kernels.reference import gate, signed_sqrt_gate
 from engram.model.table import EngramTable, TrainableTable
 
 __all__ = ["Engram", "GroupRMSNorm", "ShortConv", "signed_sqrt_gate"]
+
+
+@functools.cache
+def _cpu_gate() -> ModuleType:
+    """`engram.kernels.cpu_gate`, imported (with numba) on the first CPU forward that can use it."""
+    return importlib.import_module("engram.kernels.cpu_gate")
 
 
 class GroupRMSNorm(nn.Module):
@@ -68,8 +77,9 @@ class Engram(nn.Module):
     """One Engram layer of `config` at `layer_id` (a member of `config.layer_ids`).
 
     On CUDA with triton installed, the V4.1 gate after `wkv` runs as the fused kernel
-    `engram.kernels.fused_gate` (its eager twin is `engram.kernels.reference.gate`); set
-    `use_kernels = False` on a module to keep the eager path.
+    `engram.kernels.fused_gate`, and on the CPU without gradients as the numba kernel
+    `engram.kernels.cpu_gate.gate` (their eager twin, which CPU training uses, is
+    `engram.kernels.reference.gate`); set `use_kernels = False` on a module to keep the eager path.
     """
 
     use_kernels: bool = True
@@ -225,9 +235,15 @@ class Engram(nn.Module):
         key, v = kv[:, :, : self.hc], kv[:, :, self.hc]  # (B, T, hc, dim), (B, T, dim)
         eps = self.config.norm_eps
         w = self.q_weight * self.k_weight  # (hc, dim)
-        if self.use_kernels and kernels.use_triton(h, kv):  # CUDA + triton: the gate as one fused kernel
-            return kernels.fused_gate(h, key, v, w, dead_mask, eps, self.config.gate_clamp)
-        return gate(h, key, v, w, dead_mask, eps, self.config.gate_clamp)  # the eager twin
+        clamp = self.config.gate_clamp
+        if self.use_kernels:
+            if h.is_cpu:
+                cpu_gate = _cpu_gate()
+                if cpu_gate.applies(h, key, v, w):  # no gradients: one numba pass over the positions
+                    return cpu_gate.gate(h, key, v, w, dead_mask, eps, clamp)
+            elif kernels.use_triton(h, kv):  # CUDA + triton: the gate as one fused kernel
+                return kernels.fused_gate(h, key, v, w, dead_mask, eps, clamp)
+        return gate(h, key, v, w, dead_mask, eps, clamp)  # the eager twin
 
     def _forward_demo(
         self, h: torch.Tensor, e: torch.Tensor, dead_mask: torch.Tensor | None

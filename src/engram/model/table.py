@@ -73,6 +73,9 @@ class TrainableTable(EngramTable):
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         check_rows(rows, self.num_rows)
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):  # no gradient: a plain gather
+            emb = F.embedding(rows, self.weight)
+            return emb if dtype is None or emb.dtype == dtype else emb.to(dtype)
         uniq, inverse = torch.unique(rows, return_inverse=True)  # (U,), rows.shape
         emb = F.embedding(uniq, self.weight, sparse=True)  # (U, dim)
         # index_select, not emb[inverse]: its backward sums repeated rows in a fixed order, where

@@ -136,8 +136,9 @@ def check_row_range(rows: torch.Tensor, num_rows: int) -> None:
     """Raise for the first row id outside [0, num_rows), naming it and its position."""
     if rows.numel() == 0:
         return
-    bad = (rows < 0) | (rows >= num_rows)
-    if bool(bad.any()):  # sync point on CUDA: the boundary check
+    lo, hi = torch.aminmax(rows)  # one pass; a sync point on CUDA: the boundary check
+    if int(lo) < 0 or int(hi) >= num_rows:
+        bad = (rows < 0) | (rows >= num_rows)
         pos = tuple(int(i) for i in torch.nonzero(bad)[0])
         raise ValueError(
             f"row id {int(rows[pos])} at position {pos} is out of range [0, {num_rows}), outside this table's rows; "
