@@ -2,7 +2,7 @@
 Engram at one layer against the plain model, measured in the same run.
 
     python benchmarks/bench_hf.py [--hidden 256] [--layers 4] [--batch 8] [--seq 256] [--steps 8]
-                                  [--new-tokens 48] [--repeats 3]
+                                  [--new-tokens 48] [--repeats 5]
 
 Both models are the same random `LlamaForCausalLM` (vocabulary 8192, from a config); the Engram one
 has `engram.hf.add_engram` at layer 1 (3-grams, 4 heads per order, rows of 32, about 0.3M rows,
@@ -84,7 +84,7 @@ def run(
     seq: int = 256,
     steps: int = 8,
     new_tokens: int = 48,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> list[dict]:
     try:
         import transformers  # noqa: F401
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     print(f"engram.hf, torch {torch.__version__} with {torch.get_num_threads()} threads")
     for r in run(a.hidden, a.layers, a.batch, a.seq, a.steps, a.new_tokens, a.repeats):
