@@ -356,7 +356,7 @@ def test_demo_end_to_end(corpus, tmp_path):
     for name in ("report.md", "results.json", "loss.png", "gates.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     s = res["summary"]
-    assert len(s["gaps"]) == 2 and s["cost_ratio"] > 0
+    assert len(s["gaps"]) == 2 and s["cost_ratio"] > 0 and s["engram_helps"] in (True, False)
     assert s["baseline"]["params"]["total"] < s["engram"]["params"]["total"]
     assert set(s["per_category"]["text"]) == {"baseline", "engram", "engram_masked"}
     report = (tmp_path / "report.md").read_text()
@@ -393,6 +393,8 @@ def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
     cfg = tiny_cfg(corpus, eval_every=0)
     res = demo.run_demo(cfg, seeds=(0,), minutes=0.05, out_dir=tmp_path, progress=False)
     assert res["config"]["steps"] == int(0.05 * 60 / (0.05 * 1 * 1.15))  # 52: the budget decides
+    assert res["summary"]["engram_helps"] is None  # one seed: no spread, so no verdict
+    assert "unknown with one seed" in (tmp_path / "report.md").read_text()
     with pytest.raises(ValueError, match="give at least"):
         demo.run_demo(cfg, seeds=(0,), minutes=0.001, out_dir=tmp_path, progress=False)
     monkeypatch.undo()

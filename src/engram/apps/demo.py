@@ -190,8 +190,8 @@ def _write_report(results: dict[str, Any], out_dir: Path) -> None:
         f"**Held-out loss, baseline - Engram: {s['gap_mean']:+.4f} nats/token** (positive: Engram is better; per seed: "
         + ", ".join(f"{g:+.4f}" for g in s["gaps"])
         + f"; seed-to-seed spread of the baseline {s['baseline']['loss_spread']:.4f}, of Engram "
-        f"{s['engram']['loss_spread']:.4f}). Engram helps: **{'yes' if s['engram_helps'] else 'no'}** "
-        "(the gap exceeds the spread on every seed).",
+        f"{s['engram']['loss_spread']:.4f}). Engram helps: **{_verdict(s)}** "
+        "(yes: the gap exceeds the spread on every seed).",
         "",
         f"Training cost per token, Engram / baseline: **{s['cost_ratio']:.2f}x** (both trained in lock-step on "
         "the same machine).",
@@ -312,7 +312,8 @@ def run_demo(
             "params": runs[0][kind]["params"],
         }
     spread = max(summary["baseline"]["loss_spread"], summary["engram"]["loss_spread"])
-    summary["engram_helps"] = all(g > spread for g in gaps) and min(gaps) > 0
+    # one seed has no spread to compare its gap with: the verdict is then unknown (None)
+    summary["engram_helps"] = (all(g > spread for g in gaps) and min(gaps) > 0) if len(gaps) > 1 else None
     summary["cost_ratio"] = summary["baseline"]["tokens_per_s"] / summary["engram"]["tokens_per_s"]
     summary["per_category"] = {
         cat: {
@@ -348,6 +349,14 @@ def run_demo(
     return results
 
 
+def _verdict(summary: dict[str, Any]) -> str:
+    """'yes' / 'no', or why there is no answer (one seed: no spread to compare the gap with)."""
+    helps = summary["engram_helps"]
+    if helps is None:
+        return "unknown with one seed (no seed spread to compare the gap with: use --seeds 2 or more)"
+    return "yes" if helps else "no"
+
+
 def print_summary(results: dict[str, Any], out_dir: str | Path) -> None:
     s = results["summary"]
     print()
@@ -360,7 +369,7 @@ def print_summary(results: dict[str, Any], out_dir: str | Path) -> None:
     )
     print(
         f"seed-to-seed spread: baseline {s['baseline']['loss_spread']:.4f}, Engram {s['engram']['loss_spread']:.4f}"
-        f"  ->  Engram helps: {'yes' if s['engram_helps'] else 'no'}"
+        f"  ->  Engram helps: {_verdict(s)}"
     )
     print(f"training cost per token, Engram / baseline: {s['cost_ratio']:.2f}x")
     print(
