@@ -18,6 +18,7 @@ import numba
 import numpy as np
 import torch
 
+from engram.kernels.reference import check_gate_inputs
 from engram.kernels.threads import resolve_threads, run_chunks
 
 __all__ = ["PARALLEL_MIN", "applies", "gate", "gate_range"]
@@ -94,14 +95,8 @@ def gate(
             "cpu_gate.gate takes CPU float32/float64 tensors of one dtype without gradients; "
             f"got h {h.dtype} on {h.device}, key {key.dtype}, v {v.dtype}, w {w.dtype}"
         )
+    check_gate_inputs(h, key, v, w, dead)
     bsz, seq, hc, dim = h.shape
-    if key.shape != h.shape or v.shape != (bsz, seq, dim) or w.shape != (hc, dim):
-        raise ValueError(
-            f"shapes do not fit: h {tuple(h.shape)}, key {tuple(key.shape)} (expected h's), "
-            f"v {tuple(v.shape)} (expected {(bsz, seq, dim)}), w {tuple(w.shape)} (expected {(hc, dim)})"
-        )
-    if dead is not None and (dead.dtype != torch.bool or dead.shape != (bsz, seq)):
-        raise ValueError(f"dead must be bool {(bsz, seq)}, got {dead.dtype} {tuple(dead.shape)}")
     n = bsz * seq
     dtype = _NUMPY[h.dtype]
     out, gates = np.empty((bsz, seq, hc, dim), dtype), np.empty((bsz, seq, hc), dtype)

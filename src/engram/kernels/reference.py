@@ -12,7 +12,7 @@ import torch
 
 from engram.storage import quant
 
-__all__ = ["fp8_gather", "gate", "hash_rows", "signed_sqrt_gate"]
+__all__ = ["check_gate_inputs", "fp8_gather", "gate", "hash_rows", "signed_sqrt_gate"]
 
 
 def hash_rows(
@@ -87,6 +87,21 @@ def gate(
     if dead is not None:
         gates = gates.masked_fill(dead[..., None], 0.0)
     return h + gates[..., None] * v[:, :, None, :], gates
+
+
+def check_gate_inputs(
+    h: torch.Tensor, key: torch.Tensor, v: torch.Tensor, w: torch.Tensor, dead: torch.Tensor | None
+) -> None:
+    """The shapes every gate kernel takes: h and key (B, T, hc, dim), v (B, T, dim), w (hc, dim), dead
+    (B, T) bool or None; raises naming what does not fit."""
+    bsz, seq, hc, dim = h.shape
+    if key.shape != h.shape or v.shape != (bsz, seq, dim) or w.shape != (hc, dim):
+        raise ValueError(
+            f"shapes do not fit: h {tuple(h.shape)}, key {tuple(key.shape)} (expected h's), "
+            f"v {tuple(v.shape)} (expected {(bsz, seq, dim)}), w {tuple(w.shape)} (expected {(hc, dim)})"
+        )
+    if dead is not None and (dead.dtype != torch.bool or dead.shape != (bsz, seq)):
+        raise ValueError(f"dead must be bool {(bsz, seq)}, got {dead.dtype} {tuple(dead.shape)}")
 
 
 def signed_sqrt_gate(dot: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engram.kernels.reference import check_gate_inputs
+
 __all__ = ["FusedGate", "fused_gate"]
 
 _BLOCK_D = 256  # dim columns per step of the per-token kernels
@@ -269,13 +271,6 @@ def fused_gate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h (B, T, hc, dim), key (B, T, hc, dim), v (B, T, dim), w (hc, dim), dead (B, T) bool or None ->
     (h + gates * v (B, T, hc, dim), gates (B, T, hc)), differentiable in h, key, v and w."""
-    bsz, seq, hc, dim = h.shape
-    if key.shape != h.shape or v.shape != (bsz, seq, dim) or w.shape != (hc, dim):
-        raise ValueError(
-            f"shapes do not fit: h {tuple(h.shape)}, key {tuple(key.shape)} (expected h's), "
-            f"v {tuple(v.shape)} (expected {(bsz, seq, dim)}), w {tuple(w.shape)} (expected {(hc, dim)})"
-        )
-    if dead is not None and (dead.dtype != torch.bool or dead.shape != (bsz, seq)):
-        raise ValueError(f"dead must be bool {(bsz, seq)}, got {dead.dtype} {tuple(dead.shape)}")
+    check_gate_inputs(h, key, v, w, dead)
     out, gates = FusedGate.apply(h, key, v, w, dead, eps, clamp)
     return out, gates
