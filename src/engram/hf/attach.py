@@ -159,11 +159,6 @@ class EngramAttachment(nn.Module):
             new.__dict__[k] = None if k == "optimizer_hooks" else copy.deepcopy(v, memo)
         return new
 
-    @property
-    def device(self) -> torch.device:
-        """Where the first Engram module's parameters are (rows are moved there once per call)."""
-        return next(iter(self.parameters())).device
-
     def module(self, layer_id: int) -> Engram:
         return self.layers[str(layer_id)]  # type: ignore[return-value]
 

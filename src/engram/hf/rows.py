@@ -147,10 +147,9 @@ class RowSource:
         cache: Any,
         inputs_embeds: Any,
         rows: Any,
-        device: torch.device | None = None,
     ) -> None:
-        """This call's rows and dead mask into `current`, moved to `device` (None: left where they are
-        made, the CPU for hashed rows; the layer hooks move them to the hidden states' device)."""
+        """This call's rows and dead mask into `current`, where they are made (the CPU for hashed rows;
+        the layer hooks move them to the hidden states' device)."""
         self.current = self._fresh = None
         if input_ids is None:
             if rows is None:
@@ -184,8 +183,6 @@ class RowSource:
                 self.states[cache] = DecodeState(self.hasher, ids_cpu.numpy(), _np(dead_cpu), _np(starts))
             else:  # the model may make a cache itself: `end` gives it this state
                 self._fresh = (ids_cpu, dead_cpu, starts)
-        if device is not None:
-            rows, dead = rows.to(device, non_blocking=True), None if dead is None else dead.to(device)
         self.current = (rows, dead)
 
     def end(self, output: Any) -> None:
@@ -237,10 +234,8 @@ class RowSource:
             )
         ids = input_ids.detach().cpu().numpy()  # token ids: a view on the CPU
         dead_np = None if dead is None else dead.cpu().numpy()
-        st = None
-        if self.boundaries == "position_ids":
-            starts = self.starts(input_ids, position_ids, generating=True)
-            st = None if starts is None or not bool(starts.any()) else starts.numpy()
+        starts = self.starts(input_ids, position_ids, generating=True)
+        st = None if starts is None or not bool(starts.any()) else starts.numpy()
         stream = state.sync(past)
         if t == 1:
             rows = stream.step(
