@@ -75,12 +75,12 @@ class TrainableTable(EngramTable):
         check_rows(rows, self.num_rows)
         if not (torch.is_grad_enabled() and self.weight.requires_grad):  # no gradient: a plain gather
             emb = F.embedding(rows, self.weight)
-            return emb if dtype is None or emb.dtype == dtype else emb.to(dtype)
-        uniq, inverse = torch.unique(rows, return_inverse=True)  # (U,), rows.shape
-        emb = F.embedding(uniq, self.weight, sparse=True)  # (U, dim)
-        # index_select, not emb[inverse]: its backward sums repeated rows in a fixed order, where
-        # advanced indexing's multi-threaded backward does not (training would not be reproducible)
-        emb = emb.index_select(0, inverse.reshape(-1)).view(*rows.shape, self.dim)  # (..., dim)
+        else:
+            uniq, inverse = torch.unique(rows, return_inverse=True)  # (U,), rows.shape
+            emb = F.embedding(uniq, self.weight, sparse=True)  # (U, dim)
+            # index_select, not emb[inverse]: its backward sums repeated rows in a fixed order, where
+            # advanced indexing's multi-threaded backward does not (training would not be reproducible)
+            emb = emb.index_select(0, inverse.reshape(-1)).view(*rows.shape, self.dim)  # (..., dim)
         return emb if dtype is None or emb.dtype == dtype else emb.to(dtype)
 
 
