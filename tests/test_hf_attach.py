@@ -246,3 +246,39 @@ def test_bf16_model_exact_at_attach_and_engram_in_its_dtype():
     _attach(model)
     assert model.engram.module(1).wkv.weight.dtype == torch.bfloat16
     assert torch.equal(model(x).logits, ref)
+
+
+def _as_4d(mask: torch.Tensor, kind: str) -> torch.Tensor:
+    """The causal 4-D mask [B, 1, T, T] equivalent to a 2-D padding mask, bool or additive float."""
+    t = mask.shape[1]
+    attends = torch.tril(torch.ones(t, t, dtype=torch.bool))[None, None] & mask.bool()[:, None, None, :]
+    if kind == "bool":
+        return attends
+    return torch.zeros(attends.shape).masked_fill(~attends, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_4d_attention_mask_marks_padding_dead(kind):
+    """A 4-D mask gives the logits of the equivalent 2-D mask at live tokens (padding stays out of the
+    windows); before, Engram ignored it and live-token logits moved by ~0.1."""
+    model = _attach(S.llama())
+    with torch.no_grad():
+        model.engram.module(1).wkv.weight.normal_(std=0.5)
+    a, b = S.batch(1, 7, seed=1), S.batch(1, 4, seed=2)
+    pad = torch.full((1, 3), 7, dtype=torch.long)  # not Engram's pad id: padding seen in a window shows
+    x = torch.cat([a, torch.cat([pad, b], 1)])  # b left-padded
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0
+    want = model(x, attention_mask=mask).logits
+    got = model(x, attention_mask=_as_4d(mask, kind)).logits
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], rtol=1e-5, atol=1e-5)
+
+
+def test_an_attention_mask_of_another_shape_is_refused():
+    model = _attach(S.llama())
+    x = S.batch(2, 5)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        model(x, attention_mask=torch.ones(2, 1, 4, 5, dtype=torch.bool))  # 4 queries for 5 tokens
+    with pytest.raises(ValueError, match="2-D"):
+        model(x, attention_mask=torch.ones(2, 5, 5))

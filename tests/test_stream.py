@@ -152,3 +152,22 @@ def test_errors(hasher):
         HashStream(hasher, batch_size=0)
     with pytest.raises(TypeError, match=r"batch_size must be an int.*None"):
         HashStream(hasher, None)  # type: ignore[arg-type]
+
+
+def test_a_restart_id_ending_one_draft_round_restarts_the_next(ds_compression):
+    """Issue 18's case: `draft([1])`, `draft([121788])`, `commit(2)`, `feed([8753])` with windows
+    restarting after id 1 gives the rows of hashing the three tokens at once (the second draft
+    round once let the restart id back into the committed window)."""
+    config = EngramConfig.preset("deepseek-v4.1").replace(restart_after_id=1)
+    for backend in ("auto", "numpy"):
+        hasher = NgramHasher(config, ds_compression, backend=backend)
+        whole = hasher.hash(np.array([[1, 121788, 8753]]))
+        one_round = HashStream(hasher)
+        one_round.draft(np.array([1, 121788]))
+        one_round.commit(2)
+        s = HashStream(hasher)
+        assert np.array_equal(s.draft(np.array([1])), whole[0, :1])
+        assert np.array_equal(s.draft(np.array([121788])), whole[0, 1:2])
+        s.commit(2)
+        assert np.array_equal(s.window, one_round.window)
+        assert np.array_equal(s.feed(np.array([8753])), whole[0, 2:])

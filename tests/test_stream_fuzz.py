@@ -1,7 +1,9 @@
 """A fuzz of `HashStream` (hypothesis state machine, bounded time): random chunked prefills, decode
 steps, drafts, partial commits, rollbacks, resets and deliberately bad calls, on the numba and the
 numpy backends at once, against the plain reference of tests/reference.py (its own primes and
-multipliers, one position at a time). Every call that raises must leave the stream as it was."""
+multipliers, one position at a time). Every call that raises must leave the stream as it was.
+Run without restarts and with windows restarting after id 1 (`restart_after_id`, as Qwen4-Exp's PLE
+and `engram.hf`'s `boundaries="eos"` use it), with several draft rounds before a commit."""
 
 from __future__ import annotations
 
@@ -26,36 +28,42 @@ seqs_st = st.lists(st.integers(0, B - 1), min_size=1, max_size=B, unique=True)
 
 
 class Reference:
-    """Per sequence: committed (compressed id, dead) pairs and drafted ones; rows by tests/reference.py."""
+    """Per sequence: committed (compressed id, dead, raw id) tokens and drafted ones; rows by
+    tests/reference.py, one position at a time over the tokens since the last window start (the
+    position after a restart id starts a window: nothing before it is seen)."""
 
     def __init__(self, hasher: NgramHasher) -> None:
         c = hasher.config
         self.lookup = hasher.compression.lookup
         self.pad = int(self.lookup[c.pad_token_id])
+        self.restart = c.restart_after_id
         primes = ref.primes(c.layer_ids, c.engram_vocab_size, c.n_heads)
         self.layers = [
             (primes[layer], ref.multipliers(layer, c.max_ngram_size, c.compressed_vocab_size, c.seed))
             for layer in c.layer_ids
         ]
         self.n = c.max_ngram_size
-        self.committed: list[list[tuple[int, bool]]] = [[] for _ in range(B)]
-        self.drafts: list[list[tuple[int, bool]]] = [[] for _ in range(B)]
+        self.committed: list[list[tuple[int, bool, int]]] = [[] for _ in range(B)]
+        self.drafts: list[list[tuple[int, bool, int]]] = [[] for _ in range(B)]
 
-    def rows(self, b: int, new: list[tuple[int, bool]], after_drafts: bool) -> np.ndarray:
+    def rows(self, b: int, new: list[tuple[int, bool, int]], after_drafts: bool) -> np.ndarray:
         """Rows (len(new), n_layers, 24) of `new` tokens after sequence b's history."""
-        history = self.committed[b] + (self.drafts[b] if after_drafts else [])
-        # a look-back reaches n-1 tokens back at most: the last n-1 of the history are all that matter
-        seq = history[-(self.n - 1) :] + new
-        xc = [v for v, _ in seq]
-        dead = [d for _, d in seq]
-        out = []
-        for primes, mults in self.layers:
-            rows = ref.hash_sequence(xc, dead, self.pad, primes, mults, self.n)
-            out.append(rows[len(seq) - len(new) :])
-        return np.array(out).transpose(1, 0, 2)
+        seq = self.committed[b] + (self.drafts[b] if after_drafts else []) + new
+        first = len(seq) - len(new)
+        out = np.empty((len(new), len(self.layers), CONFIG.rows_per_token), dtype=np.int64)
+        for p in range(first, len(seq)):
+            begin = max(0, p - (self.n - 1))  # a look-back reaches n-1 tokens back at most
+            for k in range(begin + 1, p + 1):
+                if seq[k - 1][2] == self.restart:
+                    begin = k
+            part = seq[begin : p + 1]
+            for layer, (primes, mults) in enumerate(self.layers):
+                rows = ref.hash_sequence([v for v, _, _ in part], [d for _, d, _ in part], self.pad, primes, mults, self.n)
+                out[p - first, layer] = rows[-1]
+        return out
 
-    def tokens(self, ids: list[int], dead: list[bool] | None) -> list[tuple[int, bool]]:
-        return [(int(self.lookup[i]), bool(dead[j]) if dead else False) for j, i in enumerate(ids)]
+    def tokens(self, ids: list[int], dead: list[bool] | None) -> list[tuple[int, bool, int]]:
+        return [(int(self.lookup[i]), bool(dead[j]) if dead else False, int(i)) for j, i in enumerate(ids)]
 
 
 def snapshot(s: HashStream) -> tuple:
@@ -140,6 +148,13 @@ class StreamMachine(RuleBasedStateMachine):
         for i, b in enumerate(seqs):
             self.ref.drafts[b] += toks[i]
 
+    @rule(seqs=seqs_st, rounds=st.integers(2, 3), data=st.data())
+    def drafts_then_commit(self, seqs, rounds, data):
+        """Several draft rounds before one commit (a restart id may end any round)."""
+        for _ in range(rounds):
+            self.draft(seqs, data)
+        self.commit(seqs, data)
+
     @rule(seqs=seqs_st, data=st.data())
     def commit(self, seqs, data):
         n = [data.draw(st.integers(0, len(self.ref.drafts[b]))) for b in seqs]
@@ -221,10 +236,12 @@ class StreamMachine(RuleBasedStateMachine):
             assert s.n_draft.tolist() == [len(d) for d in self.ref.drafts]
 
 
-def test_stream_fuzz(ds_compression):
+@pytest.mark.parametrize("restart_after_id", [None, 1])
+def test_stream_fuzz(ds_compression, restart_after_id):
+    config = CONFIG.replace(restart_after_id=restart_after_id)
     StreamMachine.hashers = (
-        NgramHasher(CONFIG, ds_compression),
-        NgramHasher(CONFIG, ds_compression, backend="numpy"),
+        NgramHasher(config, ds_compression),
+        NgramHasher(config, ds_compression, backend="numpy"),
     )
     run = StreamMachine.TestCase
     run.settings = settings(

@@ -343,6 +343,15 @@ class HashStream:
         """Hash tentative tokens after the committed ones and any earlier drafts (nothing committed)."""
         self._to_host()
         xc, dead, st, ends, idx, one_d = self._prepare(token_ids, dead_mask, seqs, starts)
+        # A restart id as the last earlier draft restarts the window at this chunk's first token:
+        # `boundaries` sees this chunk alone, so the start is recorded here, or a later commit of
+        # both rounds would let the restart id into the window.
+        n_before = self.n_draft[idx]
+        if n_before.any():
+            carried = (n_before > 0) & self._draft_ends[idx, np.maximum(n_before - 1, 0)]
+            if carried.any():
+                st = np.zeros(xc.shape, dtype=bool) if st is None else st.copy()
+                st[:, 0] |= carried
         rows = self.hasher.hash_compressed(xc, dead, self._current_window(idx), starts=st)
         k = xc.shape[1]
         need = int(self.n_draft[idx].max()) + k

@@ -26,17 +26,49 @@ from engram.addressing.stream import HashStream
 __all__ = ["DecodeState", "RowSource", "dead_mask_from_attention"]
 
 
-def dead_mask_from_attention(attention_mask: Any, t: int) -> torch.Tensor | None:
-    """Dead positions [B, t] (True = padding) of the last t tokens, from a 2-D attention mask
-    [B, past + t] (or [B, t]); None when nothing is padded or the mask is not 2-D."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+def dead_mask_from_attention(attention_mask: Any, t: int, past: int = 0) -> torch.Tensor | None:
+    """Dead positions [B, t] (True = padding) of the t tokens after `past` cached ones; None when
+    nothing is padded or there is no mask.
+
+    A 2-D mask [B, past + t] (or [B, t]) marks padding with 0. A 4-D mask [B or 1, heads or 1, t,
+    keys] (packed sequences, custom attention) is read as the attention implementations read it:
+    bool True, or an additive float 0 (anything above the dtype's lowest half), means "attends"; a
+    token no query attends to (its key column masked everywhere) is padding."""
+    if attention_mask is None:
         return None
-    if attention_mask.shape[1] < t:
-        raise ValueError(
-            f"attention_mask has {attention_mask.shape[1]} columns but the input has {t} tokens; "
-            "it must cover the cached tokens and the new ones"
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() not in (2, 4):
+        found = (
+            f"a {attention_mask.dim()}-D tensor of shape {tuple(attention_mask.shape)}"
+            if isinstance(attention_mask, torch.Tensor)
+            else type(attention_mask).__name__
         )
-    dead = attention_mask[:, -t:] == 0
+        raise ValueError(
+            f"attention_mask must be a 2-D [batch, tokens] tensor (0 at padding) or a 4-D [batch, heads, "
+            f"queries, keys] one, got {found}; pass the 2-D padding mask"
+        )
+    if attention_mask.dim() == 2:
+        if attention_mask.shape[1] < t:
+            raise ValueError(
+                f"attention_mask has {attention_mask.shape[1]} columns but the input has {t} tokens; "
+                "it must cover the cached tokens and the new ones"
+            )
+        dead = attention_mask[:, -t:] == 0
+        return dead if bool(dead.any()) else None
+    _, _, queries, keys = attention_mask.shape
+    if queries != t or keys < past + t:
+        raise ValueError(
+            f"a 4-D attention_mask of shape {tuple(attention_mask.shape)} does not fit a call of {t} new "
+            f"tokens after {past} cached ones (want [batch, heads, {t}, >= {past + t}]); pass the 2-D "
+            "padding mask [batch, past + tokens] instead"
+        )
+    mask = attention_mask[..., past : past + t]  # (B, H, t, t): the new tokens' key columns
+    if mask.dtype == torch.bool:
+        attends = mask
+    elif mask.is_floating_point():
+        attends = mask > torch.finfo(mask.dtype).min / 2  # additive: 0 attends, the lowest value masks
+    else:
+        attends = mask != 0
+    dead = ~attends.any(dim=2).any(dim=1)  # (B, t): no query of any head attends that token
     return dead if bool(dead.any()) else None
 
 
@@ -166,8 +198,8 @@ class RowSource:
             )
         else:
             t = input_ids.shape[1]
-        dead = dead_mask_from_attention(attention_mask, t)
         past = _cache_length(cache)
+        dead = dead_mask_from_attention(attention_mask, t, past)
         if rows is not None:
             rows = self._check_rows(rows, input_ids, t, past)
         elif past:
