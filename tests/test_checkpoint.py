@@ -19,11 +19,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from engram import EngramConfig, Layout
+from engram.addressing.layout import layout_fingerprint
 from engram.checkpoint.convert import convert_table, make_scaled_v41_checkpoint
 from engram.checkpoint.hf_config import to_hf_dict
 from engram.checkpoint.v41 import (
     CONFIG_FILE,
     INDEX_FILE,
+    LAYOUT_FINGERPRINT_KEY,
+    TABLE_FINGERPRINT_KEY,
     TableFormat,
     engram_state_dict,
     layer_prefix,
@@ -120,7 +123,7 @@ def test_scaled_v41_checkpoint_format(v41):
         }
     assert {k: (v["dtype"], v["shape"]) for k, v in h.items() if k != "__metadata__"} == expected
     hf = json.loads((d / CONFIG_FILE).read_text())
-    assert hf["engram_num_embeddings"] == max(layout.num_embeddings)
+    assert hf["engram_num_embeddings"] == list(layout.num_embeddings)  # one per layer, as published
     assert read_checkpoint_config(d).replace(name=config.name, tokenizer=config.tokenizer) == config
 
 
@@ -296,14 +299,15 @@ def test_misshaped_tensors_all_reported(bad, v41):
     rewrite(shard_of(bad), edit)
     msg = load_error(bad)
     assert "4 problem(s)" in msg
+    # the config.json written lists each layer's rows, so only the layer's own prime sum fits
     assert (
-        f"layers.1.engram.embed.weight: shape [{r1 - 5}, 256], expected [{r1}, 256] (layer 1's prime sum) "
-        f"or [{r14}, 256] (engram_num_embeddings)" in msg
-    )
-    assert (
-        f"layers.1.engram.embed.scale: shape [{r1 - 5}, 8], expected [{r1}, 8] (layer 1's prime sum) or"
+        f"layers.1.engram.embed.weight: shape [{r1 - 5}, 256], expected [{r1}, 256] (layer 1's prime sum)"
         in msg
     )
+    assert (
+        f"layers.1.engram.embed.scale: shape [{r1 - 5}, 8], expected [{r1}, 8] (layer 1's prime sum)" in msg
+    )
+    assert f"[{r14}, 256] (engram_num_embeddings)" not in msg
     assert "layers.14.engram.q_weight: shape [4, 31], expected [4, 32]" in msg
     assert "layers.14.engram.wkv.weight: shape [160, 6000], expected [160, 6144]" in msg
 
@@ -373,7 +377,7 @@ def test_index_naming_missing_file(v41_modules, tmp_path):
 def test_config_with_wrong_num_embeddings(bad):
     path = bad / CONFIG_FILE
     hf = json.loads(path.read_text())
-    hf["engram_num_embeddings"] += 1
+    hf["engram_num_embeddings"][-1] += 1
     path.write_text(json.dumps(hf))
     msg = load_error(bad)
     assert str(path) in msg and "engram_num_embeddings=" in msg and "prime sums" in msg
@@ -385,7 +389,7 @@ def test_config_mismatch_and_missing_config(bad, v41):
         load_engram_modules(bad, config.replace(hidden_size=64))
     c2, _ = load_engram_modules(bad, config)  # the matching config is accepted
     assert load_engram_modules(bad, config.replace(norm_eps=1e-5))[0].norm_eps == 1e-5  # not in config.json
-    assert c2.declared_num_embeddings == max(Layout(config).num_embeddings)
+    assert c2.declared_num_embeddings == Layout(config).num_embeddings  # as config.json lists them
     (bad / CONFIG_FILE).unlink()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_engram_modules(bad)
@@ -393,16 +397,47 @@ def test_config_mismatch_and_missing_config(bad, v41):
 
 
 def test_checkpoint_for_another_config(bad, v41):
-    """Tables of a different prime base: every table is the wrong size (and nothing else is)."""
+    """Tables of a different prime base: every table is the wrong size, and the shard records another
+    layout fingerprint (nothing else is wrong)."""
     other = v41[1].replace(engram_vocab_size=(BASE + 200,) * 3)
     rows = Layout(other).num_embeddings
     (bad / CONFIG_FILE).write_text(json.dumps(to_hf_dict(other)))
     msg = load_error(bad)
-    assert "4 problem(s)" in msg and f"expected [{rows[0]}, 256] (layer 1's prime sum)" in msg
+    assert "5 problem(s)" in msg and f"expected [{rows[0]}, 256] (layer 1's prime sum)" in msg
+    assert f"has layout fingerprint {layout_fingerprint(Layout(other))}" in msg
     assert (
         f"layers.14.engram.embed.scale: shape [{Layout(v41[1]).num_embeddings[1]}, 8], "
         f"expected [{rows[1]}, 8]" in msg
     )
+
+
+def test_config_with_an_edited_seed_refused(bad, v41):
+    """The seed draws the multipliers only: every table keeps its shape, so only the layout fingerprint
+    the shard records tells that each row would be read for other n-grams."""
+    path = bad / CONFIG_FILE
+    hf = json.loads(path.read_text())
+    hf["engram_seed"] += 1
+    path.write_text(json.dumps(hf))
+    want = layout_fingerprint(Layout(v41[1]))
+    got = layout_fingerprint(Layout(v41[1].replace(seed=v41[1].seed + 1)))
+    msg = load_error(bad)
+    assert "1 problem(s)" in msg and "model-00001-of-00001.safetensors" in msg
+    assert f"saved for the layout with fingerprint {want}" in msg and f"has layout fingerprint {got}" in msg
+    assert "engram_seed" in msg and "restore the checkpoint's config.json" in msg
+
+
+def test_fingerprints_recorded_and_files_without_them_load(bad, v41):
+    """Our shards record the layout and each FP8 table's fingerprint; a file without them (DeepSeek's)
+    loads as before."""
+    meta = header(shard_of(bad))["__metadata__"]
+    assert meta[LAYOUT_FINGERPRINT_KEY] == layout_fingerprint(Layout(v41[1]))
+    assert {k for k in meta if k.startswith(TABLE_FINGERPRINT_KEY)} == {
+        f"{TABLE_FINGERPRINT_KEY}.1",
+        f"{TABLE_FINGERPRINT_KEY}.14",
+    }
+    rewrite(shard_of(bad), lambda t: None)  # the safetensors package writes no metadata
+    assert "__metadata__" not in header(shard_of(bad))
+    assert set(load_engram_modules(bad)[1]) == {1, 14}
 
 
 def test_duplicate_tensor_across_files(bad):

@@ -257,8 +257,8 @@ def test_layout_config_file_matches_preset(v41_config_file, v41_layout):
 
 def test_layout_config_file_off_by_one_num_embeddings_is_refused(tmp_path):
     hf = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
-    assert hf["engram_num_embeddings"] == V41_LAYER14_ROWS
-    hf["engram_num_embeddings"] = V41_LAYER14_ROWS + 1
+    assert hf["engram_num_embeddings"][-1] == V41_LAYER14_ROWS
+    hf["engram_num_embeddings"] = V41_LAYER14_ROWS + 1  # the scalar form, read too
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
     code, out, err = run_cli("layout", "--config", str(path), "--json")

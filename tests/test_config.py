@@ -66,11 +66,33 @@ def test_hf_round_trip(name):
     assert to_hf_dict(back) == d
 
 
-def test_v41_hf_dict_values():
+# DeepSeek-V4.1-Flash's own config.json, its Engram keys (what vLLM's V4.1 Engram layout reads)
+FLASH_ENGRAM_KEYS = {
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4,
+    "engram_vocab_size": 16000000,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_pad_token_id": 2,
+    "engram_compressed_vocab_size": 99092,
+    "engram_seed": 0,
+}
+
+
+def test_v41_hf_dict_is_the_published_form():
+    """One row count per Engram layer and `engram_pad_token_id`, as the Flash config.json has them
+    (a single number once made vLLM's layout fail with "'int' object is not iterable")."""
     d = to_hf_dict(EngramConfig.preset("deepseek-v4.1"))
-    assert d["engram_num_embeddings"] == 384016682
-    assert d["engram_vocab_size"] == 16000000
-    assert d["engram_layer_ids"] == [1, 14]
+    assert {k: d[k] for k in FLASH_ENGRAM_KEYS} == FLASH_ENGRAM_KEYS
+    assert all(isinstance(n, int) for n in d["engram_num_embeddings"])
+    assert "engram_pad_id" not in d
+    # both forms of engram_num_embeddings, and either pad key, still read
+    for changes in ({}, {"engram_num_embeddings": 384016682}):
+        flash = {**d, **changes}
+        assert from_hf_dict(flash) == EngramConfig.preset("deepseek-v4.1").replace(name="hf", tokenizer=None)
+    legacy = {k: v for k, v in d.items() if k != "engram_pad_token_id"} | {"engram_pad_id": 2}
+    assert from_hf_dict(legacy).pad_token_id == 2
 
 
 def test_hf_num_embeddings_mismatch_is_refused_with_both_numbers():

@@ -90,3 +90,41 @@ def test_load_refuses_another_tokenizer(tmp_path):
         load_engram(model, tmp_path / "e", tokenizer=other)
     assert not hasattr(model, "engram")
     load_engram(model, tmp_path / "e", tokenizer=S.tokenizer())  # the right one is accepted
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_load_refuses_attachment_options_that_are_not_a_file(tmp_path, kind):
+    import os
+
+    model = add_engram(S.llama(), S.engram_config((0, 2)), compression=S.compression(), boundaries="eos")
+    save_engram(model, tmp_path / "e")
+    opts = tmp_path / "e" / "engram_hf.json"
+    opts.unlink()
+    if kind == "fifo":
+        os.mkfifo(opts)  # opening it would block for good
+        what = "named pipe"
+    else:
+        opts.mkdir()
+        what = "folder"
+    fresh = S.llama()
+    with pytest.raises(
+        ValueError, match=rf"'engram_hf.json': a {what}.*boundaries, eos_token_id.*save the part again"
+    ):
+        load_engram(fresh, tmp_path / "e")
+    assert not hasattr(fresh, "engram")
+
+
+def test_load_refuses_a_part_whose_seed_was_edited(tmp_path):
+    from engram.addressing.layout import Layout, layout_fingerprint
+
+    model = _trained()
+    save_engram(model, tmp_path / "e")
+    path = tmp_path / "e" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["engram_seed"] += 1
+    path.write_text(json.dumps(cfg))
+    want = layout_fingerprint(Layout(model.engram.config))
+    fresh = S.llama()
+    with pytest.raises(ValueError, match=rf"saved for the layout with fingerprint {want}, but config"):
+        load_engram(fresh, tmp_path / "e")
+    assert not hasattr(fresh, "engram")

@@ -198,3 +198,34 @@ def test_a_damaged_checkpoint_names_the_real_cause(prebuilt, tmp_path, monkeypat
     assert main(["run-layer", "--checkpoint", str(ckpt), "--verify"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engram run-layer: error: ") and f"at row {row}, column 10" in err
+
+
+def test_convert_refuses_what_run_layer_refuses(prebuilt, tmp_path, ds_compression, capsys):
+    """`engram convert` used to write a checkpoint whose config.json run-layer refuses (a compressed
+    vocabulary the DeepSeek-V4 map contradicts): both check it with `check_tokenizer_fit`. The tables
+    are rewritten without metadata, as DeepSeek's own files are (no layout fingerprint to refuse them)."""
+    from safetensors.torch import load_file, save_file
+
+    from engram.checkpoint.convert import convert_table
+    from engram.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for p in prebuilt.iterdir():
+        (ckpt / p.name).write_bytes(p.read_bytes())
+        if p.suffix == ".safetensors":
+            save_file(load_file(str(ckpt / p.name)), str(ckpt / p.name), metadata={"format": "pt"})
+    good = json.loads((ckpt / "config.json").read_text())
+    fits = rf"{ckpt / 'config.json'} does not fit the deepseek-v4 tokenizer's compression map: "
+    (ckpt / "config.json").write_text(json.dumps(good | {"engram_compressed_vocab_size": 5000}))
+    with pytest.raises(ValueError, match=fits + ".*compressed_vocab_size=5000"):
+        run_layer(ckpt, compression=ds_compression)
+    with pytest.raises(ValueError, match=fits + ".*compressed_vocab_size=5000"):
+        convert_table(ckpt, tmp_path / "dst", to="float")
+    assert not (tmp_path / "dst").exists()  # refused before anything is written
+    assert main(["convert", str(ckpt), str(tmp_path / "dst"), "--to", "float"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("engram convert: error: ") and "compressed_vocab_size=5000" in err
+    (ckpt / "config.json").write_text(json.dumps(good | {"vocab_size": 100000}))
+    with pytest.raises(ValueError, match=fits + ".*covers 129280 tokenizer ids .* vocab_size=100000"):
+        convert_table(ckpt, tmp_path / "dst", to="float")

@@ -172,3 +172,20 @@ def test_direct_refused_falls_back_with_a_warning(tmp_path, monkeypatch) -> None
     assert not f.direct
     v, _ = f.gather_bytes(torch.tensor([19]))
     assert torch.equal(v.view(torch.uint8), t.weight[[19]].view(torch.uint8))
+
+
+def test_nan_scale_byte_and_tables_field(tmp_path) -> None:
+    import copy
+
+    t = _table(40, 64)
+    path = write_row_file(tmp_path / "t.rows", t.weight, t.scale, identity="a", tables="b" * 64)
+    f = RowFile(path, expect_tables="b" * 64)
+    assert f.header.tables == "b" * 64 and copy.deepcopy(f).header.tables == "b" * 64
+    with pytest.raises(ValueError, match=r"tables='b+' but the table needs tables='c'.*other weights"):
+        RowFile(path, expect_tables="c")
+    off = int(RowFileHeader(40, 64).offset_of(np.array([5]))[0]) + 64 + 1  # row 5's second scale
+    with open(path, "r+b") as fh:
+        fh.seek(off)
+        fh.write(b"\xff")
+    with pytest.raises(ValueError, match=r"1 of its 80 scales are the byte 255.*row 5, column 1"):
+        RowFile(path)

@@ -58,7 +58,9 @@ class Reference:
                     begin = k
             part = seq[begin : p + 1]
             for layer, (primes, mults) in enumerate(self.layers):
-                rows = ref.hash_sequence([v for v, _, _ in part], [d for _, d, _ in part], self.pad, primes, mults, self.n)
+                rows = ref.hash_sequence(
+                    [v for v, _, _ in part], [d for _, d, _ in part], self.pad, primes, mults, self.n
+                )
                 out[p - first, layer] = rows[-1]
         return out
 

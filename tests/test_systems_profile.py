@@ -9,11 +9,14 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
 from engram.addressing.hashing import NgramHasher
+from engram.checkpoint.files import open_tensors, save_tensors
 from engram.cli import main
 from engram.config import EngramConfig
+from engram.systems.planner import plan_memory
 from engram.systems.profile import build_profile, count_rows, load_profile, save_profile
 
 
@@ -92,3 +95,83 @@ def test_cli_profile(tmp_path, capsys):
         == 0
     )
     assert "kjv-held-out" in capsys.readouterr().out
+
+
+def _rewrite(src, dst, tensors=None, **meta):
+    """A copy of profile file `src` at `dst` with some tensors or metadata replaced."""
+    f = open_tensors(src)
+    t = {k: f.tensor(k).clone() for k in f}
+    save_tensors(dst, t | (tensors or {}), dict(f.metadata) | meta)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            {"rows": "huge"},
+            r"lists row 1000000000000 \(rows\.1\[0\]\), but layer 1 has \d+ rows; write a new",
+        ),
+        ({"rows": "negative"}, r"rows\.1\[2\] = -4: row ids are >= 0; write it again with `engram profile`"),
+        ({"rows": "float"}, r"rows\.1 is float64 .* must be a 1-D integer array"),
+        ({"counts": "negative"}, r"counts\.1\[0\] = -3: a count is how often the text used the row, >= 1"),
+        ({"counts": "nan"}, r"counts\.1 is float32 .* whole numbers"),
+        ({"tokens": "-5"}, r"tokens=-5 must be a whole number >= 1; write it again with `engram profile`"),
+        ({"batch_tokens": "0"}, r"batch_tokens=0 must be a whole number >= 1"),
+        ({"batch_tokens": "2.5"}, r"batch_tokens='2.5' is not a whole number"),
+    ],
+)
+def test_nonsense_profiles_refused(comp, tmp_path, change, match):
+    cfg = EngramConfig.preset("tiny")
+    hasher = NgramHasher(cfg, comp)
+    prof = build_profile(
+        hasher, np.random.default_rng(2).integers(0, cfg.vocab_size, 3000), 256, "random ids"
+    )
+    good = tmp_path / "p.safetensors"
+    save_profile(prof, good)
+    rows, counts = torch.from_numpy(prof.rows[0].copy()), torch.from_numpy(prof.counts[0].copy())
+    tensors, meta = {}, {}
+    for key, how in change.items():
+        if key == "rows":
+            r = rows.clone()
+            if how == "huge":
+                r[0] = 10**12
+            elif how == "negative":
+                r[2] = -4
+            tensors["rows.1"] = r.double() + 0.5 if how == "float" else r
+        elif key == "counts":
+            c = counts.clone()
+            c[0] = -3
+            tensors["counts.1"] = torch.full(c.shape, float("nan")) if how == "nan" else c
+        else:
+            meta[key] = how
+    bad = _rewrite(good, tmp_path / "bad.safetensors", tensors, **meta)
+    with pytest.raises(ValueError, match=match) as e:
+        load_profile(bad, hasher)
+    assert str(bad) in str(e.value)
+
+
+def test_plan_memory_refuses_profile_rows_past_the_table(comp):
+    cfg = EngramConfig.preset("tiny")
+    hasher = NgramHasher(cfg, comp)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 2000)
+    prof = build_profile(hasher, ids, 100, "random ids")
+    rows = hasher.hash(ids)
+    t_rows = int(prof.rows[0].max())  # one row short of the profile's largest id
+    with pytest.raises(ValueError, match=rf"lists row {t_rows} .* layer 1 has {t_rows} rows"):
+        plan_memory(rows, [1], [t_rows], 264, 264 * 10, 264 * 100, 1e4, policy="pinned", profile=prof)
+    with pytest.raises(ValueError, match=r"counts\.1 are not hottest first"):
+        dataclasses.replace(prof, counts=(prof.counts[0][::-1].copy(),))
+
+
+def test_cli_cache_sim_refuses_a_nonsense_profile(tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 40)
+    good = tmp_path / "p.safetensors"
+    assert main(["profile", "--preset", "tiny", "--text-file", str(text), "--out", str(good)]) == 0
+    bad = _rewrite(good, tmp_path / "bad.safetensors", tokens="-5")
+    capsys.readouterr()
+    argv = ["cache-sim", "--preset", "tiny", "--text-file", str(text), "--profile", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "tokens=-5" in err and str(bad) in err and "Traceback" not in err

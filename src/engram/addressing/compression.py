@@ -8,6 +8,7 @@ layouts or hashing. Design: docs/addressing.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -18,7 +19,13 @@ from typing import Any
 import numpy as np
 from tokenizers import Regex, Tokenizer, normalizers
 
-__all__ = ["KNOWN_TOKENIZERS", "TokenizerCompression", "resolve_tokenizer", "tokenizer_fingerprint"]
+__all__ = [
+    "KNOWN_TOKENIZERS",
+    "TokenizerCompression",
+    "known_compression",
+    "resolve_tokenizer",
+    "tokenizer_fingerprint",
+]
 
 _SENTINEL = "\ue000"  # keeps a token that is exactly one space from being stripped to ""
 _FORMAT = "engram-compression-v1"
@@ -260,3 +267,13 @@ class TokenizerCompression:
             "reduction": 1 - self.size / self.vocab_size,
             "fingerprint": self.fingerprint,
         }
+
+
+@functools.cache
+def known_compression(name: str) -> TokenizerCompression:
+    """The compression map of known tokenizer `name` (e.g. 'deepseek-v4'), built on first use (about
+    2 s for DeepSeek-V4's 129280 ids) and kept for the process: the map is read-only, and every command
+    that checks a V4.1 config against its tokenizer needs the same one."""
+    if name not in KNOWN_TOKENIZERS:
+        raise ValueError(f"tokenizer {name!r} is not a known one ({', '.join(KNOWN_TOKENIZERS)})")
+    return TokenizerCompression.from_tokenizer(name)

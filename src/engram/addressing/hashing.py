@@ -33,6 +33,7 @@ from engram.kernels.threads import check_threads, resolve_threads
 __all__ = [
     "HashBackend",
     "NgramHasher",
+    "check_compression",
     "check_dead_mask",
     "check_device_inputs",
     "check_starts",
@@ -86,6 +87,34 @@ class _KernelTables:
         )
 
 
+def check_compression(config: EngramConfig, compression: TokenizerCompression | None) -> TokenizerCompression:
+    """The compression map that hashes `config`'s ids (None: the identity, for a config that hashes raw
+    ids), refused (ValueError) unless it covers the config's vocab_size ids with exactly its
+    compressed_vocab_size compressed ids. `NgramHasher` checks its map with it; a checkpoint's
+    config.json is checked with it before anything is served or converted."""
+    if compression is None:  # raw-id variants (Qwen4-Exp): the identity map
+        if config.compressed_vocab_size != config.vocab_size:
+            raise ValueError(
+                f"config {config.name!r} hashes compressed ids (compressed_vocab_size="
+                f"{config.compressed_vocab_size} < vocab_size={config.vocab_size}): pass its compression map, "
+                "e.g. TokenizerCompression.from_tokenizer(tokenizer)"
+            )
+        return TokenizerCompression.identity(config.vocab_size)
+    if compression.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"the compression map covers {compression.vocab_size} tokenizer ids but config {config.name!r} has "
+            f"vocab_size={config.vocab_size}: the map and the config are for different tokenizers"
+        )
+    if compression.size != config.compressed_vocab_size:
+        raise ValueError(
+            f"the compression map has {compression.size} compressed ids but config {config.name!r} expects "
+            f"compressed_vocab_size={config.compressed_vocab_size}; the multipliers depend on it, so every row "
+            "would differ. Use the tokenizer the config was made for, or set compressed_vocab_size="
+            f"{compression.size} for a new model"
+        )
+    return compression
+
+
 class NgramHasher:
     """Hashes token ids into the physical rows of every Engram layer of a config.
 
@@ -105,26 +134,7 @@ class NgramHasher:
         backend: HashBackend | str = HashBackend.AUTO,
         threads: int | None = None,
     ) -> None:
-        if compression is None:  # raw-id variants (Qwen4-Exp): the identity map
-            if config.compressed_vocab_size != config.vocab_size:
-                raise ValueError(
-                    f"config {config.name!r} hashes compressed ids (compressed_vocab_size="
-                    f"{config.compressed_vocab_size} < vocab_size={config.vocab_size}): pass its compression map, "
-                    "e.g. TokenizerCompression.from_tokenizer(tokenizer)"
-                )
-            compression = TokenizerCompression.identity(config.vocab_size)
-        if compression.vocab_size != config.vocab_size:
-            raise ValueError(
-                f"the compression map covers {compression.vocab_size} tokenizer ids but config {config.name!r} has "
-                f"vocab_size={config.vocab_size}: the map and the config are for different tokenizers"
-            )
-        if compression.size != config.compressed_vocab_size:
-            raise ValueError(
-                f"the compression map has {compression.size} compressed ids but config {config.name!r} expects "
-                f"compressed_vocab_size={config.compressed_vocab_size}; the multipliers depend on it, so every row "
-                "would differ. Use the tokenizer the config was made for, or set compressed_vocab_size="
-                f"{compression.size} for a new model"
-            )
+        compression = check_compression(config, compression)
         self.config = config
         self.compression = compression
         self.layout = Layout(config)

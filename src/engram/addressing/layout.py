@@ -3,12 +3,15 @@
 Knows how V4.1 searches its primes and draws its multipliers (and Qwen4-Exp's PLE: splitmix64
 multipliers per layer index, tables padded to a row multiple; its primes, consecutive primes from
 one base, are V4.1's search with one base), and what a layout costs in rows and bytes (what
-`engram layout` prints). Computes nothing on token ids or table data.
+`engram layout` prints), and `layout_fingerprint`, the one identity every file holding rows records.
+Computes nothing on token ids or table data.
 Design: docs/addressing.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -24,6 +27,7 @@ __all__ = [
     "Layout",
     "find_head_primes",
     "layer_multipliers",
+    "layout_fingerprint",
     "multiplier_bound",
     "splitmix64",
 ]
@@ -214,3 +218,20 @@ class Layout:
                 "fp8_ue8m0_per_token": None if rb is None else self.bytes_per_token(rb) * c.n_layers,
             },
         }
+
+
+def layout_fingerprint(layout: Layout) -> str:
+    """sha256 (64 hex digits) over what decides every row id: the layer ids, each layer's primes and
+    multipliers (which the seed draws), the compressed vocabulary, pad id, n-gram orders and heads.
+
+    Every file of rows engram writes records it (checkpoint tables, row files, profiles), so rows
+    hashed with one layout are never served under another (e.g. a config whose seed was edited)."""
+    c = layout.config
+    spec = {
+        "layers": [[ly.layer_id, [list(p) for p in ly.primes], list(ly.multipliers)] for ly in layout.layers],
+        "max_ngram_size": c.max_ngram_size,
+        "n_heads": c.n_heads,
+        "compressed_vocab_size": c.compressed_vocab_size,
+        "pad_token_id": c.pad_token_id,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()

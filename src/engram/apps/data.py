@@ -16,6 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engram.apps.corpus import kjv_verses
+from engram.apps.input_files import input_file, path_kind, read_text_file
 
 __all__ = [
     "EOS",
@@ -131,17 +132,19 @@ def load_corpus(spec: str | None = None) -> list[Document]:
     if spec in (None, "kjv"):
         return _kjv_documents()
     path = Path(spec)
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
-    elif path.is_file():
-        files = [path]
+    kind = path_kind(path)  # an os.stat: nothing is opened (a FIFO would block for good)
+    if kind == "a folder":
+        files = sorted(f for f in path.rglob("*.txt") if path_kind(f) != "a folder")
+    elif kind is not None:
+        files = [input_file(path, "a text file, a folder of *.txt or a glob")]
     else:
-        files = sorted(Path(p) for p in glob.glob(spec))
+        files = sorted(Path(p) for p in glob.glob(spec) if path_kind(p) != "a folder")
     if not files:
         raise FileNotFoundError(
             f"--corpus {spec!r} names no text file (give a file, a folder of *.txt, or a glob)"
         )
-    docs = [Document(f.name, f.read_text(encoding="utf-8")) for f in files]
+    # each file checked (a regular file) before it is read, and named if it is not UTF-8 text
+    docs = [Document(f.name, read_text_file(f, "a text file")) for f in files]
     docs = [d for d in docs if d.text.strip()]
     if not docs:
         raise ValueError(f"--corpus {spec!r}: every file is empty")

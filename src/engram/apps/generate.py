@@ -6,7 +6,6 @@ The run's model and tokenizer come through `engram.apps.train`. Design: docs/tra
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -162,10 +161,9 @@ def load_generator(
     rebuilt by `prepare_data` from the run's config. The hasher is built from the model's Engram config
     and the tokenizer's compression map, as training built it.
     """
-    from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+    from engram.addressing.compression import TokenizerCompression
     from engram.apps.rows import identity_compression
-    from engram.apps.train import load_trained_model, prepare_data
-    from engram.checkpoint.files import member_file
+    from engram.apps.train import checkpoint_tokenizer, load_trained_model, prepare_data
 
     if not Path(checkpoint).exists():
         raise FileNotFoundError(
@@ -173,18 +171,9 @@ def load_generator(
             "or one of its checkpoints/step-N folders"
         )
     cfg, model, state = load_trained_model(checkpoint, verify=verify)
-    tok_file = Path(state["path"]) / "tokenizer.json"
-    if os.path.lexists(tok_file):  # a regular file inside the checkpoint, never a FIFO or a link out
-        path = member_file(state["path"], tok_file.name, "the checkpoint's")
-        tok = resolve_tokenizer(path)  # a damaged file: ValueError naming it
-    else:
+    tok = checkpoint_tokenizer(state["path"], model.config.vocab_size)  # checked as resume checks it
+    if tok is None:
         tok = prepare_data(cfg, with_engram=False).tokenizer
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    if vocab != model.config.vocab_size:
-        raise ValueError(
-            f"{state['path']}: the tokenizer has {vocab} ids but the model {model.config.vocab_size}; "
-            "the checkpoint's tokenizer.json is not the run's"
-        )
     if cfg.row_hash != "ngram":
         raise ValueError(
             f"{state['path']}: this run was trained with row_hash={cfg.row_hash.value!r} (a study's "

@@ -15,11 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.compression import TokenizerCompression, known_compression, resolve_tokenizer
 from engram.addressing.hashing import NgramHasher
 from engram.addressing.layout import Layout
 from engram.checkpoint.convert import make_scaled_v41_checkpoint
 from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
+from engram.checkpoint.tokenizer_fit import V41_TOKENIZER, check_tokenizer_fit
 from engram.checkpoint.v41 import load_engram_modules
 from engram.config import EngramConfig
 from engram.storage.fp8 import BLOCK
@@ -35,7 +36,7 @@ __all__ = [
 DEFAULT_TEXT = "Only Alexander the Great could tame the horse Bucephalus."
 DEFAULT_BASE = 4096  # prime-search base of the built checkpoint: ~98K rows, ~26 MB a table
 DEFAULT_HIDDEN_SIZE = 64
-TOKENIZER = "deepseek-v4"
+TOKENIZER = V41_TOKENIZER
 # A built checkpoint larger than this is refused: --base near V4.1's 16000000 would write ~200 GB.
 _MAX_BUILD_BYTES = 2 * 10**9
 
@@ -131,10 +132,12 @@ def _run(
     t0 = time.perf_counter()
     tok = resolve_tokenizer(TOKENIZER)
     if compression is None:
-        compression = TokenizerCompression.from_tokenizer(tok)
+        compression = known_compression(TOKENIZER)
     else:
         compression.check_tokenizer(tok)  # a map of another tokenizer would hash other rows
-    hasher = NgramHasher(config, compression)  # refuses a map of another size than the config's
+    # config.json must fit the DeepSeek-V4 map, checked as `engram convert` checks it
+    compression = check_tokenizer_fit(ckpt_dir, config, compression, tokenizer=TOKENIZER)
+    hasher = NgramHasher(config, compression)
     seconds["tokenizer"] = time.perf_counter() - t0
 
     ids = np.array(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)  # (T,)

@@ -5,20 +5,22 @@ checkpoint for tests, examples and `engram run-layer`. The format itself is `eng
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
-from engram.addressing.layout import Layout
+from engram.addressing.layout import Layout, layout_fingerprint
+from engram.checkpoint.files import member_file, open_tensors
+from engram.checkpoint.integrity import SCAN_LIMIT_BYTES, table_fingerprint
+from engram.checkpoint.tokenizer_fit import check_tokenizer_fit
 from engram.checkpoint.v41 import (
     DEFAULT_MAX_SHARD_BYTES,
     TableFormat,
     load_engram_modules,
-    read_checkpoint_config,
     save_checkpoint,
+    stored_tables,
 )
 from engram.config import EngramConfig, Variant
 from engram.model.module import Engram
@@ -29,7 +31,6 @@ __all__ = [
     "convert_table",
     "make_scaled_v41_checkpoint",
     "open_row_file",
-    "row_file_identity",
     "row_file_path",
     "write_row_files",
 ]
@@ -71,6 +72,7 @@ def convert_table(
     if dst.exists() and src.resolve() == dst.resolve():
         raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
     config, modules = load_engram_modules(src, mmap=True, dtype=None, verify=verify)
+    check_tokenizer_fit(src, config)  # as `engram run-layer` checks it: a config its tokenizer contradicts
     shards = save_checkpoint(
         dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
     )
@@ -80,28 +82,19 @@ def convert_table(
 # ------------------------------------------------------------------------------------------- row files
 
 
-def row_file_identity(config: EngramConfig, layer_id: int) -> str:
-    """sha256 (64 hex digits) of what a layer's row ids mean: its primes, row offsets' order, multipliers
-    and row width. A row file carries it, so one written for another layout or layer is refused."""
-    layer = Layout(config).layer(layer_id)
-    key = {
-        "layer_id": layer_id,
-        "primes": [list(p) for p in layer.primes],
-        "multipliers": list(layer.multipliers),
-        "head_dim": config.head_dim,
-        "compressed_vocab_size": config.compressed_vocab_size,
-    }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
 def row_file_path(ckpt_dir: str | os.PathLike[str], layer_id: int) -> Path:
     """Where a checkpoint keeps layer `layer_id`'s row file."""
     return Path(ckpt_dir) / f"engram_layer{layer_id}.rows"
 
 
 def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write a row file beside an FP8 checkpoint for each of its layers, from the stored bytes; returns them."""
+    """Write a row file beside an FP8 checkpoint for each of its layers, from the stored bytes; returns them.
+
+    Each records the layout fingerprint and the fingerprint of the table it was copied from (the one
+    the checkpoint records, else computed from the bytes), which `open_row_file` checks."""
     config, modules = load_engram_modules(ckpt_dir, mmap=True, dtype=None)
+    _, stored = stored_tables(ckpt_dir, config)
+    layout_fp = layout_fingerprint(Layout(config))
     out = []
     for layer_id, module in modules.items():
         table = module.table
@@ -109,45 +102,84 @@ def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
             raise ValueError(
                 f"{ckpt_dir}: layer {layer_id} has a {type(table).__name__}, not FP8; convert it with --to fp8 first"
             )
-        ident = row_file_identity(config, layer_id)
+        tables_fp = stored[layer_id].fingerprint or table_fingerprint(table.weight, table.scale)
         path = row_file_path(ckpt_dir, layer_id)
         out.append(
             write_row_file(
-                path, table.weight, table.scale, layer_id=layer_id, identity=ident, label=config.name
+                path,
+                table.weight,
+                table.scale,
+                layer_id=layer_id,
+                identity=layout_fp,
+                tables=tables_fp,
+                label=config.name,
             )
         )
     return out
 
 
 def open_row_file(
-    ckpt_dir: str | os.PathLike[str], layer_id: int, *, direct: bool = False, io_threads: int = 1
+    ckpt_dir: str | os.PathLike[str],
+    layer_id: int,
+    *,
+    direct: bool = False,
+    io_threads: int = 1,
+    verify: bool = False,
 ) -> RowFile:
-    """Layer `layer_id`'s row file of the checkpoint `ckpt_dir`, checked against its config (rows, width,
-    layer and layout identity): a file written for another checkpoint raises, naming the field and the fix."""
-    config = read_checkpoint_config(ckpt_dir)
+    """Layer `layer_id`'s row file of the checkpoint `ckpt_dir`, checked against it: its rows, width and
+    layer, the layout fingerprint and the fingerprint of the table it was written from (a file written
+    for another checkpoint, even one of the same layout, raises, naming both values and the fix). The
+    file must be a regular file inside the folder (no link out of it); its rows are scanned for NaN
+    bytes as the checkpoint's tables are (by size, always with `verify`).
+
+    The checkpoints `engram convert` writes record their tables' fingerprints; for one that does not
+    (DeepSeek's own), the table's bytes are hashed: tables up to `SCAN_LIMIT_BYTES`, any with `verify`
+    (else a warning says the row file was not matched to the table)."""
+    ckpt_dir = Path(ckpt_dir)
+    config, stored = stored_tables(ckpt_dir)
     if layer_id not in config.layer_ids:
         raise ValueError(
             f"layer_id={layer_id} is not an Engram layer of {ckpt_dir} (layers {list(config.layer_ids)})"
         )
-    layout = Layout(config)
-    rows = layout.layer(layer_id).num_embeddings
-    path = row_file_path(ckpt_dir, layer_id)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no row file; write it with `engram convert SRC DST --row-file`")
-    f = RowFile(
+    if layer_id not in stored:
+        raise ValueError(
+            f"{ckpt_dir}: layer {layer_id}'s table is a float table; row files hold FP8 rows: convert "
+            "with `engram convert SRC DST --to fp8 --row-file`"
+        )
+    table = stored[layer_id]
+    name = row_file_path(ckpt_dir, layer_id).name
+    try:  # a plain file inside the folder, as every file a checkpoint names
+        path = member_file(ckpt_dir, name, f"layer {layer_id}'s row file")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{ckpt_dir / name}: no row file; write it with `engram convert SRC DST --row-file`"
+        ) from None
+    tables_fp = table.fingerprint
+    if tables_fp is None:
+        f = open_tensors(table.weight.path)
+        w = f.mapped(table.weight.name)
+        s = open_tensors(table.scale.path).mapped(table.scale.name)
+        nbytes = w.numel() + s.numel()
+        if nbytes <= SCAN_LIMIT_BYTES or verify:
+            tables_fp = table_fingerprint(w, s)
+        else:
+            warnings.warn(
+                f"{path} was not matched to the table it was written from: {table.weight.path} records no "
+                f"table fingerprint and hashing its {nbytes / 2**30:.1f} GiB is done only with verify=True; "
+                "`engram convert` writes a checkpoint that records it",
+                stacklevel=2,
+            )
+    return RowFile(
         path,
+        expect_rows=table.weight.shape[0],
         expect_dim=config.head_dim,
-        expect_identity=row_file_identity(config, layer_id),
+        expect_identity=layout_fingerprint(Layout(config)),
+        expect_tables=tables_fp,
         expect_layer_id=layer_id,
         direct=direct,
         io_threads=io_threads,
+        verify=verify,
     )
-    if f.rows < rows:
-        raise ValueError(
-            f"{path}: the row file has rows={f.rows} but layer {layer_id} addresses rows={rows}; "
-            "rewrite it from this checkpoint with `engram convert SRC DST --row-file`"
-        )
-    return f
 
 
 # ------------------------------------------------------------------------------------------- example
@@ -178,6 +210,8 @@ def make_scaled_v41_checkpoint(
     )
     assert config.variant is Variant.V4_1
     layout = Layout(config)
+    if max_size_tables:  # config.json then declares the scalar form: every table that many rows
+        config = config.replace(declared_num_embeddings=max(layout.num_embeddings))
     g = torch.Generator().manual_seed(seed)
     modules: dict[int, Engram] = {}
     for layer_id in config.layer_ids:

@@ -2,7 +2,8 @@
 Qwen4-Exp's `ple_*` / `ngram_*` keys.
 
 Reading is `EngramConfig.from_hf_config`'s (engram.config); this module adds what needs the hash
-layout: writing the keys (`engram_num_embeddings` is a prime sum) and refusing a config whose
+layout: writing the keys as DeepSeek-V4.1-Flash's config.json has them (`engram_num_embeddings`:
+one prime sum per Engram layer) and refusing a config whose
 declared `engram_num_embeddings` contradicts its own primes. Knows nothing of tensors or files.
 """
 
@@ -24,20 +25,21 @@ def to_hf_dict(config: EngramConfig) -> dict[str, Any]:
     if config.variant is Variant.QWEN4_EXP_PLE:
         return _to_qwen4_exp_dict(config)
     declared = config.declared_num_embeddings
-    if declared is None:
-        # V4.1's config.json holds one number: the largest layer's row count.
-        declared = max(Layout(config).num_embeddings)
     bases = config.engram_vocab_size
     d = {
         "engram_variant": config.variant.value,
         "engram_layer_ids": list(config.layer_ids),
-        "engram_num_embeddings": list(declared) if isinstance(declared, tuple) else declared,
+        # DeepSeek-V4.1-Flash's config.json: one row count per Engram layer (vLLM's layout iterates
+        # over it). The scalar form (the largest layer's count, every table that long) is kept only
+        # for a config read with it: its tables have that many rows.
+        "engram_num_embeddings": declared
+        if isinstance(declared, int)
+        else list(Layout(config).num_embeddings),
         "engram_max_ngram_size": config.max_ngram_size,
         "engram_vocab_size": bases[0] if len(set(bases)) == 1 else list(bases),
         "engram_n_heads": config.n_heads,
         "engram_head_dim": config.head_dim,
-        "engram_pad_token_id": config.pad_token_id,
-        "engram_pad_id": config.pad_token_id,  # the same, under the name SPEC §4 uses
+        "engram_pad_token_id": config.pad_token_id,  # the published key (engram_pad_id is read too)
         "engram_compressed_vocab_size": config.compressed_vocab_size,
         "engram_seed": config.seed,
         "engram_kernel_size": config.kernel_size,

@@ -1,12 +1,15 @@
 """What a loaded checkpoint's tensors hold: NaN / Inf scans (float and FP8 bytes) shared by every loader,
-in chunks; tables over `SCAN_LIMIT_BYTES` only when asked. Knows no checkpoint formats, configs or
-models. Design: docs/checkpoint.md.
+in chunks, of a whole table or one read in pieces (a row file); tables over `SCAN_LIMIT_BYTES` only
+when asked; and `table_fingerprint`, the content hash that ties a row file to the table it was written
+from. Knows no checkpoint formats, configs or models. Design: docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -14,8 +17,10 @@ __all__ = [
     "SCAN_LIMIT_BYTES",
     "UnscannedTableWarning",
     "check_finite",
+    "check_fp8_rows",
     "check_fp8_table",
     "scan_table",
+    "table_fingerprint",
 ]
 
 SCAN_LIMIT_BYTES = 256 * 2**20
@@ -74,13 +79,17 @@ def check_finite(t: torch.Tensor, where: str) -> None:
         )
 
 
+# (what, the NaN test on its bytes, the NaN bytes in words) of an FP8 table's two tensors
+_FP8_NAN: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor], str], ...] = (
+    ("values", lambda b: (b & 0x7F) == 0x7F, "0x7F / 0xFF, NaN in e4m3"),
+    ("scales", lambda b: b == 0xFF, "255, NaN in ue8m0"),
+)
+
+
 def check_fp8_table(weight: torch.Tensor, scale: torch.Tensor, where: str) -> None:
     """ValueError if an FP8 table's values (float8_e4m3fn [rows, dim]) hold a NaN byte (0x7F / 0xFF) or its
     scales (float8_e8m0fnu [rows, dim // 32]) the NaN byte 255; reads every byte (`scan_table` decides)."""
-    for t, name, test, nan in (
-        (weight, "values", lambda b: (b & 0x7F) == 0x7F, "0x7F / 0xFF, NaN in e4m3"),
-        (scale, "scales", lambda b: b == 0xFF, "255, NaN in ue8m0"),
-    ):
+    for t, (name, test, nan) in zip((weight, scale), _FP8_NAN, strict=True):
         flat = t.reshape(-1).view(torch.uint8)
         bad, first = _count(flat, test)
         if bad:
@@ -88,6 +97,39 @@ def check_fp8_table(weight: torch.Tensor, scale: torch.Tensor, where: str) -> No
                 f"{where}: {bad} of its {flat.numel()} {name} are the byte {nan} (the first at "
                 f"{_position(first, t.shape)}); {_FIX}"
             )
+
+
+def check_fp8_rows(
+    pieces: Iterable[tuple[int, torch.Tensor, torch.Tensor]], where: str, fix: str = _FIX
+) -> None:
+    """`check_fp8_table` over a table read in pieces (a row file): (first row, values (n, dim), scales
+    (n, dim // 32)), FP8 or their uint8 bytes. Every piece is read; the error counts over all of them and
+    names the first bad row, and `fix`."""
+    bad, total, first = [0, 0], [0, 0], ["", ""]
+    for row0, values, scales in pieces:
+        for k, (t, (_, test, _)) in enumerate(zip((values, scales), _FP8_NAN, strict=True)):
+            flat = t.reshape(-1).view(torch.uint8)
+            n, i = _count(flat, test)
+            total[k] += flat.numel()
+            if n and not bad[k]:
+                first[k] = f"row {row0 + i // t.shape[1]}, column {i % t.shape[1]}"
+            bad[k] += n
+    for k, (name, _, nan) in enumerate(_FP8_NAN):
+        if bad[k]:
+            raise ValueError(
+                f"{where}: {bad[k]} of its {total[k]} {name} are the byte {nan} (the first at {first[k]}); {fix}"
+            )
+
+
+def table_fingerprint(weight: torch.Tensor, scale: torch.Tensor) -> str:
+    """sha256 (64 hex digits) of an FP8 table's shape and bytes: values (rows, dim), then scales. One pass
+    over the bytes (about 1 s a GB), in chunks; what a row file records of the table it was written from."""
+    h = hashlib.sha256(json.dumps([list(weight.shape), list(scale.shape)]).encode())
+    for t in (weight, scale):
+        flat = t.detach().cpu().reshape(-1).view(torch.uint8)
+        for _, piece in _chunks(flat):
+            h.update(memoryview(piece.contiguous().numpy()))
+    return h.hexdigest()
 
 
 def scan_table(nbytes: int, verify: bool, where: str) -> bool:

@@ -1,6 +1,8 @@
 """The V4.1 checkpoint format for Engram modules: safetensors shards + config.json, no pickle. Writes
 atomically, validates every expected tensor before building modules, refuses NaN / Inf and any file
-outside the folder. Safetensors I/O is `engram.checkpoint.files`'s, conversions
+outside the folder. Each shard written records the layout fingerprint in its metadata (and each FP8
+table's content fingerprint), so tables are never loaded under another layout (an edited seed);
+DeepSeek's files record none and load as they are. Safetensors I/O is `engram.checkpoint.files`'s, conversions
 `engram.checkpoint.convert`'s. Design: docs/checkpoint.md.
 """
 
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engram.addressing.layout import Layout
+from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import (
     TensorEntry,
     TensorFile,
@@ -27,7 +29,7 @@ from engram.checkpoint.files import (
     save_tensors,
 )
 from engram.checkpoint.hf_config import from_hf_dict, to_hf_dict
-from engram.checkpoint.integrity import check_finite, check_fp8_table, scan_table
+from engram.checkpoint.integrity import check_finite, check_fp8_table, scan_table, table_fingerprint
 from engram.checkpoint.json_file import read_json
 from engram.config import EngramConfig
 from engram.model.module import Engram
@@ -38,17 +40,23 @@ __all__ = [
     "CONFIG_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_FILE",
+    "LAYOUT_FINGERPRINT_KEY",
+    "TABLE_FINGERPRINT_KEY",
+    "StoredTable",
     "TableFormat",
     "engram_state_dict",
     "layer_prefix",
     "load_engram_modules",
     "read_checkpoint_config",
     "save_checkpoint",
+    "stored_tables",
 ]
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
+LAYOUT_FINGERPRINT_KEY = "engram_layout_fingerprint"  # shard metadata: `layout_fingerprint` of the config
+TABLE_FINGERPRINT_KEY = "engram_table_fingerprint"  # + ".{layer_id}": `table_fingerprint` of an FP8 table
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _ENGRAM_RE = re.compile(r"^layers\.(\d+)\.engram\.(.+)$")
 _FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
@@ -131,6 +139,19 @@ def _shard(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list
     return shards
 
 
+def _shard_metadata(layout_fp: str, shard: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """A shard's metadata: the layout fingerprint, and the content fingerprint of each FP8 table it holds
+    (one pass over the table's bytes: what a row file written from it records)."""
+    meta = {LAYOUT_FINGERPRINT_KEY: layout_fp}
+    tensors = dict(shard)
+    for name, scale in shard:
+        mt = _ENGRAM_RE.match(name)
+        if mt and mt.group(2) == "embed.scale":  # _shard keeps a table's values beside its scales
+            weight = tensors[name.removesuffix("scale") + "weight"]
+            meta[f"{TABLE_FINGERPRINT_KEY}.{mt.group(1)}"] = table_fingerprint(weight, scale)
+    return meta
+
+
 def _config_diffs(a: EngramConfig, b: EngramConfig, *, stored_only: bool = False) -> list[str]:
     """Fields where a and b differ ("field: a vs b"), ignoring names; `stored_only`: only what config.json
     records (to_hf_dict keeps neither norm_eps nor gate_clamp)."""
@@ -181,8 +202,9 @@ def save_checkpoint(
     try:
         total = 0
         weight_map: dict[str, str] = {}
+        layout_fp = layout_fingerprint(Layout(config))
         for name, shard in zip(names, shards, strict=True):
-            total += save_tensors(tmp[name], dict(shard))
+            total += save_tensors(tmp[name], dict(shard), _shard_metadata(layout_fp, shard))
             weight_map.update({t: name for t, _ in shard})
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -222,11 +244,13 @@ def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str |
         raise ValueError(f"{path}: {e}") from None
 
 
-def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
-    """Headers of the checkpoint's files: ({tensor: entry}, problems, tensors whose file is unreadable)."""
+def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str], dict[Path, dict[str, str]]]:
+    """Headers of the checkpoint's files: ({tensor: entry}, problems, tensors whose file is unreadable,
+    {file: its metadata})."""
     found: dict[str, TensorEntry] = {}
     problems: list[str] = []
     explained: set[str] = set()
+    metas: dict[Path, dict[str, str]] = {}
     index_path = ckpt_dir / INDEX_FILE
     if os.path.lexists(index_path):
         member_file(ckpt_dir, INDEX_FILE, "the checkpoint's")  # a regular file, inside the folder
@@ -245,7 +269,8 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
                 path = member_file(
                     ckpt_dir, file, f"{index_path} maps {len(names)} tensor(s) (e.g. {names[0]}) to"
                 )
-                entries = open_tensors(path).entries()
+                opened = open_tensors(path)
+                entries, metas[path] = opened.entries(), opened.metadata
             except FileNotFoundError:
                 problems.append(
                     f"{INDEX_FILE} maps {len(names)} tensor(s) (e.g. {names[0]}) to {file}, "
@@ -263,7 +288,7 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
                 else:
                     problems.append(f"{name}: {INDEX_FILE} maps it to {file}, which does not hold it")
                     explained.add(name)
-        return found, problems, explained
+        return found, problems, explained, metas
 
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
@@ -271,7 +296,8 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
     for path in files:
         try:
             member_file(ckpt_dir, path.name, f"the checkpoint {ckpt_dir} holds")
-            entries = open_tensors(path).entries()
+            opened = open_tensors(path)
+            entries, metas[path] = opened.entries(), opened.metadata
         except ValueError as e:
             problems.append(str(e))
             explained.update(listed_names(path))  # what the damaged file held: unreadable, not "missing"
@@ -282,7 +308,7 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str]]:
                     f"{name}: in both {found[name].path.name} and {path.name}; remove one of them"
                 )
             found[name] = entry
-    return found, problems, explained
+    return found, problems, explained, metas
 
 
 class _ShapeOnlyTable(EngramTable):
@@ -412,24 +438,26 @@ def _validate(
     return plans
 
 
-def load_engram_modules(
-    ckpt_dir: str | os.PathLike[str],
-    config: EngramConfig | None = None,
-    *,
-    mmap: bool = True,
-    dtype: torch.dtype | None = torch.float32,
-    verify: bool = False,
-) -> tuple[EngramConfig, dict[int, Engram]]:
-    """Load the Engram modules of a checkpoint: (config, {layer_id: Engram}).
+def _check_layout(config: EngramConfig, metas: Mapping[Path, Mapping[str, str]], problems: list[str]) -> None:
+    """Append a problem for each file that records another layout fingerprint than `config`'s (a file
+    save_checkpoint did not write, e.g. DeepSeek's, records none: nothing to compare)."""
+    want = layout_fingerprint(Layout(config))
+    for path in sorted(metas):
+        got = metas[path].get(LAYOUT_FINGERPRINT_KEY)
+        if got is not None and got != want:
+            problems.append(
+                f"{path.name}: its tables were saved for the layout with fingerprint {got}, but config "
+                f"{config.name!r} has layout fingerprint {want}: the primes, multipliers (engram_seed), "
+                "compressed vocabulary or pad id differ, so every row would be read for other n-grams; "
+                "load it with the config it was saved with (restore the checkpoint's config.json)"
+            )
 
-    `config` defaults to the checkpoint's config.json (a given one must agree with it). Every expected
-    tensor is checked (present, dtype, shape) before anything is built; all problems are reported in one
-    ValueError. FP8 tables load as `MmapFP8Table` (mmap=True) or `FP8Table` (in memory), float tables as
-    `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
-    NaN / Inf (for FP8 tables, NaN bytes) is refused in every module weight and in every table up to
-    `SCAN_LIMIT_BYTES`; larger tables are scanned with `verify=True` only (else an `UnscannedTableWarning`).
-    """
-    ckpt_dir = Path(ckpt_dir)
+
+def _plan(
+    ckpt_dir: Path, config: EngramConfig | None
+) -> tuple[EngramConfig, dict[int, _LayerPlan], dict[Path, dict[str, str]]]:
+    """(config, per-layer plans, {file: metadata}) of a checkpoint, every check of `load_engram_modules`
+    but the data scans done: the config against config.json, every tensor, the layout fingerprint."""
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"{ckpt_dir}: no such checkpoint directory")
     file_config = read_checkpoint_config(ckpt_dir) if (ckpt_dir / CONFIG_FILE).is_file() else None
@@ -447,14 +475,62 @@ def load_engram_modules(
         if config.declared_num_embeddings is None:
             config = dataclasses.replace(config, declared_num_embeddings=file_config.declared_num_embeddings)
 
-    found, problems, explained = _scan(ckpt_dir)
+    found, problems, explained, metas = _scan(ckpt_dir)
     plans = _validate(config, found, problems, explained)
+    _check_layout(config, metas, problems)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
             f"checkpoint {ckpt_dir} does not match config {config.name!r} "
             f"({len(problems)} problem(s)):\n{lines}"
         )
+    return config, plans, metas
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTable:
+    """One layer's FP8 table as a checkpoint stores it: its two tensors (nothing read) and the content
+    fingerprint save_checkpoint recorded (`table_fingerprint`; None in a file it did not write)."""
+
+    weight: TensorEntry
+    scale: TensorEntry
+    fingerprint: str | None
+
+
+def stored_tables(
+    ckpt_dir: str | os.PathLike[str], config: EngramConfig | None = None
+) -> tuple[EngramConfig, dict[int, StoredTable]]:
+    """(config, {layer_id: StoredTable}) of a checkpoint's FP8 tables (float tables are left out), checked
+    as `load_engram_modules` checks them (every tensor, the layout fingerprint); no data is read."""
+    config, plans, metas = _plan(Path(ckpt_dir), config)
+    out = {}
+    for layer_id, plan in plans.items():
+        if plan.fmt is TableFormat.FP8:
+            assert plan.scale is not None
+            fp = metas.get(plan.weight.path, {}).get(f"{TABLE_FINGERPRINT_KEY}.{layer_id}")
+            out[layer_id] = StoredTable(plan.weight, plan.scale, fp)
+    return config, out
+
+
+def load_engram_modules(
+    ckpt_dir: str | os.PathLike[str],
+    config: EngramConfig | None = None,
+    *,
+    mmap: bool = True,
+    dtype: torch.dtype | None = torch.float32,
+    verify: bool = False,
+) -> tuple[EngramConfig, dict[int, Engram]]:
+    """Load the Engram modules of a checkpoint: (config, {layer_id: Engram}).
+
+    `config` defaults to the checkpoint's config.json (a given one must agree with it). Every expected
+    tensor is checked (present, dtype, shape) before anything is built, and so is the layout fingerprint
+    each file we wrote records (a config.json whose seed was edited is refused); all problems are
+    reported in one ValueError. FP8 tables load as `MmapFP8Table` (mmap=True) or `FP8Table` (in
+    memory), float tables as `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
+    NaN / Inf (for FP8 tables, NaN bytes) is refused in every module weight and in every table up to
+    `SCAN_LIMIT_BYTES`; larger tables are scanned with `verify=True` only (else an `UnscannedTableWarning`).
+    """
+    config, plans, _ = _plan(Path(ckpt_dir), config)
 
     opened: dict[Path, TensorFile] = {}
 

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import engram
 from engram.checkpoint.integrity import UnscannedTableWarning
 from engram.cli import addressing, bench, checkpoint, generate, study, systems
 from engram.cli.train import add_training_commands
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engram", description="Engram: conditional memory for language models."
     )
+    parser.add_argument("--version", action="version", version=f"engram {engram.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     addressing.register(sub)
     checkpoint.register(sub)

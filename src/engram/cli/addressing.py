@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from engram.cli.options import (
     output_file,
     positive_int,
     text_from_args,
+    tokenizer_source,
 )
 
 __all__ = ["register"]
@@ -35,7 +37,12 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_layout, tokenizer=None)
 
     p = sub.add_parser("compress", help="build a tokenizer's compression map and show what merged")
-    p.add_argument("--tokenizer", default="deepseek-v4", help="'deepseek-v4' or a tokenizer.json path")
+    p.add_argument(
+        "--tokenizer",
+        type=tokenizer_source,
+        default="deepseek-v4",
+        help="'deepseek-v4' or a tokenizer.json path",
+    )
     p.add_argument("--top", type=positive_int, default=10, help="how many of the largest groups to show")
     p.add_argument(
         "--save",
@@ -135,10 +142,11 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- hash
 def cmd_hash(args: argparse.Namespace) -> int:
+    values = None if args.ids is None else _id_values(args.ids)  # refused before the hasher is built
     config = config_from_args(args)
     hasher, tok = hasher_for(config)
-    if args.ids is not None:
-        ids = _parse_ids(args.ids, tok.get_vocab_size(with_added_tokens=True))
+    if values is not None:
+        ids = _int64_ids(values, tok.get_vocab_size(with_added_tokens=True))
     else:
         ids = np.array(tok.encode(args.text, add_special_tokens=False).ids, dtype=np.int64)
     rows = hasher.hash(ids)  # (T, n_layers, heads)
@@ -177,23 +185,36 @@ def cmd_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_ids(text: str, vocab_size: int) -> np.ndarray:
-    """--ids '1 2,3' -> int64 ids; a word that is not an int, or one past int64, refused by position
-    (ids inside int64 but past the vocabulary are the hasher's to refuse)."""
-    ids = []
-    for i, word in enumerate(text.replace(",", " ").split()):
+def _id_values(text: str) -> list[int]:
+    """--ids '1 2,3' -> [1, 2, 3]: ids separated by spaces or by one comma each. An empty id (',,', a
+    leading or trailing comma, nothing at all) or a word that is not an int is refused by position."""
+    if not text.strip():
+        raise ValueError("--ids is empty: give token ids separated by spaces or commas, e.g. --ids '1,2,3'")
+    values = []
+    for i, word in enumerate(re.split(r"\s*,\s*|\s+", text.strip())):
+        if not word:
+            raise ValueError(
+                f"--ids {text!r}: no id at position {i} (an empty id between commas, or a comma at an end); "
+                "give whole numbers separated by spaces or single commas, e.g. --ids '1,2,3'"
+            )
         try:
-            value = int(word)
+            values.append(int(word))
         except ValueError:
             raise ValueError(
                 f"--ids: {word!r} (position {i}) is not a token id; give whole numbers"
             ) from None
+    return values
+
+
+def _int64_ids(values: list[int], vocab_size: int) -> np.ndarray:
+    """The ids as int64; one past int64 is refused by position (ids inside int64 but past the
+    vocabulary are the hasher's to refuse)."""
+    for i, value in enumerate(values):
         if not -(2**63) <= value < 2**63:
             raise ValueError(
-                f"--ids: {word} (position {i}) is out of range; token ids run from 0 to {vocab_size - 1}"
+                f"--ids: {value} (position {i}) is out of range; token ids run from 0 to {vocab_size - 1}"
             )
-        ids.append(value)
-    return np.array(ids, dtype=np.int64)
+    return np.array(values, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------- collisions

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from engram.apps.bench import SUITE, describe_suite, device_copy_gb_per_s, format_rows, run_suite
+from engram.cli.options import input_folder
 
 __all__ = ["register"]
 
@@ -23,7 +24,9 @@ def register(sub: Any) -> None:
         "--quick", action="store_true", help="smaller sizes (the optimizer bench uses 16M rows, not 64M)"
     )
     p.add_argument(
-        "--dir", help="a folder of bench_*.py files to run instead (default: the installed engram.benchmarks)"
+        "--dir",
+        type=input_folder,
+        help="a folder of bench_*.py files to run instead (default: the installed engram.benchmarks)",
     )
     p.add_argument(
         "--list", action="store_true", help="name the benchmarks (each imported, not run) and exit"
@@ -35,7 +38,7 @@ def register(sub: Any) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.list:
         return _list(args)
-    names = args.only.split(",") if args.only else list(SUITE)
+    names = list(SUITE) if args.only is None else _selection(args.only)
     rows = run_suite(names, quick=args.quick, folder=args.dir)
     peak = device_copy_gb_per_s()
     if args.json:
@@ -45,6 +48,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"device copy bandwidth (the peak GB/s is compared with): {peak:,.0f} GB/s")
         print("\n".join(format_rows(rows, peak)))
     return 0
+
+
+def _selection(only: str) -> list[str]:
+    """--only 'a,b' -> ['a', 'b']; an empty selection (or an empty name in it) is refused, not taken
+    as the whole suite (unknown names are `run_suite`'s to refuse)."""
+    names = [n.strip() for n in only.split(",")]
+    if not all(names):
+        raise ValueError(
+            f"--only {only!r}: an empty benchmark name (nothing between commas); give a comma-separated subset of: "
+            f"{', '.join(SUITE)} (or leave --only out to run them all)"
+        )
+    return names
 
 
 def _list(args: argparse.Namespace) -> int:

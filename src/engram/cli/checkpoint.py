@@ -17,7 +17,15 @@ import torch
 from engram.apps.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
-from engram.cli.options import SIZE_HELP, add_verify_option, byte_size, output_folder, positive_int
+from engram.cli.options import (
+    SIZE_HELP,
+    add_verify_option,
+    byte_size,
+    input_folder,
+    output_folder,
+    positive_int,
+    seed,
+)
 
 __all__ = ["register"]
 
@@ -25,7 +33,9 @@ __all__ = ["register"]
 def register(sub: Any) -> None:
     """Add convert and run-layer to the `engram` subparsers."""
     p = sub.add_parser("convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables")
-    p.add_argument("src", help="checkpoint directory to read (config.json + *.safetensors)")
+    p.add_argument(
+        "src", type=input_folder, help="checkpoint directory to read (config.json + *.safetensors)"
+    )
     p.add_argument("dst", type=output_folder, help="directory to write (created; must differ from src)")
     p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
     p.add_argument(
@@ -55,6 +65,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--checkpoint",
+        type=input_folder,
         help="a checkpoint directory (default: build a scaled-down V4.1 checkpoint in a temporary directory)",
     )
     p.add_argument("--text", default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})")
@@ -68,7 +79,7 @@ def register(sub: Any) -> None:
         type=positive_int,
         help=f"residual width of the built checkpoint (default {DEFAULT_HIDDEN_SIZE})",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the built weights and the pseudo-embeddings")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the built weights and the pseudo-embeddings")
     add_verify_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_run_layer)

@@ -18,9 +18,11 @@ from engram.apps.generate import check_options, generate, load_generator
 from engram.cli.options import (
     add_verify_option,
     human_bytes,
+    input_folder,
     non_negative_int,
     output_folder,
     positive_int,
+    seed,
     set_threads,
     threads,
     whole_number,
@@ -38,7 +40,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "generate", help="continue a prompt with a trained checkpoint (Engram rows hashed as tokens come)"
     )
-    p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
+    p.add_argument(
+        "--checkpoint", type=input_folder, required=True, help="a run folder or a checkpoints/step-N folder"
+    )
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument(
         "--tokens",
@@ -50,7 +54,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--top-k", type=positive_int, help="sample among the k likeliest tokens only (default: all)"
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0: runs repeat exactly)")
+    p.add_argument("--seed", type=seed, default=0, help="sampling seed (default 0: runs repeat exactly)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences sampled from the same prompt")
     p.add_argument("--greedy", action="store_true", help="always take the likeliest token")
     p.add_argument("--mask-engram", action="store_true", help="mask Engram's output (the ablation)")

@@ -8,26 +8,31 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import tempfile
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from engram.apps import input_files as files
 from engram.checkpoint.hf_config import from_hf_dict
 from engram.checkpoint.json_file import read_json
 from engram.config import PRESETS, EngramConfig
 
 __all__ = [
+    "MAX_INT",
     "SIZE_HELP",
     "add_config_options",
     "add_text_options",
     "add_verify_option",
     "byte_size",
     "config_from_args",
+    "corpus_source",
     "hasher_for",
     "human",
     "human_bytes",
     "input_file",
+    "input_folder",
     "non_negative_int",
     "output_file",
     "output_folder",
@@ -35,9 +40,11 @@ __all__ = [
     "positive_float",
     "positive_int",
     "row_count",
+    "seed",
     "set_threads",
     "text_from_args",
     "threads",
+    "tokenizer_source",
     "whole_number",
 ]
 
@@ -46,6 +53,7 @@ _PREFIX = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
            "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}  # fmt: skip
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?)?(B)?\s*", flags=re.IGNORECASE)
 SIZE_HELP = "K/M/G/T = powers of 1000, Ki/Mi/Gi/Ti = powers of 1024"
+MAX_INT = 2**63 - 1  # every count goes into int64 (numpy, torch): a larger one is refused, not a traceback
 
 
 def parse_size(text: str, *, bytes_: bool = False) -> int:
@@ -54,8 +62,8 @@ def parse_size(text: str, *, bytes_: bool = False) -> int:
     The rule, for row counts and byte sizes alike: K, M, G, T are powers of 1000 and Ki, Mi, Gi,
     Ti powers of 1024 (letters in any case); a plain integer is taken as written. With `bytes_`
     a trailing B is allowed ('5GB', '2GiB', '512B'); a row count refuses it. The result must be
-    a whole number >= 1 ('1.5K' is 1500; '0.3' and '0' are refused). Raises ValueError naming
-    the text and the fix.
+    a whole number from 1 to 2**63 - 1 ('1.5K' is 1500; '0.3', '0' and '1e30' are refused). Raises
+    ValueError naming the text and the fix.
     """
     what = "byte size" if bytes_ else "row count"
     examples = "5GB, 500MB, 2GiB or 1000000" if bytes_ else "65536, 64K (64000) or 64Ki (65536)"
@@ -72,6 +80,8 @@ def parse_size(text: str, *, bytes_: bool = False) -> int:
         raise ValueError(f"{text!r} is {float(value):g}, not a whole number; write a whole {what}")
     if value < 1:
         raise ValueError(f"{text!r}: a {what} must be at least 1; write e.g. {examples}")
+    if value > MAX_INT:
+        raise ValueError(f"{text!r} is too large: a {what} is at most {MAX_INT:,} (2**63 - 1); give less")
     return int(value)
 
 
@@ -93,8 +103,10 @@ def byte_size(text: str) -> int:
 
 # ------------------------------------------------------------------------------------------- numbers
 def whole_number(lo: int, hi: int | None = None, fix: str = "") -> Callable[[str], int]:
-    """argparse type: an int in [lo, hi]; a refusal quotes the text, the bound and `fix` (a hint)."""
+    """argparse type: an int in [lo, hi] (hi None: up to 2**63 - 1, what int64 holds); a refusal quotes
+    the text, the bound and `fix` (a hint)."""
     bounds = f">= {lo}" if hi is None else f"from {lo} to {hi:,}"
+    top = MAX_INT if hi is None else hi
 
     def parse(text: str) -> int:
         try:
@@ -103,7 +115,11 @@ def whole_number(lo: int, hi: int | None = None, fix: str = "") -> Callable[[str
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a whole number; give one {bounds}{fix}"
             ) from None
-        if value < lo or (hi is not None and value > hi):
+        if value > top and hi is None:
+            raise argparse.ArgumentTypeError(
+                f"{text} is too large; give a whole number from {lo} to {top:,}{fix}"
+            )
+        if not lo <= value <= top:
             raise argparse.ArgumentTypeError(f"{text} is out of range; give a whole number {bounds}{fix}")
         return value
 
@@ -124,52 +140,106 @@ def positive_float(text: str) -> float:
 
 positive_int = whole_number(1)
 non_negative_int = whole_number(0)
+seed = whole_number(0)  # every seed goes to torch and numpy generators, which take 0 .. 2**63 - 1
 threads = whole_number(1, fix=" (or leave --threads out: one per idle core)")
 
 
 # ------------------------------------------------------------------------------------------- paths
+# Every path a command reads is checked here, as an argparse type, by `engram.apps.input_files` (one
+# `os.stat`, nothing opened: a FIFO would block for good); every path it writes is probed by creating
+# and removing a temporary entry where it will write, so a folder that refuses writes fails before any work.
+def _arg(check: Callable[[], Any]) -> None:
+    try:
+        check()
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def input_file(text: str) -> str:
-    """argparse type: an existing regular file (not a folder); the text itself is returned."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file")
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    """argparse type: an existing regular file (not a folder, FIFO or device); the text itself is returned."""
+    _arg(lambda: files.input_file(text, "a file"))
     return text
 
 
-def _writable_folder(folder: Path, what: str) -> None:
+def input_folder(text: str) -> str:
+    """argparse type: a folder to read (a checkpoint, a folder of benchmarks). Something there that is
+    not a folder (a file, a FIFO) is refused; a missing one is left to the command's loader, which
+    names what it looked for."""
+    if files.path_kind(text) is not None:
+        _arg(lambda: files.input_folder(text, "a folder"))
+    return text
+
+
+def corpus_source(text: str) -> str:
+    """argparse type of --corpus: 'kjv', a glob, or an existing path, which must be a regular file or a
+    folder (the files a folder or a glob names are checked as `load_corpus` reads them)."""
+    if text != "kjv" and files.path_kind(text) is not None:
+        _arg(lambda: files.input_file_or_folder(text, "a text file or a folder of *.txt"))
+    return text
+
+
+def tokenizer_source(text: str) -> str:
+    """argparse type of --tokenizer: a name ('deepseek-v4', 'bpe'), or a path that, where something is
+    there, must be a regular file (a tokenizer.json) or a folder holding one."""
+    if files.path_kind(text) is not None:
+        _arg(lambda: files.input_file_or_folder(text, "a tokenizer.json or a folder holding one"))
+    return text
+
+
+def _probe_write(folder: Path, target: str, what: str) -> None:
+    """Create and remove a temporary folder in `folder` (the nearest existing folder on the way to
+    `target`): the one check of writability that also holds for root and for /proc or read-only mounts."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".engram-write-check-", dir=folder))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"{target}: cannot write in {folder} ({e.strerror}); give {what} you may write to"
+        ) from None
+
+
+def _writable_folder(folder: Path, target: str, what: str) -> None:
     """Refuse a `folder` to write into (or create, parents too) that is blocked by a file or read-only."""
     probe = folder
-    while not probe.exists() and probe != probe.parent:  # the nearest existing ancestor
+    while files.path_kind(probe) is None and probe != probe.parent:  # the nearest existing ancestor
         probe = probe.parent
-    if not probe.is_dir():
-        raise argparse.ArgumentTypeError(f"{probe} is a file, not a folder; give {what} outside it")
+    kind = files.path_kind(probe)
+    if kind != "a folder":
+        raise argparse.ArgumentTypeError(f"{probe} is {kind}, not a folder; give {what} outside it")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{probe} is not writable; give {what} you may write to")
+    _probe_write(probe, target, what)
 
 
 def output_folder(text: str) -> str:
-    """argparse type: a folder to write into, created (with its parents) if missing; not a file."""
+    """argparse type: a folder to write into, created (with its parents) if missing; not a file. Its
+    writability is probed here (nothing is created but a temporary entry, removed at once)."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file; give a folder (created if missing)")
-    _writable_folder(path, "a folder")
+    kind = files.path_kind(path)
+    if kind not in (None, "a folder"):
+        raise argparse.ArgumentTypeError(f"{text} is {kind}; give a folder (created if missing)")
+    _writable_folder(path, text, "a folder")
     return text
 
 
 def output_file(text: str) -> str:
-    """argparse type: a file to write, in a folder that exists; not a folder itself."""
+    """argparse type: a file to write (or replace), in a folder that exists; refused if something other
+    than a regular file is there already (a folder, a FIFO, a device: writing would not make a file)."""
     path = Path(text)
-    if path.is_dir():
+    kind = files.path_kind(path)
+    if kind == "a folder":
         raise argparse.ArgumentTypeError(
             f"{text} is a folder; give a file path in it, e.g. {path / 'map.safetensors'}"
         )
-    if not path.parent.is_dir():
-        if path.parent.exists():
-            raise argparse.ArgumentTypeError(f"{path.parent} is a file, not a folder; give another path")
+    if kind not in (None, "a file"):
+        raise argparse.ArgumentTypeError(
+            f"{text} is {kind}, not a regular file; give another path (or remove it first)"
+        )
+    parent = files.path_kind(path.parent)
+    if parent != "a folder":
+        if parent is not None:
+            raise argparse.ArgumentTypeError(f"{path.parent} is {parent}, not a folder; give another path")
         raise argparse.ArgumentTypeError(f"the folder {path.parent} does not exist; create it first")
-    _writable_folder(path.parent, "a file in a folder")
+    _writable_folder(path.parent, text, "a file in a folder")
     return text
 
 
@@ -182,7 +252,11 @@ def add_config_options(p: argparse.ArgumentParser, tokenizer: bool = True) -> No
         help="a Hugging Face config.json with engram_* keys (instead of --preset)",
     )
     if tokenizer:
-        p.add_argument("--tokenizer", help="'deepseek-v4' or a tokenizer.json path (default: the config's)")
+        p.add_argument(
+            "--tokenizer",
+            type=tokenizer_source,
+            help="'deepseek-v4' or a tokenizer.json path (default: the config's)",
+        )
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
 
 
@@ -239,10 +313,7 @@ def text_from_args(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); give a text file") from None
+    return files.read_text_file(path, "a text file")
 
 
 # ------------------------------------------------------------------------------------------- misc

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engram.addressing.compression import TokenizerCompression
+from engram.checkpoint.files import member_file
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.v41 import load_engram_modules, read_checkpoint_config, save_checkpoint
 from engram.hf.attach import add_engram, find_decoder_layers, get_attachment, model_hidden_size
@@ -84,11 +85,21 @@ def load_engram(
     if not comp_path.is_file():
         raise FileNotFoundError(f"{comp_path}: missing (the tokenizer compression map save_engram writes)")
     compression = TokenizerCompression.load(comp_path, tokenizer)
-    options: dict[str, Any] = {}
-    if (d / OPTIONS_FILE).is_file():
-        options = read_json(d / OPTIONS_FILE)
+    options: dict[str, Any] = {}  # none written (a part saved before options were): no boundaries
+    if os.path.lexists(d / OPTIONS_FILE):  # present but unreadable is refused, never skipped
+        try:  # a folder, a FIFO (never opened: that blocks), a link out of the part: refused
+            path = member_file(d, OPTIONS_FILE, f"{d}: the Engram part's attachment options")
+        except ValueError as e:
+            raise ValueError(
+                f"{e}. It records how the part was attached (boundaries, eos_token_id): restore the "
+                "JSON file save_engram wrote, or save the part again"
+            ) from None
+        options = read_json(path)
         if not isinstance(options, dict):
-            raise ValueError(f"{d / OPTIONS_FILE}: expected a JSON object")
+            raise ValueError(
+                f"{path}: expected a JSON object ({{'boundaries': ..., 'eos_token_id': ...}}), got "
+                f"{type(options).__name__}; restore the file save_engram wrote, or save the part again"
+            )
     p = next(iter(model.parameters()), None)
     dtype = p.dtype if p is not None and p.dtype in (torch.float32, torch.bfloat16) else torch.float32
     config, modules = load_engram_modules(d, config, mmap=mmap, dtype=dtype)

@@ -4,8 +4,10 @@ A safetensors table keeps a row's 256 value bytes and its 8 scale bytes in two t
 264-byte row may straddle a 4 KiB page, so a cold row costs 2-3 page reads. Here each row's value
 bytes and scale bytes sit together, and rows are packed `page_bytes // row_bytes` to a page (15 for
 264-byte rows, the rest padding), so no row crosses a page. The first page is a header: magic,
-version, rows, dim, row stride, rows per page, layer id and the identity of the layout the rows were
-hashed with (checked against the checkpoint's). `RowFile` reads rows with batched positional reads
+version, rows, dim, row stride, rows per page, layer id, the fingerprint of the layout the rows were
+hashed with and that of the table they were copied from (both checked against the checkpoint's).
+Opening scans the rows for NaN bytes as a checkpoint's tables are scanned (by size, always with
+`verify`). `RowFile` reads rows with batched positional reads
 (`os.preadv`, one per run of consecutive pages, offsets ascending), optionally `O_DIRECT`, never a
 memory map (whose page cache would be an uncounted extra level), and counts reads, pages and bytes.
 `split_layout_pages` counts the pages the same rows touch in the two-tensor layout. Knows bytes
@@ -17,15 +19,18 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import stat
 import struct
 import warnings
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engram.checkpoint.integrity import check_fp8_rows, scan_table
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_fp8_pair, fp8_row_bytes
 
 __all__ = [
@@ -39,13 +44,15 @@ __all__ = [
 ]
 
 MAGIC = b"ENGRMROW"
-VERSION = 1
+VERSION = 2  # 2: the table fingerprint (`tables`) joined the header
 PAGE_BYTES = 4096  # the page a read costs (and O_DIRECT's alignment)
 # magic, version, header bytes, rows, dim, block, row bytes, row stride, rows per group, pages per group,
-# page bytes, layer id, identity (64 ascii), label (128 utf-8); then a crc32 of those bytes
-_FMT = "<8sIIQIIIIIIIi64s128s"
+# page bytes, layer id, identity (64 ascii), tables (64 ascii), label (128 utf-8); then a crc32 of those
+_FMT = "<8sIIQIIIIIIIi64s64s128s"
 _FIXED = struct.calcsize(_FMT)
 _WRITE_CHUNK_ROWS = 1 << 16
+_SCAN_CHUNK_BYTES = 64 * 2**20  # bytes read at a time by the NaN scan
+_FIX = "rewrite the row file from this checkpoint with `engram convert SRC DST --row-file`"
 
 
 class RowFileHeader:
@@ -60,6 +67,7 @@ class RowFileHeader:
         page_bytes: int = PAGE_BYTES,
         layer_id: int = -1,
         identity: str = "",
+        tables: str = "",
         label: str = "",
     ) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
@@ -76,9 +84,9 @@ class RowFileHeader:
             self.rows_per_group, self.pages_per_group = 1, -(-self.row_bytes // page_bytes)
         self.group_bytes = self.pages_per_group * page_bytes
         self.groups = -(-rows // self.rows_per_group)
-        self.layer_id, self.identity, self.label = layer_id, identity, label
-        if len(identity.encode()) > 64 or len(label.encode()) > 128:
-            raise ValueError("a row file's identity takes at most 64 bytes and its label 128")
+        self.layer_id, self.identity, self.tables, self.label = layer_id, identity, tables, label
+        if len(identity.encode()) > 64 or len(tables.encode()) > 64 or len(label.encode()) > 128:
+            raise ValueError("a row file's identity and tables take at most 64 bytes each, its label 128")
 
     @property
     def file_bytes(self) -> int:
@@ -95,7 +103,7 @@ class RowFileHeader:
         fixed = struct.pack(
             _FMT, MAGIC, VERSION, self.page_bytes, self.rows, self.dim, BLOCK, self.row_bytes, self.row_stride,
             self.rows_per_group, self.pages_per_group, self.page_bytes, self.layer_id,
-            self.identity.encode(), self.label.encode(),
+            self.identity.encode(), self.tables.encode(), self.label.encode(),
         )  # fmt: skip
         raw = fixed + struct.pack("<I", zlib.crc32(fixed))
         return raw + bytes(self.page_bytes - len(raw))
@@ -106,6 +114,11 @@ class RowFileHeader:
         fix = "rewrite it with `engram convert SRC DST --row-file`"
         if len(raw) < _FIXED + 4 or raw[:8] != MAGIC:
             raise ValueError(f"{path} is not an engram row file (no {MAGIC!r} header); {fix}")
+        (version,) = struct.unpack("<I", raw[8:12])
+        if version != VERSION:  # before the checksum: another version's header has another layout
+            raise ValueError(
+                f"{path}: row file version {version}, this engram reads version {VERSION}; {fix}"
+            )
         fields = struct.unpack(_FMT, raw[:_FIXED])
         (crc,) = struct.unpack("<I", raw[_FIXED : _FIXED + 4])
         if crc != zlib.crc32(raw[:_FIXED]):
@@ -124,15 +137,12 @@ class RowFileHeader:
             page,
             layer_id,
             ident,
+            tables,
             label,
         ) = fields
-        if version != VERSION:
-            raise ValueError(
-                f"{path}: row file version {version}, this engram reads version {VERSION}; {fix}"
-            )
         h = cls(
-            rows, dim, page_bytes=page, layer_id=layer_id,
-            identity=ident.rstrip(b"\0").decode(), label=label.rstrip(b"\0").decode(errors="replace"),
+            rows, dim, page_bytes=page, layer_id=layer_id, identity=ident.rstrip(b"\0").decode(),
+            tables=tables.rstrip(b"\0").decode(), label=label.rstrip(b"\0").decode(errors="replace"),
         )  # fmt: skip
         got = (header_bytes, block, row_bytes, stride, rpg, ppg)
         want = (h.page_bytes, BLOCK, h.row_bytes, h.row_stride, h.rows_per_group, h.pages_per_group)
@@ -151,21 +161,24 @@ def write_row_file(
     *,
     layer_id: int = -1,
     identity: str = "",
+    tables: str = "",
     label: str = "",
 ) -> Path:
     """Write the FP8 table values (N, dim) float8_e4m3fn / scales (N, dim // 32) float8_e8m0fnu as a row
     file at `path` (through a temporary file, fsynced, then renamed); returns the path.
 
-    `identity` (<= 64 ASCII bytes) names the layout the rows were hashed with, so a reader can refuse
-    a file made for another checkpoint; `label` is free text (the config's name)."""
+    `identity` (<= 64 ASCII bytes) names the layout the rows were hashed with and `tables` the table they
+    were copied from (`engram.checkpoint.integrity.table_fingerprint`), so a reader can refuse a file made
+    for another layout or another checkpoint of the same layout; `label` is free text (the config's name)."""
     check_fp8_pair(values, scales)
     if values.dim() != 2 or values.device.type != "cpu":
         raise ValueError(
             f"write_row_file needs a 2-D host table, got {tuple(values.shape)} on {values.device}"
         )
     h = RowFileHeader(
-        int(values.shape[0]), int(values.shape[1]), layer_id=layer_id, identity=identity, label=label
-    )
+        int(values.shape[0]), int(values.shape[1]), layer_id=layer_id, identity=identity, tables=tables,
+        label=label,
+    )  # fmt: skip
     v = values.view(torch.uint8).numpy()
     s = scales.view(torch.uint8).numpy()
     path = Path(path)
@@ -195,9 +208,12 @@ class RowFile:
     `io_threads`: reads in flight at once (a thread pool issues the runs of pages in parallel; an SSD
     serves several outstanding reads in about the time of one).
 
-    `expect_rows` / `expect_dim` / `expect_identity` / `expect_layer_id`: refuse a file whose header
-    differs (made for another checkpoint or layer). `direct`: open with O_DIRECT (no page cache); where
-    the filesystem refuses it, a warning says so and the file is read through the page cache.
+    `expect_rows` / `expect_dim` / `expect_identity` / `expect_tables` / `expect_layer_id`: refuse a file
+    whose header differs (made for another layout, checkpoint or layer). `direct`: open with O_DIRECT (no
+    page cache); where the filesystem refuses it, a warning says so and the file is read through the page
+    cache. Every row is scanned for NaN bytes (as `engram.checkpoint.integrity` scans a checkpoint's
+    tables) when the rows take at most `SCAN_LIMIT_BYTES`, or always with `verify`; else a warning says
+    the file was not scanned.
     """
 
     def __init__(
@@ -207,33 +223,40 @@ class RowFile:
         expect_rows: int | None = None,
         expect_dim: int | None = None,
         expect_identity: str | None = None,
+        expect_tables: str | None = None,
         expect_layer_id: int | None = None,
         direct: bool = False,
         io_threads: int = 1,
+        verify: bool = False,
     ) -> None:
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads={io_threads!r} must be an int >= 1 (reads in flight at once)")
         self.io_threads = io_threads
         self._pool: ThreadPoolExecutor | None = None  # started on the first read that can use it
         self.path = Path(path)
-        if not self.path.is_file():
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"row file {self.path} does not exist (write it with `engram convert --row-file`)"
-            )
+            ) from None
+        if not stat.S_ISREG(mode):  # a FIFO is never opened (that blocks until a writer comes)
+            raise ValueError(f"row file {self.path} is not a regular file; replace it with the file itself")
         with open(self.path, "rb") as f:
             self.header = RowFileHeader.unpack(f.read(PAGE_BYTES), self.path)
         h = self.header
-        fix = "rewrite the row file from this checkpoint with `engram convert SRC DST --row-file`"
-        for name, want, got in (
-            ("rows", expect_rows, h.rows),
-            ("dim", expect_dim, h.dim),
-            ("identity", expect_identity, h.identity),
-            ("layer_id", expect_layer_id, h.layer_id),
+        fix = _FIX
+        for name, want, got, why in (
+            ("rows", expect_rows, h.rows, "another checkpoint or layer"),
+            ("dim", expect_dim, h.dim, "another checkpoint"),
+            ("identity", expect_identity, h.identity, "another layout: its row ids mean other n-grams"),
+            ("tables", expect_tables, h.tables, "another checkpoint's table, of other weights"),
+            ("layer_id", expect_layer_id, h.layer_id, "another layer"),
         ):
             if want is not None and want != got:
                 raise ValueError(
                     f"{self.path}: the row file has {name}={got!r} but the table needs {name}={want!r} "
-                    f"(a file made for another checkpoint or layer); {fix}"
+                    f"(a file made for {why}); {fix}"
                 )
         size = self.path.stat().st_size
         if size != h.file_bytes:
@@ -243,6 +266,10 @@ class RowFile:
                 f"damaged?); {fix}"
             )
         self.rows, self.dim, self.row_bytes = h.rows, h.dim, h.row_bytes
+        self.verify = bool(verify)
+        where = f"row file {self.path}"
+        if scan_table(h.rows * h.row_bytes, self.verify, where):
+            check_fp8_rows(self._pieces(), where, fix)
         self.direct = False
         self._direct_asked = direct
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -266,6 +293,24 @@ class RowFile:
             self._fd = os.open(self.path, flags)
         self._buf = mmap.mmap(-1, PAGE_BYTES)  # page-aligned (O_DIRECT needs it), grown as needed
         self.reset_stats()
+
+    def _pieces(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(first row, values (n, dim), scales (n, dim // 32)) uint8 of every row, about
+        _SCAN_CHUNK_BYTES at a time, read through the page cache (for the scan at open)."""
+        h = self.header
+        per = max(1, _SCAN_CHUNK_BYTES // h.group_bytes)  # groups a piece
+        buf = np.empty(per * h.group_bytes, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(h.page_bytes)
+            for g0 in range(0, h.groups, per):
+                n = min(per, h.groups - g0)
+                raw = buf[: n * h.group_bytes]
+                if f.readinto(memoryview(raw)) != raw.shape[0]:
+                    raise ValueError(f"{self.path}: the row file was truncated while it was read; {_FIX}")
+                groups = raw.reshape(n, h.group_bytes)[:, : h.rows_per_group * h.row_stride]
+                r0 = g0 * h.rows_per_group
+                slots = groups.reshape(-1, h.row_stride)[: min(n * h.rows_per_group, h.rows - r0)]
+                yield r0, torch.from_numpy(slots[:, : h.dim]), torch.from_numpy(slots[:, h.dim : h.row_bytes])
 
     def reset_stats(self) -> None:
         self.reads = 0  # preadv calls
@@ -305,9 +350,11 @@ class RowFile:
             "expect_rows": h.rows,
             "expect_dim": h.dim,
             "expect_identity": h.identity,
+            "expect_tables": h.tables,
             "expect_layer_id": h.layer_id,
             "direct": self._direct_asked,
             "io_threads": self.io_threads,
+            "verify": self.verify,
         }
         return (functools.partial(RowFile, **kwargs), (self.path,))
 

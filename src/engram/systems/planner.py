@@ -217,6 +217,8 @@ def plan_memory(
         hbm = min(t_rows, max(1, int(hbm_bytes * share[li]) // row_bytes))
         dram = min(t_rows - hbm, int(dram_bytes * share[li]) // row_bytes)
         batches = batch_rows(rows, batch_tokens, li)
+        if profile is not None:
+            profile.check_rows(lid, t_rows)  # a row id past the table would pin nothing real
         hottest = None if profile is None else profile.hottest(lid)
         h1, h2, seen, cold = nested_hit_rates(batches, hbm, dram, name, hottest, warm, pinned_fraction)
         if hbm == t_rows:  # the device holds the whole layer: not a cache

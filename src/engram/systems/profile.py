@@ -4,13 +4,13 @@
 several times within one batch counts once: that is what a cache with per-batch deduplication
 fetches; `batch_tokens=1` counts every use, as one token never asks a row twice). A `Profile` keeps
 the rows seen, hottest first, with the layout and tokenizer fingerprints it was counted with, and is
-a safetensors file (`save_profile` / `load_profile`, `engram profile`). Loading for another layout
-or tokenizer is refused. Knows row ids, nothing of caches. Design: docs/systems.md.
+a safetensors file (`save_profile` / `load_profile`, `engram profile`). Every field is checked when
+a profile is made or loaded (whole-number row ids and counts, hottest first, sizes >= 1); loading
+for another layout or tokenizer, or with row ids the layout does not address, is refused. Knows row ids, nothing of caches. Design: docs/systems.md.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -20,27 +20,13 @@ import numpy as np
 import torch
 
 from engram.addressing.hashing import NgramHasher
-from engram.addressing.layout import Layout
+from engram.addressing.layout import layout_fingerprint
 from engram.checkpoint.files import open_tensors, save_tensors
 from engram.systems.policies import distinct_counts, sorted_distinct
 
-__all__ = ["Profile", "build_profile", "count_rows", "layout_fingerprint", "load_profile", "save_profile"]
+__all__ = ["Profile", "build_profile", "count_rows", "load_profile", "save_profile"]
 
 FORMAT = "engram-row-profile-1"
-
-
-def layout_fingerprint(layout: Layout) -> str:
-    """sha256 over what decides every row id: the layer ids, each layer's primes and multipliers,
-    the compressed vocabulary, pad id and n-gram orders."""
-    c = layout.config
-    spec = {
-        "layers": [[ly.layer_id, [list(p) for p in ly.primes], list(ly.multipliers)] for ly in layout.layers],
-        "max_ngram_size": c.max_ngram_size,
-        "n_heads": c.n_heads,
-        "compressed_vocab_size": c.compressed_vocab_size,
-        "pad_token_id": c.pad_token_id,
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def count_rows(rows: np.ndarray, batch_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -77,6 +63,50 @@ class Profile:
     config: dict[str, Any]  # the EngramConfig's to_dict()
     source: str
 
+    def __post_init__(self) -> None:
+        fix = "write it again with `engram profile`"
+        for name in ("batch_tokens", "tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"this profile's {name}={v!r} must be a whole number >= 1; {fix}")
+        if len(self.rows) != len(self.layer_ids) or len(self.counts) != len(self.layer_ids):
+            raise ValueError(
+                f"this profile counts layers {list(self.layer_ids)} but holds {len(self.rows)} row and "
+                f"{len(self.counts)} count arrays; {fix}"
+            )
+        for lid, rows, counts in zip(self.layer_ids, self.rows, self.counts, strict=True):
+            for what, a in ((f"rows.{lid}", rows), (f"counts.{lid}", counts)):
+                if not isinstance(a, np.ndarray) or a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                    found = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+                    raise ValueError(
+                        f"this profile's {what} is {found}; it must be a 1-D integer array (row ids and "
+                        f"counts are whole numbers); {fix}"
+                    )
+            if rows.shape != counts.shape:
+                raise ValueError(
+                    f"this profile's rows.{lid} ({rows.shape[0]}) and counts.{lid} ({counts.shape[0]}) "
+                    f"differ in length; {fix}"
+                )
+            if rows.shape[0] == 0:
+                continue
+            if int(rows.min()) < 0:
+                i = int(np.argmax(rows < 0))
+                raise ValueError(f"this profile's rows.{lid}[{i}] = {int(rows[i])}: row ids are >= 0; {fix}")
+            if int(counts.min()) < 1:
+                i = int(np.argmax(counts < 1))
+                raise ValueError(
+                    f"this profile's counts.{lid}[{i}] = {int(counts[i])}: a count is how often the text used "
+                    f"the row, >= 1 for every row listed; {fix}"
+                )
+            if rows.shape[0] > 1 and bool((np.diff(counts) > 0).any()):
+                i = int(np.argmax(np.diff(counts) > 0)) + 1
+                raise ValueError(
+                    f"this profile's counts.{lid} are not hottest first ({int(counts[i - 1])} then "
+                    f"{int(counts[i])} at {i}); {fix}"
+                )
+            if np.unique(rows).shape[0] != rows.shape[0]:
+                raise ValueError(f"this profile's rows.{lid} lists a row id more than once; {fix}")
+
     def hottest(self, layer_id: int, n: int | None = None) -> np.ndarray:
         """The `n` (default: all) most used rows of layer `layer_id`, hottest first."""
         if layer_id not in self.layer_ids:
@@ -100,6 +130,18 @@ class Profile:
                 f"this profile ({self.source}) was counted with another tokenizer (fingerprint "
                 f"{self.tokenizer_fingerprint[:12]}..., this one {tp[:12]}...); write a new profile "
                 "with `engram profile` and this tokenizer"
+            )
+        for lid in self.layer_ids:
+            self.check_rows(lid, hasher.layout.layer(lid).num_embeddings)
+
+    def check_rows(self, layer_id: int, table_rows: int) -> None:
+        """Refuse this profile if layer `layer_id` lists a row id >= `table_rows` (the rows it has)."""
+        rows = self.hottest(layer_id)
+        if rows.shape[0] and int(rows.max()) >= table_rows:
+            i = int(np.argmax(rows >= table_rows))
+            raise ValueError(
+                f"this profile ({self.source}) lists row {int(rows[i])} (rows.{layer_id}[{i}]), but layer "
+                f"{layer_id} has {table_rows} rows; write a new profile with `engram profile` for this config"
             )
 
 
@@ -143,6 +185,11 @@ def save_profile(profile: Profile, path: str | os.PathLike[str], top: int | None
     return save_tensors(path, tensors, meta)
 
 
+def _ids(a: np.ndarray) -> np.ndarray:
+    """An integer array as int64; any other (a float id, a NaN count) as it is, for `Profile` to refuse."""
+    return a.astype(np.int64) if np.issubdtype(a.dtype, np.integer) else a
+
+
 def load_profile(path: str | os.PathLike[str], hasher: NgramHasher | None = None) -> Profile:
     """Read a profile written by `save_profile`; with `hasher`, refuse one for another layout or tokenizer."""
     f = open_tensors(path)
@@ -152,25 +199,35 @@ def load_profile(path: str | os.PathLike[str], hasher: NgramHasher | None = None
             f"{path} is not an Engram row profile (format {meta.get('engram_format')!r}, expected "
             f"{FORMAT!r}); write one with `engram profile --out FILE`"
         )
+    damaged = f"{path}: a damaged row profile"
     try:
         layer_ids = tuple(int(x) for x in json.loads(meta["layer_ids"]))
-        rows = tuple(f.tensor(f"rows.{lid}").numpy().astype(np.int64) for lid in layer_ids)
-        counts = tuple(f.tensor(f"counts.{lid}").numpy().astype(np.int64) for lid in layer_ids)
+        sizes = {}
+        for name in ("batch_tokens", "tokens"):
+            try:
+                sizes[name] = int(meta[name])
+            except ValueError:
+                raise ValueError(f"{name}={meta[name]!r} is not a whole number") from None
+        config, source = json.loads(meta["config"]), meta.get("source", str(path))
+        layout_fp, tokenizer_fp = meta["layout_fingerprint"], meta["tokenizer_fingerprint"]
+        rows = tuple(_ids(f.tensor(f"rows.{lid}").numpy()) for lid in layer_ids)
+        counts = tuple(_ids(f.tensor(f"counts.{lid}").numpy()) for lid in layer_ids)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"{damaged} ({type(e).__name__}: {e}); write it again") from None
+    try:
         profile = Profile(
             layer_ids=layer_ids,
             rows=rows,
             counts=counts,
-            batch_tokens=int(meta["batch_tokens"]),
-            tokens=int(meta["tokens"]),
-            layout_fingerprint=meta["layout_fingerprint"],
-            tokenizer_fingerprint=meta["tokenizer_fingerprint"],
-            config=json.loads(meta["config"]),
-            source=meta.get("source", str(path)),
+            batch_tokens=sizes["batch_tokens"],
+            tokens=sizes["tokens"],
+            layout_fingerprint=layout_fp,
+            tokenizer_fingerprint=tokenizer_fp,
+            config=config,
+            source=source,
         )
-    except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"{path}: a damaged row profile ({type(e).__name__}: {e}); write it again") from None
-    if any(r.shape != c.shape for r, c in zip(rows, counts, strict=True)):
-        raise ValueError(f"{path}: rows and counts differ in length; a damaged profile, write it again")
-    if hasher is not None:
-        profile.check(hasher)
+        if hasher is not None:
+            profile.check(hasher)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return profile
