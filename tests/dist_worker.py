@@ -24,6 +24,7 @@ import torch.distributed as dist
 SIZES = (1000, 777)
 DIM, B, T, HEADS = 8, 6, 5, 3
 ADAM_STEPS, ADAM_LR = 3, 0.1
+SINKHORN_STEPS, SINKHORN_LR = 10, 0.05
 CHUNKED_ROWS = 150_000  # crosses two INIT_CHUNK_ROWS boundaries
 # Table owner sets per world size: all ranks, and dedicated table ranks (a non-owner is rank 0 at W=2).
 OWNERS: dict[int, tuple[tuple[int, ...] | None, ...]] = {2: (None, (1,)), 3: (None, (0,), (0, 1))}
@@ -48,13 +49,30 @@ def step_inputs(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def sinkhorn_step_inputs(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """step_inputs, but rows 30-59 are looked up only in the first 3 steps and the last 2 (abandoned:
+    their momentum decays, then they come back)."""
+    out = []
+    for rows, coef in step_inputs(step):
+        if 3 <= step < SINKHORN_STEPS - 2:
+            rows = torch.where((rows >= 30) & (rows < 60), rows - 30, rows)
+        out.append((rows, coef))
+    return out
+
+
 def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     b = B // world
     return t[rank * b : (rank + 1) * b]
 
 
 def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[str, Any]:
-    from engram.distributed import ShardedTable, chunked_normal, prefetch_tables, sync_table_grads
+    from engram.distributed import (
+        ShardedSinkhorn,
+        ShardedTable,
+        chunked_normal,
+        prefetch_tables,
+        sync_table_grads,
+    )
     from engram.model.optim import SparseRowAdam
 
     res: dict[str, Any] = {}
@@ -90,6 +108,27 @@ def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[
         opt.step()
     res["adam"] = [t.full_weight(0) for t in tables]
     res["adam_state_rows"] = [tuple(v.shape[0] for v in opt.state[t.weight].values()) for t in tables]
+
+    # the Sinkhorn-balanced update: each owner balances its rows, column and row-norm sums all-reduced
+    tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.float64)]
+    opt = ShardedSinkhorn(tables, lr=SINKHORN_LR)
+    active = []
+    for step in range(SINKHORN_STEPS):
+        inputs = sinkhorn_step_inputs(step)
+        rows = [_local(r, rank, world) for r, _ in inputs]
+        prefetch_tables(list(zip(tables, rows, strict=True)))
+        loss = sum(
+            (t.gather(r) * _local(c, rank, world)).sum()
+            for t, r, (_, c) in zip(tables, rows, inputs, strict=True)
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_table_grads(tables)
+        opt.step()
+        active.append([opt.active_rows(t.weight) for t in tables])
+    res["sinkhorn"] = [t.full_weight(0) for t in tables]
+    res["sinkhorn_active"] = active
+    res["sinkhorn_reduces"] = opt.reduce_calls
 
     # bf16 tables: rows served exactly; row gradients summed in fp32 at the owners
     tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.bfloat16)]

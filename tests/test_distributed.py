@@ -22,7 +22,10 @@ from dist_worker import (
     CHUNKED_ROWS,
     OWNERS,
     SHARDED_OWNERS,
+    SINKHORN_LR,
+    SINKHORN_STEPS,
     SIZES,
+    sinkhorn_step_inputs,
     step_inputs,
     table_inputs,
     worker,
@@ -31,6 +34,7 @@ from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_
 from engram.checkpoint.shards import SHARDS_KEY, shard_file
 from engram.distributed import chunked_normal, shard_bounds
 from engram.model.optim import SparseRowAdam
+from engram.model.sinkhorn import SparseSinkhorn
 from engram.model.table import TrainableTable
 from training_setup import dist_cfg
 
@@ -150,6 +154,34 @@ def test_sparse_row_adam_steps_match_unsharded(runs, world, owners):
         assert all(
             set(rows) == {n} for rows, n in zip(res["adam_state_rows"], res["shard_rows"], strict=True)
         )
+
+
+@pytest.mark.parametrize(("world", "owners"), TABLE_CASES)
+def test_sharded_sinkhorn_equals_one_process(runs, world, owners):
+    """ShardedSinkhorn on 2 and 3 ranks (uneven shards; a non-owner; a rank whose rows are never looked
+    up) gives the single-process SparseSinkhorn's tables to fp64 rounding, with 6 all-reduces a table
+    and step (the row-norm sum and 5 column steps)."""
+    refs = [TrainableTable(n, 8, dtype=torch.float64) for n in SIZES]
+    for ref, w in zip(refs, table_inputs(torch.float64), strict=True):
+        ref.weight.data.copy_(w)
+    opt = SparseSinkhorn([t.weight for t in refs], lr=SINKHORN_LR)
+    active = []
+    for step in range(SINKHORN_STEPS):
+        loss = sum(
+            (t.gather(r) * c).sum() for t, (r, c) in zip(refs, sinkhorn_step_inputs(step), strict=True)
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        active.append([opt.active_rows(t.weight) for t in refs])
+    ranks = _table_ranks(runs, world, owners)
+    for got, ref, w0 in zip(ranks[0]["sinkhorn"], refs, table_inputs(torch.float64), strict=True):
+        assert not torch.equal(got, w0)
+        torch.testing.assert_close(got, ref.weight.detach(), rtol=1e-9, atol=1e-12)
+    # the active sets of the shards add up to the whole table's at every step
+    for step in range(SINKHORN_STEPS):
+        assert [sum(r["sinkhorn_active"][step][t] for r in ranks) for t in range(2)] == active[step]
+    assert {r["sinkhorn_reduces"] for r in ranks} == {SINKHORN_STEPS * len(SIZES) * 6}
 
 
 @pytest.mark.parametrize(("world", "owners"), TABLE_CASES)

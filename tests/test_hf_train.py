@@ -26,20 +26,24 @@ def _loss(model, batch):
     return model(**batch).loss
 
 
-def test_plain_loop_updates_only_touched_rows_and_matches_separate_optimizers():
-    """EngramOptimizer gives the same weights as AdamW + SparseRowAdam stepped by hand."""
-    from engram.model.optim import SparseRowAdam
+@pytest.mark.parametrize("table_optimizer", ["adam", "adagrad", "sinkhorn"])
+def test_plain_loop_updates_only_touched_rows_and_matches_separate_optimizers(table_optimizer):
+    """EngramOptimizer gives the same weights as AdamW + the table optimizer stepped by hand."""
+    from engram.model.optim import SparseRowAdagrad, SparseRowAdam
+    from engram.model.sinkhorn import SparseSinkhorn
 
+    cls = {"adam": SparseRowAdam, "adagrad": SparseRowAdagrad, "sinkhorn": SparseSinkhorn}[table_optimizer]
     a, b = _model(), _model()
     b.load_state_dict(a.state_dict())
     collate = EngramCollator(a, pad_token_id=0)
     batch = collate(_features(4))
-    opt = build_optimizer(a, lr=1e-3, table_lr=1e-2)
+    opt = build_optimizer(a, lr=1e-3, table_lr=1e-2, table_optimizer=table_optimizer)
+    assert isinstance(opt.tables, cls)
     table_b = b.engram.module(1).table.weight
     dense_b = torch.optim.AdamW(
         [p for p in b.parameters() if p is not table_b], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0
     )
-    sparse_b = SparseRowAdam([table_b], lr=1e-2)
+    sparse_b = cls([table_b], lr=1e-2)
     before = a.engram.module(1).table.weight.detach().clone()
     for _ in range(3):
         _loss(a, batch).backward()

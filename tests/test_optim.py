@@ -357,6 +357,19 @@ def test_load_state_dict_rejects_a_different_table_size():
         o2.load_state_dict(o1.state_dict())
 
 
+def test_load_state_dict_rejects_state_of_another_dtype_kind():
+    """An int32 momentum (or a float step count) would load cast, as other numbers: refused."""
+    p1 = table(torch.float32)
+    o1 = SparseRowAdam([p1])
+    run_steps(o1, p1, make_steps(DIM, TOUCHED[:1]))
+    for key, dtype in (("exp_avg", torch.int32), ("step", torch.float32)):
+        sd = o1.state_dict()
+        sd["state"] = {0: sd["state"][0] | {key: sd["state"][0][key].to(dtype)}}  # o1's own dict untouched
+        with pytest.raises(ValueError, match=rf"saved state '{key}' of parameter 0 has dtype {dtype}"):
+            SparseRowAdam([table(torch.float32)]).load_state_dict(sd)
+    assert set(o1.expected_state(p1)) == {"exp_avg", "exp_avg_sq_row", "step"}
+
+
 def test_load_state_dict_rejects_another_optimizers_state():
     p1 = table(torch.float32)
     o1 = SparseRowAdagrad([p1])
@@ -554,3 +567,31 @@ def test_cuda_matches_cpu(opt_cls):
     for k, v in o_cpu.state[p_cpu].items():
         assert o_gpu.state[p_gpu][k].device.type == "cuda"
         torch.testing.assert_close(o_gpu.state[p_gpu][k].cpu(), v, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_table_adam_is_torch_adam_on_the_dense_gradient():
+    """DenseTableAdam (the paper's table optimizer, for comparisons) moves every row each step, as
+    torch's Adam given the same gradient made dense."""
+    from engram.model.optim import DenseTableAdam
+
+    torch.manual_seed(0)
+    w0 = torch.randn(50, 4)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt_a, opt_b = DenseTableAdam([a], lr=0.01), torch.optim.Adam([b], lr=0.01)
+    for step in range(3):
+        rows = torch.tensor([1, 7, 30 + step])
+        vals = torch.randn(3, 4)
+        a.grad = torch.sparse_coo_tensor(rows[None], vals, (50, 4))
+        b.grad = a.grad.to_dense()
+        opt_a.step()
+        opt_b.step()
+    assert torch.equal(a.data, b.data)
+    assert (a.data != w0).all(dim=1).sum() > 3  # rows not looked up since step 0 keep moving (momentum)
+
+
+def test_cli_optimizer_choices_are_the_config_enums():
+    from engram.apps.train_config import EmbeddingOptimizer, TableOptimizer
+    from engram.cli.train import EMBEDDING_OPTIMIZERS, TABLE_OPTIMIZERS
+
+    assert TABLE_OPTIMIZERS == tuple(o.value for o in TableOptimizer)
+    assert EMBEDDING_OPTIMIZERS == tuple(o.value for o in EmbeddingOptimizer)

@@ -21,6 +21,7 @@ from engram.apps.train import (
 )
 from engram.model.lm import EngramLM
 from engram.model.optim import SparseRowAdagrad
+from engram.model.sinkhorn import SparseSinkhorn
 from training_setup import tiny_cfg
 
 
@@ -47,8 +48,12 @@ def test_tiny_run_reduces_loss(corpus, data):
     assert [h["step"] for h in t.history if "held_out_loss" in h] == [10, 20, 30]
 
 
-def test_resume_is_exact(corpus, data, tmp_path):
-    cfg = tiny_cfg(corpus, steps=12, eval_every=0)
+@pytest.mark.parametrize(
+    "optimizers",
+    [{}, {"table_optimizer": "sinkhorn"}, {"table_optimizer": "sinkhorn", "embedding_optimizer": "sinkhorn"}],
+)
+def test_resume_is_exact(corpus, data, tmp_path, optimizers):
+    cfg = tiny_cfg(corpus, steps=12, eval_every=0, **optimizers)
     straight = Trainer(cfg, data, build_model(cfg, data))
     straight.run()
 
@@ -139,6 +144,77 @@ def test_damaged_checkpoints_are_refused_naming_the_cause(corpus, data, tmp_path
         ValueError, match=r"'model.safetensors', a symlink to .* outside the checkpoint folder"
     ):
         load_trained_model(tmp_path)
+
+
+def test_resume_refuses_optimizer_state_that_does_not_fit(corpus, data, tmp_path):
+    """A transposed `exp_avg` used to load into AdamW without a word and fail inside torch.optim.adam at
+    the first resumed step: every optimizer tensor is checked against its parameter at load."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = tiny_cfg(corpus, steps=4, eval_every=0)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run(until=2)
+    ckpt = latest_checkpoint(tmp_path)
+    file = ckpt / "optimizer.safetensors"
+    good = load_file(str(file))
+    dense = next(
+        k
+        for k, v in good.items()
+        if k.startswith("dense.") and k.endswith(".exp_avg") and v.shape[0] != v.shape[-1]
+    )
+    rows, cols = good[dense].shape
+    cases = {  # damage -> what the error says
+        "transposed": (
+            {dense: good[dense].t().contiguous()},
+            rf"tensor '{dense}' has shape \({cols}, {rows}\) .* \(shape \({rows}, {cols}\)\) needs a float "
+            rf"tensor of shape \({rows}, {cols}\); the checkpoint is damaged",
+        ),
+        "sparse transposed": (
+            {"table.0.exp_avg": good["table.0.exp_avg"].t().contiguous()},
+            r"tensor 'table.0.exp_avg' has shape \(8, \d+\)",
+        ),
+        "int momentum": (
+            {dense.replace("exp_avg", "exp_avg_sq"): good[dense].to(torch.int32)},
+            re.escape(
+                f"tensor '{dense.replace('exp_avg', 'exp_avg_sq')}' has shape ({rows}, {cols}) and dtype torch.int32"
+            ),
+        ),
+        "float step count": (
+            {"table.0.step": good["table.0.step"].float()},
+            r"tensor 'table.0.step' .* needs a int tensor",
+        ),
+        "foreign parameter": (
+            {"dense.999.exp_avg": good[dense].clone()},
+            r"tensor 'dense.999.exp_avg' is of parameter 999, which the dense optimizer does not have",
+        ),
+        "foreign name": ({"momentum": good[dense].clone()}, r"tensor 'momentum' is not named <optimizer>"),
+    }
+    for change, msg in cases.values():
+        save_file(good | change, str(file))
+        with pytest.raises(ValueError, match=re.escape(str(file)) + ": " + msg):
+            Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).resume_from(ckpt)
+        with pytest.raises(ValueError, match="no intact checkpoint"):  # skipped as damaged, none left
+            Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).resume_latest()
+    missing = {k: v for k, v in good.items() if k != dense}
+    save_file(missing, str(file))
+    with pytest.raises(ValueError, match=r"has stored state \['exp_avg_sq', 'step'\], but AdamW keeps"):
+        Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).resume_from(ckpt)
+    save_file(good, str(file))
+    t = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    t.resume_from(ckpt)
+    t.run()
+    assert t.step == 4
+
+
+def test_resume_refuses_a_step_beyond_the_runs_steps(corpus, data, tmp_path):
+    cfg = tiny_cfg(corpus, steps=4, eval_every=0)
+    Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run(until=3)
+    short = cfg.replace(steps=2)
+    with pytest.raises(
+        ValueError, match=r"step-0000003 is at step 3, beyond this run's 2 total steps; resume with --steps 3"
+    ):
+        Trainer(short, data, build_model(short, data), out_dir=tmp_path).resume_latest()
 
 
 def test_resume_skips_damaged_checkpoints(corpus, data, tmp_path, capsys):
@@ -269,6 +345,26 @@ def test_config_file_round_trip_and_errors(tmp_path):
 def test_table_optimizer_enum(corpus, data):
     cfg = tiny_cfg(corpus, table_optimizer="adagrad")
     assert isinstance(Trainer(cfg, data, build_model(cfg, data)).table_opt, SparseRowAdagrad)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_v41_recipe_sinkhorn_for_tables_embedding_and_head(corpus, data, tie):
+    """table_optimizer / embedding_optimizer 'sinkhorn': the tables, the token embedding and the LM head
+    take SparseSinkhorn (the embedding and head at lr), every other parameter AdamW; the loss falls."""
+    cfg = tiny_cfg(corpus, table_optimizer="sinkhorn", embedding_optimizer="sinkhorn", tie_embeddings=tie)
+    t = Trainer(cfg, data, build_model(cfg, data))
+    m = t.model
+    embed = [m.embed.weight] + ([] if tie else [m.head.weight])
+    assert isinstance(t.table_opt, SparseSinkhorn) and isinstance(t.embed_opt, SparseSinkhorn)
+    assert [p for g in t.embed_opt.param_groups for p in g["params"]] == embed
+    adamw = {id(p) for g in t.opt.param_groups for p in g["params"]}
+    assert not adamw & {id(p) for p in embed}
+    assert len(adamw) + len(embed) == len(t.dense_params)
+    before = t.evaluate()["loss"]
+    t.run()
+    assert t.evaluate()["loss"] < before - 0.5
+    assert 0 < t.embed_opt.active_rows(m.embed.weight) <= m.embed.weight.shape[0]
+    assert t.embed_opt.param_groups[0]["lr"] == pytest.approx(cfg.lr * t.lr_factor(cfg.steps - 1))
 
 
 def test_old_flat_config_is_refused(corpus, data, tmp_path):

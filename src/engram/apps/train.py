@@ -27,14 +27,21 @@ from engram.addressing.compression import TokenizerCompression, resolve_tokenize
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
 from engram.apps.rows import identity_compression, stream_rows
-from engram.apps.train_config import DEFAULT_ENGRAM, TRAIN_PRESETS, TableOptimizer, TrainConfig
+from engram.apps.train_config import (
+    DEFAULT_ENGRAM,
+    TRAIN_PRESETS,
+    EmbeddingOptimizer,
+    TableOptimizer,
+    TrainConfig,
+)
 from engram.checkpoint.files import member_file, save_tensors
 from engram.checkpoint.json_file import read_json
-from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
-from engram.checkpoint.shards import read_checkpoint
+from engram.checkpoint.optim_state import OptimizerStateError, optimizers_from_tensors, optimizers_to_tensors
+from engram.checkpoint.shards import OPTIMIZER_FILE, is_table_key, read_checkpoint, tables_of_state
 from engram.config import EngramConfig
 from engram.model.lm import EngramLM, LMConfig
-from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
+from engram.model.optim import DenseTableAdam, SparseRowAdagrad, SparseRowAdam, split_param_groups
+from engram.model.sinkhorn import SparseSinkhorn
 
 __all__ = [
     "DEFAULT_ENGRAM",
@@ -44,6 +51,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "build_model",
+    "checkpoint_tokenizer",
     "evaluate",
     "latest_checkpoint",
     "load_trained_model",
@@ -152,8 +160,17 @@ class Trainer:
             for n, p in model.named_parameters()
             if p.dim() < 2 or n.endswith(("q_weight", "k_weight", "mix_logits"))
         }
-        decay = [p for p in dense if id(p) not in no_decay]
-        rest = [p for p in dense if id(p) in no_decay]
+        # V4.1's recipe: the token embedding and the LM head (one parameter when tied) take the
+        # Sinkhorn-balanced update too; they stay among the dense parameters for clipping and the
+        # data-parallel gradient sync.
+        self.embed_opt: torch.optim.Optimizer | None = None
+        embed_ids: set[int] = set()
+        if cfg.embedding_optimizer is EmbeddingOptimizer.SINKHORN:
+            embed = [model.embed.weight] + ([model.head.weight] if model.head is not None else [])
+            embed_ids = {id(p) for p in embed}
+            self.embed_opt = SparseSinkhorn(embed, lr=cfg.lr)
+        decay = [p for p in dense if id(p) not in no_decay and id(p) not in embed_ids]
+        rest = [p for p in dense if id(p) in no_decay and id(p) not in embed_ids]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
             lr=cfg.lr,
@@ -161,8 +178,7 @@ class Trainer:
         )
         self.table_opt: torch.optim.Optimizer | None = None
         if tables:
-            cls = {TableOptimizer.ADAM: SparseRowAdam, TableOptimizer.ADAGRAD: SparseRowAdagrad}
-            self.table_opt = cls[cfg.table_optimizer](tables, lr=cfg.table_lr)
+            self.table_opt = self._table_optimizer(tables)
         self.dense_params = dense
         self.step = 0
         self._saved_step = -1
@@ -189,12 +205,16 @@ class Trainer:
         if self.table_opt is not None:
             for g in self.table_opt.param_groups:
                 g["lr"] = c.table_lr * f
+        if self.embed_opt is not None:
+            for g in self.embed_opt.param_groups:
+                g["lr"] = c.lr * f
         x, y, rows = self._batch(self.step)
         logits = self.model(x, rows)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
-        if self.table_opt is not None:
-            self.table_opt.zero_grad(set_to_none=True)
+        for opt in (self.table_opt, self.embed_opt):
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
         aux = self.model.aux_loss()  # MoE load balancing (None: dense)
         if aux is None:
             loss_value = self._backward(loss)
@@ -204,8 +224,9 @@ class Trainer:
         if c.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, c.grad_clip)
         self.opt.step()
-        if self.table_opt is not None:
-            self.table_opt.step()
+        for opt in (self.table_opt, self.embed_opt):
+            if opt is not None:
+                opt.step()
         self.step += 1
         return loss_value
 
@@ -213,6 +234,20 @@ class Trainer:
     def _param_groups(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         """(dense params for AdamW, table params for the sparse row optimizer)."""
         return split_param_groups(self.model)
+
+    def _table_optimizer(self, tables: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The tables' optimizer of `cfg.table_optimizer` at `cfg.table_lr`."""
+        cls = {
+            TableOptimizer.ADAM: SparseRowAdam,
+            TableOptimizer.ADAGRAD: SparseRowAdagrad,
+            TableOptimizer.SINKHORN: SparseSinkhorn,
+            TableOptimizer.DENSE_ADAM: DenseTableAdam,
+        }
+        return cls[self.cfg.table_optimizer](tables, lr=self.cfg.table_lr)
+
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer | None]:
+        """The run's optimizers by their name in checkpoints (None: not in this run)."""
+        return {"dense": self.opt, "table": self.table_opt, "embedding": self.embed_opt}
 
     def _batch_starts(self, step: int) -> np.ndarray:
         """Window starts of this process's share of step `step`'s batch (here: all of it)."""
@@ -273,7 +308,7 @@ class Trainer:
     def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
         """(model state, optimizer state tensors, optimizer groups) as a checkpoint stores them."""
         model_tensors = {k: v.contiguous() for k, v in self.model.state_dict().items()}
-        opt_tensors, groups = optimizers_to_tensors({"dense": self.opt, "table": self.table_opt})
+        opt_tensors, groups = optimizers_to_tensors(self._optimizers())
         return model_tensors, opt_tensors, groups
 
     def _checkpoint_tmp(self, tag: str) -> Path:
@@ -330,9 +365,9 @@ class Trainer:
         The checkpoint's training config must be this trainer's (the total steps aside); a damaged
         checkpoint is refused (ValueError naming the file and what is wrong with it)."""
         path = Path(path)
-        state, cfg = _read_state(path)
-        self._check_config(path, cfg)
-        self._restore(path, state)
+        state, cfg, lm_cfg = _read_state(path)
+        self._check_config(path, cfg, state["step"])
+        self._restore(path, state, lm_cfg)
 
     def resume_latest(self) -> tuple[Path | None, list[tuple[Path, str]]]:
         """Continue from the newest intact checkpoint in `out_dir`: (its path or None when there is
@@ -347,13 +382,13 @@ class Trainer:
         for path in reversed(found):
             error: BaseException | None = None
             try:
-                state, cfg = _read_state(path)
+                state, cfg, lm_cfg = _read_state(path)
             except _DAMAGE as e:
                 error = e
             if error is None:
-                self._check_config(path, cfg)  # another run's checkpoint: an error, never skipped
+                self._check_config(path, cfg, state["step"])  # another run's: an error, never skipped
                 try:
-                    self._restore(path, state)
+                    self._restore(path, state, lm_cfg)
                 except _DAMAGE as e:
                     error = e
             error = self._agree_intact(error)
@@ -368,23 +403,48 @@ class Trainer:
             )
         return None, skipped
 
-    def _check_config(self, path: Path, cfg: TrainConfig) -> None:
+    def _check_config(self, path: Path, cfg: TrainConfig, step: int) -> None:
+        """Refuse a checkpoint of another run: another training config (the total steps aside), or a
+        step beyond this run's total steps."""
         if cfg.replace(steps=self.cfg.steps) != self.cfg:
             raise ValueError(
                 f"{path} was written by a run with another training config; resume with that config"
             )
+        if step > self.cfg.steps:
+            raise ValueError(
+                f"{path} is at step {step}, beyond this run's {self.cfg.steps} total steps; resume with "
+                f"--steps {step} or more"
+            )
 
-    def _restore(self, path: Path, state: dict[str, Any]) -> None:
-        """Restore model, optimizers, step and history from checkpoint `path` (state.json `state`)."""
+    def _restore(self, path: Path, state: dict[str, Any], lm_cfg: LMConfig) -> None:
+        """Restore model, optimizers, step and history from checkpoint `path` (state.json `state`, its
+        checked `lm_config` `lm_cfg`), which must describe this trainer's model and tokenizer."""
         try:
             groups = state["optimizer_groups"]
-            step, history = int(state["step"]), list(state["history"])
+            history = list(state["history"])
             seconds = float(state.get("train_seconds", 0.0))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
-        with _weights_of(path):
+        self._check_model(path, lm_cfg)
+        with _weights_of(path), _optimizer_state_of(path, state):
             self._restore_tensors(*self._read_checkpoint(path, state), groups)
-        self.step, self.history, self.train_seconds = step, history, seconds
+        self.step, self.history, self.train_seconds = state["step"], history, seconds
+
+    def _check_model(self, path: Path, lm_cfg: LMConfig) -> None:
+        """Refuse a checkpoint whose lm_config or tokenizer.json is not this trainer's model's (the
+        training config agreed, so the checkpoint was edited or damaged)."""
+        if lm_cfg != self.model.config:
+            diffs = _diffs(lm_cfg.to_dict(), self.model.config.to_dict())
+            raise ValueError(
+                f"{path / 'state.json'}: its lm_config does not describe the model its training config "
+                f"builds ({'; '.join(diffs)}); the checkpoint is damaged: resume from another checkpoint"
+            )
+        tok = checkpoint_tokenizer(path, lm_cfg.vocab_size)
+        if tok is not None and tok.to_str() != self.data.tokenizer.to_str():
+            raise ValueError(
+                f"{path / 'tokenizer.json'}: not the tokenizer of this run (its training config's "
+                f"{self.cfg.tokenizer!r}); the checkpoint is damaged: resume from another checkpoint"
+            )
 
     def _agree_intact(self, error: BaseException | None) -> BaseException | None:
         """The outcome of reading one checkpoint, agreed by every process (here: just this one's)."""
@@ -406,7 +466,7 @@ class Trainer:
     ) -> None:
         """Load a checkpoint's model and optimizer tensors into this trainer's model and optimizers."""
         self.model.load_state_dict(model_tensors)
-        optimizers_from_tensors({"dense": self.opt, "table": self.table_opt}, opt_tensors, groups)
+        optimizers_from_tensors(self._optimizers(), opt_tensors, groups)
 
 
 def _checkpoint_dirs(out_dir: Path) -> list[Path]:
@@ -481,9 +541,58 @@ def _weights_of(ckpt: Path) -> Iterator[None]:
         ) from None
 
 
-def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
-    """(state.json, its training config) of checkpoint folder `ckpt`; a checkpoint of another format
-    or a damaged state.json is refused (ValueError), naming the file."""
+def _diffs(theirs: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:
+    """`key=value (this run: value)` for each entry of two config dicts that differs (nested dicts by
+    their entries, as `engram.layer_ids=...`)."""
+    out = []
+    for k in sorted(set(theirs) | set(ours)):
+        a, b = theirs.get(k), ours.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diffs(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}={a!r} (this run: {b!r})")
+    return out
+
+
+@contextlib.contextmanager
+def _optimizer_state_of(ckpt: Path, state: dict[str, Any]) -> Iterator[None]:
+    """A stored optimizer tensor that does not fit its parameter, as one ValueError naming its file."""
+    try:
+        yield
+    except OptimizerStateError as e:
+        if e.tensor is None:
+            file = ckpt / "state.json"  # the param groups
+        elif tables_of_state(state) is not None and is_table_key(e.tensor):
+            file = ckpt / "tables-rank-*.safetensors"
+        else:
+            file = ckpt / OPTIMIZER_FILE
+        raise ValueError(f"{file}: {e}") from None
+
+
+def checkpoint_tokenizer(ckpt: str | os.PathLike[str], vocab_size: int) -> Tokenizer | None:
+    """The tokenizer a checkpoint folder saved (None: it holds no tokenizer.json), checked: a regular
+    file inside the folder (never a FIFO or a link out) that tokenizers reads, with the `vocab_size`
+    ids of the model; ValueError naming the file otherwise."""
+    file = Path(ckpt) / "tokenizer.json"
+    if not os.path.lexists(file):
+        return None
+    path = member_file(ckpt, file.name, f"the checkpoint {ckpt} holds")  # a regular file, inside
+    tok = resolve_tokenizer(path)  # a damaged file: ValueError naming it
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if vocab != vocab_size:
+        raise ValueError(
+            f"{file}: the tokenizer has {vocab} ids but the model {vocab_size}; the checkpoint's "
+            "tokenizer.json is not the run's: restore it from the run, or delete it to rebuild the run's"
+        )
+    return tok
+
+
+def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig, LMConfig]:
+    """(state.json, its training config, its model config) of checkpoint folder `ckpt`, checked: the
+    entries a training state has, a training config of this version, a step that is an int from 0 to
+    that config's total steps, and an lm_config that makes a model. `engram eval`, `generate` and
+    `train --resume` all read checkpoints through it; a damaged state.json is refused (ValueError),
+    naming the file."""
     file = member_file(ckpt, "state.json", "the checkpoint's")  # a regular file inside the folder
     state = read_json(file)
     missing = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
@@ -493,12 +602,26 @@ def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig]:
             "resume from another checkpoint or retrain"
         )
     try:
-        return state, TrainConfig.from_dict(state["train_config"])
+        cfg = TrainConfig.from_dict(state["train_config"])
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"{file}: {e}. This checkpoint was written by another version of engram and is not read: "
             "retrain the model"
         ) from None
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= cfg.steps:
+        raise ValueError(
+            f"{file}: step {step!r} is not a whole number from 0 to the run's total steps "
+            f"(train_config.steps={cfg.steps}); the checkpoint is damaged: use another one or retrain"
+        )
+    try:
+        lm_cfg = LMConfig.from_dict(state["lm_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{file}: its lm_config does not make a model ({type(e).__name__}: {e}); the checkpoint "
+            "is damaged: use another one or retrain"
+        ) from None
+    return state, cfg, lm_cfg
 
 
 def load_trained_model(
@@ -510,11 +633,8 @@ def load_trained_model(
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
-    state, cfg = _read_state(ckpt)
-    try:
-        model = EngramLM(LMConfig.from_dict(state["lm_config"]))
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{ckpt / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
+    state, cfg, lm_cfg = _read_state(ckpt)
+    model = EngramLM(lm_cfg)
     dtypes = {k: v.dtype for k, v in model.state_dict().items()}
     tensors = read_checkpoint(ckpt, state, optimizer=False, dtypes=dtypes, verify=verify)[0]  # tables whole
     with _weights_of(ckpt):  # missing, unexpected or misshaped tensors: one ValueError naming the file

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engram.apps.input_files import input_file
 from engram.checkpoint.json_file import read_json
 from engram.config import EngramConfig
 
-__all__ = ["DEFAULT_ENGRAM", "ENGRAM_MODES", "TRAIN_PRESETS", "RowHash", "TableOptimizer", "TrainConfig"]
+__all__ = [
+    "DEFAULT_ENGRAM",
+    "ENGRAM_MODES",
+    "TRAIN_PRESETS",
+    "EmbeddingOptimizer",
+    "RowHash",
+    "TableOptimizer",
+    "TrainConfig",
+]
 
 
 class TableOptimizer(enum.StrEnum):
@@ -23,6 +34,15 @@ class TableOptimizer(enum.StrEnum):
 
     ADAM = "adam"  # SparseRowAdam
     ADAGRAD = "adagrad"  # SparseRowAdagrad
+    SINKHORN = "sinkhorn"  # SparseSinkhorn: V4.1's Sinkhorn-balanced update (SPEC §7b)
+    DENSE_ADAM = "dense-adam"  # DenseTableAdam: the paper's Adam over the whole table (a comparison)
+
+
+class EmbeddingOptimizer(enum.StrEnum):
+    """The optimizer of the token embedding and the LM head (the head is the embedding when tied)."""
+
+    ADAMW = "adamw"  # with the rest of the backbone
+    SINKHORN = "sinkhorn"  # V4.1's recipe: the Sinkhorn-balanced update at `lr`, AdamW for the rest
 
 
 class RowHash(enum.StrEnum):
@@ -90,6 +110,7 @@ class TrainConfig:
     lr: float = 3e-3
     table_lr: float = 5e-2
     table_optimizer: TableOptimizer = TableOptimizer.ADAM
+    embedding_optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ADAMW
     warmup: int = 30
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -110,6 +131,13 @@ class TrainConfig:
             raise ValueError(
                 f"table_optimizer={self.table_optimizer!r}: use one of "
                 f"{', '.join(repr(o.value) for o in TableOptimizer)}"
+            ) from None
+        try:
+            object.__setattr__(self, "embedding_optimizer", EmbeddingOptimizer(self.embedding_optimizer))
+        except ValueError:
+            raise ValueError(
+                f"embedding_optimizer={self.embedding_optimizer!r}: use one of "
+                f"{', '.join(repr(o.value) for o in EmbeddingOptimizer)}"
             ) from None
         try:
             object.__setattr__(self, "row_hash", RowHash(self.row_hash))
@@ -172,6 +200,7 @@ class TrainConfig:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["engram"] = None if self.engram is None else self.engram.to_dict()
         d["table_optimizer"] = self.table_optimizer.value
+        d["embedding_optimizer"] = self.embedding_optimizer.value
         d["row_hash"] = self.row_hash.value
         d["extra"] = dict(self.extra)
         return d
@@ -190,6 +219,13 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown training config keys {unknown}; known keys: {sorted(known)}")
+        hints = typing.get_type_hints(cls)
+        for key, value in d.items():
+            if not _json_fits(value, hints[key]):
+                raise TypeError(
+                    f"{key}={value!r}: expected {_json_expected(hints[key])}, got {_json_kind(value)}; "
+                    f"give {key} as {_json_expected(hints[key])}"
+                )
         kw = dict(d)
         if kw.get("engram") is not None:
             kw["engram"] = EngramConfig.from_dict(kw["engram"])
@@ -197,15 +233,58 @@ class TrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TrainConfig:
-        data = read_json(path)  # ValueError naming the file: a folder, not JSON, nested too deep
+        data = read_json(input_file(path, "a JSON file"))  # never opens a FIFO; ValueError naming the file
         if not isinstance(data, dict):
             raise ValueError(
                 f"{path}: expected a JSON object of TrainConfig fields, got {type(data).__name__}"
             )
         try:
             return cls.from_dict(data)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------- JSON types
+def _json_fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value can stand for a field annotated `hint` (bool is not a number here; an
+    int is a float; an enum field takes its value's string, which __post_init__ checks)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_json_fits(value, h) for h in typing.get_args(hint))
+    hint = typing.get_origin(hint) or hint
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(hint, type) and issubclass(hint, str):  # str, and the StrEnums
+        return isinstance(value, str)
+    if hint is dict or hint is EngramConfig:  # a JSON object (of EngramConfig's fields)
+        return isinstance(value, dict)
+    return True  # a type JSON cannot name: the constructor checks it
+
+
+def _json_expected(hint: Any) -> str:
+    """What a field annotated `hint` takes, in JSON words."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return " or ".join(_json_expected(h) for h in typing.get_args(hint))
+    hint = typing.get_origin(hint) or hint
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in hint)
+    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a number",
+             str: "a string", dict: "a JSON object", EngramConfig: "a JSON object of EngramConfig fields"}  # fmt: skip
+    return words.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in the same words."""
+    for kind, word in ((bool, "true or false"), (int, "a whole number"), (float, "a number"),
+                       (str, "a string"), (list, "a list"), (dict, "a JSON object")):  # fmt: skip
+        if isinstance(value, kind):
+            return word
+    return "null" if value is None else type(value).__name__
 
 
 # Named configs sized for a 2-core CPU (tokens/s measured there: about 10K for "demo").

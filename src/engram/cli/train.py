@@ -12,16 +12,24 @@ from typing import Any
 
 from engram.cli.options import (
     add_verify_option,
+    corpus_source,
     input_file,
+    input_folder,
     non_negative_int,
     output_folder,
     positive_float,
     positive_int,
+    seed,
     set_threads,
     threads,
+    tokenizer_source,
 )
 
 __all__ = ["add_training_commands"]
+
+# TableOptimizer's and EmbeddingOptimizer's values (engram.apps is imported only to run)
+TABLE_OPTIMIZERS = ("adam", "adagrad", "sinkhorn", "dense-adam")
+EMBEDDING_OPTIMIZERS = ("adamw", "sinkhorn")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -65,7 +73,7 @@ def _train_config(args: argparse.Namespace) -> Any:
     else:
         cfg = TRAIN_PRESETS[args.preset or "demo"]
     overrides: dict[str, Any] = {}
-    for key in ("steps", "seed", "checkpoint_every"):
+    for key in ("steps", "seed", "checkpoint_every", "table_optimizer", "embedding_optimizer"):
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
     if args.no_engram:
@@ -254,8 +262,14 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument(
         "--seeds", type=positive_int, default=2, help="seeds to run (the spread tells noise from effect)"
     )
-    p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
-    p.add_argument("--tokenizer", help="'bpe' (default: trained on the training split) or 'deepseek-v4'")
+    p.add_argument(
+        "--corpus", type=corpus_source, help="text file, folder of *.txt or glob instead of the Bible"
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=tokenizer_source,
+        help="'bpe' (default: trained on the training split), 'deepseek-v4' or a tokenizer.json path",
+    )
     p.add_argument(
         "--out", type=output_folder, default="reports/demo", help="report folder (default reports/demo)"
     )
@@ -275,11 +289,23 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--steps", type=positive_int, help="override the config's total steps")
     p.add_argument("--until", type=positive_int, help="stop at this step (the schedule still spans --steps)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=seed, help="override the config's seed")
     p.add_argument(
         "--checkpoint-every", type=non_negative_int, help="steps between checkpoints (0: only at the end)"
     )
     p.add_argument("--no-engram", action="store_true", help="train the baseline backbone without Engram")
+    p.add_argument(
+        "--table-optimizer",
+        choices=TABLE_OPTIMIZERS,
+        help="the Engram tables' optimizer: SparseRowAdam, SparseRowAdagrad, V4.1's Sinkhorn-balanced "
+        "update, or the paper's dense Adam over the whole table (default: the config's, 'adam')",
+    )
+    p.add_argument(
+        "--embedding-optimizer",
+        choices=EMBEDDING_OPTIMIZERS,
+        help="the token embedding's and LM head's optimizer: AdamW with the backbone, or 'sinkhorn' (V4.1's "
+        "recipe, with --table-optimizer sinkhorn) (default: the config's, 'adamw')",
+    )
     p.add_argument(
         "--distributed",
         action="store_true",
@@ -323,7 +349,9 @@ def add_training_commands(sub: Any) -> None:
     p = sub.add_parser(
         "eval", help="held-out loss of a checkpoint, per category; --mask-engram for the ablation"
     )
-    p.add_argument("--checkpoint", required=True, help="a run folder or a checkpoints/step-N folder")
+    p.add_argument(
+        "--checkpoint", type=input_folder, required=True, help="a run folder or a checkpoints/step-N folder"
+    )
     p.add_argument("--mask-engram", action="store_true", help="also score with Engram's output masked")
     add_verify_option(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")

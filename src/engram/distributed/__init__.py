@@ -5,7 +5,7 @@ The only package that imports torch.distributed: the model code (`engram.model.m
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
 (sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
 into an error naming the rank and the step), `launch` (one rank from torchrun's environment), `train`
-(the distributed trainer).
+(the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
@@ -39,6 +39,7 @@ from engram.distributed.sharded_table import (
     shard_bounds,
     sync_table_grads,
 )
+from engram.distributed.sinkhorn import ShardedSinkhorn
 from engram.distributed.train import DistributedTrainer, build_distributed_model, global_num_params
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "DistEnv",
     "DistributedTrainer",
     "RankError",
+    "ShardedSinkhorn",
     "ShardedTable",
     "TableInit",
     "all_reduce_grads",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.apps.evaluation import eval_summary, score_windows, window_rows
-from engram.apps.train import DataBundle, TrainConfig, Trainer, build_model
+from engram.apps.train import DataBundle, TableOptimizer, TrainConfig, Trainer, build_model
 from engram.checkpoint.shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
 from engram.distributed.guard import describe, disagreements, named_failures
 from engram.distributed.parallelize import (
@@ -32,6 +32,7 @@ from engram.distributed.parallelize import (
     split_sharded_params,
 )
 from engram.distributed.sharded_table import ShardedTable, gather_shards, release_tables, sync_table_grads
+from engram.distributed.sinkhorn import ShardedSinkhorn
 from engram.model.lm import EngramLM
 from engram.model.table import TrainableTable
 
@@ -189,6 +190,14 @@ class DistributedTrainer(Trainer):
     # ------------------------------------------------------------------ the step's pieces
     def _param_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         return split_sharded_params(self.model)
+
+    def _table_optimizer(self, tables: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The row optimizers update each shard unchanged; the Sinkhorn-balanced update needs the
+        sums over every row, so it runs as ShardedSinkhorn (its all-reduces over the table's group)."""
+        if self.cfg.table_optimizer is not TableOptimizer.SINKHORN:
+            return super()._table_optimizer(tables)
+        owner = {id(t.weight): t for t in self.tables}
+        return ShardedSinkhorn([owner[id(p)] for p in tables], lr=self.cfg.table_lr)
 
     def _batch_starts(self, step: int) -> np.ndarray:
         starts = super()._batch_starts(step)  # (B,) the global batch, the same on every rank

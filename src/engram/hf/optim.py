@@ -19,10 +19,11 @@ from torch import nn
 
 from engram.hf.attach import get_attachment
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
+from engram.model.sinkhorn import SparseSinkhorn
 
 __all__ = ["EngramOptimizer", "build_optimizer"]
 
-_TABLE_OPTIMIZERS = {"adam": SparseRowAdam, "adagrad": SparseRowAdagrad}
+_TABLE_OPTIMIZERS = {"adam": SparseRowAdam, "adagrad": SparseRowAdagrad, "sinkhorn": SparseSinkhorn}
 
 
 class EngramOptimizer(torch.optim.Optimizer):
@@ -111,7 +112,8 @@ def build_optimizer(
 ) -> EngramOptimizer:
     """An `EngramOptimizer` for a model with Engram attached.
 
-    Tables: `SparseRowAdam` (table_optimizer='adam') or `SparseRowAdagrad` ('adagrad') at `table_lr`;
+    Tables: `SparseRowAdam` (table_optimizer='adam'), `SparseRowAdagrad` ('adagrad') or V4.1's
+    Sinkhorn-balanced update `SparseSinkhorn` ('sinkhorn', no weight decay) at `table_lr`;
     every other parameter that requires a gradient: AdamW at `lr`. `freeze_backbone=True` sets
     requires_grad=False on every parameter outside Engram (LoRA parameters of a peft model stay
     trainable), so only Engram (and adapters) train. Engram's own parameters are made trainable.
@@ -142,9 +144,12 @@ def build_optimizer(
         if table_optimizer == "adam":
             table_opt = SparseRowAdam(table_params, lr=table_lr, weight_decay=table_weight_decay)
         elif table_weight_decay:
-            raise ValueError("SparseRowAdagrad has no weight decay: use table_weight_decay=0.0 or 'adam'")
+            raise ValueError(
+                f"{_TABLE_OPTIMIZERS[table_optimizer].__name__} has no weight decay: use table_weight_decay=0.0 "
+                "or table_optimizer='adam'"
+            )
         else:
-            table_opt = SparseRowAdagrad(table_params, lr=table_lr)
+            table_opt = _TABLE_OPTIMIZERS[table_optimizer](table_params, lr=table_lr)
     opt = EngramOptimizer(dense_opt, table_opt)
     att.optimizer_hooks = opt
     return opt

@@ -1,8 +1,9 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
-CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, `cpu_gate`, run over the cores by
-`threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`, with their torch twins in
-`reference`.
+CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over the
+cores by `threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`, and the passes of the
+Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
+`sinkhorn_apply`), with their torch twins in `reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where
 they are needed, the Triton entries load through the lazy names below on first use (under
 triton's interpreter on a CPU when TRITON_INTERPRET=1 is set first). Design: docs/kernels.md.
@@ -20,11 +21,35 @@ if TYPE_CHECKING:
     from engram.kernels.triton_gate import fused_gate
     from engram.kernels.triton_hash import hash_rows
     from engram.kernels.triton_lookup import fp8_gather
+    from engram.kernels.triton_sinkhorn import (
+        sinkhorn_apply,
+        sinkhorn_blend,
+        sinkhorn_cols_rows,
+        sinkhorn_rows,
+    )
 
-__all__ = ["fp8_gather", "fused_gate", "hash_rows", "triton_available", "use_triton"]
+__all__ = [
+    "fp8_gather",
+    "fused_gate",
+    "hash_rows",
+    "sinkhorn_apply",
+    "sinkhorn_blend",
+    "sinkhorn_cols_rows",
+    "sinkhorn_rows",
+    "triton_available",
+    "use_triton",
+]
 
 # name -> the module that defines it (imported, with triton, on first access)
-_TRITON_ENTRIES = {"hash_rows": "triton_hash", "fp8_gather": "triton_lookup", "fused_gate": "triton_gate"}
+_TRITON_ENTRIES = {
+    "hash_rows": "triton_hash",
+    "fp8_gather": "triton_lookup",
+    "fused_gate": "triton_gate",
+    "sinkhorn_blend": "triton_sinkhorn",
+    "sinkhorn_rows": "triton_sinkhorn",
+    "sinkhorn_cols_rows": "triton_sinkhorn",
+    "sinkhorn_apply": "triton_sinkhorn",
+}
 
 
 @functools.cache

@@ -3,7 +3,8 @@ eager path on devices without triton.
 
 The hash (`hash_rows`), the FP8 gather (`fp8_gather`, no checks, so no device sync) and the V4.1
 gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
-module's own code), plus the gate nonlinearity both Engram variants share. Design: docs/kernels.md.
+module's own code), plus the gate nonlinearity both Engram variants share; the passes of the
+Sinkhorn-balanced table update (`sinkhorn_*`, twins of `cpu_sinkhorn`). Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ import torch
 
 from engram.storage import quant
 
-__all__ = ["check_gate_inputs", "fp8_gather", "gate", "hash_rows", "signed_sqrt_gate"]
+__all__ = [
+    "check_gate_inputs",
+    "fp8_gather",
+    "gate",
+    "hash_rows",
+    "signed_sqrt_gate",
+    "sinkhorn_blend",
+    "sinkhorn_cols_rows",
+    "sinkhorn_rows",
+]
 
 
 def hash_rows(
@@ -107,3 +117,45 @@ def check_gate_inputs(
 def signed_sqrt_gate(dot: torch.Tensor, clamp: float = 1e-6) -> torch.Tensor:
     """sigmoid(sign(dot) * sqrt(max(|dot|, clamp))): keeps the sigmoid out of saturation."""
     return torch.sigmoid(torch.copysign(dot.abs().clamp_min(clamp).sqrt(), dot))
+
+
+# ------------------------------------------------------------------ the Sinkhorn-balanced update
+# The plain torch twins of `cpu_sinkhorn`'s passes over a table's A active rows (SPEC §7b), and the
+# path on devices without a compiled one. Shapes: mom, u (A, n) in the state dtype; gidx (A,) int64
+# (row of grad, or -1); grad (R, n); rho (A,) float64; keep (A,) bool.
+
+
+def sinkhorn_blend(
+    mom: torch.Tensor, gidx: torch.Tensor, grad: torch.Tensor, beta: float, u: torch.Tensor, rho: torch.Tensor
+) -> tuple[float, int]:
+    """mom <- beta * mom + (1 - beta) * g; u <- beta * mom + (1 - beta) * g; rho <- row norms of u;
+    returns (sum of rho, rows whose momentum is now zero)."""
+    g = torch.zeros_like(mom)
+    has = gidx >= 0
+    g[has] = grad[gidx[has]]
+    mom.mul_(beta).add_(g, alpha=1.0 - beta)
+    torch.add(mom * beta, g, alpha=1.0 - beta, out=u)
+    rho.copy_(torch.linalg.vector_norm(u.double(), dim=1))
+    return float(rho.sum()), int((~mom.ne(0).any(dim=1)).sum())  # sync point
+
+
+def sinkhorn_rows(
+    u: torch.Tensor, rho: torch.Tensor, thresh: float, eps: float, keep: torch.Tensor
+) -> torch.Tensor:
+    """Rows with rho <= thresh set to 0 (keep False), the others divided by (rho + eps); the column
+    sums of squares (n,) float64."""
+    keep.copy_(rho > thresh)
+    u.mul_(torch.where(keep, 1.0 / (rho + eps), 0.0).to(u.dtype)[:, None])
+    return u.double().square().sum(dim=0)
+
+
+def sinkhorn_cols_rows(
+    u: torch.Tensor, colinv: torch.Tensor, keep: torch.Tensor, eps: float, want_colsq: bool
+) -> torch.Tensor:
+    """u_ij *= colinv_j, then each kept row divided by (its norm + eps); the new column sums of squares."""
+    u.mul_(colinv.to(u.dtype)[None, :])
+    norms = torch.linalg.vector_norm(u.double(), dim=1)
+    u.mul_(torch.where(keep, 1.0 / (norms + eps), 0.0).to(u.dtype)[:, None])
+    if not want_colsq:
+        return torch.zeros(u.shape[1], dtype=torch.float64, device=u.device)
+    return u.double().square().sum(dim=0)

@@ -19,17 +19,34 @@ from torch import nn
 
 from engram.model.table import TrainableTable
 
-__all__ = ["SparseRowAdagrad", "SparseRowAdam", "split_param_groups"]
+__all__ = [
+    "DenseTableAdam",
+    "SparseRowAdagrad",
+    "SparseRowAdam",
+    "check_number",
+    "check_table_param",
+    "split_param_groups",
+    "state_dtype",
+    "touched_rows",
+]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _state_dtype(p: torch.Tensor) -> torch.dtype:
+def state_dtype(p: torch.Tensor) -> torch.dtype:
     """fp64 parameters keep fp64 state (exact reference checks); every other dtype keeps fp32."""
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def _check_number(name: str, value: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> None:
+def _same_kind(stored: torch.dtype, kept: torch.dtype) -> bool:
+    """Whether stored state of dtype `stored` may load (cast) as `kept`: float into float, integer into
+    integer (the same bytes read as the other kind are other numbers)."""
+    if stored.is_complex or stored == torch.bool:
+        return False
+    return stored.is_floating_point == kept.is_floating_point
+
+
+def check_number(name: str, value: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
     if not ok:
@@ -38,7 +55,7 @@ def _check_number(name: str, value: Any, lo: float, hi: float = math.inf, *, lo_
         raise ValueError(f"{name} must be a finite number {lo_s}{hi_s}, got {value!r}")
 
 
-def _check_table_param(p: torch.Tensor, opt_name: str) -> None:
+def check_table_param(p: torch.Tensor, opt_name: str) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{opt_name} params must be tensors, got {type(p).__name__}")
     if p.dim() != 2:
@@ -50,7 +67,7 @@ def _check_table_param(p: torch.Tensor, opt_name: str) -> None:
         raise TypeError(f"{opt_name} needs a fp32, bf16, fp16 or fp64 table, got {p.dtype}")
 
 
-def _touched_rows(p: torch.Tensor, dtype: torch.dtype, opt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def touched_rows(p: torch.Tensor, dtype: torch.dtype, opt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows (U,) int64, distinct and sorted; grad rows (U, dim) in `dtype`) from p's sparse grad."""
     grad = p.grad
     assert grad is not None
@@ -94,8 +111,9 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Key -> (shape, dtype) of each state tensor of parameter `p`."""
+    def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Key -> (shape, dtype) of each state tensor of parameter `p` once it has stepped (what
+        `load_state_dict` accepts; checkpoints check their stored state against it)."""
         raise NotImplementedError
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
@@ -124,8 +142,8 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                sd = _state_dtype(p)
-                rows, g = _touched_rows(p, sd, self._name)  # (U,), (U, dim)
+                sd = state_dtype(p)
+                rows, g = touched_rows(p, sd, self._name)  # (U,), (U, dim)
                 if not self.state[p]:
                     self.state[p] = self._init_state(group, p, sd)
                 if rows.numel():
@@ -136,7 +154,7 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)  # fills defaults, refuses duplicated params
         group = self.param_groups[-1]
         for p in group["params"]:
-            _check_table_param(p, self._name)
+            check_table_param(p, self._name)
         self._check_group(group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -152,7 +170,7 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
             saved = state_dict["state"].get(pid)
             if saved is None:
                 continue
-            expected = self._expected_state(p)
+            expected = self.expected_state(p)
             if set(saved) != set(expected):
                 raise ValueError(
                     f"saved state of parameter {pid} has keys {sorted(saved)}, {self._name} expects "
@@ -165,6 +183,11 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"saved state {key!r} of parameter {pid} has shape {tuple(value.shape)}, "
                         f"the parameter {tuple(p.shape)} needs {shape}: does the table size match?"
+                    )
+                if not _same_kind(value.dtype, dtype):  # an int32 momentum would load cast, as garbage
+                    raise ValueError(
+                        f"saved state {key!r} of parameter {pid} has dtype {value.dtype}, {self._name} keeps "
+                        f"it as {dtype}: the saved state is damaged or of another optimizer"
                     )
                 state[key] = value.to(device=p.device, dtype=dtype, copy=True)
             self.state[p] = state
@@ -209,20 +232,20 @@ class SparseRowAdam(_SparseRowOptimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        _check_number("lr", group["lr"], 0.0)
+        check_number("lr", group["lr"], 0.0)
         betas = group["betas"]
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         for i, b in enumerate(betas):
-            _check_number(f"betas[{i}]", b, 0.0, 1.0)
+            check_number(f"betas[{i}]", b, 0.0, 1.0)
             if b == 1.0:
                 raise ValueError(f"betas[{i}] must be < 1 (bias correction divides by 1 - beta**t), got {b}")
         # eps = 0 would make a touched row with an all-zero gradient and zero v compute 0 / 0.
-        _check_number("eps", group["eps"], 0.0, lo_open=True)
-        _check_number("weight_decay", group["weight_decay"], 0.0)
+        check_number("eps", group["eps"], 0.0, lo_open=True)
+        check_number("weight_decay", group["weight_decay"], 0.0)
 
-    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        sd = _state_dtype(p)
+    def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        sd = state_dtype(p)
         return {
             "exp_avg": (tuple(p.shape), sd),
             "exp_avg_sq_row": ((p.shape[0],), sd),
@@ -299,17 +322,17 @@ class SparseRowAdagrad(_SparseRowOptimizer):
         super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any]) -> None:
-        _check_number("lr", group["lr"], 0.0)
-        _check_number("eps", group["eps"], 0.0)
-        _check_number("initial_accumulator_value", group["initial_accumulator_value"], 0.0)
+        check_number("lr", group["lr"], 0.0)
+        check_number("eps", group["eps"], 0.0)
+        check_number("initial_accumulator_value", group["initial_accumulator_value"], 0.0)
         if group["eps"] == 0 and group["initial_accumulator_value"] == 0:
             raise ValueError(
                 "eps and initial_accumulator_value are both 0: a touched row with an all-zero first "
                 "gradient would compute 0 / 0; make one of them > 0"
             )
 
-    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"sum_row": ((p.shape[0],), _state_dtype(p))}
+    def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"sum_row": ((p.shape[0],), state_dtype(p))}
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
         init = group["initial_accumulator_value"]
@@ -353,3 +376,18 @@ def split_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Pa
             tables.append(module.weight)
     dense = [p for p in model.parameters() if id(p) not in table_ids]
     return dense, tables
+
+
+class DenseTableAdam(torch.optim.Adam):
+    """The paper's table optimizer: torch's Adam over the whole table, so every row's moments decay
+    and every row moves each step (SparseRowAdam reads and writes only the looked-up rows). Sparse
+    gradients are made dense first (a [num_rows, dim] temporary). Two states per parameter (8 bytes
+    in fp32): the cost V4.1's single-state update removes. For comparisons (`engram study optimizers`)."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.layout == torch.sparse_coo:
+                    p.grad = p.grad.to_dense()
+        return super().step(closure)

@@ -1,0 +1,391 @@
+"""`SparseSinkhorn`: DeepSeek-V4.1's table optimizer, the Sinkhorn-balanced update (SPEC §7b), exact on
+sparse tables while touching only their active rows.
+
+Algorithm 1 of the V4.1 report, for a parameter W (m rows, n features, m >= n) with gradient G:
+momentum M <- beta M + (1 - beta) G (the only state); Nesterov blend N <- beta M + (1 - beta) G; rows
+with ||N_i|| <= tau * mean_i ||N_i|| (the mean over all m rows) masked; then K alternating row /
+column L2 normalisations (rows first and last); W <- W - gamma * lr * sqrt(n) * U.
+
+A row whose momentum is zero and that was not looked up has N = 0: it is masked and adds nothing to
+any column norm. So state and work cover only the *active* rows, those with nonzero momentum: their
+ids and momentum (A, n). A row that stops being looked up stays active, and keeps being updated while
+its decaying momentum clears the mask, until its momentum underflows to zero. Step time and state
+memory follow A, not m. Sparse COO gradients (our tables) and dense ones (token embedding, LM head;
+their all-zero rows are rows not looked up) both work. The passes are numba kernels on the CPU
+(`kernels.cpu_sinkhorn`) and their torch twins elsewhere (`kernels.reference`); the row-sharded twin
+(`engram.distributed`) all-reduces the column sums and the row-norm sum through `_all_reduce`.
+Design: docs/model.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from engram import kernels
+from engram.kernels import reference
+from engram.model.optim import check_number, check_table_param, state_dtype, touched_rows
+
+__all__ = ["SparseSinkhorn"]
+
+_STATE_KEYS = ("rows", "momentum")
+
+
+class SparseSinkhorn(torch.optim.Optimizer):
+    """The Sinkhorn-balanced update over the active rows of tables [num_rows, dim].
+
+        Hyperparameters (V4.1's values as defaults): `lr` (the base learning rate), `beta` 0.95 (momentum),
+        `iterations` K = 11 (odd: rows, then (K - 1) / 2 column / row pairs), `tau` 1e-3 (the mask, a
+        fraction of the mean row norm), `eps` 1e-20, `lr_correction` gamma = 0.18 (matches Adam's update
+        size); no weight decay. `threads`: the CPU kernels' threads (None: every core on large active sets);
+    `backend` "torch" runs the passes' plain torch twins on the CPU too (the twins run off the CPU).
+
+        State per parameter (keys of `optimizer.state[p]`):
+            "rows"     (A,)      int64   the active rows, sorted
+            "momentum" (A, dim)  fp32    their momentum (fp64 for fp64 tables)
+        i.e. 4 bytes per active parameter plus 8 per active row (SparseRowAdam: 4 per parameter of the
+        whole table plus 8 per row; dense Adam: 8 per parameter). The passes use one fp32 (A, dim)
+        workspace, kept between steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        beta: float = 0.95,
+        iterations: int = 11,
+        tau: float = 1e-3,
+        eps: float = 1e-20,
+        lr_correction: float = 0.18,
+        threads: int | None = None,
+        backend: str = "auto",
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "beta": beta,
+            "iterations": iterations,
+            "tau": tau,
+            "eps": eps,
+            "lr_correction": lr_correction,
+        }
+        if backend not in ("auto", "torch"):
+            raise ValueError(
+                f"backend must be 'auto' (numba on the CPU) or 'torch' (the plain twins), got {backend!r}"
+            )
+        self.threads, self.backend = threads, backend
+        self._work: dict[torch.dtype, torch.Tensor] = {}  # the (A, dim) workspace, grown as needed
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ checks
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            check_table_param(p, "SparseSinkhorn")
+            rows = self._table_rows(p)
+            if rows < p.shape[1]:
+                raise ValueError(
+                    f"SparseSinkhorn balances the rows of a table [num_rows, dim] with num_rows >= dim (the larger "
+                    f"side), got a table of shape {(rows, p.shape[1])}; pass its transpose's layout or use "
+                    "AdamW for it"
+                )
+        check_number("lr", group["lr"], 0.0, lo_open=True)
+        check_number("beta", group["beta"], 0.0, 1.0)
+        if group["beta"] >= 1.0:
+            raise ValueError(f"beta must be < 1 (the momentum's decay), got {group['beta']!r}")
+        k = group["iterations"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+            raise ValueError(
+                f"iterations must be an odd int >= 1 (rows first and last: 1 + 2 * column/row pairs; V4.1: 11), got {k!r}"
+            )
+        check_number("tau", group["tau"], 0.0)
+        check_number("eps", group["eps"], 0.0, lo_open=True)
+        check_number("lr_correction", group["lr_correction"], 0.0, lo_open=True)
+
+    # ------------------------------------------------------------------ hooks of the sharded twin
+    def _table_rows(self, p: torch.Tensor) -> int:
+        """Rows of the whole table (the mean row norm divides by it); a shard's twin gives the global count."""
+        return p.shape[0]
+
+    def _all_reduce(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """x (float64 sums over p's rows, on p's device) summed over the processes that hold the table's
+        rows (here: one, the identity)."""
+        return x
+
+    def _empty_grad_steps(self) -> bool:
+        """Whether a parameter without a gradient still steps (decays its active rows): the sharded twin's
+        ranks must all take part in every reduction."""
+        return False
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Every gradient is read and checked before any table or state changes.
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None and not self._empty_grad_steps():
+                    continue
+                sd = state_dtype(p)
+                rows, g = _gradient_rows(p, sd)
+                work.append((group, p, rows, g, sd))
+        for group, p, rows, g, sd in work:
+            self._update(group, p, rows, g, sd)
+        return loss
+
+    def _update(
+        self, group: dict[str, Any], p: torch.Tensor, grows: torch.Tensor, g: torch.Tensor, sd: torch.dtype
+    ) -> None:
+        state = self.state[p]
+        if not state:
+            state["rows"] = torch.zeros(0, dtype=torch.int64, device=p.device)
+            state["momentum"] = torch.zeros(0, p.shape[1], dtype=sd, device=p.device)
+        active, mom, gidx = _merge(state["rows"], state["momentum"], grows)
+        a, n = mom.shape
+        u = self._workspace(sd, a, n, p.device)  # (A, n) the update, normalised in place
+        rho = torch.empty(a, dtype=torch.float64, device=p.device)  # (A,) row norms of the blend
+        keep = torch.empty(a, dtype=torch.bool, device=p.device)  # (A,) rows above the mask
+        beta, eps = float(group["beta"]), float(group["eps"])
+        ops = self._passes(p)
+        total, zero_rows = ops.blend(mom, gidx, g, beta, u, rho)
+        total_all = self._all_reduce(torch.tensor([total], dtype=torch.float64, device=p.device), p)
+        thresh = float(group["tau"]) * float(total_all[0]) / self._table_rows(p)
+        colsq = ops.rows(u, rho, thresh, eps, keep)  # (n,) float64
+        pairs = (int(group["iterations"]) - 1) // 2
+        for i in range(pairs):
+            colsq = self._all_reduce(colsq, p)  # column norms run over every row of the table
+            colinv = 1.0 / (colsq.sqrt() + eps)
+            colsq = ops.cols_rows(u, colinv, keep, eps, i < pairs - 1)  # the last pair ends on rows
+        ops.apply(p.data, active, u, keep, float(group["lr_correction"]) * float(group["lr"]) * math.sqrt(n))
+        if zero_rows:  # rows whose momentum underflowed to zero leave the active set (exactly: N = 0)
+            alive = mom.ne(0).any(dim=1)
+            active, mom = active[alive], mom[alive]
+        state["rows"], state["momentum"] = active, mom
+
+    def _passes(self, p: torch.Tensor) -> SimpleNamespace:
+        """The passes for p's device: numba on the CPU, Triton on CUDA (with triton), else torch."""
+        if self.backend == "auto" and p.device.type == "cpu":
+            return _numba_passes(self.threads)
+        if self.backend == "auto" and kernels.use_triton(p):
+            return SimpleNamespace(
+                blend=kernels.sinkhorn_blend,
+                rows=kernels.sinkhorn_rows,
+                cols_rows=kernels.sinkhorn_cols_rows,
+                apply=kernels.sinkhorn_apply,
+            )
+        return SimpleNamespace(
+            blend=reference.sinkhorn_blend,
+            rows=reference.sinkhorn_rows,
+            cols_rows=reference.sinkhorn_cols_rows,
+            apply=_torch_apply,
+        )
+
+    def _workspace(self, dtype: torch.dtype, a: int, n: int, device: torch.device) -> torch.Tensor:
+        """The (a, n) workspace of the passes, from a buffer kept between steps (grown by half)."""
+        buf = self._work.get(dtype)
+        if buf is None or buf.numel() < a * n or buf.device != device:
+            buf = torch.empty(
+                max(a * n, int(1.5 * (0 if buf is None else buf.numel()))), dtype=dtype, device=device
+            )
+            self._work[dtype] = buf
+        return buf[: a * n].view(a, n)
+
+    # ------------------------------------------------------------------ state
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()`: every saved state is checked (keys, row ids, shapes, finite momentum)
+        before anything changes; the momentum keeps its fp32 dtype (torch's default would cast it to a
+        bf16 table's dtype)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError(
+                "not an optimizer state_dict (no 'state' and 'param_groups'): pass optimizer.state_dict()"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [pid for g in groups for pid in g.get("params", [])]
+        if len(saved_ids) != len(params):
+            raise ValueError(
+                f"the saved state has {len(saved_ids)} parameters, this optimizer {len(params)}: was it saved for "
+                "another model?"
+            )
+        for g in groups:
+            missing = sorted(k for k in self.defaults if k not in g)
+            if missing:
+                raise ValueError(
+                    f"the saved param group has no {', '.join(missing)}: it was saved by another optimizer, not "
+                    "SparseSinkhorn"
+                )
+        for pid, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(pid)
+            if saved:
+                _check_saved_state(pid, saved, p)
+        super().load_state_dict(state_dict)
+        for pid, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(pid)
+            if saved:
+                self.state[p] = {
+                    "rows": saved["rows"].to(device=p.device, dtype=torch.int64, copy=True).contiguous(),
+                    "momentum": saved["momentum"]
+                    .to(device=p.device, dtype=state_dtype(p), copy=True)
+                    .contiguous(),
+                }
+
+    def row_state_dict(self) -> dict[str, Any]:
+        """`state_dict()` with each table's state as one "momentum" [num_rows, dim] (zeros at inactive
+        rows): the per-row form of training checkpoints, which row-sharded runs gather and slice.
+        Lossless: the active rows are exactly the rows of nonzero momentum."""
+        sd = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, st in sd["state"].items():
+            p = params[pid]
+            full = torch.zeros(p.shape, dtype=st["momentum"].dtype, device=p.device)
+            full[st["rows"]] = st["momentum"]
+            sd["state"][pid] = {"momentum": full}
+        return sd
+
+    def load_row_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what `row_state_dict` gave (the active rows are the rows of nonzero momentum)."""
+        state = {}
+        for pid, st in state_dict.get("state", {}).items():
+            mom = st.get("momentum") if isinstance(st, dict) else None
+            if (
+                not isinstance(st, dict)
+                or set(st) != {"momentum"}
+                or not isinstance(mom, torch.Tensor)
+                or mom.dim() != 2
+            ):
+                keys = sorted(st) if isinstance(st, dict) else type(st).__name__
+                raise ValueError(
+                    f"saved per-row state of parameter {pid} has {keys}; SparseSinkhorn's is one 'momentum' "
+                    "[num_rows, dim]: was it saved by another optimizer?"
+                )
+            rows = mom.ne(0).any(dim=1).nonzero()[:, 0]
+            state[pid] = {"rows": rows, "momentum": mom[rows]}
+        self.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+    def active_rows(self, p: torch.Tensor) -> int:
+        """How many rows of `p` have state (nonzero momentum) now."""
+        state = self.state.get(p)
+        return 0 if not state else int(state["rows"].numel())
+
+
+def _torch_apply(
+    w: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, keep: torch.Tensor, step: float
+) -> None:
+    """w[rows[i]] -= step * u[i] for the kept rows, rounded once to w's dtype."""
+    kept = keep.nonzero()[:, 0]
+    w.index_add_(0, rows[kept], u[kept].to(w.dtype), alpha=-step)
+
+
+def _numba_passes(threads: int | None) -> SimpleNamespace:
+    """The numba kernels (engram.kernels.cpu_sinkhorn) behind the torch passes' signatures."""
+    from engram.kernels import cpu_sinkhorn as k
+
+    def apply(w: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, keep: torch.Tensor, step: float) -> None:
+        if w.dtype == u.dtype and w.is_contiguous():
+            k.apply(w.numpy(), rows.numpy(), u.numpy(), keep.numpy(), step, threads)
+        else:  # a bf16 / fp16 table
+            _torch_apply(w, rows, u, keep, step)
+
+    return SimpleNamespace(
+        blend=lambda mom, gidx, g, beta, u, rho: k.blend(
+            mom.numpy(), gidx.numpy(), g.numpy(), beta, u.numpy(), rho.numpy(), threads
+        ),
+        rows=lambda u, rho, thresh, eps, keep: torch.from_numpy(
+            k.rows(u.numpy(), rho.numpy(), thresh, eps, keep.numpy(), threads)
+        ),
+        cols_rows=lambda u, colinv, keep, eps, want: torch.from_numpy(
+            k.cols_rows(u.numpy(), colinv.to(u.dtype).numpy(), keep.numpy(), eps, want, threads)
+        ),
+        apply=apply,
+    )
+
+
+def _gradient_rows(p: torch.Tensor, sd: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows (R,) int64 sorted distinct, their gradient (R, dim) in `sd`) of p's gradient: the rows of a
+    sparse one, the nonzero rows of a dense one (none without a gradient); refuses NaN or Inf."""
+    grad = p.grad
+    if grad is None:
+        rows = torch.zeros(0, dtype=torch.int64, device=p.device)
+        return rows, torch.zeros(0, p.shape[1], dtype=sd, device=p.device)
+    if grad.layout == torch.sparse_coo:
+        rows, g = touched_rows(p, sd, "SparseSinkhorn")
+    else:
+        if grad.shape != p.shape:
+            raise ValueError(f"gradient shape {tuple(grad.shape)} != parameter shape {tuple(p.shape)}")
+        rows = grad.ne(0).any(dim=1).nonzero()[:, 0]  # rows not looked up have an all-zero gradient
+        g = grad[rows].to(sd)
+    finite = torch.isfinite(g).all(dim=1)
+    if not bool(finite.all()):  # sync point on CUDA
+        bad = int(rows[(~finite).nonzero()[0, 0]])
+        raise ValueError(
+            f"the gradient of the table of shape {tuple(p.shape)} holds NaN or Inf at row {bad}; nothing was "
+            "updated. Lower the learning rate or check the loss for overflow (bf16/fp16: a loss scaler)"
+        )
+    return rows, g.contiguous()
+
+
+def _merge(
+    rows: torch.Tensor, mom: torch.Tensor, grows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The active set after adding the gradient's rows: (rows (A',) sorted, momentum (A', n) with zeros for
+    new rows, gidx (A',): each active row's index in the gradient, or -1)."""
+    if grows.numel() == 0:
+        return rows, mom, torch.full((rows.numel(),), -1, dtype=torch.int64, device=rows.device)
+    if rows.numel() == 0:
+        active, new_mom = grows, torch.zeros(grows.numel(), mom.shape[1], dtype=mom.dtype, device=mom.device)
+    else:
+        pos = torch.searchsorted(rows, grows).clamp_(max=rows.numel() - 1)
+        fresh = rows[pos] != grows
+        if not bool(fresh.any()):
+            active, new_mom = rows, mom
+        else:
+            active = torch.cat([rows, grows[fresh]]).sort().values
+            new_mom = torch.zeros(active.numel(), mom.shape[1], dtype=mom.dtype, device=mom.device)
+            new_mom[torch.searchsorted(active, rows)] = mom
+    gidx = torch.full((active.numel(),), -1, dtype=torch.int64, device=active.device)
+    gidx[torch.searchsorted(active, grows)] = torch.arange(grows.numel(), device=active.device)
+    return active, new_mom, gidx
+
+
+def _check_saved_state(pid: Any, saved: Any, p: torch.Tensor) -> None:
+    """Refuse a saved state that is not SparseSinkhorn's for a table of p's shape, naming what differs."""
+    if not isinstance(saved, dict) or set(saved) != set(_STATE_KEYS):
+        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(
+            f"saved state of parameter {pid} has keys {keys}, SparseSinkhorn keeps {list(_STATE_KEYS)}: was it "
+            "saved by another optimizer?"
+        )
+    rows, mom = saved["rows"], saved["momentum"]
+    if not isinstance(rows, torch.Tensor) or not isinstance(mom, torch.Tensor):
+        raise ValueError(f"saved state of parameter {pid}: 'rows' and 'momentum' must be tensors")
+    if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"saved state 'rows' of parameter {pid} must be 1-D integers, got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if tuple(mom.shape) != (rows.numel(), p.shape[1]) or not mom.is_floating_point():
+        raise ValueError(
+            f"saved state 'momentum' of parameter {pid} has shape {tuple(mom.shape)}, a table of shape "
+            f"{tuple(p.shape)} with {rows.numel()} active rows needs ({rows.numel()}, {p.shape[1]}): does the "
+            "table size match?"
+        )
+    if rows.numel():
+        r = rows.to(torch.int64)
+        if int(r.min()) < 0 or int(r.max()) >= p.shape[0]:
+            raise ValueError(
+                f"saved state 'rows' of parameter {pid} holds rows outside [0, {p.shape[0]}) (a table of "
+                f"shape {tuple(p.shape)}): does the table size match?"
+            )
+        if r.numel() > 1 and not bool((r[1:] > r[:-1]).all()):
+            raise ValueError(
+                f"saved state 'rows' of parameter {pid} is not sorted and distinct: a damaged state"
+            )
+        if not bool(torch.isfinite(mom).all()):
+            raise ValueError(f"saved state 'momentum' of parameter {pid} holds NaN or Inf: a damaged state")
