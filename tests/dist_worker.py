@@ -65,6 +65,38 @@ def _local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * b : (rank + 1) * b]
 
 
+def _train_tables(
+    tables: list[Any],
+    opt: Any,
+    inputs_of: Any,
+    steps: int,
+    rank: int,
+    world: int,
+    before_step: Any = None,
+    after_step: Any = None,
+) -> None:
+    """`steps` steps of loss = sum(gathered * coefficients) over the global batch (inputs_of(step)),
+    this rank's share of it: prefetch, backward, table-gradient sync, optimizer step."""
+    from engram.distributed import prefetch_tables, sync_table_grads
+
+    for step in range(steps):
+        inputs = inputs_of(step)
+        rows = [_local(r, rank, world) for r, _ in inputs]
+        prefetch_tables(list(zip(tables, rows, strict=True)))
+        loss = sum(
+            (t.gather(r) * _local(c, rank, world)).sum()
+            for t, r, (_, c) in zip(tables, rows, inputs, strict=True)
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sync_table_grads(tables)
+        if before_step is not None:
+            before_step(step)
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+
+
 def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[str, Any]:
     from engram.distributed import (
         ShardedSinkhorn,
@@ -91,41 +123,29 @@ def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[
     # gradients: fp64 tables, loss = sum(gathered * coefficients) over the global batch
     tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.float64)]
     opt = SparseRowAdam([t.weight for t in tables], lr=ADAM_LR)
-    for step in range(ADAM_STEPS):
-        inputs = step_inputs(step)
-        rows = [_local(r, rank, world) for r, _ in inputs]
-        prefetch_tables(list(zip(tables, rows, strict=True)))
-        loss = sum(
-            (t.gather(r) * _local(c, rank, world)).sum()
-            for t, r, (_, c) in zip(tables, rows, inputs, strict=True)
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        sync_table_grads(tables)
+
+    def first_grads(step: int) -> None:
         if step == 0:
             res["grads"] = [t.weight.grad.to_dense() for t in tables]
             res["grad_layout"] = [(t.weight.grad.layout, t.weight.grad._indices().clone()) for t in tables]
-        opt.step()
+
+    _train_tables(tables, opt, step_inputs, ADAM_STEPS, rank, world, first_grads)
     res["adam"] = [t.full_weight(0) for t in tables]
     res["adam_state_rows"] = [tuple(v.shape[0] for v in opt.state[t.weight].values()) for t in tables]
 
     # the Sinkhorn-balanced update: each owner balances its rows, column and row-norm sums all-reduced
     tables = [ShardedTable.from_full(w, owners=owners) for w in table_inputs(torch.float64)]
     opt = ShardedSinkhorn(tables, lr=SINKHORN_LR)
-    active = []
-    for step in range(SINKHORN_STEPS):
-        inputs = sinkhorn_step_inputs(step)
-        rows = [_local(r, rank, world) for r, _ in inputs]
-        prefetch_tables(list(zip(tables, rows, strict=True)))
-        loss = sum(
-            (t.gather(r) * _local(c, rank, world)).sum()
-            for t, r, (_, c) in zip(tables, rows, inputs, strict=True)
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        sync_table_grads(tables)
-        opt.step()
-        active.append([opt.active_rows(t.weight) for t in tables])
+    active: list[list[int]] = []
+    _train_tables(
+        tables,
+        opt,
+        sinkhorn_step_inputs,
+        SINKHORN_STEPS,
+        rank,
+        world,
+        after_step=lambda step: active.append([opt.active_rows(t.weight) for t in tables]),
+    )
     res["sinkhorn"] = [t.full_weight(0) for t in tables]
     res["sinkhorn_active"] = active
     res["sinkhorn_reduces"] = opt.reduce_calls

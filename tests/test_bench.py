@@ -195,3 +195,33 @@ def test_bench_from_a_wheel_in_a_fresh_venv(tmp_path):
     listed = json.loads(proc.stdout)["benchmarks"]
     assert [d["name"] for d in listed] == list(SUITE)
     assert all(Path(d["file"]).resolve().is_relative_to(venv.resolve()) for d in listed)
+
+
+def test_sinkhorn_bench_tiny():
+    """bench_sinkhorn on tiny tables: its direct warm-up equals stepping `SparseSinkhorn`, its dense
+    baseline computes the same update, and `run` gives every row it reports."""
+    import torch
+
+    from engram.benchmarks import bench_sinkhorn as bs
+    from engram.model.sinkhorn import SparseSinkhorn
+
+    num_rows, steps = bs.step_rows(4096, bs.kjv_tokens(4 * 128), 128, threads=1)
+    sparse, dense = torch.nn.Parameter(torch.zeros(num_rows, 8)), torch.nn.Parameter(torch.zeros(num_rows, 8))
+    opt_s, opt_d = SparseSinkhorn([sparse], lr=0.01, threads=1), bs.DenseSinkhorn([dense], lr=0.01)
+    for k, rows in enumerate(steps):
+        sparse.grad = bs.step_grad(num_rows, 8, rows, k)
+        dense.grad = sparse.grad.to_dense()
+        opt_s.step()
+        opt_d.step()
+    warm = bs.warm_state(steps, 8)
+    assert torch.equal(warm["rows"], opt_s.state[sparse]["rows"])
+    torch.testing.assert_close(warm["momentum"], opt_s.state[sparse]["momentum"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dense.data, sparse.data, rtol=1e-4, atol=1e-6)
+
+    rows = bs.run(table_rows=(4096, 1 << 14), dense_rows=1 << 14, dim=8, tokens=128, warmup=4, repeats=2)
+    assert len(rows) == 4 and all(r["seconds"] > 0 and 0 < r["active_rows"] <= r["table_rows"] for r in rows)
+    assert (
+        all(r["ratio"] > 0 for r in rows[1:])
+        and rows[2]["target"] == 0.8 * rows[2]["table_rows"] / rows[2]["active_rows"]
+    )
+    assert abs(sum(rows[0]["passes"].values()) - 1) < 1e-9 and rows[0]["passes"]["column/row pairs"] > 0

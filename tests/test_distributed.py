@@ -111,11 +111,17 @@ def test_gather_matches_unsharded(runs, world, owners):
     assert all(f is None for r in ranks[1:] for f in r["full"])  # rank 0 only
 
 
-def _reference_table_run(steps: int) -> tuple[list[torch.Tensor], list[TrainableTable]]:
-    """Unsharded fp64 tables: the first step's coalesced gradients, and the tables after `steps`."""
+def _reference_tables() -> list[TrainableTable]:
+    """The unsharded fp64 tables every rank's shards start from."""
     refs = [TrainableTable(n, 8, dtype=torch.float64) for n in SIZES]
     for ref, w in zip(refs, table_inputs(torch.float64), strict=True):
         ref.weight.data.copy_(w)
+    return refs
+
+
+def _reference_table_run(steps: int) -> tuple[list[torch.Tensor], list[TrainableTable]]:
+    """Unsharded fp64 tables: the first step's coalesced gradients, and the tables after `steps`."""
+    refs = _reference_tables()
     opt = SparseRowAdam([t.weight for t in refs], lr=ADAM_LR)
     grads = []
     for step in range(steps):
@@ -161,9 +167,7 @@ def test_sharded_sinkhorn_equals_one_process(runs, world, owners):
     """ShardedSinkhorn on 2 and 3 ranks (uneven shards; a non-owner; a rank whose rows are never looked
     up) gives the single-process SparseSinkhorn's tables to fp64 rounding, with 6 all-reduces a table
     and step (the row-norm sum and 5 column steps)."""
-    refs = [TrainableTable(n, 8, dtype=torch.float64) for n in SIZES]
-    for ref, w in zip(refs, table_inputs(torch.float64), strict=True):
-        ref.weight.data.copy_(w)
+    refs = _reference_tables()
     opt = SparseSinkhorn([t.weight for t in refs], lr=SINKHORN_LR)
     active = []
     for step in range(SINKHORN_STEPS):

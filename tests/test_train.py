@@ -519,3 +519,32 @@ def test_eval_scans_large_tables_only_with_verify(corpus, data, tmp_path, monkey
     assert err.startswith("engram eval: error: ") and "at row 17, column 2" in err
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "In the", "--verify"]) == 2
     assert "at row 17, column 2" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_engram_layout_was_edited_is_refused(corpus, data, tmp_path):
+    """model.safetensors records the Engram layout's fingerprint: a state.json whose lm_config seed was
+    edited (every row hashed with other multipliers) is refused by eval and resume, naming both
+    fingerprints; a checkpoint written without the fingerprint still loads."""
+    from safetensors.torch import load_file, save_file
+
+    from engram.apps.train import layout_metadata
+    from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
+
+    cfg = tiny_cfg(corpus, steps=2, eval_every=0)
+    t = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    t.run()
+    ckpt = t.save_checkpoint()
+    want = layout_metadata(t.model.config)[LAYOUT_FINGERPRINT_KEY]
+    state_file = ckpt / "state.json"
+    state = json.loads(state_file.read_text())
+    state["lm_config"]["engram"]["seed"] = 7
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"fingerprint {want}.*state\.json.*edited") as e:
+        load_trained_model(ckpt)
+    assert "model.safetensors" in str(e.value)
+    resumed = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path)
+    with pytest.raises(ValueError, match=want):
+        resumed.resume_from(ckpt)
+    # written without the fingerprint (an older checkpoint): loads as before
+    save_file(load_file(ckpt / "model.safetensors"), ckpt / "model.safetensors", {"format": "pt"})
+    assert load_trained_model(ckpt)[1].config.engram.seed == 7

@@ -29,6 +29,11 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "lookup": ("bench_lookup", {}, {"repeats": 1}),
     "lookup-fast": ("bench_lookup_fast", {}, {"repeats": 2}),
     "optim": ("bench_optim", {}, {"large_rows": 16 << 20}),
+    "sinkhorn": (
+        "bench_sinkhorn",
+        {"table_rows": (1 << 20, 16 << 20)},
+        {"table_rows": (1 << 18, 1 << 20), "dense_rows": 1 << 20, "warmup": 50, "repeats": 2},
+    ),
     "gate": ("bench_gate", {}, {}),
     "tiers": ("bench_tiers", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
     "levels": ("bench_levels", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 3}),

@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.layout import Layout, layout_fingerprint
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
 from engram.apps.rows import identity_compression, stream_rows
@@ -38,6 +40,7 @@ from engram.checkpoint.files import member_file, save_tensors
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import OptimizerStateError, optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import OPTIMIZER_FILE, is_table_key, read_checkpoint, tables_of_state
+from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
 from engram.config import EngramConfig
 from engram.model.lm import EngramLM, LMConfig
 from engram.model.optim import DenseTableAdam, SparseRowAdagrad, SparseRowAdam, split_param_groups
@@ -54,6 +57,7 @@ __all__ = [
     "checkpoint_tokenizer",
     "evaluate",
     "latest_checkpoint",
+    "layout_metadata",
     "load_trained_model",
     "prepare_data",
     "remove_stale_tmp",
@@ -339,7 +343,7 @@ class Trainer:
         final = root / f"step-{self.step:07d}"
         if tmp is None:
             tmp = self._checkpoint_tmp(str(os.getpid()))
-        save_tensors(tmp / "model.safetensors", model_tensors)
+        save_tensors(tmp / "model.safetensors", model_tensors, layout_metadata(self.model.config))
         save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         state = {
             "step": self.step,
@@ -621,7 +625,40 @@ def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig, LMConfig]:
             f"{file}: its lm_config does not make a model ({type(e).__name__}: {e}); the checkpoint "
             "is damaged: use another one or retrain"
         ) from None
+    _check_layout(ckpt, lm_cfg)
     return state, cfg, lm_cfg
+
+
+def layout_metadata(lm_cfg: LMConfig) -> dict[str, str]:
+    """The safetensors metadata of a training checkpoint's file of tables: the Engram layout's
+    fingerprint (none for the baseline), so tables are never read under another layout."""
+    if lm_cfg.engram is None:
+        return {}
+    return {LAYOUT_FINGERPRINT_KEY: layout_fingerprint(Layout(lm_cfg.engram))}
+
+
+def _check_layout(ckpt: Path, lm_cfg: LMConfig) -> None:
+    """Refuse a checkpoint whose table files record another layout fingerprint than its lm_config's
+    Engram (an edited seed or table size in state.json would look every row up elsewhere). Files of
+    checkpoints written before fingerprints were recorded carry none: nothing to compare."""
+    want = layout_metadata(lm_cfg).get(LAYOUT_FINGERPRINT_KEY)
+    if want is None:
+        return
+    for path in [ckpt / "model.safetensors", *sorted(ckpt.glob("tables-rank-*.safetensors"))]:
+        if not path.is_file():
+            continue  # a missing or odd file is reported where the tensors are read
+        try:
+            with safe_open(str(path), "pt") as f:
+                got = (f.metadata() or {}).get(LAYOUT_FINGERPRINT_KEY)
+        except Exception:  # safetensors' own errors: reported where the tensors are read
+            continue
+        if got is not None and got != want:
+            raise ValueError(
+                f"{path}: its tables were saved for the Engram layout with fingerprint {got}, but the "
+                f"checkpoint's lm_config (state.json) has layout fingerprint {want}: its primes, multipliers "
+                "(seed), compressed vocabulary or pad id were edited, so every row would be read for other "
+                "n-grams; the checkpoint is damaged: use another one or retrain"
+            )
 
 
 def load_trained_model(

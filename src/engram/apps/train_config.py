@@ -125,26 +125,18 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "table_optimizer", TableOptimizer(self.table_optimizer))
-        except ValueError:
-            raise ValueError(
-                f"table_optimizer={self.table_optimizer!r}: use one of "
-                f"{', '.join(repr(o.value) for o in TableOptimizer)}"
-            ) from None
-        try:
-            object.__setattr__(self, "embedding_optimizer", EmbeddingOptimizer(self.embedding_optimizer))
-        except ValueError:
-            raise ValueError(
-                f"embedding_optimizer={self.embedding_optimizer!r}: use one of "
-                f"{', '.join(repr(o.value) for o in EmbeddingOptimizer)}"
-            ) from None
-        try:
-            object.__setattr__(self, "row_hash", RowHash(self.row_hash))
-        except ValueError:
-            raise ValueError(
-                f"row_hash={self.row_hash!r}: use one of {', '.join(repr(h.value) for h in RowHash)}"
-            ) from None
+        for name, kind in (
+            ("table_optimizer", TableOptimizer),
+            ("embedding_optimizer", EmbeddingOptimizer),
+            ("row_hash", RowHash),
+        ):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise ValueError(
+                    f"{name}={value!r}: use one of {', '.join(repr(o.value) for o in kind)}"
+                ) from None
         if self.engram_mode not in ENGRAM_MODES:
             raise ValueError(f"engram_mode={self.engram_mode!r}: use one of {ENGRAM_MODES}")
         for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):

@@ -198,10 +198,13 @@ def tables_of_state(state: dict[str, Any]) -> list[TableShards] | None:
     return None if entries is None else [TableShards.from_json(d) for d in entries]
 
 
-def save_shard(folder: str | Path, rank: int, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write rank `rank`'s table rows (keys as `TableShards.tensors` names them) into `folder`."""
+def save_shard(
+    folder: str | Path, rank: int, tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> Path:
+    """Write rank `rank`'s table rows (keys as `TableShards.tensors` names them) into `folder`
+    (`metadata`: e.g. the layout fingerprint)."""
     path = Path(folder) / shard_file(rank)
-    save_tensors(path, tensors)
+    save_tensors(path, tensors, metadata)
     return path
 
 

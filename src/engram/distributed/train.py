@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.apps.evaluation import eval_summary, score_windows, window_rows
-from engram.apps.train import DataBundle, TableOptimizer, TrainConfig, Trainer, build_model
+from engram.apps.train import DataBundle, TableOptimizer, TrainConfig, Trainer, build_model, layout_metadata
 from engram.checkpoint.shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
 from engram.distributed.guard import describe, disagreements, named_failures
 from engram.distributed.parallelize import (
@@ -367,7 +367,7 @@ class DistributedTrainer(Trainer):
         self._agree(error, "create the checkpoint's temporary folder")  # the folder exists for all
         try:
             if mine:
-                save_shard(tmp, self.rank, mine)
+                save_shard(tmp, self.rank, mine, layout_metadata(self.model.config))
         except OSError as e:
             error = e
         self._agree(error, "write its table shard")  # every shard file is in the folder

@@ -3,7 +3,8 @@
 `model.sinkhorn.SparseSinkhorn` keeps the momentum of the rows whose momentum is nonzero (the active
 set, A rows of n features) and calls, once a step: `blend` (momentum and the Nesterov blend into one
 (A, n) workspace, with each row's norm), `rows` (the mask and the first row normalisation, giving the
-column sums of squares), then `cols_rows` once per column / row pair (K = 11: five), and `apply`.
+column sums of squares), then `cols_rows` once per column / row pair (K = 11: five), `apply`, and
+`compact` (rows whose momentum underflowed to zero leave, in place).
 Every pass is one sweep over the workspace in place: the K normalisations never copy it. Column
 sums are returned per call, so a row-sharded table can all-reduce them between passes (n numbers).
 Sums are taken in float64. The plain torch version of the whole update is `reference.sinkhorn_update`.
@@ -19,7 +20,7 @@ import numpy as np
 
 from engram.kernels.threads import resolve_threads, run_chunks
 
-__all__ = ["PARALLEL_MIN", "apply", "blend", "cols_rows", "rows"]
+__all__ = ["PARALLEL_MIN", "apply", "blend", "cols_rows", "compact", "merge", "rows"]
 
 PARALLEL_MIN = 4096  # active rows from which a pass splits over every core
 
@@ -117,6 +118,101 @@ def _apply_range(w, rows, u, keep, step, start, end):  # pragma: no cover - numb
             r = rows[i]
             for j in range(n):
                 w[r, j] = w[r, j] - step * u[i, j]
+
+
+@_jit
+def _count_new(rows, grows):  # pragma: no cover - numba
+    """How many of the sorted distinct ids `grows` are not in the sorted distinct ids `rows`."""
+    i, new = 0, 0
+    for j in range(grows.shape[0]):
+        while i < rows.shape[0] and rows[i] < grows[j]:
+            i += 1
+        if i < rows.shape[0] and rows[i] == grows[j]:
+            i += 1
+        else:
+            new += 1
+    return new
+
+
+@_jit
+def _merge_into(rows, mom, grows, out_rows, out_mom, gidx):  # pragma: no cover - numba
+    """The union of sorted `rows` (with their momentum) and `grows` (new rows: zero momentum) into
+    out_rows / out_mom; gidx[k]: the index in grows of out_rows[k], or -1."""
+    a, r, n = rows.shape[0], grows.shape[0], mom.shape[1]
+    i = j = k = 0
+    while i < a or j < r:
+        take_old = j == r or (i < a and rows[i] <= grows[j])
+        take_new = i == a or (j < r and grows[j] <= rows[i])
+        if take_old:
+            out_rows[k] = rows[i]
+            for c in range(n):
+                out_mom[k, c] = mom[i, c]
+            i += 1
+        else:
+            out_rows[k] = grows[j]
+            for c in range(n):
+                out_mom[k, c] = 0.0
+        if take_new:
+            gidx[k] = j
+            j += 1
+        else:
+            gidx[k] = -1
+        k += 1
+
+
+@_jit
+def _locate(rows, grows, gidx):  # pragma: no cover - numba
+    """gidx[i] = the index in grows of rows[i] (every id of grows is in rows), else -1."""
+    gidx[:] = -1
+    i = 0
+    for j in range(grows.shape[0]):
+        while rows[i] < grows[j]:
+            i += 1
+        gidx[i] = j
+
+
+@_jit
+def _compact(rows, mom):  # pragma: no cover - numba
+    """Move the rows of nonzero momentum to the front, in order; returns how many there are."""
+    n = mom.shape[1]
+    k = 0
+    for i in range(rows.shape[0]):
+        alive = False
+        for c in range(n):
+            if mom[i, c] != 0:
+                alive = True
+                break
+        if alive:
+            if k != i:
+                rows[k] = rows[i]
+                for c in range(n):
+                    mom[k, c] = mom[i, c]
+            k += 1
+    return k
+
+
+def merge(rows: np.ndarray, mom: np.ndarray, grows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(active rows, their momentum, gidx) after adding the sorted distinct gradient rows `grows` to
+    the sorted active set: the same arrays when nothing is new, else new ones (one linear pass)."""
+    gidx = np.empty(rows.shape[0], dtype=np.int64)
+    if grows.shape[0] == 0:
+        gidx[:] = -1
+        return rows, mom, gidx
+    new = _count_new(rows, grows)
+    if new == 0:
+        _locate(rows, grows, gidx)
+        return rows, mom, gidx
+    a = rows.shape[0] + new
+    out_rows = np.empty(a, dtype=rows.dtype)
+    out_mom = np.empty((a, mom.shape[1]), dtype=mom.dtype)
+    gidx = np.empty(a, dtype=np.int64)
+    _merge_into(rows, mom, grows, out_rows, out_mom, gidx)
+    return out_rows, out_mom, gidx
+
+
+def compact(rows: np.ndarray, mom: np.ndarray) -> int:
+    """Drop the rows of all-zero momentum from (rows, mom) in place; returns the rows kept (a prefix)."""
+    return int(_compact(rows, mom))
 
 
 def _sum(parts: list) -> np.ndarray:

@@ -148,13 +148,13 @@ class SparseSinkhorn(torch.optim.Optimizer):
         if not state:
             state["rows"] = torch.zeros(0, dtype=torch.int64, device=p.device)
             state["momentum"] = torch.zeros(0, p.shape[1], dtype=sd, device=p.device)
-        active, mom, gidx = _merge(state["rows"], state["momentum"], grows)
+        ops = self._passes(p)
+        active, mom, gidx = ops.merge(state["rows"], state["momentum"], grows)
         a, n = mom.shape
         u = self._workspace(sd, a, n, p.device)  # (A, n) the update, normalised in place
         rho = torch.empty(a, dtype=torch.float64, device=p.device)  # (A,) row norms of the blend
         keep = torch.empty(a, dtype=torch.bool, device=p.device)  # (A,) rows above the mask
         beta, eps = float(group["beta"]), float(group["eps"])
-        ops = self._passes(p)
         total, zero_rows = ops.blend(mom, gidx, g, beta, u, rho)
         total_all = self._all_reduce(torch.tensor([total], dtype=torch.float64, device=p.device), p)
         thresh = float(group["tau"]) * float(total_all[0]) / self._table_rows(p)
@@ -166,8 +166,7 @@ class SparseSinkhorn(torch.optim.Optimizer):
             colsq = ops.cols_rows(u, colinv, keep, eps, i < pairs - 1)  # the last pair ends on rows
         ops.apply(p.data, active, u, keep, float(group["lr_correction"]) * float(group["lr"]) * math.sqrt(n))
         if zero_rows:  # rows whose momentum underflowed to zero leave the active set (exactly: N = 0)
-            alive = mom.ne(0).any(dim=1)
-            active, mom = active[alive], mom[alive]
+            active, mom = ops.compact(active, mom)
         state["rows"], state["momentum"] = active, mom
 
     def _passes(self, p: torch.Tensor) -> SimpleNamespace:
@@ -176,12 +175,16 @@ class SparseSinkhorn(torch.optim.Optimizer):
             return _numba_passes(self.threads)
         if self.backend == "auto" and kernels.use_triton(p):
             return SimpleNamespace(
+                merge=_merge,
+                compact=_torch_compact,
                 blend=kernels.sinkhorn_blend,
                 rows=kernels.sinkhorn_rows,
                 cols_rows=kernels.sinkhorn_cols_rows,
                 apply=kernels.sinkhorn_apply,
             )
         return SimpleNamespace(
+            merge=_merge,
+            compact=_torch_compact,
             blend=reference.sinkhorn_blend,
             rows=reference.sinkhorn_rows,
             cols_rows=reference.sinkhorn_cols_rows,
@@ -276,6 +279,12 @@ class SparseSinkhorn(torch.optim.Optimizer):
         return 0 if not state else int(state["rows"].numel())
 
 
+def _torch_compact(rows: torch.Tensor, mom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of nonzero momentum (and their momentum)."""
+    alive = mom.ne(0).any(dim=1)
+    return rows[alive], mom[alive]
+
+
 def _torch_apply(
     w: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, keep: torch.Tensor, step: float
 ) -> None:
@@ -294,7 +303,17 @@ def _numba_passes(threads: int | None) -> SimpleNamespace:
         else:  # a bf16 / fp16 table
             _torch_apply(w, rows, u, keep, step)
 
+    def merge(rows: torch.Tensor, mom: torch.Tensor, grows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        merged = k.merge(rows.numpy(), mom.numpy(), grows.numpy())
+        return tuple(torch.from_numpy(x) for x in merged)
+
+    def compact(rows: torch.Tensor, mom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = k.compact(rows.numpy(), mom.numpy())
+        return rows[:kept], mom[:kept]
+
     return SimpleNamespace(
+        merge=merge,
+        compact=compact,
         blend=lambda mom, gidx, g, beta, u, rho: k.blend(
             mom.numpy(), gidx.numpy(), g.numpy(), beta, u.numpy(), rho.numpy(), threads
         ),
