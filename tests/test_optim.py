@@ -593,5 +593,5 @@ def test_cli_optimizer_choices_are_the_config_enums():
     from engram.apps.train_config import EmbeddingOptimizer, TableOptimizer
     from engram.cli.train import EMBEDDING_OPTIMIZERS, TABLE_OPTIMIZERS
 
-    assert TABLE_OPTIMIZERS == tuple(o.value for o in TableOptimizer)
-    assert EMBEDDING_OPTIMIZERS == tuple(o.value for o in EmbeddingOptimizer)
+    assert tuple(o.value for o in TableOptimizer) == TABLE_OPTIMIZERS
+    assert tuple(o.value for o in EmbeddingOptimizer) == EMBEDDING_OPTIMIZERS
