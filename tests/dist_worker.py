@@ -227,6 +227,7 @@ def _train_part(
     # the same run in float64: equivalence up to summation order, without fp32 rounding noise
     # (which Adam amplifies for rows whose gradient is near zero); sharded checkpoints at 3 and 6
     res.update(_sharded_part(cfg, data, out_dir, prev_dir))
+    res.update(_sinkhorn_train_part(cfg, data, out_dir))
 
     if world == 2:  # --table-ranks 1: the tables on rank 0 only; resumed with them on rank 1 only
         res.update(_table_ranks_part(cfg, data, out_dir))
@@ -285,6 +286,29 @@ def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> 
         res["cross_rows"] = [t.weight.shape[0] for t in cross.tables]
         cross.run()
         res["cross_history64"] = cross.history
+    return res
+
+
+def _sinkhorn_train_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
+    """V4.1's recipe (Sinkhorn for the tables, ShardedSinkhorn here, and for the embedding) in fp64
+    with sharded checkpoints (a non-owner at W=3), and its step-3 checkpoint resumed in this world."""
+    from engram.apps.train import build_model
+    from engram.distributed import DistributedTrainer
+
+    cfg = cfg.replace(table_optimizer="sinkhorn", embedding_optimizer="sinkhorn")
+    owners = SHARDED_OWNERS[dist.get_world_size()]
+    t = DistributedTrainer(
+        cfg, data, build_model(cfg, data).double(), out_dir=out_dir / "sinkhorn64", owners=owners,
+        sharded_checkpoints=True,
+    )  # fmt: skip
+    t.run(until=cfg.steps // 2)
+    t.run()
+    res: dict[str, Any] = {"sinkhorn_history64": t.history, "sinkhorn_state64": t._checkpoint_tensors()[0]}
+    other = build_model(cfg.replace(seed=99), data).double()
+    resumed = DistributedTrainer(cfg, data, other, out_dir=out_dir / "sinkhorn64_resumed", owners=owners)
+    resumed.resume_from(out_dir / "sinkhorn64" / f"checkpoints/step-{cfg.steps // 2:07d}")
+    resumed.run()
+    res["sinkhorn_resumed_history64"] = resumed.history
     return res
 
 
