@@ -3,6 +3,7 @@ and resumed; the plans hold what they promise; bad input is refused in one line.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -208,3 +209,213 @@ def test_bad_input_is_refused(capsys, tmp_path):
         plan_study("x", study_base("tiny"), (0,), vocab=100)
     with pytest.raises(ValueError, match="seeds"):
         run_study("memory", study_base("tiny"), seeds=(), out_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------- the optimizers study
+def test_optimizers_plan(base):
+    from engram.apps.study_plans import (
+        OPTIMIZER_LR_STEP,
+        QUICK_RECIPE_EMBEDDING_LR_FACTORS,
+        RECIPE_EMBEDDING_LR_FACTORS,
+        optimizer_lrs,
+    )
+
+    opts = ("sinkhorn", "adam", "dense-adam", "adagrad")
+    for quick, n_lrs in ((False, 3), (True, 2)):
+        plan = plan_study("optimizers", base, (0, 1, 2), quick=quick, vocab=100)
+        factors = QUICK_RECIPE_EMBEDDING_LR_FACTORS if quick else RECIPE_EMBEDDING_LR_FACTORS
+        per_seed = 4 * n_lrs + len(factors) + 1
+        assert len(plan) == 3 * per_seed and [s.seed for s in plan] == [
+            s // per_seed for s in range(len(plan))
+        ]
+        sweep = [s for s in plan[:per_seed] if s.x is not None]
+        assert [s.cfg.table_optimizer for s in sweep] == [o for o in opts for _ in range(n_lrs)]
+        for o in opts:
+            lrs = [s.cfg.table_lr for s in sweep if s.cfg.table_optimizer == o]
+            assert (
+                lrs
+                == list(optimizer_lrs(base, o, quick))
+                == [s.x for s in sweep if s.cfg.table_optimizer == o]
+            )
+            assert all(
+                b / a == pytest.approx(OPTIMIZER_LR_STEP, rel=0.01) for a, b in itertools.pairwise(lrs)
+            )
+            assert optimizer_lrs(base, o)[1] in lrs  # quick keeps the centre
+        assert all(s.cfg.embedding_optimizer == "adamw" for s in sweep)
+        assert all(s.cfg.replace(table_optimizer="adam", table_lr=base.table_lr) == base for s in sweep)
+        # the default (SparseRowAdam at the preset's table lr) is a run of the sweep: shared with the others
+        assert any(s.cfg == base for s in sweep)
+        *recipes, adamw = plan[per_seed - 1 - len(factors) : per_seed]
+        assert adamw.variant == "AdamW everywhere" and adamw.x is None
+        for recipe, factor in zip(recipes, factors, strict=True):
+            assert recipe.variant == f"V4.1 recipe, embedding lr {base.lr * factor:g}" and recipe.x is None
+            assert recipe.cfg.table_optimizer == "sinkhorn" and recipe.cfg.embedding_optimizer == "sinkhorn"
+            assert recipe.cfg.table_lr == optimizer_lrs(base, "sinkhorn")[1]
+            assert recipe.cfg.embedding_lr == pytest.approx(base.lr * factor)
+        assert adamw.cfg.table_optimizer == "dense-adam" and adamw.cfg.embedding_optimizer == "adamw"
+        # AdamW everywhere is the dense Adam run at its centre: the same cache key, trained once
+        same = [s for s in sweep if s.cfg == adamw.cfg]
+        assert len(same) == 1 and run_key(same[0].cfg, "fp") == run_key(adamw.cfg, "fp")
+    quick = study_base(quick=True)
+    assert quick.dim == 64 and optimizer_lrs(quick, "adam", True)[0] == quick.table_lr  # the default
+
+
+def test_optimizer_state_is_recorded(studied):
+    """The records hold each table optimizer's measured state: the documented bytes per parameter."""
+    from engram.apps.study_report import state_bytes_per_param
+
+    _, results = studied
+    seen = set()
+    for r in results["optimizers"]["runs"]:
+        st, opt = r["table_state"], r["settings"]["table_optimizer"]
+        seen.add(opt)
+        per, dim = st["state_bytes"] / st["params"], st["dim"]
+        if opt == "sinkhorn":
+            assert 0 < st["active_rows"] <= st["rows"]
+            assert per == pytest.approx(state_bytes_per_param(opt, dim, st["active_rows"] / st["rows"]))
+        else:
+            assert st["active_rows"] is None
+            assert per == pytest.approx(state_bytes_per_param(opt, dim), rel=1e-3)  # Adam's step counters
+        emb = r["embedding_state"]
+        if r["settings"]["embedding_optimizer"] == "sinkhorn":
+            assert 0 < emb["active_rows"] <= emb["rows"]
+        else:
+            assert emb["state_bytes"] / emb["params"] == pytest.approx(8.0, rel=1e-3)  # AdamW's two moments
+    assert seen == {"sinkhorn", "adam", "dense-adam", "adagrad"}
+
+
+def _fabricated_optimizer_results(losses: dict[tuple[str, float | None, str], list[float]]) -> dict:
+    """run_study's results for the optimizers study from made-up losses: (table optimizer, table lr
+    (None: part 2), embedding optimizer) -> one loss per seed."""
+    runs = []
+    dim, rows = 32, 1000
+    for (opt, lr, emb), ls in losses.items():
+        for seed, loss in enumerate(ls):
+            active = 250 if opt == "sinkhorn" else None
+            n = active if opt == "sinkhorn" else rows
+            state = {"adam": 4 * n * dim + 8 * n, "adagrad": 4 * n, "dense-adam": 8 * n * dim}.get(
+                opt, 4 * n * dim + 8 * n
+            )
+            name = (
+                f"{opt} {lr}"
+                if lr is not None
+                else ("V4.1 recipe" if emb == "sinkhorn" else "AdamW everywhere")
+            )
+            table_lr = lr if lr is not None else 0.05
+            runs.append(
+                {
+                    "key": f"{opt}/{table_lr}/{emb}/{seed}",  # AdamW everywhere: dense Adam 0.05's runs
+                    "cached": False,
+                    "variant": name,
+                    "seed": seed,
+                    "x": lr,
+                    "note": "",
+                    "settings": {
+                        "table_optimizer": opt,
+                        "table_lr": table_lr,
+                        "embedding_optimizer": emb,
+                        "engram": {"head_dim": dim},
+                    },
+                    "held_out_loss": loss,
+                    "params": {"total": 1, "activated": 1},
+                    "tokens_per_s": 1.0,
+                    "table_state": {
+                        "params": rows * dim,
+                        "rows": rows,
+                        "dim": dim,
+                        "state_bytes": state,
+                        "active_rows": active,
+                    },
+                    "embedding_state": {
+                        "params": 10,
+                        "rows": 5,
+                        "dim": 2,
+                        "state_bytes": 80,
+                        "active_rows": None,
+                    },
+                }
+            )
+    return {
+        "study": "optimizers",
+        "command": "engram study optimizers",
+        "corpus": "kjv",
+        "train_tokens": 1,
+        "held_out_tokens": 1,
+        "vocab_size": 1,
+        "seeds": [0, 1, 2],
+        "base_config": {
+            "table_lr": 0.05,
+            "tokenizer": "bpe",
+            "steps": 1,
+            "batch_size": 1,
+            "seq_len": 1,
+            "n_layers": 1,
+            "dim": 1,
+            "engram": {"layer_ids": [1], "n_heads": 1, "head_dim": dim, "max_ngram_size": 3},
+        },
+        "runs": runs,
+        "new_runs": len({r["key"] for r in runs}),
+        "wall_seconds": 1.0,
+    }
+
+
+def test_optimizers_report_on_fabricated_runs(tmp_path):
+    from engram.apps.study_report import study_lines, write_study_report
+
+    def grid(opt, best_at, best, step=0.05):
+        """Three lrs 0.025 / 0.05 / 0.1, the loss lowest (`best`) at `best_at`, 3 seeds a little apart."""
+        out = {}
+        for lr in (0.025, 0.05, 0.1):
+            m = best + (0 if lr == best_at else step)
+            out[(opt, lr, "adamw")] = [m - 0.002, m, m + 0.002]
+        return out
+
+    losses = (
+        grid("sinkhorn", 0.1, 4.10)
+        | grid("adam", 0.05, 4.20)
+        | grid("dense-adam", 0.05, 4.201)
+        | grid("adagrad", 0.025, 4.30)
+    )
+    losses[("sinkhorn", None, "sinkhorn")] = [4.098, 4.10, 4.102]
+    losses[("dense-adam", None, "adamw")] = losses[("dense-adam", 0.05, "adamw")]
+    res = _fabricated_optimizer_results(losses)
+    write_study_report(res, tmp_path)
+    f = res["findings"]
+    assert f[0].startswith("Sinkhorn: best table lr 0.1 of 0.025 / 0.05 / 0.1, 4.1000 ± 0.0020")
+    assert "the highest lr of the grid: the optimum may lie beyond it" in f[0]
+    assert "best table lr 0.05" in f[1] and "optimum may lie beyond" not in f[1]  # SparseRowAdam, inside
+    assert "the lowest lr of the grid" in f[3]  # Adagrad
+    claim = next(x for x in f if x.startswith("Sinkhorn (best, lr 0.1) vs SparseRowAdam (best, lr 0.05)"))
+    assert "-0.1000 nats/token" in claim and "larger than the seed spread" in claim and "holds here" in claim
+    dense = next(x for x in f if x.startswith("dense Adam (best, lr 0.05) vs SparseRowAdam"))
+    assert "within the seed spread" in dense  # 0.001 apart, spread 0.002
+    recipe = next(x for x in f if x.startswith("V4.1 recipe vs AdamW everywhere"))
+    assert "not the best lr of part 1 for Sinkhorn" in recipe and "-0.1010" in recipe
+    state = f[-1]
+    assert "SparseRowAdam 4.25" in state and "dense Adam 8" in state and "row-wise Adagrad 0.125" in state
+    assert "Sinkhorn 1.06 (25% of the rows active at the end)" in state  # 0.25 * (4 + 8 / 32)
+    table = "\n".join(study_lines(res))
+    assert "vs adam 0.05 (- is lower)" in table and "| 1.06 (25% of rows active) |" in table
+    report = (tmp_path / "report.md").read_text()
+    assert "## What was found" in report and (tmp_path / "optimizers.png").stat().st_size > 1000
+    assert "(39 runs trained, 0 from the cache, 3 shared by two variants this time" in report
+
+    # Adam ahead by more than the spread: the claim does not hold; level: neither confirmed nor refuted
+    worse = _fabricated_optimizer_results(grid("sinkhorn", 0.05, 4.30) | grid("adam", 0.05, 4.20))
+    write_study_report(worse, tmp_path / "worse")
+    assert any("does not hold here: it is worse" in x for x in worse["findings"])
+    level = _fabricated_optimizer_results(grid("sinkhorn", 0.05, 4.201) | grid("adam", 0.05, 4.20))
+    write_study_report(level, tmp_path / "level")
+    assert any("neither confirmed nor refuted" in x for x in level["findings"])
+
+
+def test_state_bytes_per_param():
+    from engram.apps.study_report import state_bytes_per_param
+
+    assert state_bytes_per_param("adam", 32) == 4.25 and state_bytes_per_param("adagrad", 32) == 0.125
+    assert state_bytes_per_param("dense-adam", 32) == 8.0
+    assert (
+        state_bytes_per_param("sinkhorn", 32, 0.5) == 2.125 and state_bytes_per_param("sinkhorn", 32) is None
+    )
+    with pytest.raises(ValueError, match="unknown table optimizer 'sgd'"):
+        state_bytes_per_param("sgd", 32)

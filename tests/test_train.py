@@ -365,6 +365,10 @@ def test_v41_recipe_sinkhorn_for_tables_embedding_and_head(corpus, data, tie):
     assert t.evaluate()["loss"] < before - 0.5
     assert 0 < t.embed_opt.active_rows(m.embed.weight) <= m.embed.weight.shape[0]
     assert t.embed_opt.param_groups[0]["lr"] == pytest.approx(cfg.lr * t.lr_factor(cfg.steps - 1))
+    own = Trainer(cfg.replace(embedding_lr=0.5), data, build_model(cfg, data))
+    assert own.embed_opt.param_groups[0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="embedding_lr=0"):
+        cfg.replace(embedding_lr=0.0)
 
 
 def test_old_flat_config_is_refused(corpus, data, tmp_path):

@@ -1,6 +1,6 @@
 """`engram study`: the questions a researcher asks after the demo, answered with seed spreads.
 
-The studies (`STUDIES`: memory, ablations, baselines, allocation) and their runs are
+The studies (`STUDIES`: memory, ablations, baselines, allocation, optimizers) and their runs are
 `engram.apps.study_plans`'s; `run_study` trains what is not already cached, two runs in lock-step at a time (one step
 each in turn, as the demo does, so a noisy machine slows both alike), and writes the report
 (`engram.apps.study_report`). Every finished run is a JSON record in `<out>/runs/`, named by the
@@ -23,6 +23,8 @@ import torch
 from engram.apps.data import load_corpus
 from engram.apps.study_plans import STUDIES, RunSpec, plan_study, study_base, table_rows
 from engram.apps.train import DataBundle, TrainConfig, Trainer, build_model, prepare_data
+from engram.model.optim import split_param_groups
+from engram.model.sinkhorn import SparseSinkhorn
 
 __all__ = [
     "STUDIES",
@@ -91,6 +93,30 @@ def _check_data(data: DataBundle, cfg: TrainConfig) -> None:
             )
 
 
+def _optimizer_state(
+    opt: torch.optim.Optimizer | None, params: list[torch.nn.Parameter]
+) -> dict[str, Any] | None:
+    """What `opt` keeps for `params` at the end of a run: their parameters and rows, the bytes of its
+    state tensors (workspaces aside) and, for SparseSinkhorn, the rows that hold state (None: no
+    optimizer, or none of `params`)."""
+    if opt is None or not params:
+        return None
+    held = sum(
+        t.numel() * t.element_size()
+        for p in params
+        for t in opt.state.get(p, {}).values()
+        if torch.is_tensor(t)
+    )
+    active = sum(opt.active_rows(p) for p in params) if isinstance(opt, SparseSinkhorn) else None
+    return {
+        "params": sum(p.numel() for p in params),
+        "rows": sum(p.shape[0] for p in params),
+        "dim": params[0].shape[1],
+        "state_bytes": held,
+        "active_rows": active,
+    }
+
+
 def _train_pair(specs: list[RunSpec], cache: dict[str, DataBundle], on_step: Any) -> list[dict[str, Any]]:
     """Train `specs` (one or two runs) in lock-step and return their records."""
     trainers = []
@@ -124,9 +150,19 @@ def _train_pair(specs: list[RunSpec], cache: dict[str, DataBundle], on_step: Any
                 "tokens_per_s": c.steps * c.batch_size * c.seq_len / t.train_seconds,
                 "train_seconds": t.train_seconds,
                 "history": t.history,
+                "table_state": _optimizer_state(t.table_opt, split_param_groups(t.model)[1]),
+                "embedding_state": _optimizer_state(
+                    t.opt if t.embed_opt is None else t.embed_opt, _embedding_params(t)
+                ),
             }
         )
     return records
+
+
+def _embedding_params(t: Trainer) -> list[torch.nn.Parameter]:
+    """The token embedding and the LM head (one parameter when tied)."""
+    m = t.model
+    return [m.embed.weight] + ([m.head.weight] if m.head is not None else [])
 
 
 def run_study(
@@ -205,6 +241,8 @@ def run_study(
                 "params": rec["params"],
                 "tokens_per_s": rec["tokens_per_s"],
                 "train_seconds": rec["train_seconds"],
+                "table_state": rec.get("table_state"),  # absent in records of older versions
+                "embedding_state": rec.get("embedding_state"),
                 "cached": k not in fresh,
             }
         )
@@ -237,6 +275,10 @@ _SETTING_FIELDS = (
     "moe_experts",
     "moe_top_k",
     "moe_hidden",
+    "table_optimizer",
+    "table_lr",
+    "embedding_optimizer",
+    "lr",
     "steps",
     "batch_size",
     "seq_len",

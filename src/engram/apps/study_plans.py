@@ -5,7 +5,9 @@ base, seeds)` lists a study's runs as `RunSpec`s (a variant name, its TrainConfi
 value a plot puts it at). memory: the table grown at constant compute; ablations: gate, compression,
 orders, heads, capacity 1, rows that ignore the n-gram (every variant at about the reference's total
 rows); baselines: same FLOPs, same total parameters on a wider or deeper dense backbone, a hashed
-n-gram input embedding; allocation: a fixed sparse budget split between MoE experts and the table.
+n-gram input embedding; allocation: a fixed sparse budget split between MoE experts and the table;
+optimizers: the table optimizers (V4.1's Sinkhorn, SparseRowAdam, the paper's dense Adam, row-wise
+Adagrad), each at three table learning rates, and V4.1's recipe against AdamW everywhere.
 Plain configs only: trains nothing.
 """
 
@@ -14,18 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engram.addressing.layout import Layout
-from engram.apps.train_config import TRAIN_PRESETS, RowHash, TrainConfig
+from engram.apps.train_config import TRAIN_PRESETS, EmbeddingOptimizer, RowHash, TableOptimizer, TrainConfig
 from engram.config import EngramConfig
 
 __all__ = [
     "STUDIES",
     "RunSpec",
+    "optimizer_lrs",
     "plan_study",
     "study_base",
     "table_rows",
 ]
 
-STUDIES = ("memory", "ablations", "baselines", "allocation")
+STUDIES = ("memory", "ablations", "baselines", "allocation", "optimizers")
 
 # Table sizes of the memory study: the preset's prime-search base per head times these factors.
 MEMORY_FACTORS = (1 / 16, 1 / 4, 1.0, 4.0)
@@ -39,6 +42,40 @@ ALLOCATION_BUDGET_EXPERTS = 8
 ALLOCATION_TOP_K = 2
 ALLOCATION_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 QUICK_ALLOCATION_RATIOS = (0.0, 0.5, 1.0)
+# The optimizers study: each table optimizer's grid centre as a multiple of the preset's table_lr
+# (SparseRowAdam's default), and three learning rates a factor OPTIMIZER_LR_STEP apart around it
+# (--quick: the centre and the step below, so the default SparseRowAdam run, shared with the other
+# studies, is in both). Update sizes: SparseRowAdam moves a looked-up row by up to lr per element;
+# Sinkhorn moves every active row (looked up in the last ~100 steps) by 0.18 lr per element (RMS) each
+# step; the paper's dense Adam keeps moving a row after its lookup while its momentum decays; Adagrad's
+# steps shrink as 1 / sqrt(lookups). Centres from a pilot (tiny preset, 150 steps, one seed, lrs a
+# factor 2 apart): best at 2x the default for Sinkhorn and SparseRowAdam, still falling at 4x for
+# dense Adam, best at 8x for Adagrad.
+OPTIMIZER_LR_CENTRES = {
+    TableOptimizer.SINKHORN: 2.0,
+    TableOptimizer.ADAM: 2.0,
+    TableOptimizer.DENSE_ADAM: 4.0,
+    TableOptimizer.ADAGRAD: 8.0,
+}
+OPTIMIZER_LR_STEP = 2.0
+# V4.1's recipe's token embedding and LM head on the Sinkhorn update: its lr as multiples of the
+# preset's dense lr (AdamW's). A pilot (tiny preset, 150 steps, one seed, tied embedding, table on
+# Sinkhorn at 0.1) gave held-out 4.814 / 3.932 / 3.826 / 3.866 / 3.941 at 1 / 4 / 8 / 16 / 32 x lr,
+# against 4.362 with the embedding on AdamW at lr: at lr itself the recipe is far behind.
+RECIPE_EMBEDDING_LR_FACTORS = (4.0, 8.0, 16.0)
+QUICK_RECIPE_EMBEDDING_LR_FACTORS = (8.0,)
+OPTIMIZER_NAMES = {
+    TableOptimizer.SINKHORN: "Sinkhorn",
+    TableOptimizer.ADAM: "SparseRowAdam",
+    TableOptimizer.DENSE_ADAM: "dense Adam",
+    TableOptimizer.ADAGRAD: "row-wise Adagrad",
+}
+OPTIMIZER_NOTES = {
+    TableOptimizer.SINKHORN: "SparseSinkhorn, V4.1's Sinkhorn-balanced update (one momentum per active row)",
+    TableOptimizer.ADAM: "SparseRowAdam, lazy per-row Adam (the default)",
+    TableOptimizer.DENSE_ADAM: "the paper's Adam over the whole table (two states per parameter)",
+    TableOptimizer.ADAGRAD: "SparseRowAdagrad, one accumulator per row",
+}
 
 
 @dataclass(frozen=True)
@@ -272,6 +309,56 @@ def _plan_allocation(base: TrainConfig, quick: bool) -> list[tuple[str, TrainCon
     return out
 
 
+def optimizer_lrs(base: TrainConfig, opt: TableOptimizer, quick: bool = False) -> tuple[float, ...]:
+    """The table learning rates of `opt` in the optimizers study, rounded to 3 significant digits."""
+    centre = base.table_lr * OPTIMIZER_LR_CENTRES[opt]
+    steps = (-1, 0) if quick else (-1, 0, 1)
+    return tuple(float(f"{centre * OPTIMIZER_LR_STEP**k:.3g}") for k in steps)
+
+
+def _plan_optimizers(base: TrainConfig, quick: bool) -> list[tuple[str, TrainConfig, float | None, str]]:
+    """Part 1: each table optimizer at its learning rates (x: the table lr), the embedding on AdamW.
+    Part 2 (x None), the tables at the grid centres: V4.1's recipe (Sinkhorn for the table, the token
+    embedding and the LM head, the latter at three lrs) against AdamW everywhere (the dense Adam
+    table: the same runs as part 1's)."""
+    ref = base.replace(engram=_engram(base), embedding_optimizer=EmbeddingOptimizer.ADAMW)
+    out: list[tuple[str, TrainConfig, float | None, str]] = []
+    for opt in OPTIMIZER_LR_CENTRES:
+        for lr in optimizer_lrs(base, opt, quick):
+            cfg = ref.replace(table_optimizer=opt, table_lr=lr)
+            out.append((f"{OPTIMIZER_NAMES[opt]}, table lr {lr:g}", cfg, lr, OPTIMIZER_NOTES[opt]))
+    sink = optimizer_lrs(base, TableOptimizer.SINKHORN)[1]
+    dense = optimizer_lrs(base, TableOptimizer.DENSE_ADAM)[1]
+    for factor in QUICK_RECIPE_EMBEDDING_LR_FACTORS if quick else RECIPE_EMBEDDING_LR_FACTORS:
+        emb_lr = float(f"{base.lr * factor:.3g}")
+        v41 = ref.replace(
+            table_optimizer=TableOptimizer.SINKHORN,
+            table_lr=sink,
+            embedding_optimizer=EmbeddingOptimizer.SINKHORN,
+            embedding_lr=emb_lr,
+        )
+        out.append(
+            (
+                f"V4.1 recipe, embedding lr {emb_lr:g}",
+                v41,
+                None,
+                f"Sinkhorn for the table (lr {sink:g}), the token embedding and the LM head (lr {emb_lr:g}, "
+                f"{factor:g}x the dense lr); AdamW for the rest",
+            )
+        )
+    adamw = ref.replace(table_optimizer=TableOptimizer.DENSE_ADAM, table_lr=dense)
+    out.append(
+        (
+            "AdamW everywhere",
+            adamw,
+            None,
+            f"dense Adam for the table (lr {dense:g}), AdamW for the rest: the runs of "
+            f"'{OPTIMIZER_NAMES[TableOptimizer.DENSE_ADAM]}, table lr {dense:g}'",
+        )
+    )
+    return out
+
+
 def plan_study(
     study: str, base: TrainConfig, seeds: tuple[int, ...], *, quick: bool = False, vocab: int
 ) -> list[RunSpec]:
@@ -286,6 +373,7 @@ def plan_study(
         "ablations": lambda: _plan_ablations(base, quick),
         "baselines": lambda: _plan_baselines(base, quick, vocab),
         "allocation": lambda: _plan_allocation(base, quick),
+        "optimizers": lambda: _plan_optimizers(base, quick),
     }
     variants = plans[study]()
     return [RunSpec(name, cfg.replace(seed=s), x, note) for s in seeds for name, cfg, x, note in variants]

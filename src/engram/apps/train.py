@@ -172,7 +172,7 @@ class Trainer:
         if cfg.embedding_optimizer is EmbeddingOptimizer.SINKHORN:
             embed = [model.embed.weight] + ([model.head.weight] if model.head is not None else [])
             embed_ids = {id(p) for p in embed}
-            self.embed_opt = SparseSinkhorn(embed, lr=cfg.lr)
+            self.embed_opt = SparseSinkhorn(embed, lr=self._embedding_lr)
         decay = [p for p in dense if id(p) not in no_decay and id(p) not in embed_ids]
         rest = [p for p in dense if id(p) in no_decay and id(p) not in embed_ids]
         self.opt = torch.optim.AdamW(
@@ -211,7 +211,7 @@ class Trainer:
                 g["lr"] = c.table_lr * f
         if self.embed_opt is not None:
             for g in self.embed_opt.param_groups:
-                g["lr"] = c.lr * f
+                g["lr"] = self._embedding_lr * f
         x, y, rows = self._batch(self.step)
         logits = self.model(x, rows)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -238,6 +238,11 @@ class Trainer:
     def _param_groups(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
         """(dense params for AdamW, table params for the sparse row optimizer)."""
         return split_param_groups(self.model)
+
+    @property
+    def _embedding_lr(self) -> float:
+        """The Sinkhorn embedding's base learning rate: `embedding_lr`, or the dense `lr`."""
+        return self.cfg.lr if self.cfg.embedding_lr is None else self.cfg.embedding_lr
 
     def _table_optimizer(self, tables: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The tables' optimizer of `cfg.table_optimizer` at `cfg.table_lr`."""

@@ -111,6 +111,7 @@ class TrainConfig:
     table_lr: float = 5e-2
     table_optimizer: TableOptimizer = TableOptimizer.ADAM
     embedding_optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ADAMW
+    embedding_lr: float | None = None  # with embedding_optimizer 'sinkhorn' (None: lr)
     warmup: int = 30
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -137,6 +138,8 @@ class TrainConfig:
                 raise ValueError(
                     f"{name}={value!r}: use one of {', '.join(repr(o.value) for o in kind)}"
                 ) from None
+        if self.embedding_lr is not None and not self.embedding_lr > 0:
+            raise ValueError(f"embedding_lr={self.embedding_lr!r} must be > 0 (or null: the dense lr)")
         if self.engram_mode not in ENGRAM_MODES:
             raise ValueError(f"engram_mode={self.engram_mode!r}: use one of {ENGRAM_MODES}")
         for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):

@@ -1,4 +1,4 @@
-"""`engram study`: the memory, ablation, baseline and allocation studies (engram.apps.study)."""
+"""`engram study`: the memory, ablation, baseline, allocation and optimizer studies (engram.apps.study)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engram.cli.options import output_folder, positive_int, set_threads, threads
+from engram.cli.options import corpus_source, output_folder, positive_int, set_threads, threads
 
 __all__ = ["register"]
 
-CHOICES = ("memory", "ablations", "baselines", "allocation", "all")
+CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all")
 
 
 def cmd_study(args: argparse.Namespace) -> int:
     from engram.apps.study import STUDIES, run_study, study_base
-    from engram.apps.study_report import study_lines
+    from engram.apps.study_report import run_counts, study_lines
 
     n = set_threads(args)
     base = study_base(args.size, steps=args.steps, corpus=args.corpus, threads=n, quick=args.quick)
@@ -45,9 +45,7 @@ def cmd_study(args: argparse.Namespace) -> int:
             }
         )
         if not args.json:
-            print(
-                f"\n{name}: {results['new_runs']} runs trained, {len(results['runs']) - results['new_runs']} cached"
-            )
+            print(f"\n{name}: {run_counts(results)}")
             print("\n".join(study_lines(results)))
             print("\n".join(f"- {f}" for f in results["findings"]))
             print(f"report: {report}")
@@ -61,7 +59,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "study",
         help="the questions after the demo, with seed spreads: memory scaling, ablations, baselines, "
-        "MoE/Engram allocation",
+        "MoE/Engram allocation, table optimizers (V4.1's Sinkhorn vs Adam and Adagrad)",
     )
     p.add_argument("study", choices=CHOICES, help="which study ('all': each in turn, sharing runs)")
     p.add_argument(
@@ -76,7 +74,9 @@ def register(sub: Any) -> None:
         default=3,
         help="seeds per variant (default 3; a spread needs 2 or more)",
     )
-    p.add_argument("--corpus", help="text file, folder of *.txt or glob instead of the Bible")
+    p.add_argument(
+        "--corpus", type=corpus_source, help="text file, folder of *.txt or glob instead of the Bible"
+    )
     p.add_argument(
         "--out",
         type=output_folder,
@@ -86,7 +86,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants",
+        help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants (optimizers: 2 lrs each)",
     )
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

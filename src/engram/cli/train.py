@@ -73,7 +73,14 @@ def _train_config(args: argparse.Namespace) -> Any:
     else:
         cfg = TRAIN_PRESETS[args.preset or "demo"]
     overrides: dict[str, Any] = {}
-    for key in ("steps", "seed", "checkpoint_every", "table_optimizer", "embedding_optimizer"):
+    for key in (
+        "steps",
+        "seed",
+        "checkpoint_every",
+        "table_optimizer",
+        "embedding_optimizer",
+        "embedding_lr",
+    ):
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
     if args.no_engram:
@@ -305,6 +312,11 @@ def add_training_commands(sub: Any) -> None:
         choices=EMBEDDING_OPTIMIZERS,
         help="the token embedding's and LM head's optimizer: AdamW with the backbone, or 'sinkhorn' (V4.1's "
         "recipe, with --table-optimizer sinkhorn) (default: the config's, 'adamw')",
+    )
+    p.add_argument(
+        "--embedding-lr",
+        type=positive_float,
+        help="with --embedding-optimizer sinkhorn: its base learning rate (default: the config's lr)",
     )
     p.add_argument(
         "--distributed",
