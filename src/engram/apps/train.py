@@ -1,19 +1,18 @@
 """Training: data preparation, the training loop, periodic evaluation, checkpoints and resume.
-`Trainer` is split into overridable pieces so `engram.distributed.train` reuses the loop; checkpoint
-files are read through `engram.checkpoint.shards` (either format). Knows nothing of torch.distributed.
+`Trainer` is split into overridable pieces so `engram.distributed.train` reuses the loop; it writes
+checkpoints, and reads them back through `engram.apps.run_checkpoint` (the checks eval and generate
+share) and `engram.checkpoint.shards` (either format). Knows nothing of torch.distributed.
 Design: docs/training.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,25 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
-from engram.addressing.layout import Layout, layout_fingerprint
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import evaluate, window_rows
 from engram.apps.rows import identity_compression, stream_rows
+from engram.apps.run_checkpoint import (
+    DAMAGE,
+    checkpoint_dirs,
+    checkpoint_tokenizer,
+    config_diffs,
+    latest_checkpoint,
+    layout_metadata,
+    load_trained_model,
+    optimizer_state_of,
+    read_state,
+    remove_stale_tmp,
+    weights_of,
+)
 from engram.apps.train_config import (
     DEFAULT_ENGRAM,
     TRAIN_PRESETS,
@@ -36,11 +46,9 @@ from engram.apps.train_config import (
     TableOptimizer,
     TrainConfig,
 )
-from engram.checkpoint.files import member_file, save_tensors
-from engram.checkpoint.json_file import read_json
-from engram.checkpoint.optim_state import OptimizerStateError, optimizers_from_tensors, optimizers_to_tensors
-from engram.checkpoint.shards import OPTIMIZER_FILE, is_table_key, read_checkpoint, tables_of_state
-from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
+from engram.checkpoint.files import save_tensors
+from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
+from engram.checkpoint.shards import read_checkpoint
 from engram.config import EngramConfig
 from engram.model.lm import EngramLM, LMConfig
 from engram.model.optim import DenseTableAdam, SparseRowAdagrad, SparseRowAdam, split_param_groups
@@ -62,10 +70,6 @@ __all__ = [
     "prepare_data",
     "remove_stale_tmp",
 ]
-
-
-# What reading a damaged checkpoint raises (RuntimeError: load_state_dict's missing or misshaped tensors).
-_DAMAGE = (ValueError, TypeError, KeyError, OSError, RuntimeError)
 
 
 # ---------------------------------------------------------------------------- data
@@ -374,7 +378,7 @@ class Trainer:
         The checkpoint's training config must be this trainer's (the total steps aside); a damaged
         checkpoint is refused (ValueError naming the file and what is wrong with it)."""
         path = Path(path)
-        state, cfg, lm_cfg = _read_state(path)
+        state, cfg, lm_cfg = read_state(path)
         self._check_config(path, cfg, state["step"])
         self._restore(path, state, lm_cfg)
 
@@ -386,19 +390,19 @@ class Trainer:
         ValueError when every checkpoint is damaged, naming each and why."""
         if self.out_dir is None:
             raise ValueError("this Trainer has no out_dir to resume from")
-        found = _checkpoint_dirs(self.out_dir)
+        found = checkpoint_dirs(self.out_dir)
         skipped: list[tuple[Path, str]] = []
         for path in reversed(found):
             error: BaseException | None = None
             try:
-                state, cfg, lm_cfg = _read_state(path)
-            except _DAMAGE as e:
+                state, cfg, lm_cfg = read_state(path)
+            except DAMAGE as e:
                 error = e
             if error is None:
                 self._check_config(path, cfg, state["step"])  # another run's: an error, never skipped
                 try:
                     self._restore(path, state, lm_cfg)
-                except _DAMAGE as e:
+                except DAMAGE as e:
                     error = e
             error = self._agree_intact(error)
             if error is None:
@@ -435,7 +439,7 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path / 'state.json'}: damaged ({type(e).__name__}: {e})") from None
         self._check_model(path, lm_cfg)
-        with _weights_of(path), _optimizer_state_of(path, state):
+        with weights_of(path), optimizer_state_of(path, state):
             self._restore_tensors(*self._read_checkpoint(path, state), groups)
         self.step, self.history, self.train_seconds = state["step"], history, seconds
 
@@ -443,7 +447,7 @@ class Trainer:
         """Refuse a checkpoint whose lm_config or tokenizer.json is not this trainer's model's (the
         training config agreed, so the checkpoint was edited or damaged)."""
         if lm_cfg != self.model.config:
-            diffs = _diffs(lm_cfg.to_dict(), self.model.config.to_dict())
+            diffs = config_diffs(lm_cfg.to_dict(), self.model.config.to_dict())
             raise ValueError(
                 f"{path / 'state.json'}: its lm_config does not describe the model its training config "
                 f"builds ({'; '.join(diffs)}); the checkpoint is damaged: resume from another checkpoint"
@@ -476,210 +480,3 @@ class Trainer:
         """Load a checkpoint's model and optimizer tensors into this trainer's model and optimizers."""
         self.model.load_state_dict(model_tensors)
         optimizers_from_tensors(self._optimizers(), opt_tensors, groups)
-
-
-def _checkpoint_dirs(out_dir: Path) -> list[Path]:
-    """The checkpoint folders of `out_dir`, oldest first (`out_dir` itself if it is one)."""
-    if os.path.lexists(out_dir / "state.json"):
-        return [out_dir]
-    return sorted(p for p in (out_dir / "checkpoints").glob("step-*") if p.is_dir())
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under `out_dir` (or `out_dir` itself if it is one)."""
-    found = _checkpoint_dirs(Path(out_dir))
-    return found[-1] if found else None
-
-
-_TMP_RE = re.compile(r"^\.tmp-step-\d+-(\d+|sharded)$")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this machine (signal 0 checks, sends nothing)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_tmp(out_dir: str | Path) -> list[tuple[Path, str]]:
-    """Remove the temporary folders interrupted checkpoint writes left in `out_dir`/checkpoints:
-    `.tmp-step-NNNNNNN-<pid>` whose process is gone, and a distributed run's `.tmp-step-NNNNNNN-sharded`
-    (call it at the start of a run, before any checkpoint is written). Returns [(folder, why)]."""
-    root = Path(out_dir) / "checkpoints"
-    removed: list[tuple[Path, str]] = []
-    if not root.is_dir():
-        return removed
-    for p in sorted(root.iterdir()):
-        m = _TMP_RE.match(p.name)
-        if not m or not p.is_dir() or p.is_symlink():
-            continue
-        tag = m.group(1)
-        if tag == "sharded":
-            why = "left by an interrupted write of a distributed run"
-        elif _alive(int(tag)):
-            continue  # that process may still be writing it
-        else:
-            why = f"left by process {tag}, which is gone (a checkpoint write interrupted)"
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append((p, why))
-    return removed
-
-
-_STATE_KEYS = ("step", "train_config", "lm_config", "optimizer_groups", "history")
-
-
-@contextlib.contextmanager
-def _weights_of(ckpt: Path) -> Iterator[None]:
-    """torch's refusal of a checkpoint's tensors (wrong shapes, missing or extra names) as one ValueError
-    naming the checkpoint."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not str(e).startswith("Error(s) in loading state_dict"):
-            raise
-        first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
-        raise ValueError(
-            f"{ckpt / 'model.safetensors'} does not fit the model its state.json describes ({first}); "
-            "the checkpoint is damaged: use another one or retrain"
-        ) from None
-
-
-def _diffs(theirs: dict[str, Any], ours: dict[str, Any], prefix: str = "") -> list[str]:
-    """`key=value (this run: value)` for each entry of two config dicts that differs (nested dicts by
-    their entries, as `engram.layer_ids=...`)."""
-    out = []
-    for k in sorted(set(theirs) | set(ours)):
-        a, b = theirs.get(k), ours.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _diffs(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}={a!r} (this run: {b!r})")
-    return out
-
-
-@contextlib.contextmanager
-def _optimizer_state_of(ckpt: Path, state: dict[str, Any]) -> Iterator[None]:
-    """A stored optimizer tensor that does not fit its parameter, as one ValueError naming its file."""
-    try:
-        yield
-    except OptimizerStateError as e:
-        if e.tensor is None:
-            file = ckpt / "state.json"  # the param groups
-        elif tables_of_state(state) is not None and is_table_key(e.tensor):
-            file = ckpt / "tables-rank-*.safetensors"
-        else:
-            file = ckpt / OPTIMIZER_FILE
-        raise ValueError(f"{file}: {e}") from None
-
-
-def checkpoint_tokenizer(ckpt: str | os.PathLike[str], vocab_size: int) -> Tokenizer | None:
-    """The tokenizer a checkpoint folder saved (None: it holds no tokenizer.json), checked: a regular
-    file inside the folder (never a FIFO or a link out) that tokenizers reads, with the `vocab_size`
-    ids of the model; ValueError naming the file otherwise."""
-    file = Path(ckpt) / "tokenizer.json"
-    if not os.path.lexists(file):
-        return None
-    path = member_file(ckpt, file.name, f"the checkpoint {ckpt} holds")  # a regular file, inside
-    tok = resolve_tokenizer(path)  # a damaged file: ValueError naming it
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    if vocab != vocab_size:
-        raise ValueError(
-            f"{file}: the tokenizer has {vocab} ids but the model {vocab_size}; the checkpoint's "
-            "tokenizer.json is not the run's: restore it from the run, or delete it to rebuild the run's"
-        )
-    return tok
-
-
-def _read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig, LMConfig]:
-    """(state.json, its training config, its model config) of checkpoint folder `ckpt`, checked: the
-    entries a training state has, a training config of this version, a step that is an int from 0 to
-    that config's total steps, and an lm_config that makes a model. `engram eval`, `generate` and
-    `train --resume` all read checkpoints through it; a damaged state.json is refused (ValueError),
-    naming the file."""
-    file = member_file(ckpt, "state.json", "the checkpoint's")  # a regular file inside the folder
-    state = read_json(file)
-    missing = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
-    if missing:
-        raise ValueError(
-            f"{file}: no {', '.join(map(repr, missing))} entry: not a complete training state (damaged?); "
-            "resume from another checkpoint or retrain"
-        )
-    try:
-        cfg = TrainConfig.from_dict(state["train_config"])
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{file}: {e}. This checkpoint was written by another version of engram and is not read: "
-            "retrain the model"
-        ) from None
-    step = state["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= cfg.steps:
-        raise ValueError(
-            f"{file}: step {step!r} is not a whole number from 0 to the run's total steps "
-            f"(train_config.steps={cfg.steps}); the checkpoint is damaged: use another one or retrain"
-        )
-    try:
-        lm_cfg = LMConfig.from_dict(state["lm_config"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(
-            f"{file}: its lm_config does not make a model ({type(e).__name__}: {e}); the checkpoint "
-            "is damaged: use another one or retrain"
-        ) from None
-    _check_layout(ckpt, lm_cfg)
-    return state, cfg, lm_cfg
-
-
-def layout_metadata(lm_cfg: LMConfig) -> dict[str, str]:
-    """The safetensors metadata of a training checkpoint's file of tables: the Engram layout's
-    fingerprint (none for the baseline), so tables are never read under another layout."""
-    if lm_cfg.engram is None:
-        return {}
-    return {LAYOUT_FINGERPRINT_KEY: layout_fingerprint(Layout(lm_cfg.engram))}
-
-
-def _check_layout(ckpt: Path, lm_cfg: LMConfig) -> None:
-    """Refuse a checkpoint whose table files record another layout fingerprint than its lm_config's
-    Engram (an edited seed or table size in state.json would look every row up elsewhere). Files of
-    checkpoints written before fingerprints were recorded carry none: nothing to compare."""
-    want = layout_metadata(lm_cfg).get(LAYOUT_FINGERPRINT_KEY)
-    if want is None:
-        return
-    for path in [ckpt / "model.safetensors", *sorted(ckpt.glob("tables-rank-*.safetensors"))]:
-        if not path.is_file():
-            continue  # a missing or odd file is reported where the tensors are read
-        try:
-            with safe_open(str(path), "pt") as f:
-                got = (f.metadata() or {}).get(LAYOUT_FINGERPRINT_KEY)
-        except Exception:  # safetensors' own errors: reported where the tensors are read
-            continue
-        if got is not None and got != want:
-            raise ValueError(
-                f"{path}: its tables were saved for the Engram layout with fingerprint {got}, but the "
-                f"checkpoint's lm_config (state.json) has layout fingerprint {want}: its primes, multipliers "
-                "(seed), compressed vocabulary or pad id were edited, so every row would be read for other "
-                "n-grams; the checkpoint is damaged: use another one or retrain"
-            )
-
-
-def load_trained_model(
-    path: str | Path, *, verify: bool = False
-) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
-    """(train config, model with its weights, state.json) of a checkpoint folder or a run folder (its
-    newest checkpoint). The checkpoint is checked (`read_checkpoint`: dtypes, NaN / Inf; `verify` scans
-    tables of any size)."""
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
-    state, cfg, lm_cfg = _read_state(ckpt)
-    model = EngramLM(lm_cfg)
-    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
-    tensors = read_checkpoint(ckpt, state, optimizer=False, dtypes=dtypes, verify=verify)[0]  # tables whole
-    with _weights_of(ckpt):  # missing, unexpected or misshaped tensors: one ValueError naming the file
-        model.load_state_dict(tensors)
-    state["path"] = str(ckpt)
-    return cfg, model, state
