@@ -581,7 +581,7 @@ def test_dense_table_adam_is_torch_adam_on_the_dense_gradient():
     for step in range(3):
         rows = torch.tensor([1, 7, 30 + step])
         vals = torch.randn(3, 4)
-        a.grad = torch.sparse_coo_tensor(rows[None], vals, (50, 4))
+        a.grad = torch.sparse_coo_tensor(rows[None], vals, (50, 4), check_invariants=True)
         b.grad = a.grad.to_dense()
         opt_a.step()
         opt_b.step()

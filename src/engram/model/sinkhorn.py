@@ -173,22 +173,15 @@ class SparseSinkhorn(torch.optim.Optimizer):
         """The passes for p's device: numba on the CPU, Triton on CUDA (with triton), else torch."""
         if self.backend == "auto" and p.device.type == "cpu":
             return _numba_passes(self.threads)
-        if self.backend == "auto" and kernels.use_triton(p):
-            return SimpleNamespace(
-                merge=_merge,
-                compact=_torch_compact,
-                blend=kernels.sinkhorn_blend,
-                rows=kernels.sinkhorn_rows,
-                cols_rows=kernels.sinkhorn_cols_rows,
-                apply=kernels.sinkhorn_apply,
-            )
+        triton = self.backend == "auto" and kernels.use_triton(p)
+        ops: Any = kernels if triton else reference  # the Triton kernels or their torch twins
         return SimpleNamespace(
             merge=_merge,
             compact=_torch_compact,
-            blend=reference.sinkhorn_blend,
-            rows=reference.sinkhorn_rows,
-            cols_rows=reference.sinkhorn_cols_rows,
-            apply=_torch_apply,
+            blend=ops.sinkhorn_blend,
+            rows=ops.sinkhorn_rows,
+            cols_rows=ops.sinkhorn_cols_rows,
+            apply=kernels.sinkhorn_apply if triton else _torch_apply,
         )
 
     def _workspace(self, dtype: torch.dtype, a: int, n: int, device: torch.device) -> torch.Tensor:
