@@ -24,7 +24,8 @@ python3 -c "import sys, torch, triton, numba; print(sys.version.split()[0], 'tor
 # 1. exactness on CUDA: the compiled kernels against their twins, the module, tables and lookup paths
 timeout 240 python3 -m pytest -q -p no:cacheprovider -x \
     tests/test_triton_kernels.py tests/test_module.py tests/test_table.py tests/test_lookup.py \
-    tests/test_hashing.py tests/test_stream.py tests/test_systems_tiered.py tests/test_systems_prefetch.py 2>&1 | tee "$OUT/pytest.log"
+    tests/test_hashing.py tests/test_stream.py tests/test_systems_tiered.py tests/test_systems_prefetch.py \
+    tests/test_triton_sinkhorn.py tests/test_sinkhorn.py 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
 # 2. the GPU benchmarks, one table (each GB/s against a device copy measured in the same run)

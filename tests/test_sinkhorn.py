@@ -380,3 +380,23 @@ def test_state_dict_of_another_optimizer_or_shape_refused():
     with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
         small.load_state_dict(good)
     assert not fresh.state and not other.state and not small.state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_tables_follow_the_cpu_update(dtype):
+    """On CUDA (the Triton passes): the same tables and active sets as on the CPU (numba), to fp32
+    rounding, over steps with rows looked up, abandoned and back."""
+    torch.manual_seed(10)
+    w0 = torch.randn(5000, 64).to(dtype)
+    cpu, gpu = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone().cuda())
+    opts = [SparseSinkhorn([cpu], lr=0.01), SparseSinkhorn([gpu], lr=0.01)]
+    for rows in schedule(5000, 12, 11):
+        vals = torch.randn(len(rows), 64).to(dtype)
+        cpu.grad = sparse_grad(rows, vals, (5000, 64))
+        gpu.grad = sparse_grad(rows, vals, (5000, 64)).cuda()
+        for opt in opts:
+            opt.step()
+    assert torch.equal(opts[0].state[cpu]["rows"], opts[1].state[gpu]["rows"].cpu())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gpu.data.cpu().float(), cpu.data.float(), rtol=tol, atol=tol)
