@@ -128,3 +128,41 @@ def test_load_refuses_a_part_whose_seed_was_edited(tmp_path):
     with pytest.raises(ValueError, match=rf"saved for the layout with fingerprint {want}, but config"):
         load_engram(fresh, tmp_path / "e")
     assert not hasattr(fresh, "engram")
+
+
+def test_save_pretrained_folder_keeps_hf_files_and_loads_both(tmp_path):
+    """`model.save_pretrained(d)` then `save_engram(model, d)`: the part goes to d/engram, no file of
+    HF's changes (it once overwrote config.json, and removed HF's shards and index), and
+    `load_engram(AutoModelForCausalLM.from_pretrained(d), d)` gives the model's logits."""
+    import hashlib
+
+    model = _trained()
+    x = S.batch(2, 9)
+    ref = model(x).logits
+    d = tmp_path / "hf"
+    model.save_pretrained(d, max_shard_size="200KB")  # several shards and an index, as large models have
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir()}
+    assert "model.safetensors.index.json" in before and len([n for n in before if n.startswith("model-")]) > 1
+    part = save_engram(model, d)
+    assert part == d / "engram" and (part / "config.json").is_file()
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir() if p.is_file()}
+    assert after == before
+    loaded = load_engram(transformers.AutoModelForCausalLM.from_pretrained(d), d)
+    assert torch.equal(loaded(x).logits, ref)
+    # an HF folder without a part: the error says how to make one
+    bare = tmp_path / "bare"
+    S.llama().save_pretrained(bare)
+    with pytest.raises(FileNotFoundError, match="without an Engram part"):
+        load_engram(S.llama(), bare)
+
+
+def test_a_checkpoint_is_never_saved_over_another_models_config(tmp_path):
+    from engram.checkpoint.v41 import save_checkpoint
+
+    model = _trained()
+    S.llama().save_pretrained(tmp_path)
+    config = (tmp_path / "config.json").read_text()
+    att = model.engram
+    with pytest.raises(ValueError, match=r"not an Engram checkpoint's config\.json"):
+        save_checkpoint(tmp_path, att.config, {int(k): m for k, m in att.layers.items()})
+    assert (tmp_path / "config.json").read_text() == config

@@ -195,6 +195,7 @@ def save_checkpoint(
     shards = _shard(state, max_shard_bytes)
 
     out_dir = Path(ckpt_dir)
+    _check_not_foreign(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -224,6 +225,25 @@ def save_checkpoint(
         if _SHARD_RE.match(old.name) and old.name not in names:
             old.unlink()
     return [out_dir / name for name in names]
+
+
+def _check_not_foreign(out_dir: Path) -> None:
+    """Refuse to save into a folder whose config.json is not an Engram checkpoint's (an HF model's,
+    say): saving would overwrite it and remove that model's weight shards and index."""
+    path = out_dir / CONFIG_FILE
+    if not os.path.lexists(path):
+        return
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        d = None
+    if isinstance(d, dict) and any(k.startswith(("engram_", "ple_")) for k in d):
+        return
+    raise ValueError(
+        f"{path} is not an Engram checkpoint's config.json (another model's, e.g. HF's save_pretrained): "
+        "saving here would overwrite it and remove that model's weight files; save into an empty folder "
+        "(engram.hf.save_engram puts the part in the model folder's engram/ subfolder)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- reading

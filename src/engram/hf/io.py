@@ -2,7 +2,8 @@
 
 `save_engram` writes the modules (float tables and projections) as safetensors with a config.json
 of DeepSeek-V4.1's `engram_*` keys (`engram.checkpoint.v41`), the tokenizer compression map and
-the attachment options; `export_fp8` writes the same with FP8 tables (values + ue8m0 scales),
+the attachment options (into `engram/` when the folder is an HF model's: HF's files are never
+touched); `export_fp8` writes the same with FP8 tables (values + ue8m0 scales),
 which `MmapFP8Table` and the `engram.systems` tiers serve from host memory or SSD; `load_engram`
 attaches either to a backbone (checked before anything is attached).
 """
@@ -23,15 +24,48 @@ from engram.checkpoint.json_file import read_json
 from engram.checkpoint.v41 import load_engram_modules, read_checkpoint_config, save_checkpoint
 from engram.hf.attach import add_engram, find_decoder_layers, get_attachment, model_hidden_size
 
-__all__ = ["COMPRESSION_FILE", "OPTIONS_FILE", "export_fp8", "load_engram", "save_engram"]
+__all__ = [
+    "COMPRESSION_FILE",
+    "OPTIONS_FILE",
+    "PART_FOLDER",
+    "engram_part",
+    "export_fp8",
+    "load_engram",
+    "save_engram",
+]
 
 COMPRESSION_FILE = "compression.safetensors"
 OPTIONS_FILE = "engram_hf.json"  # how the part was attached: boundaries, eos_token_id
+PART_FOLDER = "engram"  # the part's folder inside an HF model folder (`save_pretrained`'s)
+
+
+def _holds_hf_model(directory: Path) -> bool:
+    """Whether `directory` holds an HF model's config.json (`model_type` or `architectures`, no
+    Engram keys): a `save_pretrained` folder, whose files are never touched."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True  # not ours to overwrite either
+    if not isinstance(d, dict):
+        return True
+    ours = any(k.startswith("engram_") or k.startswith("ple_") for k in d)
+    return not ours and ("model_type" in d or "architectures" in d)
+
+
+def engram_part(directory: str | os.PathLike[str]) -> Path:
+    """The folder of the Engram part for `directory`: `directory` itself, or its `engram/` subfolder
+    when it is an HF model folder (`model.save_pretrained(directory)`), so that the part sits beside
+    HF's files without touching them."""
+    d = Path(directory)
+    return d / PART_FOLDER if _holds_hf_model(d) else d
 
 
 def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path:
     att = get_attachment(model)
-    out = Path(directory)
+    out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}
     save_checkpoint(out, att.config, modules, fp8=fp8)
     att.compression.save(out / COMPRESSION_FILE)
@@ -41,13 +75,17 @@ def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Pat
 
 
 def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Write the Engram part of `model` (tables in their float dtype) to `directory`; return it."""
+    """Write the Engram part of `model` (tables in their float dtype) to `directory`; return the part's
+    folder. Into an HF model folder (after `model.save_pretrained(directory)`) the part goes to
+    `directory/engram/`: no file of HF's is touched, and `load_engram(AutoModelForCausalLM
+    .from_pretrained(directory), directory)` loads both."""
     return _save(model, directory, fp8=False)
 
 
 def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Write the Engram part with its tables quantised to V4.1's FP8 (e4m3 values, one ue8m0 scale per
-    32), readable by `MmapFP8Table` and `engram.systems.offload_engram`; return the directory."""
+    32), readable by `MmapFP8Table` and `engram.systems.offload_engram`; return the part's folder (as
+    `save_engram`: `directory/engram/` inside an HF model folder)."""
     return _save(model, directory, fp8=True)
 
 
@@ -61,13 +99,20 @@ def load_engram(
 ) -> nn.Module:
     """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
 
-    Refuses, before attaching anything, a part saved for another hidden size or for more layers than
-    the model has, and (with `tokenizer`) a compression map built for another tokenizer. FP8 tables
-    load memory-mapped (`mmap=True`) or into memory; float tables load trainable.
+    `directory` is the part's folder, or an HF model folder whose `engram/` holds it (what
+    `save_pretrained` then `save_engram` into one folder give). Refuses, before attaching anything, a
+    part saved for another hidden size or for more layers than the model has, and (with `tokenizer`) a
+    compression map built for another tokenizer. FP8 tables load memory-mapped (`mmap=True`) or into
+    memory; float tables load trainable.
     """
-    d = Path(directory)
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"{directory}: no such directory (write one with engram.hf.save_engram)")
+    d = engram_part(directory)
     if not d.is_dir():
-        raise FileNotFoundError(f"{d}: no such directory (write one with engram.hf.save_engram)")
+        raise FileNotFoundError(
+            f"{directory} is an HF model folder without an Engram part ({d} is missing): save it with "
+            f"engram.hf.save_engram(model, {str(directory)!r})"
+        )
     config = read_checkpoint_config(d)
     hidden = model_hidden_size(model)
     if hidden is not None and hidden != config.hidden_size:
