@@ -5,7 +5,8 @@ The only package that imports torch.distributed: the model code (`engram.model.m
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
 (sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
 into an error naming the rank and the step), `launch` (one rank from torchrun's environment), `train`
-(the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards).
+(the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
+HF models under DDP, accelerate and the Trainer).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
@@ -17,6 +18,7 @@ from engram.distributed.guard import (
     disagreements,
     named_failures,
 )
+from engram.distributed.hf import ReplicatedTableSync, TableSync, prepare_data_parallel
 from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
 from engram.distributed.parallelize import (
     TableInit,
@@ -50,9 +52,11 @@ __all__ = [
     "DistEnv",
     "DistributedTrainer",
     "RankError",
+    "ReplicatedTableSync",
     "ShardedSinkhorn",
     "ShardedTable",
     "TableInit",
+    "TableSync",
     "all_reduce_grads",
     "build_distributed_model",
     "build_sharded_model",
@@ -66,6 +70,7 @@ __all__ = [
     "named_failures",
     "prefetch_model_rows",
     "prefetch_tables",
+    "prepare_data_parallel",
     "release_tables",
     "shard_bounds",
     "shard_engram_tables",

@@ -143,6 +143,9 @@ class EngramAttachment(nn.Module):
         self.config, self.hasher = config, hasher
         self.layers = nn.ModuleDict({str(k): v for k, v in layers.items()})
         self.rows = RowSource(hasher, boundaries=boundaries, eos_token_id=eos_token_id)
+        # How the tables' gradients are shared across data-parallel ranks (None: one process);
+        # set by engram.distributed.prepare_data_parallel, called by EngramOptimizer before its step.
+        self.table_sync: Any = None
         self.handles: list[Any] = []
 
     @property

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engram.hf.attach import get_attachment
@@ -34,8 +35,14 @@ class EngramOptimizer(torch.optim.Optimizer):
     backward and `step` (see the module docstring).
     """
 
-    def __init__(self, dense: torch.optim.Optimizer | None, tables: torch.optim.Optimizer | None) -> None:
+    def __init__(
+        self,
+        dense: torch.optim.Optimizer | None,
+        tables: torch.optim.Optimizer | None,
+        attachment: Any = None,
+    ) -> None:
         self.dense, self.tables = dense, tables
+        self.attachment = attachment  # the model's EngramAttachment: its table_sync across processes
         groups = [g for opt in (dense, tables) if opt is not None for g in opt.param_groups]
         if not groups:
             raise ValueError("nothing to optimize: no parameter requires a gradient")
@@ -62,6 +69,18 @@ class EngramOptimizer(torch.optim.Optimizer):
         if self.dense is not None:
             self.dense.step()
         if self.tables is not None:
+            params = [p for g in self.tables.param_groups for p in g["params"]]
+            sync = getattr(self.attachment, "table_sync", None)
+            if sync is not None:
+                self.pending = sync(params, self.pending)  # one table across the ranks
+            elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                self.pending.clear()
+                raise RuntimeError(
+                    f"this process is one of {dist.get_world_size()}, but the Engram tables are not "
+                    "synchronised across them: each rank would train its own table. Call "
+                    "engram.distributed.prepare_data_parallel(model) before DDP, accelerate or the Trainer "
+                    "wraps the model"
+                )
             for p, g in self.pending.items():
                 p.grad = g
             try:
@@ -150,6 +169,6 @@ def build_optimizer(
             )
         else:
             table_opt = _TABLE_OPTIMIZERS[table_optimizer](table_params, lr=table_lr)
-    opt = EngramOptimizer(dense_opt, table_opt)
+    opt = EngramOptimizer(dense_opt, table_opt, att)
     att.optimizer_hooks = opt
     return opt

@@ -1,0 +1,136 @@
+"""engram.hf across processes (2 and 3 gloo ranks) against one process: a tiny Llama with Engram, a
+plain DistributedDataParallel loop with `build_optimizer`, a global batch of 6 as W x 6/W against 1 x 6,
+in float64 throughout (the loss computed here, Llama's RMSNorm kept in float64: HF casts both to
+float32, whose rounding moves with the batch split).
+With `engram.distributed.prepare_data_parallel` (tables out of DDP's buckets, their sparse row
+gradients averaged across ranks) every parameter, tables included, equals the one-process run (fp64:
+1e-9), for every table optimizer; without it `EngramOptimizer.step` refuses on every rank (each rank
+would train its own table), where it used to run with the tables diverging."""
+
+from __future__ import annotations
+
+import datetime
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import hf_setup as S
+from engram.hf import EngramCollator, add_engram, build_optimizer
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+BATCH, STEPS = 6, 3
+OPTIMIZERS = ("adam", "sinkhorn")
+
+
+def _rms_norm_in_its_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm without its cast to float32, so that a float64 model computes in float64 throughout
+    (the cast rounds differently once the batch split moves a matmul's last bits)."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _model() -> torch.nn.Module:
+    model = add_engram(S.llama(seed=3), S.engram_config(), compression=S.compression()).double()
+    with torch.no_grad():
+        model.engram.module(1).wkv.weight.normal_(std=0.3)
+    return model
+
+
+def _batches(model) -> list[dict[str, torch.Tensor]]:
+    """STEPS global batches of BATCH sequences (collated: rows hashed in the data pipeline)."""
+    collate = EngramCollator(model, pad_token_id=0)
+    out = []
+    for step in range(STEPS):
+        ids = S.batch(BATCH, 10, seed=50 + step)
+        out.append(collate([{"input_ids": row.tolist()} for row in ids]))
+    return out
+
+
+def _step_loss(model, batch) -> torch.Tensor:
+    """The next-token loss in float64 (HF's own loss casts the logits to float32)."""
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, engram_rows=batch["engram_rows"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _single(table_optimizer: str) -> dict[str, torch.Tensor]:
+    with mock.patch.object(LlamaRMSNorm, "forward", _rms_norm_in_its_dtype):
+        return _train_single(table_optimizer)
+
+
+def _train_single(table_optimizer: str) -> dict[str, torch.Tensor]:
+    model = _model()
+    opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=table_optimizer)
+    for batch in _batches(model):
+        _step_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, prepare: bool, table_optimizer: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from engram.distributed import prepare_data_parallel
+
+    torch.set_num_threads(1)
+    LlamaRMSNorm.forward = _rms_norm_in_its_dtype  # this process only
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        model = _model()
+        if prepare:
+            prepare_data_parallel(model)
+        ddp = DistributedDataParallel(model)
+        opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=table_optimizer)
+        local = BATCH // world
+        res: dict = {"error": None}
+        try:
+            for batch in _batches(model):
+                part = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
+                _step_loss(ddp, part).backward()
+                opt.step()
+                opt.zero_grad()
+        except RuntimeError as e:
+            res["error"] = str(e)
+        res["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        res["ignored"] = sorted(ddp.parameters_to_ignore)
+        torch.save(res, f"{out}/rank-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world: int, prepare: bool, table_optimizer: str) -> list[dict]:
+    d = tmp_path / f"w{world}-{prepare}-{table_optimizer}"
+    d.mkdir()
+    mp.spawn(_worker, args=(world, str(d / "init"), str(d), prepare, table_optimizer), nprocs=world)
+    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("table_optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_loop_equals_one_process(tmp_path, world, table_optimizer):
+    want = _single(table_optimizer)
+    ranks = _spawn(tmp_path, world, True, table_optimizer)
+    table = "engram.layers.1.table.weight"
+    for res in ranks:
+        assert res["error"] is None
+        assert res["ignored"] == [table]  # the table never enters DDP's buckets
+        assert res["state"].keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(res["state"][k], v, rtol=0, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+    assert not torch.equal(want[table], _model().state_dict()[table])  # the table did train
+
+
+def test_unsynchronised_tables_are_refused_on_every_rank(tmp_path):
+    ranks = _spawn(tmp_path, 2, False, "adam")
+    for res in ranks:
+        assert res["error"] is not None and "prepare_data_parallel" in res["error"]
+        assert "each rank would train its own table" in res["error"]
