@@ -306,6 +306,27 @@ def study_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _variant_bars(ax: Any, variants: list[dict[str, Any]]) -> None:
+    """One horizontal bar per variant: its mean, the seed spread as whiskers, each seed as a dot."""
+    ys = np.arange(len(variants))
+    ax.barh(
+        ys,
+        [v["mean"] for v in variants],
+        xerr=[v["spread"] for v in variants],
+        color="tab:blue",
+        alpha=0.6,
+        capsize=3,
+    )
+    for y, v in zip(ys, variants, strict=True):
+        ax.scatter(v["losses"], [y] * len(v["losses"]), color="black", s=10, zorder=3)
+    lo = min(min(v["losses"]) for v in variants)
+    hi = max(max(v["losses"]) for v in variants)
+    pad = max(0.02, (hi - lo) * 0.3)
+    ax.set_xlim(lo - pad, hi + pad)
+    ax.set_yticks(ys, [v["variant"] for v in variants])
+    ax.invert_yaxis()
+
+
 def _plot(results: dict[str, Any], out: Path) -> str:
     import matplotlib
 
@@ -337,24 +358,7 @@ def _plot(results: dict[str, Any], out: Path) -> str:
         else:
             ax.set_xlabel("share of the sparse parameter budget in MoE experts (rest: Engram table)")
     else:
-        names = [v["variant"] for v in summary]
-        ys = np.arange(len(summary))
-        ax.barh(
-            ys,
-            [v["mean"] for v in summary],
-            xerr=[v["spread"] for v in summary],
-            color="tab:blue",
-            alpha=0.6,
-            capsize=3,
-        )
-        for y, v in zip(ys, summary, strict=True):
-            ax.scatter(v["losses"], [y] * len(v["losses"]), color="black", s=10, zorder=3)
-        lo = min(min(v["losses"]) for v in summary)
-        hi = max(max(v["losses"]) for v in summary)
-        pad = max(0.02, (hi - lo) * 0.3)
-        ax.set_xlim(lo - pad, hi + pad)
-        ax.set_yticks(ys, names)
-        ax.invert_yaxis()
+        _variant_bars(ax, summary)
         ax.set_xlabel("held-out loss (nats/token); bars: mean, whiskers: seed spread, dots: seeds")
     if study in ("memory", "allocation"):
         ax.set_ylabel("held-out loss (nats/token)")
@@ -401,23 +405,7 @@ def _plot_optimizers(plt: Any, summary: list[dict[str, Any]], out: Path) -> str:
     ax.set_title("each table optimizer at its table lrs (band: seed spread)", fontsize=9)
     if fixed:
         bx = axes[1]
-        ys = np.arange(len(fixed))
-        bx.barh(
-            ys,
-            [v["mean"] for v in fixed],
-            xerr=[v["spread"] for v in fixed],
-            color="tab:blue",
-            alpha=0.6,
-            capsize=3,
-        )
-        for y, v in zip(ys, fixed, strict=True):
-            bx.scatter(v["losses"], [y] * len(v["losses"]), color="black", s=10, zorder=3)
-        lo = min(min(v["losses"]) for v in fixed)
-        hi = max(max(v["losses"]) for v in fixed)
-        pad = max(0.02, (hi - lo) * 0.3)
-        bx.set_xlim(lo - pad, hi + pad)
-        bx.set_yticks(ys, [v["variant"] for v in fixed])
-        bx.invert_yaxis()
+        _variant_bars(bx, fixed)
         bx.set_xlabel("held-out loss (nats/token)")
         bx.grid(alpha=0.3)
         bx.set_title("V4.1's recipe against AdamW everywhere", fontsize=9)
