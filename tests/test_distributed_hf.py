@@ -73,7 +73,9 @@ def _train_single(table_optimizer: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, init_file: str, out: str, prepare: bool, table_optimizer: str) -> None:
+def _worker(
+    rank: int, world: int, init_file: str, out: str, prepare: str | None, table_optimizer: str, table_ranks
+) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from engram.distributed import prepare_data_parallel
@@ -86,8 +88,8 @@ def _worker(rank: int, world: int, init_file: str, out: str, prepare: bool, tabl
     )  # fmt: skip
     try:
         model = _model()
-        if prepare:
-            prepare_data_parallel(model)
+        if prepare is not None:
+            res_mode = prepare_data_parallel(model, prepare, table_ranks=table_ranks)
         ddp = DistributedDataParallel(model)
         opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=table_optimizer)
         local = BATCH // world
@@ -102,35 +104,66 @@ def _worker(rank: int, world: int, init_file: str, out: str, prepare: bool, tabl
             res["error"] = str(e)
         res["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         res["ignored"] = sorted(ddp.parameters_to_ignore)
+        res["mode"] = res_mode if prepare is not None else None
+        if res["mode"] == "sharded":  # the whole tables, gathered on rank 0 (a collective)
+            sync = model.engram.table_sync
+            res["shard_rows"] = [t.weight.shape[0] for t in sync.tables]
+            for lid, t in zip(model.engram.layers, sync.tables, strict=True):
+                full = t.full_weight(0)
+                key = f"engram.layers.{lid}.table.weight"
+                if full is None:
+                    del res["state"][key]
+                else:
+                    res["state"][key] = full
         torch.save(res, f"{out}/rank-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path, world: int, prepare: bool, table_optimizer: str) -> list[dict]:
+def _spawn(tmp_path, world: int, prepare: str | None, table_optimizer: str, table_ranks=None) -> list[dict]:
     d = tmp_path / f"w{world}-{prepare}-{table_optimizer}"
     d.mkdir()
-    mp.spawn(_worker, args=(world, str(d / "init"), str(d), prepare, table_optimizer), nprocs=world)
+    mp.spawn(
+        _worker, args=(world, str(d / "init"), str(d), prepare, table_optimizer, table_ranks), nprocs=world
+    )
     return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.mark.parametrize("table_optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("world", [2, 3])
-def test_ddp_loop_equals_one_process(tmp_path, world, table_optimizer):
+@pytest.mark.parametrize(
+    ("mode", "world", "table_optimizer", "table_ranks"),
+    [
+        ("sharded", 2, "adam", None),
+        ("sharded", 2, "sinkhorn", None),
+        ("sharded", 3, "sinkhorn", 2),  # rank 2 owns no rows (dedicated owners 0 and 1)
+        ("sharded", 3, "adagrad", None),
+        ("replicated", 2, "sinkhorn", None),
+        ("replicated", 3, "adam", None),
+    ],
+)
+def test_ddp_loop_equals_one_process(tmp_path, mode, world, table_optimizer, table_ranks):
     want = _single(table_optimizer)
-    ranks = _spawn(tmp_path, world, True, table_optimizer)
+    ranks = _spawn(tmp_path, world, mode, table_optimizer, table_ranks)
     table = "engram.layers.1.table.weight"
-    for res in ranks:
-        assert res["error"] is None
-        assert res["ignored"] == [table]  # the table never enters DDP's buckets
-        assert res["state"].keys() == want.keys()
-        for k, v in want.items():
-            torch.testing.assert_close(res["state"][k], v, rtol=0, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+    for rank, res in enumerate(ranks):
+        assert res["error"] is None and res["mode"] == mode
+        assert table in res["ignored"]  # the table never enters DDP's buckets
+        if mode == "sharded":
+            rows = want[table].shape[0]
+            owners = table_ranks or world
+            assert res["ignored"] == ["engram.layers.1.table._starts", table]
+            assert res["shard_rows"] == [
+                rows * (rank + 1) // owners - rows * rank // owners if rank < owners else 0
+            ]
+        assert res["state"].keys() == (
+            want.keys() if rank == 0 or mode == "replicated" else want.keys() - {table}
+        )
+        for k, v in res["state"].items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
     assert not torch.equal(want[table], _model().state_dict()[table])  # the table did train
 
 
 def test_unsynchronised_tables_are_refused_on_every_rank(tmp_path):
-    ranks = _spawn(tmp_path, 2, False, "adam")
+    ranks = _spawn(tmp_path, 2, None, "adam")
     for res in ranks:
         assert res["error"] is not None and "prepare_data_parallel" in res["error"]
         assert "each rank would train its own table" in res["error"]

@@ -1,13 +1,20 @@
 """Engram on HF models across processes: the tables kept out of DDP and synchronised by Engram itself.
 
-`prepare_data_parallel(model)` readies a model with Engram (`engram.hf.add_engram`) for data
-parallelism before DDP, accelerate or the HF `Trainer` wraps it: the tables are named to DDP as
-parameters to ignore (no bucket copy, no dense zero gradient of a table), and the model's
-`EngramOptimizer` (`engram.hf.build_optimizer`) sums the ranks' sparse row gradients before its
-table step (`TableSync.REPLICATED`: every rank holds the whole table and applies the same update, for
-any table optimizer). Without it an `EngramOptimizer` refuses to step on more than one process, since
-each rank would silently train its own table. Knows the attachment and the process group, nothing of
-the wrappers beyond DDP's ignore list.
+`prepare_data_parallel(model, mode)` readies a model with Engram (`engram.hf.add_engram`) for data
+parallelism before DDP, accelerate or the HF `Trainer` wraps it. The tables are named to DDP as
+parameters to ignore (no bucket copy, no dense zero gradient of a table), and one of two modes keeps
+them one table across the ranks:
+- `TableSync.SHARDED` (the default on more than one rank): each rank owns 1/N of every table's rows
+  and their optimizer state (`ShardedTable`); a forward fetches the batch's rows from their owners in
+  one all-to-all (`prefetch_tables`) and the row gradients go back to the owners after backward
+  (`sync_table_grads`), averaged over the ranks as DDP averages the dense ones.
+- `TableSync.REPLICATED`: every rank holds the whole table; the ranks' sparse row gradients are
+  all-gathered and averaged before the table step, so every rank applies the same update.
+The model's `EngramOptimizer` (`engram.hf.build_optimizer`, built after this call) asks the mode for
+the table gradients before its table step, and a sharded mode builds the table optimizer (Sinkhorn's
+row and column sums then run over every rank's rows). Without a mode an `EngramOptimizer` refuses to
+step on more than one process, since each rank would silently train its own table. Knows the
+attachment and the process group, nothing of the wrappers beyond DDP's ignore list.
 """
 
 from __future__ import annotations
@@ -19,15 +26,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from engram.hf.attach import get_attachment
+from engram.distributed.guard import describe, disagreements
+from engram.distributed.parallelize import table_owners
+from engram.distributed.sharded_table import ShardedTable, prefetch_tables, release_tables, sync_table_grads
+from engram.distributed.sinkhorn import ShardedSinkhorn
+from engram.hf.attach import EngramAttachment, get_attachment
+from engram.model.sinkhorn import SparseSinkhorn
+from engram.model.table import TrainableTable
 
-__all__ = ["ReplicatedTableSync", "TableSync", "prepare_data_parallel"]
+__all__ = ["ReplicatedTableSync", "ShardedTableSync", "TableSync", "prepare_data_parallel"]
 
 
 class TableSync(enum.StrEnum):
     """How an HF model's Engram tables stay one table across data-parallel ranks."""
 
-    REPLICATED = "replicated"  # every rank holds the table; sparse row gradients summed across ranks
+    REPLICATED = "replicated"  # every rank holds the table; sparse row gradients averaged across ranks
+    SHARDED = "sharded"  # each rank owns 1/N of the rows and their optimizer state; rows exchanged
 
 
 class ReplicatedTableSync:
@@ -72,12 +86,113 @@ class ReplicatedTableSync:
         return summed / self.world
 
 
+class ShardedTableSync:
+    """Row-sharded tables of one attachment: the forward's rows fetched from their owners in one
+    exchange for every Engram layer (`prefetch`, called by the attachment's hook once the call's rows
+    are known), the row gradients returned to the owners (`flush`: at the next forward or before the
+    table step, so gradient accumulation sums micro-batches) and divided by the world size (DDP's
+    average). Every rank of the group runs the same forwards and steps (as DDP requires)."""
+
+    mode = TableSync.SHARDED
+
+    def __init__(
+        self, tables: list[ShardedTable], index: list[int], group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.tables, self.index, self.group = tables, index, group  # index: each table's layer in the rows
+        self.world = dist.get_world_size(group)
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}  # owned rows' gradients, summed over flushes
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """rows (B, T, layers, heads) of this forward: each table's rows fetched from their owners."""
+        self.flush()
+        prefetch_tables([(t, rows[:, :, i]) for t, i in zip(self.tables, self.index, strict=True)])
+
+    def flush(self) -> None:
+        """Return the pending blocks' row gradients to their owners (a collective when a prefetch was
+        made with gradients on: one flag all-reduce, then the exchange if any rank has a gradient);
+        a prefetch without a backward since gives no gradient, as one process's forward gives none."""
+        pending = [t for t in self.tables if t._block is not None]
+        if not any(
+            t._block.requires_grad for t in pending
+        ):  # no_grad forwards (eval): the same on every rank
+            release_tables(pending)
+            return
+        flag = torch.tensor([float(any(t._block.grad is not None for t in pending))], dtype=torch.float64)
+        dist.all_reduce(flag.to(pending[0].weight.device), group=self.group)
+        if float(flag) == 0:
+            release_tables(pending)
+            return
+        sync_table_grads(pending)
+        for t in pending:
+            g, t.weight.grad = t.weight.grad, None
+            if g is not None:
+                old = self.grads.get(t.weight)
+                self.grads[t.weight] = g if old is None else old + g
+
+    def __call__(self, params: list[torch.Tensor], pending: dict[torch.Tensor, torch.Tensor]) -> dict:
+        self.flush()
+        out, self.grads = {p: g / self.world for p, g in self.grads.items()}, {}
+        return out
+
+    def zero_grad(self) -> None:
+        """Drop the gradients not yet stepped (the pending blocks' too; their prefetch stays for a
+        backward still to come)."""
+        self.grads = {}
+        for t in self.tables:
+            if t._block is not None:
+                t._block.grad = None
+
+    def table_optimizer(self, cls: type, **kwargs) -> torch.optim.Optimizer:
+        """The table optimizer `cls` over the shards (V4.1's Sinkhorn update: `ShardedSinkhorn`)."""
+        if issubclass(cls, SparseSinkhorn):
+            return ShardedSinkhorn(self.tables, **kwargs)
+        return cls([t.weight for t in self.tables], **kwargs)
+
+
+def _table_checksums(att: EngramAttachment) -> dict[str, tuple[float, float]]:
+    out = {}
+    for lid, m in att.layers.items():
+        w = m.table.weight.detach()
+        out[f"layer {lid}'s initial table (sum, sum of squares)"] = (
+            float(w.double().sum()),
+            float(w.double().square().sum()),
+        )
+    return out
+
+
+def _check_ranks_agree(att: EngramAttachment, mode: TableSync, owners: tuple[int, ...] | None, group) -> None:
+    """Every rank attached the same Engram (config, layers, table values) and asked for the same mode:
+    else a ValueError on every rank naming the ranks' values."""
+    values: dict[str, object] = {
+        "Engram config": att.config.to_dict(),
+        "mode": mode.value,
+        "table owners": owners,
+        "a table optimizer built before prepare_data_parallel": getattr(att, "optimizer_hooks", None)
+        is not None,
+    }
+    values.update(_table_checksums(att))
+    diff = disagreements(values, group)
+    if diff:
+        raise ValueError(
+            f"the ranks disagree before data-parallel training: {describe(diff)}. Every rank must attach the "
+            "same Engram (same config and tokenizer, tables from the same seed: torch.manual_seed before "
+            "add_engram) and call prepare_data_parallel with the same arguments"
+        )
+
+
 def prepare_data_parallel(
-    model: nn.Module, mode: TableSync | str | None = None, group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    mode: TableSync | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    table_ranks: int | None = None,
 ) -> TableSync:
     """Ready `model` (with Engram attached) for DDP / accelerate / the HF Trainer on `group` (default:
-    the default group); call it before the model is wrapped. `mode` None picks REPLICATED (the one
-    mode built: row-sharded HF tables are not yet). Returns the mode."""
+    the default group); call it on every rank before the model is wrapped and before
+    `engram.hf.build_optimizer`. `mode` None: SHARDED on more than one rank (table memory / N, one
+    row exchange per forward), REPLICATED on one. `table_ranks` N (sharded only): ranks 0..N-1 own
+    the rows, the others hold none. Checks that every rank attached the same Engram (config and
+    initial tables) first: a disagreement is a ValueError on every rank. Returns the mode."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "prepare_data_parallel needs torch.distributed: launch with torchrun (or accelerate launch) and "
@@ -88,13 +203,47 @@ def prepare_data_parallel(
             "the model is already wrapped in DistributedDataParallel, which has bucketed its Engram tables: "
             "call prepare_data_parallel(model) on the bare model, then wrap it"
         )
+    world = dist.get_world_size(group)
     try:
-        chosen = TableSync(mode if mode is not None else TableSync.REPLICATED)
+        chosen = TableSync(
+            mode if mode is not None else TableSync.SHARDED if world > 1 else TableSync.REPLICATED
+        )
     except ValueError:
         raise ValueError(f"mode={mode!r}: use one of {', '.join(repr(m.value) for m in TableSync)}") from None
+    if table_ranks is not None and chosen is not TableSync.SHARDED:
+        raise ValueError(f"table_ranks={table_ranks!r} places a sharded table's rows: use mode='sharded'")
+    owners = None if table_ranks is None else table_owners(table_ranks, world)
     att = get_attachment(model)
+    if att.table_sync is not None:
+        raise ValueError(
+            f"prepare_data_parallel was called on this model already (mode {att.table_sync.mode.value!r})"
+        )
+    _check_ranks_agree(att, chosen, owners, group)
+    if getattr(att, "optimizer_hooks", None) is not None:
+        raise ValueError(
+            "build_optimizer was called before prepare_data_parallel: the optimizer holds the whole tables. "
+            "Call prepare_data_parallel(model) first, then engram.hf.build_optimizer(model, ...)"
+        )
+    if chosen is TableSync.SHARDED:
+        tables = []
+        for m in att.layers.values():
+            if not isinstance(m.table, TrainableTable):
+                raise TypeError(
+                    f"layer {m.layer_id}'s table is a {type(m.table).__name__}; only trainable tables are "
+                    "sharded: use mode='replicated' for a model that does not train its tables"
+                )
+            w = m.table.weight
+            t = ShardedTable.from_full(w, group=group, owners=owners)
+            t.weight.requires_grad_(w.requires_grad)
+            m.table = t  # the full table is freed once nothing else holds it
+            tables.append(t)
+        index = [att.config.layer_index(int(lid)) for lid in att.layers]
+        att.table_sync = ShardedTableSync(tables, index, group)
+    else:
+        att.table_sync = ReplicatedTableSync(group)
     table_ids = {id(p) for p in att.tables()}
     names = [n for n, p in model.named_parameters() if id(p) in table_ids]
+    sharded = {id(m.table) for m in att.layers.values() if isinstance(m.table, ShardedTable)}
+    names += [f"{n}._starts" for n, m in model.named_modules() if id(m) in sharded]  # the shard starts buffer
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-    att.table_sync = ReplicatedTableSync(group)
     return chosen

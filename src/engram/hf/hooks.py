@@ -57,6 +57,9 @@ class _ModelPreHook:
             inputs_embeds=call.get("inputs_embeds"),
             rows=rows,
         )
+        prefetch = getattr(self.att.table_sync, "prefetch", None)  # row-sharded tables across processes
+        if prefetch is not None and self.att.rows.current is not None:
+            prefetch(self.att.rows.current[0])
         return args, kwargs
 
 

@@ -95,6 +95,9 @@ class EngramOptimizer(torch.optim.Optimizer):
         if self.dense is not None:
             self.dense.zero_grad(set_to_none=set_to_none)
         self.pending.clear()
+        clear = getattr(getattr(self.attachment, "table_sync", None), "zero_grad", None)
+        if clear is not None:
+            clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -160,15 +163,18 @@ def build_optimizer(
     dense_opt = torch.optim.AdamW(dense, lr=lr, betas=betas, weight_decay=weight_decay) if dense else None
     table_opt = None
     if table_params:
-        if table_optimizer == "adam":
-            table_opt = SparseRowAdam(table_params, lr=table_lr, weight_decay=table_weight_decay)
-        elif table_weight_decay:
+        cls = _TABLE_OPTIMIZERS[table_optimizer]
+        if table_weight_decay and table_optimizer != "adam":
             raise ValueError(
-                f"{_TABLE_OPTIMIZERS[table_optimizer].__name__} has no weight decay: use table_weight_decay=0.0 "
-                "or table_optimizer='adam'"
+                f"{cls.__name__} has no weight decay: use table_weight_decay=0.0 or table_optimizer='adam'"
             )
-        else:
-            table_opt = _TABLE_OPTIMIZERS[table_optimizer](table_params, lr=table_lr)
+        kwargs = {"weight_decay": table_weight_decay} if table_optimizer == "adam" else {}
+        # Row-sharded tables across processes (engram.distributed): their sync builds the optimizer
+        # (the Sinkhorn update's row and column sums then run over every rank's rows).
+        make = getattr(att.table_sync, "table_optimizer", None)
+        table_opt = (
+            cls(table_params, lr=table_lr, **kwargs) if make is None else make(cls, lr=table_lr, **kwargs)
+        )
     opt = EngramOptimizer(dense_opt, table_opt, att)
     att.optimizer_hooks = opt
     return opt
