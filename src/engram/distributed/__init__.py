@@ -6,7 +6,10 @@ per file: `sharded_table` (the row-sharded table and the step's row exchange), `
 (sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
 into an error naming the rank and the step), `launch` (one rank from torchrun's environment), `train`
 (the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
-HF models under DDP, accelerate and the Trainer).
+HF models under DDP, accelerate and the Trainer), `hf_checkpoint` (their sharded tables' checkpoints
+and Engram part), `hf_fsdp` (the HF backbone under FSDP2,
+the tables kept out), `hf_trainer` (`EngramShardsCallback` for the Trainer's checkpoints; imports
+transformers, so it loads on first use).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
@@ -18,7 +21,21 @@ from engram.distributed.guard import (
     disagreements,
     named_failures,
 )
-from engram.distributed.hf import ReplicatedTableSync, TableSync, prepare_data_parallel
+from engram.distributed.hf import (
+    SHARDED_STATE_KEY,
+    ReplicatedTableSync,
+    ShardedTableSync,
+    TableSync,
+    prepare_data_parallel,
+)
+from engram.distributed.hf_checkpoint import (
+    SHARDS_FOLDER,
+    export_fp8,
+    load_table_shards,
+    save_engram,
+    save_table_shards,
+)
+from engram.distributed.hf_fsdp import fully_shard_backbone
 from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
 from engram.distributed.parallelize import (
     TableInit,
@@ -47,14 +64,18 @@ from engram.distributed.train import DistributedTrainer, build_distributed_model
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "INIT_CHUNK_ROWS",
+    "SHARDED_STATE_KEY",
+    "SHARDS_FOLDER",
     "TORCHRUN_VARS",
     "Backend",
     "DistEnv",
     "DistributedTrainer",
+    "EngramShardsCallback",
     "RankError",
     "ReplicatedTableSync",
     "ShardedSinkhorn",
     "ShardedTable",
+    "ShardedTableSync",
     "TableInit",
     "TableSync",
     "all_reduce_grads",
@@ -64,14 +85,19 @@ __all__ = [
     "chunked_normal",
     "describe",
     "disagreements",
+    "export_fp8",
+    "fully_shard_backbone",
     "gather_shards",
     "global_num_params",
     "init_distributed",
+    "load_table_shards",
     "named_failures",
     "prefetch_model_rows",
     "prefetch_tables",
     "prepare_data_parallel",
     "release_tables",
+    "save_engram",
+    "save_table_shards",
     "shard_bounds",
     "shard_engram_tables",
     "sharded_tables",
@@ -79,3 +105,11 @@ __all__ = [
     "sync_table_grads",
     "table_owners",
 ]
+
+
+def __getattr__(name: str):  # EngramShardsCallback imports transformers: loaded on first use
+    if name == "EngramShardsCallback":
+        from engram.distributed.hf_trainer import EngramShardsCallback
+
+        return EngramShardsCallback
+    raise AttributeError(f"module 'engram.distributed' has no attribute {name!r}")

@@ -20,6 +20,7 @@ attachment and the process group, nothing of the wrappers beyond DDP's ignore li
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,15 @@ from engram.hf.attach import EngramAttachment, get_attachment
 from engram.model.sinkhorn import SparseSinkhorn
 from engram.model.table import TrainableTable
 
-__all__ = ["ReplicatedTableSync", "ShardedTableSync", "TableSync", "prepare_data_parallel"]
+__all__ = [
+    "SHARDED_STATE_KEY",
+    "ReplicatedTableSync",
+    "ShardedTableSync",
+    "TableSync",
+    "prepare_data_parallel",
+]
+
+SHARDED_STATE_KEY = "engram_sharded_tables"  # in an optimizer state: the tables' rows are in shard files
 
 
 class TableSync(enum.StrEnum):
@@ -101,6 +110,10 @@ class ShardedTableSync:
         self.tables, self.index, self.group = tables, index, group  # index: each table's layer in the rows
         self.world = dist.get_world_size(group)
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # owned rows' gradients, summed over flushes
+        self.optimizer: torch.optim.Optimizer | None = None  # the table optimizer (table_optimizer builds it)
+        # Set when an optimizer state of sharded tables was loaded (a resume): the rows and their state
+        # are in the checkpoint's shard files, which load_table_shards reads before the first step.
+        self.restore: dict[str, Any] | None = None
 
     def prefetch(self, rows: torch.Tensor) -> None:
         """rows (B, T, layers, heads) of this forward: each table's rows fetched from their owners."""
@@ -130,6 +143,12 @@ class ShardedTableSync:
                 self.grads[t.weight] = g if old is None else old + g
 
     def __call__(self, params: list[torch.Tensor], pending: dict[torch.Tensor, torch.Tensor]) -> dict:
+        if self.restore is not None:
+            raise RuntimeError(
+                "this run resumed from a checkpoint of row-sharded Engram tables, but their rows and optimizer "
+                "state were not read back: pass callbacks=[engram.distributed.EngramShardsCallback()] to the "
+                "Trainer (or call engram.distributed.load_table_shards with the checkpoint folder)"
+            )
         self.flush()
         out, self.grads = {p: g / self.world for p, g in self.grads.items()}, {}
         return out
@@ -142,11 +161,39 @@ class ShardedTableSync:
             if t._block is not None:
                 t._block.grad = None
 
-    def table_optimizer(self, cls: type, **kwargs) -> torch.optim.Optimizer:
+    def table_optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
         """The table optimizer `cls` over the shards (V4.1's Sinkhorn update: `ShardedSinkhorn`)."""
         if issubclass(cls, SparseSinkhorn):
-            return ShardedSinkhorn(self.tables, **kwargs)
-        return cls([t.weight for t in self.tables], **kwargs)
+            self.optimizer = ShardedSinkhorn(self.tables, **kwargs)
+        else:
+            self.optimizer = cls([t.weight for t in self.tables], **kwargs)
+        return self.optimizer
+
+    def table_state_dict(self) -> dict[str, Any]:
+        """What the model's optimizer state holds of the tables: their hyperparameters and where the
+        rows are (each rank's own rows and their state go to the checkpoint's shard files)."""
+        assert self.optimizer is not None
+        first = self.tables[0]
+        return {
+            SHARDED_STATE_KEY: {"world": first.world, "num_rows": [t.num_rows for t in self.tables]},
+            "param_groups": self.optimizer.state_dict()["param_groups"],
+        }
+
+    def load_table_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume: keep the hyperparameters until the shard files are read (`restore`)."""
+        if not isinstance(state, dict) or SHARDED_STATE_KEY not in state:
+            raise ValueError(
+                "this optimizer state holds whole tables (saved on one process or with mode='replicated'), "
+                "but this run's tables are row-sharded: resume with the mode it was saved with, or load the "
+                "single-process Engram part (engram.hf.load_engram) into a fresh run"
+            )
+        self.restore = state
+
+
+def _drop_sharded_tables(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for lid, m in module.layers.items():
+        if isinstance(m.table, ShardedTable):
+            state_dict.pop(f"{prefix}layers.{lid}.table.weight", None)
 
 
 def _table_checksums(att: EngramAttachment) -> dict[str, tuple[float, float]]:
@@ -239,6 +286,9 @@ def prepare_data_parallel(
             tables.append(t)
         index = [att.config.layer_index(int(lid)) for lid in att.layers]
         att.table_sync = ShardedTableSync(tables, index, group)
+        # A rank's state_dict() (what HF's save_pretrained and the Trainer write, on rank 0 only) holds
+        # no table: one rank's rows under the table's name would be read back as the whole table.
+        att.register_state_dict_post_hook(_drop_sharded_tables)
     else:
         att.table_sync = ReplicatedTableSync(group)
     table_ids = {id(p) for p in att.tables()}

@@ -1,19 +1,21 @@
 """Engram on HF models under FSDP2: the backbone sharded by `torch.distributed.fsdp.fully_shard`, the
-Engram tables kept out of it and replicated.
+Engram tables kept out of it and synchronised by Engram (`prepare_data_parallel`'s modes).
 
 `fully_shard_backbone(model)` shards a model with Engram (`engram.hf.add_engram`) the way torchtitan
 does: `fully_shard` on each decoder layer, then on the model itself (the root unit), with the
 Engram tables passed as `ignored_params` on every call. So the decoder layers and the rest of the
-backbone become DTensors sharded on dim 0, Engram's small dense weights (`wkv`, the norms) belong to
-the root unit (all-gathered before the root's forward: Engram runs in the decoder layers' forward
-pre-hooks, outside any unit of its own), and the tables stay plain full parameters on every rank,
-whose sparse row gradients FSDP does not touch. It then installs the `ReplicatedTableSync` of
-`prepare_data_parallel` on the mesh's process group, so the model's `EngramOptimizer`
-(`engram.hf.build_optimizer`, built after this call so that AdamW holds the DTensor shards) averages
-the tables' row gradients across the ranks before its table step, like DDP averages the dense ones.
+backbone become DTensors sharded on dim 0, and Engram's small dense weights (`wkv`, the norms)
+belong to the root unit (all-gathered before the root's forward: Engram runs in the decoder layers'
+forward pre-hooks, outside any unit of its own). First it calls `prepare_data_parallel` on the mesh's
+process group (unless it was called already), so the tables are Engram's to keep one table across
+the ranks: row-sharded (`TableSync.SHARDED`, the default on more than one rank: each rank owns 1/N of
+the rows, fetched in the forward) or replicated (`TableSync.REPLICATED`: sparse row gradients
+averaged before the table step). FSDP never sees them: they stay plain parameters, and their sparse
+row gradients pass it by. Build the model's `EngramOptimizer` (`engram.hf.build_optimizer`) after
+this call, so that its AdamW holds the DTensor shards.
 
 Without the tables in `ignored_params`, `fully_shard` makes them DTensors and the sparse table step
-fails deep inside torch ("got mixed torch.Tensor and DTensor"); without the table sync the
+fails deep inside torch ("got mixed torch.Tensor and DTensor"); without a table mode the
 `EngramOptimizer` refuses to step on more than one process. A torch whose FSDP2 has no
 `fully_shard(..., ignored_params=)` cannot keep the tables out: there this function refuses and names
 DDP (`prepare_data_parallel` + `DistributedDataParallel`, or the HF Trainer) as what works.
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from engram.distributed.hf import prepare_data_parallel
+from engram.distributed.hf import TableSync, prepare_data_parallel
 from engram.hf.attach import find_decoder_layers, get_attachment
 
 __all__ = ["fully_shard_backbone"]
@@ -82,16 +84,20 @@ def fully_shard_backbone(
     model: nn.Module,
     *,
     mesh: Any = None,
+    mode: TableSync | str | None = None,
+    table_ranks: int | None = None,
     decoder_layers: str | Sequence[nn.Module] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
-    """Shard `model` (an HF model with Engram attached, not yet wrapped) with FSDP2, keeping the Engram
-    tables out, and install the replicated table sync; returns `model` (now an FSDPModule).
+    """Shard `model` (an HF model with Engram attached, not yet wrapped) with FSDP2, the Engram tables
+    kept out and synchronised by Engram; returns `model` (now an FSDPModule).
 
     `mesh`: a 1-D DeviceMesh over the data-parallel ranks (default: every rank of the default group,
-    on this machine's accelerator, else the CPU). `decoder_layers`: as for `add_engram` (default:
-    found on the model). `fsdp_kwargs` go to every `fully_shard` call (`reshard_after_forward`,
-    `mp_policy`, `offload_policy`, `ignored_params`: yours are ignored as well as the tables). Call
+    on this machine's accelerator, else the CPU). `mode`, `table_ranks`: as for
+    `prepare_data_parallel`, which this calls on the mesh's group (unless the model was prepared
+    already: then its mode is kept). `decoder_layers`: as for `add_engram` (default: found on the
+    model). `fsdp_kwargs` go to every `fully_shard` call (`reshard_after_forward`, `mp_policy`,
+    `offload_policy`; `ignored_params`: ignored as well as the tables). Call
     `torch.distributed.init_process_group` first, move the model to its device first (fully_shard
     leaves ignored parameters where they are), and build the optimizer after this call.
     """
@@ -109,7 +115,6 @@ def fully_shard_backbone(
             "shards the bare model itself, its decoder layers then the root, with the Engram tables kept out"
         )
     att = get_attachment(model)
-    tables = att.tables()
     layers = find_decoder_layers(model, decoder_layers)
     if mesh is None:
         mesh = _default_mesh(dist.get_world_size())
@@ -118,20 +123,29 @@ def fully_shard_backbone(
             f"mesh has {mesh.ndim} dimensions: fully_shard_backbone takes a 1-D data-parallel mesh (HSDP and "
             "meshes with tensor parallelism are not supported with Engram tables)"
         )
-    misplaced = [p.device for p in tables if p.device.type != mesh.device_type]
+    misplaced = [p.device for p in att.tables() if p.device.type != mesh.device_type]
     if misplaced:
         raise ValueError(
             f"the Engram tables are on {misplaced[0]} but the mesh is on {mesh.device_type!r}, and fully_shard "
             "does not move the parameters it ignores: move the model to its device before sharding it"
         )
+    if att.table_sync is None:
+        prepare_data_parallel(model, mode, group=mesh.get_group(), table_ranks=table_ranks)
+    elif mode is not None and TableSync(mode) is not att.table_sync.mode:
+        raise ValueError(
+            f"the model was prepared with mode {att.table_sync.mode.value!r} already, not {TableSync(mode).value!r}"
+        )
+    tables = att.tables()  # after prepare_data_parallel: a sharded mode replaces them with their shards
     ignored = set(fsdp_kwargs.pop("ignored_params", None) or ()) | set(tables)
-    prepare_data_parallel(model, group=mesh.get_group())  # the table sync (DDP's ignore list is unused)
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, ignored_params=ignored, **fsdp_kwargs)
 
     from torch.distributed.tensor import DTensor
 
-    if any(isinstance(p, DTensor) for p in tables):  # fully_shard must have left the tables whole
-        raise RuntimeError("fully_shard turned an Engram table into a DTensor despite ignored_params")
+    # fully_shard re-registers what it shards as new DTensor parameters: the tables must be the same
+    # plain parameters as before
+    after = att.tables()
+    if [id(a) for a in after] != [id(t) for t in tables] or any(isinstance(a, DTensor) for a in after):
+        raise RuntimeError("fully_shard sharded an Engram table despite ignored_params")
     return model

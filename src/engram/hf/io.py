@@ -65,6 +65,13 @@ def engram_part(directory: str | os.PathLike[str]) -> Path:
 
 def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path:
     att = get_attachment(model)
+    for lid, m in att.layers.items():
+        w = getattr(m.table, "weight", None)
+        if isinstance(w, torch.Tensor) and w.shape[0] != m.table.num_rows:
+            raise ValueError(
+                f"layer {lid}'s table holds {w.shape[0]} of its {m.table.num_rows} rows (row-sharded across "
+                "processes): save it with engram.distributed.save_engram / export_fp8, which every rank calls"
+            )
     out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}
     save_checkpoint(out, att.config, modules, fp8=fp8)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engram.hf.attach import get_attachment
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
@@ -100,10 +101,10 @@ class EngramOptimizer(torch.optim.Optimizer):
             clear()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "dense": None if self.dense is None else self.dense.state_dict(),
-            "tables": None if self.tables is None else self.tables.state_dict(),
-        }
+        sync = getattr(self.attachment, "table_sync", None)
+        save_tables = getattr(sync, "table_state_dict", None)  # row-sharded: each rank saves its own rows
+        tables = None if self.tables is None else (save_tables or self.tables.state_dict)()
+        return {"dense": None if self.dense is None else self.dense.state_dict(), "tables": tables}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or set(state_dict) != {"dense", "tables"}:
@@ -111,7 +112,12 @@ class EngramOptimizer(torch.optim.Optimizer):
         for name, opt in (("dense", self.dense), ("tables", self.tables)):
             if (opt is None) != (state_dict[name] is None):
                 raise ValueError(f"the saved state {'has' if opt is None else 'lacks'} a {name!r} optimizer")
-            if opt is not None:
+            if opt is None:
+                continue
+            load_tables = getattr(getattr(self.attachment, "table_sync", None), "load_table_state_dict", None)
+            if name == "tables" and load_tables is not None:
+                load_tables(state_dict[name])
+            else:
                 opt.load_state_dict(state_dict[name])
 
     def remove_hooks(self) -> None:
@@ -152,6 +158,12 @@ def build_optimizer(
         old.remove_hooks()
     engram_ids = {id(p) for p in att.parameters()}
     table_params = att.tables()
+    if any(isinstance(p, DTensor) for p in table_params):
+        raise ValueError(
+            "the Engram tables were sharded by fully_shard (FSDP2), whose DTensors the sparse row optimizers "
+            "cannot step: use engram.distributed.fully_shard_backbone(model), which keeps them out, before "
+            "build_optimizer"
+        )
     table_ids = {id(p) for p in table_params}
     for p in att.parameters():
         p.requires_grad_(True)
