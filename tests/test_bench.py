@@ -134,7 +134,7 @@ def test_tiers_cuda_bench_runs_on_cpu():
 def test_scripts_run_from_the_checkout(tmp_path):
     """`python benchmarks/bench_X.py` still runs as a script (the suite's modules import each other)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    for script in ("bench_lookup_fast.py", "gpu_check.py"):
+    for script in ("bench_lookup_fast.py", "gpu_check.py", "bench_hf_ddp.py"):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "benchmarks" / script), "--help"],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,

@@ -2,10 +2,12 @@
 plain DistributedDataParallel loop with `build_optimizer`, a global batch of 6 as W x 6/W against 1 x 6,
 in float64 throughout (the loss computed here, Llama's RMSNorm kept in float64: HF casts both to
 float32, whose rounding moves with the batch split).
-With `engram.distributed.prepare_data_parallel` (tables out of DDP's buckets, their sparse row
-gradients averaged across ranks) every parameter, tables included, equals the one-process run (fp64:
-1e-9), for every table optimizer; without it `EngramOptimizer.step` refuses on every rank (each rank
-would train its own table), where it used to run with the tables diverging."""
+With `engram.distributed.prepare_data_parallel` (tables out of DDP's buckets; row-sharded, or
+replicated with their sparse row gradients averaged) every parameter, tables included, equals the
+one-process run (fp64: 1e-9), for every table optimizer; sharded checkpoints resume at 2 and 3 ranks;
+without a mode `EngramOptimizer.step` refuses on every rank (each rank would train its own table), and
+ranks that attached different Engram are refused before anything changes. All jobs of a world size run
+in one process group (`_spawn`): starting ranks costs seconds each."""
 
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ def _rms_norm_in_its_dtype(self, x: torch.Tensor) -> torch.Tensor:
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def _model() -> torch.nn.Module:
-    model = add_engram(S.llama(seed=3), S.engram_config(), compression=S.compression()).double()
+def _model(**config) -> torch.nn.Module:
+    model = add_engram(S.llama(seed=3), S.engram_config(**config), compression=S.compression()).double()
     with torch.no_grad():
         model.engram.module(1).wkv.weight.normal_(std=0.3)
     return model
@@ -73,15 +75,80 @@ def _train_single(table_optimizer: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, world: int, init_file: str, out: str, job: dict) -> None:
-    """One rank of a DDP job: `job` = prepare (a mode or None), table_optimizer, table_ranks, and
-    optionally save (a folder: after step `save_after`, write a resumable checkpoint there: dense model
-    and optimizer state from rank 0, table shards from every rank), resume (such a folder: start after
-    its step) and part (a folder for engram.distributed.save_engram after the last step)."""
+def _run_job(rank: int, world: int, job: dict, out: str) -> dict:
+    """One DDP job on this rank: `job` = prepare (a mode or None), table_optimizer, table_ranks, and
+    optionally save (a folder: after step `save_after` write a resumable checkpoint there: the dense
+    model and optimizer state from rank 0, the table shards from every rank unless `no_shards`),
+    resume (such a folder: start after its step), part (a folder for engram.distributed.save_engram
+    after the last step), rank1_config / rank1_table (rank 1 attaches another config / table) with
+    expect_refusal (prepare_data_parallel must refuse)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from engram.distributed import load_table_shards, prepare_data_parallel, save_engram, save_table_shards
 
+    model = _model(**(job.get("rank1_config", {}) if rank == 1 else {}))
+    if rank == 1 and job.get("rank1_table"):  # rank 1's table drawn from another seed
+        with torch.no_grad():
+            model.engram.module(1).table.weight.normal_(std=0.02, generator=torch.Generator().manual_seed(9))
+    prepare = job["prepare"]
+    if job.get("expect_refusal"):
+        try:
+            prepare_data_parallel(model, prepare)
+        except ValueError as e:
+            return {"error": str(e)}
+        raise AssertionError("prepare_data_parallel accepted ranks that disagree")
+    mode = (
+        None if prepare is None else prepare_data_parallel(model, prepare, table_ranks=job.get("table_ranks"))
+    )
+    ddp = DistributedDataParallel(model)
+    opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=job["table_optimizer"])
+    sync = model.engram.table_sync
+    res: dict = {"error": None, "mode": mode, "ignored": sorted(ddp.parameters_to_ignore)}
+    first = 0
+    try:
+        if job.get("resume"):
+            saved = torch.load(f"{job['resume']}/rank0.pt", weights_only=False)
+            model.load_state_dict(saved["model"], strict=False)  # the dense part: no table in it
+            opt.load_state_dict(saved["optimizer"])
+            if not job.get("skip_restore"):
+                load_table_shards(
+                    sync.tables, sync.optimizer, job["resume"], sync.restore["param_groups"], saved["step"]
+                )
+                sync.restore = None
+            first = saved["step"]
+        local = BATCH // world
+        for step, batch in enumerate(_batches(model)):
+            if step < first:
+                continue
+            part = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
+            _step_loss(ddp, part).backward()
+            opt.step()
+            opt.zero_grad()
+            if job.get("save") and step + 1 == job["save_after"]:
+                if not job.get("no_shards"):
+                    save_table_shards(sync.tables, sync.optimizer, job["save"], step + 1)
+                if rank == 0:
+                    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
+                    torch.save(state, f"{job['save']}/rank0.pt")
+                dist.barrier()
+    except (RuntimeError, ValueError) as e:
+        res["error"] = str(e)
+        dist.barrier()  # every rank of these jobs fails at the same point
+        return res
+    res["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if mode == "sharded":  # the whole tables, gathered on rank 0 (a collective)
+        res["shard_rows"] = [t.weight.shape[0] for t in sync.tables]
+        for lid, t in zip(model.engram.layers, sync.tables, strict=True):
+            full = t.full_weight(0)
+            if full is not None:
+                res["state"][f"engram.layers.{lid}.table.weight"] = full
+        if job.get("part"):
+            res["part"] = save_engram(model, job["part"])
+    return res
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, jobs: dict[str, dict]) -> None:
+    """This rank's jobs, in order, in one process group (a process per rank costs seconds to start)."""
     torch.set_num_threads(1)
     LlamaRMSNorm.forward = _rms_norm_in_its_dtype  # this process only
     dist.init_process_group(
@@ -89,151 +156,149 @@ def _worker(rank: int, world: int, init_file: str, out: str, job: dict) -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     try:
-        model = _model()
-        prepare = job["prepare"]
-        mode = (
-            None
-            if prepare is None
-            else prepare_data_parallel(model, prepare, table_ranks=job.get("table_ranks"))
-        )
-        ddp = DistributedDataParallel(model)
-        opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=job["table_optimizer"])
-        sync = model.engram.table_sync
-        first = 0
-        if job.get("resume"):
-            saved = torch.load(f"{job['resume']}/rank0.pt", weights_only=False)
-            model.load_state_dict(saved["model"], strict=False)  # the dense part: no table in it
-            opt.load_state_dict(saved["optimizer"])
-            restore = sync.restore
-            load_table_shards(
-                sync.tables, sync.optimizer, job["resume"], restore["param_groups"], saved["step"]
-            )
-            sync.restore = None
-            first = saved["step"]
-        local = BATCH // world
-        res: dict = {"error": None}
-        try:
-            for step, batch in enumerate(_batches(model)):
-                if step < first:
-                    continue
-                part = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
-                _step_loss(ddp, part).backward()
-                opt.step()
-                opt.zero_grad()
-                if job.get("save") and step + 1 == job["save_after"]:
-                    save_table_shards(sync.tables, sync.optimizer, job["save"], step + 1)
-                    if rank == 0:
-                        torch.save(
-                            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1},
-                            f"{job['save']}/rank0.pt",
-                        )
-                    dist.barrier()
-        except RuntimeError as e:
-            res["error"] = str(e)
-        res["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        res["ignored"] = sorted(ddp.parameters_to_ignore)
-        res["mode"] = mode
-        if mode == "sharded":  # the whole tables, gathered on rank 0 (a collective)
-            res["shard_rows"] = [t.weight.shape[0] for t in sync.tables]
-            for lid, t in zip(model.engram.layers, sync.tables, strict=True):
-                full = t.full_weight(0)
-                if full is not None:
-                    res["state"][f"engram.layers.{lid}.table.weight"] = full
-            if job.get("part"):
-                res["part"] = save_engram(model, job["part"])
-        torch.save(res, f"{out}/rank-{rank}.pt")
+        results = {name: _run_job(rank, world, job, out) for name, job in jobs.items()}
+        torch.save(results, f"{out}/rank-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(tmp_path, world: int, prepare: str | None, table_optimizer: str, **job) -> list[dict]:
-    d = tmp_path / f"w{world}-{prepare}-{table_optimizer}-{len(list(tmp_path.iterdir()))}"
-    d.mkdir()
-    job.update(prepare=prepare, table_optimizer=table_optimizer)
-    mp.spawn(_worker, args=(world, str(d / "init"), str(d), job), nprocs=world)
-    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+def _spawn(folder, world: int, jobs: dict[str, dict]) -> dict[str, list[dict]]:
+    """Run `jobs` (name -> job) on `world` ranks: name -> every rank's result."""
+    folder.mkdir(exist_ok=True)
+    mp.spawn(_worker, args=(world, str(folder / f"init-{world}"), str(folder), jobs), nprocs=world)
+    ranks = [torch.load(folder / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+    return {name: [r[name] for r in ranks] for name in jobs}
+
+
+TABLE = "engram.layers.1.table.weight"
+# name: (world, job); the 3-rank jobs resume from the 2-rank jobs' checkpoints
+JOBS_2 = {
+    "sharded-adam": {"prepare": "sharded", "table_optimizer": "adam", "save_after": 1, "save": "ckpt-adam"},
+    "sharded-sinkhorn": {
+        "prepare": "sharded", "table_optimizer": "sinkhorn", "save_after": 1, "save": "ckpt-sinkhorn",
+        "part": "part",
+    },
+    "replicated-sinkhorn": {"prepare": "replicated", "table_optimizer": "sinkhorn"},
+    "unsynchronised": {"prepare": None, "table_optimizer": "adam"},
+    "disagree-table": {"prepare": "replicated", "table_optimizer": "adam", "rank1_table": True, "expect_refusal": True},
+    "disagree-config": {
+        "prepare": "sharded", "table_optimizer": "adam", "rank1_config": {"seed": 7}, "expect_refusal": True,
+    },
+    "no-shards": {"prepare": "sharded", "table_optimizer": "adam", "save_after": 1, "save": "ckpt-bare", "no_shards": True},
+    "resume-sinkhorn-2": {"prepare": "sharded", "table_optimizer": "sinkhorn", "resume": "ckpt-sinkhorn"},
+    "resume-no-shards": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ckpt-bare"},
+    "resume-unrestored": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ckpt-adam", "skip_restore": True},
+}  # fmt: skip
+JOBS_3 = {
+    "sharded-sinkhorn-owners": {"prepare": "sharded", "table_optimizer": "sinkhorn", "table_ranks": 2},
+    "sharded-adagrad": {"prepare": "sharded", "table_optimizer": "adagrad"},
+    "replicated-adam": {"prepare": "replicated", "table_optimizer": "adam"},
+    "resume-adam-3": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ckpt-adam"},
+    "resume-sinkhorn-3": {"prepare": "sharded", "table_optimizer": "sinkhorn", "resume": "ckpt-sinkhorn"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every job's per-rank results: the 2-rank jobs, then the 3-rank ones (two process groups)."""
+    d = tmp_path_factory.mktemp("ddp")
+
+    def located(jobs):
+        keys = ("save", "resume", "part")
+        return {n: {k: (str(d / v) if k in keys else v) for k, v in j.items()} for n, j in jobs.items()}
+
+    for name in ("ckpt-adam", "ckpt-sinkhorn", "ckpt-bare"):
+        (d / name).mkdir()
+    out = _spawn(d / "w2", 2, located(JOBS_2))
+    out.update(_spawn(d / "w3", 3, located(JOBS_3)))
+    out["folder"] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, dict[str, torch.Tensor]]:
+    return {opt: _single(opt) for opt in ("adam", "adagrad", "sinkhorn")}
+
+
+def _assert_equal_to_one_process(ranks: list[dict], want: dict[str, torch.Tensor]) -> None:
+    for res in ranks:
+        assert res["error"] is None
+        for k, v in res["state"].items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+    assert TABLE in ranks[0]["state"]
 
 
 @pytest.mark.parametrize(
-    ("mode", "world", "table_optimizer", "table_ranks"),
-    [
-        ("sharded", 2, "adam", None),
-        ("sharded", 2, "sinkhorn", None),
-        ("sharded", 3, "sinkhorn", 2),  # rank 2 owns no rows (dedicated owners 0 and 1)
-        ("sharded", 3, "adagrad", None),
-        ("replicated", 2, "sinkhorn", None),
-        ("replicated", 3, "adam", None),
-    ],
-)
-def test_ddp_loop_equals_one_process(tmp_path, mode, world, table_optimizer, table_ranks):
-    want = _single(table_optimizer)
-    ranks = _spawn(tmp_path, world, mode, table_optimizer, table_ranks=table_ranks)
-    table = "engram.layers.1.table.weight"
+    "name", ["sharded-adam", "sharded-sinkhorn", "replicated-sinkhorn", "sharded-sinkhorn-owners",
+             "sharded-adagrad", "replicated-adam"],
+)  # fmt: skip
+def test_ddp_loop_equals_one_process(runs, single, name):
+    """W ranks x B / W equal one process x B (every parameter, the tables included), with the tables
+    out of DDP's buckets; sharded: each rank holds its contiguous rows (none on a rank that is not a
+    table owner), and its state_dict no table."""
+    job = {**JOBS_2, **JOBS_3}[name]
+    ranks, want = runs[name], single[job["table_optimizer"]]
+    world = len(ranks)
+    _assert_equal_to_one_process(ranks, want)
     for rank, res in enumerate(ranks):
-        assert res["error"] is None and res["mode"] == mode
-        assert table in res["ignored"]  # the table never enters DDP's buckets
-        if mode == "sharded":
-            rows = want[table].shape[0]
-            owners = table_ranks or world
-            assert res["ignored"] == ["engram.layers.1.table._starts", table]
-            assert res["shard_rows"] == [
-                rows * (rank + 1) // owners - rows * rank // owners if rank < owners else 0
-            ]
-        assert res["state"].keys() == (
-            want.keys() if rank == 0 or mode == "replicated" else want.keys() - {table}
-        )
-        for k, v in res["state"].items():
-            torch.testing.assert_close(v, want[k], rtol=0, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
-    assert not torch.equal(want[table], _model().state_dict()[table])  # the table did train
+        assert res["mode"] == job["prepare"] and TABLE in res["ignored"]  # never in DDP's buckets
+        if job["prepare"] == "sharded":
+            rows, owners = want[TABLE].shape[0], job.get("table_ranks") or world
+            assert res["ignored"] == ["engram.layers.1.table._starts", TABLE]
+            lo, hi = rows * rank // owners, rows * (rank + 1) // owners
+            assert res["shard_rows"] == [hi - lo if rank < owners else 0]
+            assert res["state"].keys() == (want.keys() if rank == 0 else want.keys() - {TABLE})
+        else:
+            assert res["state"].keys() == want.keys()
+    assert not torch.equal(want[TABLE], _model().state_dict()[TABLE])  # the table did train
 
 
-def test_unsynchronised_tables_are_refused_on_every_rank(tmp_path):
-    ranks = _spawn(tmp_path, 2, None, "adam")
-    for res in ranks:
-        assert res["error"] is not None and "prepare_data_parallel" in res["error"]
-        assert "each rank would train its own table" in res["error"]
-
-
-@pytest.mark.parametrize(("table_optimizer", "resume_world"), [("adam", 3), ("sinkhorn", 2), ("sinkhorn", 3)])
-def test_sharded_checkpoint_resumes_at_any_world_size(tmp_path, table_optimizer, resume_world):
-    """A 2-rank run writes a checkpoint after step 1 (each rank's rows and their optimizer state in
-    engram-shards/, the dense part from rank 0, whose state dict holds no table), and runs on; a run
-    resumed from it, on 2 ranks or on 3 (the rows redistributed), ends where the uninterrupted run and
-    one process end. save_engram of the sharded model writes one part that one process loads."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    part = tmp_path / "part"
-    want = _single(table_optimizer)
-    table = "engram.layers.1.table.weight"
-    whole = _spawn(tmp_path, 2, "sharded", table_optimizer, save=str(ckpt), save_after=1, part=str(part))
+@pytest.mark.parametrize("name", ["resume-sinkhorn-2", "resume-adam-3", "resume-sinkhorn-3"])
+def test_sharded_checkpoint_resumes_at_any_world_size(runs, single, name):
+    """A 2-rank run wrote a checkpoint after step 1 (each rank's rows and their optimizer state in
+    engram-shards/, the dense part from rank 0, whose state dict holds no table) and ran on; resumed
+    from it on 2 ranks (bit-exact to the uninterrupted run) or 3 (the rows redistributed), a run ends
+    where one process ends."""
+    job = {**JOBS_2, **JOBS_3}[name]
+    ranks = runs[name]
+    _assert_equal_to_one_process(ranks, single[job["table_optimizer"]])
+    ckpt = runs["folder"] / job["resume"].split("/")[-1]
     assert sorted(p.name for p in (ckpt / "engram-shards").iterdir()) == [
         "rank-00000.safetensors",
         "rank-00001.safetensors",
     ]
-    assert table not in torch.load(ckpt / "rank0.pt", weights_only=False)["model"]
-    resumed = _spawn(tmp_path, resume_world, "sharded", table_optimizer, resume=str(ckpt))
-    for res in (*whole, *resumed):
-        assert res["error"] is None
-        for k, v in res["state"].items():
-            torch.testing.assert_close(v, want[k], rtol=0, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
-    assert table in resumed[0]["state"] and table in whole[0]["state"]
-    if resume_world == 2:  # the same world size: bit-exact
-        assert torch.equal(resumed[0]["state"][table], whole[0]["state"][table])
+    assert TABLE not in torch.load(ckpt / "rank0.pt", weights_only=False)["model"]
+    if len(ranks) == 2:
+        assert torch.equal(
+            ranks[0]["state"][TABLE], runs[f"sharded-{job['table_optimizer']}"][0]["state"][TABLE]
+        )
+
+
+def test_sharded_save_engram_writes_one_part(runs):
+    """engram.distributed.save_engram of a sharded model: rank 0 writes the whole table into one part
+    that one process loads."""
     from engram.hf import load_engram
 
-    assert whole[0]["part"] is not None and whole[1]["part"] is None
-    loaded = load_engram(S.llama(seed=3).double(), part, mmap=False).state_dict()[table]
-    assert torch.equal(loaded, whole[0]["state"][table].to(loaded.dtype))  # the whole table, as gathered
+    ranks = runs["sharded-sinkhorn"]
+    assert ranks[0]["part"] is not None and ranks[1]["part"] is None
+    loaded = load_engram(S.llama(seed=3).double(), runs["folder"] / "part", mmap=False).state_dict()[TABLE]
+    assert torch.equal(loaded, ranks[0]["state"][TABLE].to(loaded.dtype))
 
 
-def test_sharded_resume_without_the_shards_is_refused(tmp_path):
-    """An optimizer state of sharded tables loaded without their rows (the Trainer resumed without
-    EngramShardsCallback): the first step refuses on every rank, naming the callback."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    _spawn(tmp_path, 2, "sharded", "adam", save=str(ckpt), save_after=1)
-    import shutil
-
-    shutil.rmtree(ckpt / "engram-shards")
-    with pytest.raises(Exception, match="no table shards"):
-        _spawn(tmp_path, 2, "sharded", "adam", resume=str(ckpt))
+def test_refusals(runs):
+    """Each refused on every rank, no rank left waiting: tables not synchronised (each rank would
+    train its own); a resume whose checkpoint has no table shards; a resume whose shards were not read
+    back (the Trainer without EngramShardsCallback); rank 1 attached a table from another seed, or
+    another Engram config (prepare_data_parallel names the value and each rank's)."""
+    for res in runs["unsynchronised"]:
+        assert (
+            "prepare_data_parallel" in res["error"] and "each rank would train its own table" in res["error"]
+        )
+    for res in runs["resume-no-shards"]:
+        assert "holds no table shards" in res["error"] and "EngramShardsCallback" in res["error"]
+    for res in runs["resume-unrestored"]:
+        assert "were not read back" in res["error"] and "EngramShardsCallback" in res["error"]
+    for name, named in (("disagree-table", "initial table"), ("disagree-config", "Engram config")):
+        for res in runs[name]:
+            assert named in res["error"] and "rank 0:" in res["error"] and "rank 1:" in res["error"]
+            assert "torch.manual_seed before add_engram" in res["error"]

@@ -20,6 +20,7 @@ attachment and the process group, nothing of the wrappers beyond DDP's ignore li
 from __future__ import annotations
 
 import enum
+import uuid
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ class ReplicatedTableSync:
         dist.all_gather(all_vals, vals_p, group=self.group)
         idx = torch.cat([r[:n] for r, n in zip(all_rows, sizes, strict=True)])
         val = torch.cat([v[:n] for v, n in zip(all_vals, sizes, strict=True)])
-        summed = torch.sparse_coo_tensor(idx[None], val, tuple(p.shape)).coalesce()
+        summed = torch.sparse_coo_tensor(idx[None], val, tuple(p.shape), check_invariants=True).coalesce()
         return summed / self.world
 
 
@@ -114,6 +115,14 @@ class ShardedTableSync:
         # Set when an optimizer state of sharded tables was loaded (a resume): the rows and their state
         # are in the checkpoint's shard files, which load_table_shards reads before the first step.
         self.restore: dict[str, Any] | None = None
+        self.steps = 0  # table steps taken (the same on every rank)
+        # This run's name, the same on every rank (rank 0's, broadcast): a state it wrote itself and
+        # reloads at the same step is a round trip, any other a resume.
+        name = [uuid.uuid4().hex]
+        dist.broadcast_object_list(
+            name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+        )
+        self.run: str = name[0]
 
     def prefetch(self, rows: torch.Tensor) -> None:
         """rows (B, T, layers, heads) of this forward: each table's rows fetched from their owners."""
@@ -151,6 +160,7 @@ class ShardedTableSync:
             )
         self.flush()
         out, self.grads = {p: g / self.world for p, g in self.grads.items()}, {}
+        self.steps += 1  # on every rank at every table step (a rank without rows too)
         return out
 
     def zero_grad(self) -> None:
@@ -175,7 +185,12 @@ class ShardedTableSync:
         assert self.optimizer is not None
         first = self.tables[0]
         return {
-            SHARDED_STATE_KEY: {"world": first.world, "num_rows": [t.num_rows for t in self.tables]},
+            SHARDED_STATE_KEY: {
+                "world": first.world,
+                "num_rows": [t.num_rows for t in self.tables],
+                "run": self.run,
+                "steps": self.steps,
+            },
             "param_groups": self.optimizer.state_dict()["param_groups"],
         }
 
@@ -187,6 +202,14 @@ class ShardedTableSync:
                 "but this run's tables are row-sharded: resume with the mode it was saved with, or load the "
                 "single-process Engram part (engram.hf.load_engram) into a fresh run"
             )
+        mark = state[SHARDED_STATE_KEY]
+        if mark.get("run") == self.run and mark.get("steps") == self.steps:
+            # this run's own state as it is now: a wrapper's round trip (accelerate's AcceleratedOptimizer,
+            # which the Trainer uses too, saves and reloads the state to place it), not a resume
+            assert self.optimizer is not None
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         self.restore = state
 
 

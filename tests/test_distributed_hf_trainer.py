@@ -1,0 +1,231 @@
+"""engram.hf under the HF `Trainer` and `accelerate` across processes (torchrun, 2 and 3 gloo ranks)
+against one process: a float64 tiny Llama with Engram, `prepare_data_parallel` on the bare model, then
+`build_optimizer`, then the wrapper (the jobs: tests/hf_dist_job.py).
+
+W ranks with micro-batches of B/W give every parameter, the tables included, the one-process run's
+values with batch B (fp64: 1e-9): the Trainer with Adam or Sinkhorn tables, row-sharded or
+replicated, gradient accumulation with a frozen backbone, peft LoRA; a manual `accelerate` loop with
+`Accelerator(cpu=True)`. The ranks' micro-batches of a step are the one-process step's batch, DDP
+ignores the tables, and accelerate sees the torchrun launch (MULTI_CPU, W processes).
+One torchrun launch per world size runs all its jobs (a launch costs ~15 s of start-up here); every
+launch has a timeout, so a rank that hangs fails the test instead of blocking the suite."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+import hf_dist_job as J
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+JOB = Path(__file__).with_name("hf_dist_job.py")
+LAUNCH_TIMEOUT_S = 240
+TABLE = "engram.layers.1.table.weight"
+
+# name -> (world size, the run); the runs of one world size share its launch. B = Run.batch.
+RUNS: dict[str, tuple[int, J.Run]] = {
+    "trainer-adam": (2, J.Run("trainer-adam")),  # default mode: row-sharded tables
+    "trainer-sinkhorn-replicated": (2, J.Run("trainer-sinkhorn-replicated", table_optimizer="sinkhorn", mode="replicated")),
+    "trainer-accum-frozen": (2, J.Run("trainer-accum-frozen", accum=2, freeze_backbone=True)),
+    "trainer-lora-sinkhorn": (2, J.Run("trainer-lora-sinkhorn", lora=True, table_optimizer="sinkhorn")),
+    "accelerate-sinkhorn": (2, J.Run("accelerate-sinkhorn", kind="accelerate", table_optimizer="sinkhorn")),
+    "accelerate-accum-replicated": (2, J.Run("accelerate-accum-replicated", kind="accelerate", accum=2, mode="replicated")),
+    "trainer-w3-sinkhorn": (3, J.Run("trainer-w3-sinkhorn", batch=6, table_optimizer="sinkhorn")),
+    "accelerate-w3-replicated": (3, J.Run("accelerate-w3-replicated", kind="accelerate", batch=6, mode="replicated")),
+}  # fmt: skip
+# The Trainer's checkpoints with row-sharded tables (EngramShardsCallback): written by a 2-rank run,
+# resumed on 2 ranks and on 3 (the 3-rank launch runs after the 2-rank one, in the same folder).
+CHECKPOINT_RUNS: dict[str, tuple[int, J.Run]] = {
+    "trainer-ckpt": (2, J.Run("trainer-ckpt", table_optimizer="sinkhorn", batch=6, save_steps=1)),
+    "trainer-resume-w2": (2, J.Run("trainer-resume-w2", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt")),
+    "trainer-resume-nocb": (2, J.Run("trainer-resume-nocb", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt", callback=False)),
+    "trainer-resume-w3": (3, J.Run("trainer-resume-w3", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt")),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """world -> the out dir of its launch: one torchrun launch per world size, on first use; the
+    launches share one folder, and the 2-rank one runs first (the 3-rank runs resume its checkpoint)."""
+    out = tmp_path_factory.mktemp("hf-trainer")
+    done: set[int] = set()
+    every = {**RUNS, **CHECKPOINT_RUNS}
+
+    def get(world: int) -> Path:
+        for w in sorted({2, world}):
+            if w not in done:
+                _launch(w, out, [run for wr, run in every.values() if wr == w])
+                done.add(w)
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """run -> the one-process result of `run`'s global batch (cached)."""
+    out = tmp_path_factory.mktemp("hf-trainer-single")
+    cache: dict[J.Run, dict] = {}
+
+    def get(run: J.Run) -> dict:
+        if run not in cache:
+            cache[run] = _single(run, out)
+        return cache[run]
+
+    return get
+
+
+def _launch(world: int, out: Path, runs: list[J.Run]) -> Path:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
+    cmd += [str(JOB), str(out), json.dumps([dataclasses.asdict(r) for r in runs])]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        _stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # torchrun forwards SIGTERM to its ranks (each in a session of its own), which dump their threads'
+        # tracebacks (the job's faulthandler) and die; SIGKILL if that does not end it
+        proc.terminate()
+        try:
+            _stdout, stderr = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _stdout, stderr = proc.communicate()
+        pytest.fail(
+            f"torchrun with {world} ranks ran past {LAUNCH_TIMEOUT_S} s; its stderr ends:\n{stderr[-8000:]}"
+        )
+    print(f"torchrun, {world} ranks, {len(runs)} jobs: {time.perf_counter() - t0:.1f} s")
+    assert proc.returncode == 0, stderr[-6000:]
+    return out
+
+
+def _single(run: J.Run, out: Path) -> dict:
+    """`run`'s global batch in this process (no process group, no accumulation: one micro-batch of
+    batch x accum a step): the Trainer's runs by the Trainer, accelerate's by a plain loop."""
+    one = dataclasses.replace(
+        run,
+        name=run.name + "-single",
+        kind="trainer" if run.kind == "trainer" else "loop",
+        batch=run.batch * run.accum,
+        accum=1,
+        mode=None,
+    )
+    with mock.patch.object(LlamaRMSNorm, "forward", J.rms_norm_in_its_dtype):
+        res = J.train(one, out)
+    assert res["error"] is None
+    return res
+
+
+def _assert_states_equal(got: dict, want: dict, what: str, atol: float = 1e-9) -> None:
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{what}, {k}: {m}")
+
+
+def _rows_by_step(seen: list) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for step, rows in seen:
+        out.setdefault(step, []).extend(rows)
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_matches_one_process(launched, single, name):
+    """Every rank's parameters (tables gathered whole on rank 0 when row-sharded; replicated tables
+    on every rank) equal the one-process run's with the whole batch, to 1e-9 in float64; the tables
+    trained; the ranks' micro-batches of each step are that step's batch; DDP ignored the table;
+    accelerate (in the Trainer or by hand) saw the torchrun launch."""
+    world, run = RUNS[name]
+    out = launched(world)
+    want = single(run)
+    ranks = [torch.load(out / f"{name}-rank-{r}.pt", weights_only=False) for r in range(world)]
+    table = ("base_model.model." if run.lora else "") + TABLE
+    mode = run.mode or "sharded"
+    for rank, res in enumerate(ranks):
+        assert res["error"] is None, res["error"]
+        assert res["mode"] == mode
+        launch = (res["distributed_type"], res["num_processes"], res["world_size"])
+        assert launch == ("MULTI_CPU", world, world)
+        assert res["wrapper"] == "DistributedDataParallel" and table in res["ignored"]
+        assert [len(rows) for _, rows in res["seen"]] == [run.batch // world] * (J.STEPS * run.accum)
+        keys = want["state"].keys() if rank == 0 or mode == "replicated" else want["state"].keys() - {table}
+        assert res["state"].keys() == keys
+        _assert_states_equal(res["state"], want["state"], f"rank {rank} of {world}")
+    steps = [_rows_by_step(res["seen"]) for res in ranks]
+    for step, rows in _rows_by_step(want["seen"]).items():  # the same sequences, split over the ranks
+        assert sorted(r for by_step in steps for r in by_step[step]) == sorted(rows)
+    assert not torch.equal(want["state"][table], J.build_model(run.lora).state_dict()[table])
+
+
+@pytest.mark.parametrize("name", ["trainer-accum-frozen", "trainer-lora-sinkhorn"])
+def test_frozen_backbone_moves_only_engram_and_adapters(launched, name):
+    """freeze_backbone (and LoRA, which freezes it) across ranks: only Engram's parameters (and the
+    adapters) moved, and each kind did: the table, Engram's projections, the LoRA weights."""
+    world, run = RUNS[name]
+    res = torch.load(launched(world) / f"{name}-rank-0.pt", weights_only=False)
+    assert res["error"] is None, res["error"]
+    before = J.build_model(run.lora).state_dict()
+    moved = {k for k, v in res["state"].items() if not torch.equal(v, before[k])}
+    assert all(".engram." in f".{k}" or "lora_" in k for k in moved), sorted(moved)
+    assert any(k.endswith(TABLE) for k in moved) and any(k.endswith("wkv.weight") for k in moved)
+    assert any("lora_" in k for k in moved) == run.lora
+
+
+def test_one_process_trainer_is_the_plain_loop(single):
+    """The references agree: the Trainer in one process with these arguments (constant LR, no
+    clipping, our loss) takes the plain loop's steps, bit for bit."""
+    trainer = single(RUNS["trainer-sinkhorn-replicated"][1])
+    loop = single(RUNS["accelerate-sinkhorn"][1])
+    assert trainer["seen"] == loop["seen"]
+    _assert_states_equal(
+        trainer["state"], loop["state"], "one-process Trainer against the plain loop", atol=0
+    )
+
+
+def test_trainer_checkpoints_resume_with_sharded_tables(launched, single):
+    """A 2-rank Trainer run with row-sharded tables checkpoints every step (EngramShardsCallback: each
+    rank's rows and their optimizer state in checkpoint-N/engram-shards/, no table in HF's
+    model.safetensors); resumed from checkpoint-1 on 2 ranks it ends bit-exact where the uninterrupted
+    run ends, on 3 ranks (rows redistributed, the same global batch) where one process ends (1e-9).
+    Resumed without the callback, the first step refuses on every rank, naming it."""
+    from safetensors import safe_open
+
+    out = launched(3)
+    ckpt = out / "trainer-ckpt-trainer" / "checkpoint-1"
+    assert sorted(p.name for p in (ckpt / "engram-shards").iterdir()) == [
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ]
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert TABLE not in names and any(k.startswith("engram.") for k in names)
+    want = single(CHECKPOINT_RUNS["trainer-ckpt"][1])["state"]
+    res = {
+        n: [torch.load(out / f"{n}-rank-{r}.pt", weights_only=False) for r in range(w)]
+        for n, (w, _) in CHECKPOINT_RUNS.items()
+    }
+    for name in ("trainer-ckpt", "trainer-resume-w2", "trainer-resume-w3"):
+        for rank, r in enumerate(res[name]):
+            assert r["error"] is None, r["error"]
+            _assert_states_equal(r["state"], want, f"{name}, rank {rank}")
+        assert TABLE in res[name][0]["state"]
+    assert torch.equal(res["trainer-resume-w2"][0]["state"][TABLE], res["trainer-ckpt"][0]["state"][TABLE])
+    assert [s for s, _ in res["trainer-resume-w3"][0]["seen"]] == [1, 2]  # it did resume after step 1
+    for r in res["trainer-resume-nocb"]:
+        assert "were not read back" in r["error"] and "EngramShardsCallback" in r["error"]
