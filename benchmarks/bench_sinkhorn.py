@@ -47,6 +47,7 @@ from engram.kernels import cpu_sinkhorn
 from engram.model import sinkhorn as sinkhorn_module
 from engram.model.optim import SparseRowAdam
 from engram.model.sinkhorn import SparseSinkhorn
+from engram.storage import hugepages
 
 BETA = 0.95  # SparseSinkhorn's default, which the direct warm-up must match
 
@@ -228,7 +229,7 @@ def interleaved_steps(cases: dict[str, Case], first: int, repeats: int, timer: P
 
 
 def _table(num_rows: int, dim: int) -> nn.Parameter:
-    w = torch.empty(num_rows, dim)
+    w = hugepages.empty((num_rows, dim))  # as TrainableTable allocates a table
     w.fill_(0.01)  # values do not change the cost; a fill faults every page in before the timing
     return nn.Parameter(w)
 

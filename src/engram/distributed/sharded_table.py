@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.model.table import EngramTable
+from engram.storage import hugepages
 from engram.storage.fp8 import check_rows
 
 __all__ = [
@@ -88,7 +89,7 @@ def chunked_normal(
     rows, and any table length, gives the same values. Cost: up to one extra chunk drawn per end."""
     if not 0 <= lo <= hi or dim < 1:
         raise ValueError(f"chunked_normal needs 0 <= lo <= hi and dim >= 1, got lo={lo}, hi={hi}, dim={dim}")
-    out = torch.empty(hi - lo, dim, dtype=dtype, device=device)
+    out = hugepages.empty((hi - lo, dim), dtype=dtype, device=device)
     gen = torch.Generator()
     for c in range(lo // INIT_CHUNK_ROWS, (hi - 1) // INIT_CHUNK_ROWS + 1 if hi > lo else 0):
         c0 = c * INIT_CHUNK_ROWS

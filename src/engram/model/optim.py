@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engram.model.table import TrainableTable
+from engram.storage import hugepages
 
 __all__ = [
     "DenseTableAdam",
@@ -254,7 +255,9 @@ class SparseRowAdam(_SparseRowOptimizer):
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
         return {
-            "exp_avg": torch.zeros(p.shape, dtype=sd, device=p.device),  # the one full-size state
+            "exp_avg": hugepages.empty(
+                tuple(p.shape), dtype=sd, device=p.device
+            ).zero_(),  # the one full-size state
             "exp_avg_sq_row": torch.zeros(p.shape[0], dtype=sd, device=p.device),
             "step": torch.zeros(p.shape[0], dtype=torch.int32, device=p.device),
         }

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.checkpoint.files import open_tensors
-from engram.storage import lookup, quant
+from engram.storage import hugepages, lookup, quant
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 from engram.storage.outpool import OutputPool
 
@@ -64,7 +64,7 @@ class TrainableTable(EngramTable):
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise TypeError(f"a trainable table is fp32, bf16 (or fp64 for checks), got {dtype}")
         self.num_rows, self.dim = int(num_rows), int(dim)
-        self.weight = nn.Parameter(torch.empty(num_rows, dim, dtype=dtype, device=device))
+        self.weight = nn.Parameter(hugepages.empty((num_rows, dim), dtype=dtype, device=device))
         self.init_std = init_std
         self.reset_parameters()
 
