@@ -84,7 +84,13 @@ def _run_job(rank: int, world: int, job: dict, out: str) -> dict:
     expect_refusal (prepare_data_parallel must refuse)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from engram.distributed import load_table_shards, prepare_data_parallel, save_engram, save_table_shards
+    from engram.distributed import (
+        export_fp8,
+        load_table_shards,
+        prepare_data_parallel,
+        save_engram,
+        save_table_shards,
+    )
 
     model = _model(**(job.get("rank1_config", {}) if rank == 1 else {}))
     if rank == 1 and job.get("rank1_table"):  # rank 1's table drawn from another seed
@@ -144,6 +150,7 @@ def _run_job(rank: int, world: int, job: dict, out: str) -> dict:
                 res["state"][f"engram.layers.{lid}.table.weight"] = full
         if job.get("part"):
             res["part"] = save_engram(model, job["part"])
+            res["fp8"] = export_fp8(model, job["part"] + "-fp8")
     return res
 
 
@@ -275,14 +282,25 @@ def test_sharded_checkpoint_resumes_at_any_world_size(runs, single, name):
 
 
 def test_sharded_save_engram_writes_one_part(runs):
-    """engram.distributed.save_engram of a sharded model: rank 0 writes the whole table into one part
-    that one process loads."""
+    """engram.distributed.save_engram / export_fp8 of a sharded model: rank 0 writes the whole table
+    into one part (float, or V4.1's FP8) that one process loads."""
     from engram.hf import load_engram
 
     ranks = runs["sharded-sinkhorn"]
     assert ranks[0]["part"] is not None and ranks[1]["part"] is None
     loaded = load_engram(S.llama(seed=3).double(), runs["folder"] / "part", mmap=False).state_dict()[TABLE]
     assert torch.equal(loaded, ranks[0]["state"][TABLE].to(loaded.dtype))
+    assert (
+        ranks[0]["fp8"] is not None and ranks[1]["fp8"] is None
+    )  # export_fp8: V4.1's FP8 of the whole table
+    fp8 = (
+        load_engram(S.llama(seed=3).double(), runs["folder"] / "part-fp8", mmap=False).engram.module(1).table
+    )
+    assert fp8.num_rows == loaded.shape[0]
+    rows = torch.arange(loaded.shape[0])
+    got = fp8.gather(rows, torch.float64)
+    # e4m3 values with ue8m0 scales: about 2^-4 relative
+    torch.testing.assert_close(got, loaded.double(), rtol=0.07, atol=1e-3)
 
 
 def test_refusals(runs):

@@ -229,3 +229,16 @@ def test_trainer_checkpoints_resume_with_sharded_tables(launched, single):
     assert [s for s, _ in res["trainer-resume-w3"][0]["seen"]] == [1, 2]  # it did resume after step 1
     for r in res["trainer-resume-nocb"]:
         assert "were not read back" in r["error"] and "EngramShardsCallback" in r["error"]
+
+
+def test_one_process_trainer_checkpoint_resumes_bit_exact(tmp_path):
+    """One process (no process group): the Trainer's checkpoint holds the whole table and its
+    optimizer state, and resume_from_checkpoint ends bit-exact where the uninterrupted run ends."""
+    whole = J.Run("one-ckpt", table_optimizer="sinkhorn", batch=6, save_steps=1)
+    resumed = J.Run("one-resume", table_optimizer="sinkhorn", batch=6, resume="one-ckpt")
+    with mock.patch.object(LlamaRMSNorm, "forward", J.rms_norm_in_its_dtype):
+        a = J.train(whole, tmp_path)
+        b = J.train(resumed, tmp_path)
+    assert a["error"] is None and b["error"] is None
+    assert [s for s, _ in b["seen"]] == [1, 2]
+    _assert_states_equal(b["state"], a["state"], "resumed in one process", atol=0)

@@ -400,3 +400,16 @@ def test_cuda_tables_follow_the_cpu_update(dtype):
     assert torch.equal(opts[0].state[cpu]["rows"], opts[1].state[gpu]["rows"].cpu())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(gpu.data.cpu().float(), cpu.data.float(), rtol=tol, atol=tol)
+
+
+def test_state_dict_loads_again_after_a_load():
+    """torch's load_state_dict adds keys of its own to `defaults` ('differentiable'): a second load
+    (accelerate's AcceleratedOptimizer loads once when it wraps, the Trainer's resume again) works."""
+    p = torch.nn.Parameter(torch.zeros(64, 8))
+    opt = SparseSinkhorn([p], lr=0.1)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1, 5]]), torch.ones(2, 8), (64, 8))
+    opt.step()
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p]["rows"], torch.tensor([1, 5]))

@@ -78,6 +78,9 @@ class SparseSinkhorn(torch.optim.Optimizer):
             )
         self.threads, self.backend = threads, backend
         self._work: dict[torch.dtype, torch.Tensor] = {}  # the (A, dim) workspace, grown as needed
+        # Its own hyperparameters: torch's load_state_dict adds keys of its own to `defaults` (e.g.
+        # 'differentiable'), which a saved group need not have.
+        self._hyperparameters = tuple(defaults)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ checks
@@ -212,7 +215,7 @@ class SparseSinkhorn(torch.optim.Optimizer):
                 "another model?"
             )
         for g in groups:
-            missing = sorted(k for k in self.defaults if k not in g)
+            missing = sorted(k for k in self._hyperparameters if k not in g)
             if missing:
                 raise ValueError(
                     f"the saved param group has no {', '.join(missing)}: it was saved by another optimizer, not "
