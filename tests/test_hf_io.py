@@ -166,3 +166,13 @@ def test_a_checkpoint_is_never_saved_over_another_models_config(tmp_path):
     with pytest.raises(ValueError, match=r"not an Engram checkpoint's config\.json"):
         save_checkpoint(tmp_path, att.config, {int(k): m for k, m in att.layers.items()})
     assert (tmp_path / "config.json").read_text() == config
+
+
+@pytest.mark.parametrize("content", ['{"note": "no model_type, no engram keys"}', "[1, 2]", "not json"])
+def test_save_engram_beside_any_foreign_config(tmp_path, content):
+    """A config.json that is not an Engram part's, whatever it holds: save_engram writes the part into
+    engram/ beside it (the checkpoint writer would refuse to overwrite it) and leaves it as it was."""
+    (tmp_path / "config.json").write_text(content)
+    part = save_engram(_trained(), tmp_path)
+    assert part == tmp_path / "engram" and (part / "config.json").is_file()
+    assert (tmp_path / "config.json").read_text() == content

@@ -45,6 +45,7 @@ __all__ = [
     "StoredTable",
     "TableFormat",
     "engram_state_dict",
+    "foreign_config",
     "layer_prefix",
     "load_engram_modules",
     "read_checkpoint_config",
@@ -227,17 +228,25 @@ def save_checkpoint(
     return [out_dir / name for name in names]
 
 
+def foreign_config(directory: str | os.PathLike[str]) -> bool:
+    """Whether `directory` has a config.json that is not an Engram checkpoint's (no `engram_*` or
+    `ple_*` key: an HF model's, say, or a file that is not a JSON object): its files are never
+    overwritten."""
+    path = Path(directory) / CONFIG_FILE
+    if not os.path.lexists(path):
+        return False
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    return not (isinstance(d, dict) and any(k.startswith(("engram_", "ple_")) for k in d))
+
+
 def _check_not_foreign(out_dir: Path) -> None:
     """Refuse to save into a folder whose config.json is not an Engram checkpoint's (an HF model's,
     say): saving would overwrite it and remove that model's weight shards and index."""
     path = out_dir / CONFIG_FILE
-    if not os.path.lexists(path):
-        return
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        d = None
-    if isinstance(d, dict) and any(k.startswith(("engram_", "ple_")) for k in d):
+    if not foreign_config(out_dir):
         return
     raise ValueError(
         f"{path} is not an Engram checkpoint's config.json (another model's, e.g. HF's save_pretrained): "

@@ -21,7 +21,8 @@ from torch import nn
 from engram.addressing.compression import TokenizerCompression
 from engram.checkpoint.files import member_file
 from engram.checkpoint.json_file import read_json
-from engram.checkpoint.v41 import load_engram_modules, read_checkpoint_config, save_checkpoint
+from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
+from engram.checkpoint.v41 import foreign_config, load_engram_modules, read_checkpoint_config, save_checkpoint
 from engram.hf.attach import add_engram, find_decoder_layers, get_attachment, model_hidden_size
 
 __all__ = [
@@ -34,25 +35,8 @@ __all__ = [
     "save_engram",
 ]
 
-COMPRESSION_FILE = "compression.safetensors"
 OPTIONS_FILE = "engram_hf.json"  # how the part was attached: boundaries, eos_token_id
 PART_FOLDER = "engram"  # the part's folder inside an HF model folder (`save_pretrained`'s)
-
-
-def _holds_hf_model(directory: Path) -> bool:
-    """Whether `directory` holds an HF model's config.json (`model_type` or `architectures`, no
-    Engram keys): a `save_pretrained` folder, whose files are never touched."""
-    path = directory / "config.json"
-    if not path.is_file():
-        return False
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return True  # not ours to overwrite either
-    if not isinstance(d, dict):
-        return True
-    ours = any(k.startswith("engram_") or k.startswith("ple_") for k in d)
-    return not ours and ("model_type" in d or "architectures" in d)
 
 
 def engram_part(directory: str | os.PathLike[str]) -> Path:
@@ -60,7 +44,7 @@ def engram_part(directory: str | os.PathLike[str]) -> Path:
     when it is an HF model folder (`model.save_pretrained(directory)`), so that the part sits beside
     HF's files without touching them."""
     d = Path(directory)
-    return d / PART_FOLDER if _holds_hf_model(d) else d
+    return d / PART_FOLDER if foreign_config(d) else d
 
 
 def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path:
