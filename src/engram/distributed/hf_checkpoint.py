@@ -201,9 +201,7 @@ def _gathered(model: nn.Module) -> Iterator[bool]:
         if root:
             for lid, w in full.items():
                 t = sharded[lid]
-                plain = TrainableTable(t.num_rows, t.dim, dtype=w.dtype, device=w.device, init_std=t.init_std)
-                plain.weight.data = w
-                att.layers[lid].table = plain
+                att.layers[lid].table = TrainableTable.from_weight(w, init_std=t.init_std)
         yield root
     finally:
         if root:

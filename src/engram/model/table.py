@@ -68,6 +68,19 @@ class TrainableTable(EngramTable):
         self.init_std = init_std
         self.reset_parameters()
 
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, init_std: float = 0.02) -> TrainableTable:
+        """A table whose parameter is `weight` [num_rows, dim] itself (no copy, no initialisation)."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"from_weight needs a table [num_rows, dim], got {found}")
+        table = cls.__new__(cls)
+        EngramTable.__init__(table)
+        table.num_rows, table.dim = int(weight.shape[0]), int(weight.shape[1])
+        table.weight = nn.Parameter(weight.detach())
+        table.init_std = init_std
+        return table
+
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
