@@ -287,7 +287,8 @@ def _fabricated_optimizer_results(losses: dict[tuple[str, float | None, str], li
     (None: part 2), embedding optimizer) -> one loss per seed."""
     runs = []
     dim, rows = 32, 1000
-    for (opt, lr, emb), ls in losses.items():
+    for key, ls in losses.items():
+        opt, lr, emb, emb_lr = (*key, None) if len(key) == 3 else key
         for seed, loss in enumerate(ls):
             active = 250 if opt == "sinkhorn" else None
             n = active if opt == "sinkhorn" else rows
@@ -297,12 +298,12 @@ def _fabricated_optimizer_results(losses: dict[tuple[str, float | None, str], li
             name = (
                 f"{opt} {lr}"
                 if lr is not None
-                else ("V4.1 recipe" if emb == "sinkhorn" else "AdamW everywhere")
+                else (f"V4.1 recipe, embedding lr {emb_lr:g}" if emb == "sinkhorn" else "AdamW everywhere")
             )
             table_lr = lr if lr is not None else 0.05
             runs.append(
                 {
-                    "key": f"{opt}/{table_lr}/{emb}/{seed}",  # AdamW everywhere: dense Adam 0.05's runs
+                    "key": f"{opt}/{table_lr}/{emb}/{emb_lr}/{seed}",  # AdamW everywhere: dense Adam 0.05's runs
                     "cached": False,
                     "variant": name,
                     "seed": seed,
@@ -312,6 +313,7 @@ def _fabricated_optimizer_results(losses: dict[tuple[str, float | None, str], li
                         "table_optimizer": opt,
                         "table_lr": table_lr,
                         "embedding_optimizer": emb,
+                        "embedding_lr": emb_lr,
                         "engram": {"head_dim": dim},
                     },
                     "held_out_loss": loss,
@@ -374,7 +376,8 @@ def test_optimizers_report_on_fabricated_runs(tmp_path):
         | grid("dense-adam", 0.05, 4.201)
         | grid("adagrad", 0.025, 4.30)
     )
-    losses[("sinkhorn", None, "sinkhorn")] = [4.098, 4.10, 4.102]
+    losses[("sinkhorn", None, "sinkhorn", 0.012)] = [4.098, 4.10, 4.102]
+    losses[("sinkhorn", None, "sinkhorn", 0.024)] = [4.118, 4.12, 4.122]
     losses[("dense-adam", None, "adamw")] = losses[("dense-adam", 0.05, "adamw")]
     res = _fabricated_optimizer_results(losses)
     write_study_report(res, tmp_path)
@@ -387,8 +390,9 @@ def test_optimizers_report_on_fabricated_runs(tmp_path):
     assert "-0.1000 nats/token" in claim and "larger than the seed spread" in claim and "holds here" in claim
     dense = next(x for x in f if x.startswith("dense Adam (best, lr 0.05) vs SparseRowAdam"))
     assert "within the seed spread" in dense  # 0.001 apart, spread 0.002
-    recipe = next(x for x in f if x.startswith("V4.1 recipe vs AdamW everywhere"))
+    recipe = next(x for x in f if x.startswith("V4.1 recipe, embedding lr 0.012 vs AdamW everywhere"))
     assert "not the best lr of part 1 for Sinkhorn" in recipe and "-0.1010" in recipe
+    assert "the recipe's best embedding lr 0.012 of 0.012 / 0.024" in recipe
     state = f[-1]
     assert "SparseRowAdam 4.25" in state and "dense Adam 8" in state and "row-wise Adagrad 0.125" in state
     assert "Sinkhorn 1.06 (25% of the rows active at the end)" in state  # 0.25 * (4 + 8 / 32)
@@ -396,7 +400,7 @@ def test_optimizers_report_on_fabricated_runs(tmp_path):
     assert "vs adam 0.05 (- is lower)" in table and "| 1.06 (25% of rows active) |" in table
     report = (tmp_path / "report.md").read_text()
     assert "## What was found" in report and (tmp_path / "optimizers.png").stat().st_size > 1000
-    assert "(39 runs trained, 0 from the cache, 3 shared by two variants this time" in report
+    assert "(42 runs trained, 0 from the cache, 3 shared by two variants this time" in report
 
     # Adam ahead by more than the spread: the claim does not hold; level: neither confirmed nor refuted
     worse = _fabricated_optimizer_results(grid("sinkhorn", 0.05, 4.30) | grid("adam", 0.05, 4.20))

@@ -278,6 +278,7 @@ _SETTING_FIELDS = (
     "table_optimizer",
     "table_lr",
     "embedding_optimizer",
+    "embedding_lr",
     "lr",
     "steps",
     "batch_size",

@@ -184,8 +184,8 @@ def _optimizer_findings(summary: list[dict[str, Any]]) -> list[str]:
         c = compare(a, r)
         lrs = f"table lr {r['settings']['table_lr']:g} and {a['settings']['table_lr']:g}, the grids' centres"
         if len(recipe) > 1:
-            emb_lrs = " / ".join(f"{v['settings'].get('embedding_lr'):g}" for v in recipe)
-            lrs += f"; the recipe's best embedding lr of {emb_lrs}"
+            emb_lrs = " / ".join(f"{v['settings']['embedding_lr']:g}" for v in recipe)
+            lrs += f"; the recipe's best embedding lr {r['settings']['embedding_lr']:g} of {emb_lrs}"
         picked = [
             o
             for o, v in (("sinkhorn", r), ("dense-adam", a))
