@@ -33,7 +33,7 @@ if __name__ == "__main__":
     from vllm.inputs import TokensPrompt
     t0 = time.time()
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-              enforce_eager=True, block_size=32, seed=0, max_num_seqs=4,
+              enforce_eager=os.environ.get("EAGER","1")=="1", block_size=32, seed=0, max_num_seqs=4,
               max_num_batched_tokens=int(os.environ.get("MNBT", "48")),
               enable_prefix_caching=True,
               num_gpu_blocks_override=int(os.environ.get("BLOCKS", "12")))
