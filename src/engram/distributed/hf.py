@@ -92,7 +92,8 @@ class ReplicatedTableSync:
         dist.all_gather(all_vals, vals_p, group=self.group)
         idx = torch.cat([r[:n] for r, n in zip(all_rows, sizes, strict=True)])
         val = torch.cat([v[:n] for v, n in zip(all_vals, sizes, strict=True)])
-        summed = torch.sparse_coo_tensor(idx[None], val, tuple(p.shape), check_invariants=True).coalesce()
+        # rows from the ranks' own gradients, inside the table: no invariant check (torch's default)
+        summed = torch.sparse_coo_tensor(idx[None], val, tuple(p.shape), check_invariants=False).coalesce()
         return summed / self.world
 
 
@@ -134,13 +135,12 @@ class ShardedTableSync:
         made with gradients on: one flag all-reduce, then the exchange if any rank has a gradient);
         a prefetch without a backward since gives no gradient, as one process's forward gives none."""
         pending = [t for t in self.tables if t._block is not None]
-        if not any(
-            t._block.requires_grad for t in pending
-        ):  # no_grad forwards (eval): the same on every rank
+        if not any(t._block.requires_grad for t in pending):  # no_grad forwards: the same on every rank
             release_tables(pending)
             return
-        flag = torch.tensor([float(any(t._block.grad is not None for t in pending))], dtype=torch.float64)
-        dist.all_reduce(flag.to(pending[0].weight.device), group=self.group)
+        has_grad = float(any(t._block.grad is not None for t in pending))
+        flag = torch.tensor([has_grad], dtype=torch.float64, device=pending[0].weight.device)  # the backend's
+        dist.all_reduce(flag, group=self.group)
         if float(flag) == 0:
             release_tables(pending)
             return
@@ -222,7 +222,10 @@ def _drop_sharded_tables(module: nn.Module, state_dict: dict, prefix: str, local
 def _table_checksums(att: EngramAttachment) -> dict[str, tuple[float, float]]:
     out = {}
     for lid, m in att.layers.items():
-        w = m.table.weight.detach()
+        w = getattr(m.table, "weight", None)  # (an FP8 table, which does not train, has none)
+        if not isinstance(w, torch.Tensor):
+            continue
+        w = w.detach()
         out[f"layer {lid}'s initial table (sum, sum of squares)"] = (
             float(w.double().sum()),
             float(w.double().square().sum()),

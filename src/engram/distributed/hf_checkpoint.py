@@ -149,31 +149,35 @@ def load_table_shards(
                 f"{p} holds the state of a {m.get('optimizer')} table optimizer, this run uses {opt_name}: "
                 "resume with the table optimizer the checkpoint was trained with"
             )
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for i, t in enumerate(tables):
-            parts: dict[str, list[torch.Tensor]] = {}
-            covered = 0
-            for p, m in metas:
+    # Each file opened once: of every table, the slice of its rows this rank owns now (in file order,
+    # which is row order: the files are named by rank and a rank's rows follow the lower ranks').
+    parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in tables]
+    covered = [0] * len(tables)
+    for p, m in metas:
+        with safe_open(str(p), framework="pt") as f:
+            keys = list(f.keys())
+            for i, t in enumerate(tables):
                 lo, hi = m["ranges"][i]
                 a, b = max(lo, t.lo), min(hi, t.hi)
                 if a >= b:
                     continue
-                covered += b - a
-                with safe_open(str(p), framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                        prefix = f"table.{i}."
-                        if key.startswith(prefix):
-                            parts.setdefault(key[len(prefix) :], []).append(f.get_slice(key)[a - lo : b - lo])
-            if covered != t.hi - t.lo:
+                covered[i] += b - a
+                prefix = f"table.{i}."
+                for key in keys:
+                    if key.startswith(prefix):
+                        parts[i].setdefault(key[len(prefix) :], []).append(f.get_slice(key)[a - lo : b - lo])
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for i, t in enumerate(tables):
+            if covered[i] != t.hi - t.lo:
                 raise ValueError(
-                    f"the shard files in {root} cover {covered} of rows [{t.lo}, {t.hi}) of table {i}: a rank's "
-                    "file is missing"
+                    f"the shard files in {root} cover {covered[i]} of rows [{t.lo}, {t.hi}) of table {i}: a "
+                    "rank's file is missing"
                 )
-            if not parts:  # a rank that owns no rows
+            if not parts[i]:  # a rank that owns no rows
                 continue
-            t.weight.copy_(torch.cat(parts.pop("weight")))
-            fields = {k[len("state.") :]: torch.cat(v) for k, v in parts.items() if k.startswith("state.")}
+            t.weight.copy_(torch.cat(parts[i].pop("weight")))
+            fields = {k[len("state.") :]: torch.cat(v) for k, v in parts[i].items() if k.startswith("state.")}
             if fields:
                 state[i] = {k: v.to(t.weight.device) for k, v in fields.items()}
     if table_opt is not None:
@@ -182,9 +186,8 @@ def load_table_shards(
             ref = next(iter(state.values()))
             for i in empty:
                 state[i] = {k: v[:0] for k, v in ref.items()}
-        _load_row_state(
-            table_opt, state, param_groups if param_groups is not None else _row_state(table_opt)[1]
-        )
+        groups = param_groups if param_groups is not None else table_opt.state_dict()["param_groups"]
+        _load_row_state(table_opt, state, groups)
 
 
 @contextmanager
