@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_setup as S
+from engram.addressing.compression import TokenizerCompression
 from engram.addressing.hashing import NgramHasher
 from engram.hf import EngramCollator, add_engram, find_decoder_layers
 
@@ -50,6 +51,31 @@ def test_exact_logits_at_attach_and_engram_acts(name):
         assert torch.equal(model.state_dict()[k], v)
     with torch.no_grad():
         model.engram.module(1).wkv.weight.normal_()
+    assert not torch.equal(model(x).logits, ref)
+
+
+@pytest.mark.parametrize("variant", ["demo-v1", "qwen4-exp-ple"])
+def test_exact_logits_at_attach_for_the_other_variants(variant):
+    """zero_init zeroes each variant's value projection (it had assumed V4.1's fused wkv)."""
+    torch.manual_seed(0)
+    model = dict(_models())["llama"].eval()
+    x = S.batch(2, 10)
+    ref = model(x).logits
+    cfg = S.engram_config((0, 1))
+    if variant == "qwen4-exp-ple":  # raw ids, one prime base
+        cfg = cfg.replace(
+            variant=variant,
+            compressed_vocab_size=cfg.vocab_size,
+            multiplier_scheme="splitmix64",
+            engram_vocab_size=(257, 257),
+        )
+        comp = TokenizerCompression.identity(cfg.vocab_size)
+    else:
+        cfg, comp = cfg.replace(variant=variant), S.compression()
+    add_engram(model, cfg, compression=comp)
+    assert torch.equal(model(x).logits, ref)
+    with torch.no_grad():
+        model.engram.module(1).value_proj.weight.normal_()
     assert not torch.equal(model(x).logits, ref)
 
 

@@ -13,7 +13,7 @@ import engram
 
 SRC = Path(engram.__file__).parent
 LOWER = ("config", "addressing", "storage", "model", "kernels")  # single-device core
-UPPER = ("systems", "distributed", "apps", "cli", "hf", "benchmarks")  # wrap the core from outside
+UPPER = ("systems", "distributed", "apps", "cli", "hf", "vllm", "benchmarks")  # wrap the core from outside
 
 
 def module_name(root: Path, path: Path) -> str:

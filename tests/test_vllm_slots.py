@@ -72,7 +72,10 @@ class Sim:
             slots.append(np.asarray(self.blocks[r])[p // BLOCK] * BLOCK + p % BLOCK)
             qsl.append(qsl[-1] + n)
         t = qsl[-1]
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs + [np.zeros(pad, dtype=np.int64)]).astype(np.int64))  # noqa: E731
+
+        def cat(xs: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate([*xs, np.zeros(pad, dtype=np.int64)]).astype(np.int64))
+
         rows = self.slots.rows(
             cat(ids), cat(pos), torch.tensor(qsl), cat(slots), torch.from_numpy(bt), t
         ).numpy()

@@ -296,8 +296,7 @@ def add_engram(
             device = lp.device if lp is not None else (p.device if p is not None else None)
             m = Engram(config, lid, dtype=dtype, device=device)
             if zero_init:
-                with torch.no_grad():
-                    m.wkv.weight[config.hc_mult * config.hidden_size :].zero_()
+                _zero_value(m, config)
             modules[lid] = m
     elif set(modules) != set(config.layer_ids):
         raise ValueError(f"modules cover layers {sorted(modules)}, config has {list(config.layer_ids)}")
@@ -310,6 +309,19 @@ def add_engram(
     model.engram = att
     install_hooks(model, owner, att, decoder)
     return model
+
+
+@torch.no_grad()
+def _zero_value(m: Engram, config: EngramConfig) -> None:
+    """Zero the projection that makes Engram's value (V4.1: the value half of the fused `wkv`; the
+    other variants: `value_proj`), so that Engram adds exactly nothing until it is trained."""
+    wkv = getattr(m, "wkv", None)
+    if wkv is not None:
+        wkv.weight[config.hc_mult * config.hidden_size :].zero_()
+        return
+    m.value_proj.weight.zero_()
+    if m.value_proj.bias is not None:
+        m.value_proj.bias.zero_()
 
 
 def remove_engram(model: nn.Module) -> EngramAttachment:

@@ -109,7 +109,9 @@ def read_part(
     options = _options(part)
     boundaries, eos = options.get("boundaries"), options.get("eos_token_id")
     if boundaries not in (None, "eos", "position_ids"):
-        raise PartError(f"{part / OPTIONS_FILE}: boundaries={boundaries!r} is not None, 'eos' or 'position_ids'")
+        raise PartError(
+            f"{part / OPTIONS_FILE}: boundaries={boundaries!r} is not None, 'eos' or 'position_ids'"
+        )
     if boundaries == "eos":
         if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < config.vocab_size:
             raise PartError(f"{part / OPTIONS_FILE}: boundaries 'eos' with eos_token_id={eos!r}")

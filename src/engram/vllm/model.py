@@ -204,9 +204,14 @@ class EngramServing:
     def engram_stats(self) -> dict[str, Any]:
         """The served tables' counters by layer, and the look-back ids read from KV-cache slots."""
         return {
-            "tables": {str(k): v for k, v in table_stats({int(k): m for k, m in self.engram.layers.items()}).items()},
+            "tables": {
+                str(k): v for k, v in table_stats({int(k): m for k, m in self.engram.layers.items()}).items()
+            },
             "lookback_reads": self.engram_slots.lookback_reads,
-            "options": {"tables": self.engram_options.tables.value, "cache_fraction": self.engram_options.cache_fraction},
+            "options": {
+                "tables": self.engram_options.tables.value,
+                "cache_fraction": self.engram_options.cache_fraction,
+            },
         }
 
 

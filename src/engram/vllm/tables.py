@@ -32,7 +32,15 @@ from engram.model.table import FP8Table, MmapFP8Table
 from engram.systems import LevelTable, TieredTable, offload_engram
 from engram.vllm.folder import EngramPart
 
-__all__ = ["OPTIONS_KEY", "ServeOptions", "TableMode", "load_tables", "prefetch", "serve_options", "table_stats"]
+__all__ = [
+    "OPTIONS_KEY",
+    "ServeOptions",
+    "TableMode",
+    "load_tables",
+    "prefetch",
+    "serve_options",
+    "table_stats",
+]
 
 OPTIONS_KEY = "vllm_engram"  # the served model config's attribute holding the options (a dict)
 

@@ -1,0 +1,183 @@
+"""The vLLM plugin's parts that need no vLLM: the served folder's checks (engram.vllm.folder), the table
+options and the tables they build (engram.vllm.tables), the registry rule that resolves a folder with
+an Engram part to our class (engram.vllm.registry), and the entry point. The served model itself is
+tested under vLLM in tests/test_vllm_serve.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import vllm_setup
+from engram.checkpoint.convert import row_file_path
+from engram.model.table import FP8Table
+from engram.systems import LevelTable, TieredTable
+from engram.vllm import registry
+from engram.vllm.folder import PartError, read_part
+from engram.vllm.tables import ServeOptions, TableMode, load_tables, serve_options, table_stats
+
+SHAPE = dict(hidden_size=vllm_setup.HIDDEN, num_layers=2, vocab_size=vllm_setup.VOCAB)
+
+
+@pytest.fixture(scope="module")
+def float_folder(tmp_path_factory):
+    return vllm_setup.build_folder(tmp_path_factory.mktemp("f") / "model")
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory):
+    return vllm_setup.build_folder(tmp_path_factory.mktemp("q") / "model", fp8=True, row_files=True)
+
+
+# ------------------------------------------------------------------------------------ the folder
+def test_part_is_read_and_checked(float_folder, fp8_folder):
+    part = read_part(float_folder, **SHAPE)
+    assert part.part == float_folder / "engram" and not part.fp8
+    assert part.config.layer_ids == (1,) and part.boundaries is None
+    assert read_part(fp8_folder, **SHAPE).fp8
+
+
+def test_refusals_name_the_value(float_folder, tmp_path):
+    with pytest.raises(PartError, match=r"hidden size 256, but the backbone .* has hidden size 384"):
+        read_part(float_folder, **{**SHAPE, "hidden_size": 384})
+    with pytest.raises(PartError, match=r"layers \[1\], but the backbone .* has 1 decoder layers"):
+        read_part(float_folder, **{**SHAPE, "num_layers": 1})
+    with pytest.raises(PartError, match=r"vocabulary of 1000, larger than the backbone's 500"):
+        read_part(float_folder, **{**SHAPE, "vocab_size": 500})
+    plain = vllm_setup.build_folder(tmp_path / "plain", engram=False)
+    with pytest.raises(FileNotFoundError, match=r"has no Engram part .*save_engram"):
+        read_part(plain, **SHAPE)
+
+
+def test_part_for_another_tokenizer_is_refused(float_folder, tmp_path):
+    from engram.addressing.compression import resolve_tokenizer
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    resolve_tokenizer("deepseek-v4").save(str(tok / "tokenizer.json"))
+    with pytest.raises(PartError, match=r"does not fit the tokenizer .*tokenizer.json"):
+        read_part(float_folder, **SHAPE, tokenizer_dir=tok)
+
+
+def test_variant_with_a_convolution_is_refused(tmp_path):
+    import shutil
+
+    from engram.hf import add_engram, save_engram
+
+    folder = vllm_setup.build_folder(tmp_path / "model")
+
+    model = vllm_setup.backbone("llama")
+    cfg = vllm_setup.engram_config().replace(variant="demo-v1")
+    from engram.addressing.compression import TokenizerCompression
+
+    add_engram(model, cfg, compression=TokenizerCompression.identity(vllm_setup.VOCAB))
+    shutil.rmtree(folder / "engram")
+    save_engram(model, folder)
+    with pytest.raises(PartError, match=r"variant 'demo-v1'; the vLLM plugin serves 'deepseek-v4.1' only"):
+        read_part(folder, **SHAPE)
+
+
+def test_eos_boundaries_become_the_restart_rule(tmp_path):
+    from engram.addressing.compression import TokenizerCompression
+    from engram.hf import add_engram, save_engram
+
+    model = vllm_setup.backbone("llama")
+    add_engram(
+        model,
+        vllm_setup.engram_config(),
+        compression=TokenizerCompression.identity(vllm_setup.VOCAB),
+        boundaries="eos",
+        eos_token_id=7,
+    )
+    model.save_pretrained(tmp_path / "m")
+    save_engram(model, tmp_path / "m")
+    part = read_part(tmp_path / "m", **SHAPE)
+    assert part.boundaries == "eos" and part.config.restart_after_id == 7
+    (tmp_path / "m" / "engram" / "engram_hf.json").write_text("[1, 2]")
+    with pytest.raises(PartError, match=r"expected a JSON object"):
+        read_part(tmp_path / "m", **SHAPE)
+
+
+# ------------------------------------------------------------------------------------ the tables
+def test_options_are_checked():
+    assert serve_options(None) == ServeOptions()
+    assert serve_options({"tables": "rowfile", "cache_fraction": 0.1}) == ServeOptions(TableMode.ROWFILE, 0.1)
+    for bad, match in [
+        ("ssd", "must be a dict"),
+        ({"table": "host"}, "unknown keys \\['table'\\]"),
+        ({"tables": "disk"}, "'disk': use one of 'memory', 'host', 'mmap', 'rowfile'"),
+        ({"cache_fraction": 0}, "must be a number in \\(0, 1\\]"),
+        ({"cache_fraction": True}, "must be a number"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            serve_options(bad)
+
+
+@pytest.mark.parametrize("mode", list(TableMode))
+def test_every_mode_serves_the_stored_rows(fp8_folder, mode):
+    part = read_part(fp8_folder, **SHAPE)
+    want = load_tables(part, ServeOptions(), torch.float32)[1].table
+    assert isinstance(want, FP8Table)
+    got = load_tables(part, ServeOptions(mode, 0.05), torch.float32)[1].table
+    kind = {"memory": FP8Table, "host": TieredTable, "mmap": TieredTable, "rowfile": LevelTable}[mode.value]
+    assert isinstance(got, kind)
+    rows = torch.randint(0, want.num_rows, (3, 40, 4))
+    for _ in range(2):  # the second time partly from the hot-row cache
+        assert torch.equal(got.gather(rows, torch.float32), want.gather(rows, torch.float32))
+    stats = table_stats({1: load_tables(part, ServeOptions(mode, 0.05), torch.float32)[1]})
+    assert stats[1]["table"] == kind.__name__
+
+
+def test_fp8_modes_refuse_a_float_part_and_missing_row_files(float_folder, tmp_path):
+    part = read_part(float_folder, **SHAPE)
+    with pytest.raises(ValueError, match=r"stores float tables: write an FP8 part with engram.hf.export_fp8"):
+        load_tables(part, ServeOptions(TableMode.HOST), torch.float32)
+    q = vllm_setup.build_folder(tmp_path / "q", fp8=True)
+    with pytest.raises(ValueError, match=r"engram_layer1.rows'\], which are missing: write them"):
+        load_tables(read_part(q, **SHAPE), ServeOptions(TableMode.ROWFILE), torch.float32)
+    assert not row_file_path(q / "engram", 1).exists()
+
+
+# ------------------------------------------------------------------------------------ the registry
+def test_a_folder_with_a_part_resolves_to_our_class(float_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "check_vllm_version", lambda version=None: None)
+    cfg = SimpleNamespace(model=str(float_folder), model_impl="auto")
+    assert registry.engram_architectures(["LlamaForCausalLM"], cfg) == ["EngramLlamaForCausalLM"]
+    assert registry.engram_architectures("Qwen2ForCausalLM", cfg) == ["EngramQwen2ForCausalLM"]
+    plain = vllm_setup.build_folder(tmp_path / "plain", engram=False)
+    same = SimpleNamespace(model=str(plain), model_impl="auto")
+    assert registry.engram_architectures(["LlamaForCausalLM"], same) == ["LlamaForCausalLM"]
+    assert registry.engram_architectures(["X"], SimpleNamespace(model="org/hub-name")) == ["X"]
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*is not one engram-lm's vLLM plugin serves"):
+        registry.engram_architectures(["GPT2LMHeadModel"], cfg)
+    with pytest.raises(ValueError, match=r"model_impl='transformers' .* without Engram"):
+        registry.engram_architectures(
+            ["LlamaForCausalLM"], SimpleNamespace(model=str(float_folder), model_impl="transformers")
+        )
+
+
+def test_vllm_version_is_checked():
+    registry.check_vllm_version("0.32.0")
+    registry.check_vllm_version("0.32.1+cpu")
+    for v in ("0.31.0", "0.33.0", "1.0"):
+        with pytest.raises(RuntimeError, match=f"vLLM {v} is installed, but .* written against vLLM 0.32.x"):
+            registry.check_vllm_version(v)
+
+
+def test_entry_point_and_a_light_import():
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("engram") == "engram.vllm:register"
+    # vLLM runs the entry point in its workers before its CPU platform scans every loaded module, a scan
+    # that fails on llvmlite's objects: importing the plugin must not load numba
+    code = (
+        "import sys, engram.vllm; print(sorted(m for m in ('numba', 'llvmlite', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

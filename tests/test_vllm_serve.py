@@ -1,0 +1,234 @@
+"""The vLLM plugin end to end: folders written by engram.hf served by vLLM (each run in a subprocess,
+`tests/vllm_job.py`), greedy tokens equal to HF `generate()` of the same folder read back by
+engram.hf, under every scheduling vLLM does: a batch of different lengths submitted together and
+requests arriving while others run, chunked prefill on and off, prefix caching on and off (requests
+sharing a long prefix), a KV cache small enough to force preemption; seeded sampling equal between two
+runs; the four backbone families; tables FP8 from host memory, a memory-mapped file and the SSD row
+file; refusals at start-up. Needs vLLM (the plugin's environment, which .ci/run builds): skipped
+without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_setup
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+JOB = Path(__file__).with_name("vllm_job.py")
+N = 24  # tokens generated per request
+BASE = dict(
+    skip_tokenizer_init=True,
+    dtype="float32",
+    max_model_len=256,
+    enforce_eager=True,
+    block_size=32,
+    seed=0,
+    disable_log_stats=False,
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", TOKENIZERS_PARALLELISM="false"
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(JOB.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def launch(
+    tmp: Path, folder: Path, requests: list[dict], runs: int = 1, **llm
+) -> subprocess.CompletedProcess:
+    job = tmp / f"job-{len(list(tmp.glob('job-*.json')))}.json"
+    out = job.with_suffix(".out.json")
+    job.write_text(
+        json.dumps(
+            {
+                "folder": str(folder),
+                "llm": {**BASE, **llm},
+                "requests": requests,
+                "runs": runs,
+                "out": str(out),
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, str(JOB), str(job)], capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp
+    )
+
+
+def serve(tmp: Path, folder: Path, requests: list[dict], runs: int = 1, **llm) -> dict:
+    p = launch(tmp, folder, requests, runs, **llm)
+    assert p.returncode == 0, f"vLLM run failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(sorted(tmp.glob("job-*.out.json"), key=os.path.getmtime)[-1].read_text())
+
+
+def refused(tmp: Path, folder: Path, **llm) -> str:
+    p = launch(tmp, folder, [{"prompt": [5, 6, 7], "max_tokens": 2}], **llm)
+    assert p.returncode != 0, "vLLM served a folder it should have refused"
+    return p.stdout + p.stderr
+
+
+def prompts(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Four prompts of different lengths (the first two blocks of 32 shared by none), and two that share
+    an 80-token prefix with the fourth (prefix-cache hits when they arrive later)."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vllm_setup.VOCAB) for _ in range(n)]  # noqa: E731
+    first = [tok(n) for n in (7, 33, 60, 125)]
+    shared = first[3][:80]
+    return first, [shared + tok(5), shared + tok(12)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = vllm_setup.build_folder(tmp_path_factory.mktemp("llama") / "model", "llama")
+    first, later = prompts()
+    ref = vllm_setup.reference(folder)
+    want = vllm_setup.greedy(ref, first + later, N)
+    plain = vllm_setup.greedy(vllm_setup.reference(folder, engram=False), first, N)
+    assert plain != want[:4], "Engram does not change the greedy tokens: equality would show nothing"
+    requests = [{"prompt": p, "max_tokens": N, "arrive": 0} for p in first]
+    requests += [{"prompt": p, "max_tokens": N, "arrive": a} for p, a in zip(later, (6, 14), strict=True)]
+    return folder, requests, want
+
+
+def test_greedy_equals_hf_with_chunked_prefill_prefix_caching_and_preemption(llama, tmp_path):
+    folder, requests, want = llama
+    got = serve(
+        tmp_path,
+        folder,
+        requests,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,  # chunked prefill: the long prompts take several steps
+        enable_prefix_caching=True,
+        max_model_len=192,
+        num_gpu_blocks_override=7,  # 11 blocks of 32 for the first four requests: preemption
+    )
+    run = got["runs"][0]
+    assert run["tokens"] == want
+    assert max(run["cached"][4:]) >= 64, run["cached"]  # the shared prefix came from the cache
+    preempted = sum(v for k, v in got["metrics"].items() if "preempt" in k and isinstance(v, int | float))
+    assert preempted > 0, got["metrics"]
+    assert got["engram"]["lookback_reads"] > 0  # look-backs came from KV-cache slots
+
+
+def test_greedy_equals_hf_without_chunking_or_prefix_caching(llama, tmp_path):
+    folder, requests, want = llama
+    got = serve(
+        tmp_path,
+        folder,
+        requests,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+    )
+    run = got["runs"][0]
+    assert run["tokens"] == want
+    assert run["cached"] == [0] * len(want)
+
+
+def test_seeded_sampling_is_equal_between_two_runs(llama, tmp_path):
+    folder, requests, want = llama
+    sampled = [dict(r, temperature=0.9, seed=100 + i) for i, r in enumerate(requests)]
+    llm = dict(max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    a = serve(tmp_path, folder, sampled, **llm)["runs"][0]["tokens"]
+    b = serve(tmp_path, folder, sampled, **llm)["runs"][0]["tokens"]
+    assert a == b
+    assert a != want  # sampling happened
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_other_backbones(family, tmp_path):
+    folder = vllm_setup.build_folder(tmp_path / "model", family, seed=1)
+    first, later = prompts(1)
+    want = vllm_setup.greedy(vllm_setup.reference(folder), first + later, N)
+    requests = [{"prompt": p, "max_tokens": N, "arrive": 2 * i} for i, p in enumerate(first + later)]
+    got = serve(
+        tmp_path, folder, requests, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True
+    )
+    assert got["runs"][0]["tokens"] == want
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory):
+    folder = vllm_setup.build_folder(
+        tmp_path_factory.mktemp("fp8") / "model", "llama", seed=2, fp8=True, row_files=True
+    )
+    first, later = prompts(2)
+    want = vllm_setup.greedy(vllm_setup.reference(folder), first + later, N)
+    requests = [{"prompt": p, "max_tokens": N, "arrive": i} for i, p in enumerate(first + later)]
+    return folder, requests, want
+
+
+@pytest.mark.parametrize("tables", ["memory", "host", "mmap", "rowfile"])
+def test_fp8_tables_from_the_systems_layer(fp8_folder, tables, tmp_path):
+    folder, requests, want = fp8_folder
+    opts = {"tables": tables, "cache_fraction": 0.05}
+    got = serve(
+        tmp_path,
+        folder,
+        requests,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+        hf_overrides={"vllm_engram": opts},
+    )
+    assert got["runs"][0]["tokens"] == want
+    stats = got["engram"]["tables"]["1"]
+    kind = {"memory": "FP8Table", "host": "TieredTable", "mmap": "TieredTable", "rowfile": "LevelTable"}[
+        tables
+    ]
+    assert stats["table"] == kind
+    if tables == "rowfile":
+        assert stats["device"]["hits"] > 0 and stats["device"]["misses"] > 0  # the hot-row cache worked
+    if tables in ("host", "mmap"):
+        assert stats["prefetch_hits"] > 0  # the forward's prefetch served the layer's gather
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def test_folder_without_engram_part_is_refused_when_named_explicitly(tmp_path):
+    folder = vllm_setup.build_folder(tmp_path / "plain", "llama", engram=False)
+    out = refused(tmp_path, folder, hf_overrides={"architectures": ["EngramLlamaForCausalLM"]})
+    assert "has no Engram part" in out and "save_engram" in out
+
+
+def test_part_for_another_hidden_size_is_refused(tmp_path):
+    small = vllm_setup.build_folder(tmp_path / "small", "llama")
+    big = tmp_path / "big"
+    model = vllm_setup.backbone("llama", hidden=384)
+    model.save_pretrained(big)
+    (small / "engram").rename(big / "engram")
+    out = refused(tmp_path, big)
+    assert "hidden size 256" in out and "hidden size 384" in out
+
+
+def test_part_for_another_tokenizer_is_refused(tmp_path):
+    from engram.addressing.compression import resolve_tokenizer
+
+    folder = vllm_setup.build_folder(tmp_path / "model", "llama")
+    resolve_tokenizer("deepseek-v4").save(str(folder / "tokenizer.json"))
+    out = refused(tmp_path, folder)
+    assert "does not fit the tokenizer" in out
+
+
+def test_architecture_not_covered_is_refused(tmp_path):
+    folder = vllm_setup.build_folder(tmp_path / "gpt2", "gpt2")
+    out = refused(tmp_path, folder)
+    assert "GPT2LMHeadModel" in out and "not one engram-lm's vLLM plugin serves" in out
+
+
+def test_transformers_backend_is_refused(tmp_path):
+    folder = vllm_setup.build_folder(tmp_path / "model", "llama")
+    out = refused(tmp_path, folder, model_impl="transformers")
+    assert "model_impl" in out and "without Engram" in out
