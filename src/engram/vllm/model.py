@@ -198,6 +198,9 @@ class EngramServing:
                     yield name, w
 
         loaded = set(super().load_weights(backbone()))  # type: ignore[misc]
+        device = self.model.embed_tokens.weight.device  # type: ignore[attr-defined]
+        if device.type != "cpu":  # built on the host (our loader); tiered tables keep their bytes there
+            self.engram.to(device)
         loaded.update(name for name, _ in self.engram.named_parameters(prefix="engram"))
         return loaded
 
