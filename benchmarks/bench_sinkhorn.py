@@ -165,8 +165,9 @@ PASSES: dict[str, tuple[Any, str]] = {
     "merge": (cpu_sinkhorn, "merge"),  # add the gradient's rows to the active set (one linear pass)
     "blend": (cpu_sinkhorn, "blend"),  # momentum, Nesterov blend, row norms
     "row pass": (cpu_sinkhorn, "rows"),  # mask, first row normalisation
-    "column/row pairs": (cpu_sinkhorn, "cols_rows"),  # (K - 1) / 2 = 5 of them
-    "apply": (cpu_sinkhorn, "apply"),  # W -= step * U at the kept rows
+    "column/row pairs": (cpu_sinkhorn, "cols_rows"),  # (K - 1) / 2 - 1 = 4 of them
+    "last pair + apply": (cpu_sinkhorn, "cols_rows_apply"),  # the 5th, writing W -= step * U at the kept rows
+    "apply": (cpu_sinkhorn, "apply"),  # W -= step * U alone (K = 1 only)
     "compact": (cpu_sinkhorn, "compact"),  # rows whose momentum underflowed leave
 }
 

@@ -48,8 +48,10 @@ class SparseSinkhorn(torch.optim.Optimizer):
             "rows"     (A,)      int64   the active rows, sorted
             "momentum" (A, dim)  fp32    their momentum (fp64 for fp64 tables)
         i.e. 4 bytes per active parameter plus 8 per active row (SparseRowAdam: 4 per parameter of the
-        whole table plus 8 per row; dense Adam: 8 per parameter). The passes use one fp32 (A, dim)
-        workspace, kept between steps.
+        whole table plus 8 per row; dense Adam: 8 per parameter). On the CPU both are prefixes of
+        arrays with room for up to 1.25x the active rows (`STATE_ROOM`), so that new rows join in
+        place. The passes use one fp32 (A, dim) workspace and (A,) scratch (row norms, mask), kept
+        between steps.
     """
 
     def __init__(
@@ -77,7 +79,8 @@ class SparseSinkhorn(torch.optim.Optimizer):
                 f"backend must be 'auto' (numba on the CPU) or 'torch' (the plain twins), got {backend!r}"
             )
         self.threads, self.backend = threads, backend
-        self._work: dict[torch.dtype, torch.Tensor] = {}  # the (A, dim) workspace, grown as needed
+        self._work: dict[Any, torch.Tensor] = {}  # the (A, dim) workspace and (A,) scratch, grown as needed
+        self._room: dict[int, dict[str, Any]] = {}  # id(p) -> the numba merge's arrays (cpu_sinkhorn.merge)
         # Its own hyperparameters: torch's load_state_dict adds keys of its own to `defaults` (e.g.
         # 'differentiable'), which a saved group need not have.
         self._hyperparameters = tuple(defaults)
@@ -155,19 +158,24 @@ class SparseSinkhorn(torch.optim.Optimizer):
         active, mom, gidx = ops.merge(state["rows"], state["momentum"], grows)
         a, n = mom.shape
         u = self._workspace(sd, a, n, p.device)  # (A, n) the update, normalised in place
-        rho = torch.empty(a, dtype=torch.float64, device=p.device)  # (A,) row norms of the blend
-        keep = torch.empty(a, dtype=torch.bool, device=p.device)  # (A,) rows above the mask
+        rho = self._workspace(torch.float64, a, 1, p.device, "rho").view(a)  # (A,) row norms of the blend
+        keep = self._workspace(torch.bool, a, 1, p.device, "keep").view(a)  # (A,) rows above the mask
         beta, eps = float(group["beta"]), float(group["eps"])
         total, zero_rows = ops.blend(mom, gidx, g, beta, u, rho)
         total_all = self._all_reduce(torch.tensor([total], dtype=torch.float64, device=p.device), p)
         thresh = float(group["tau"]) * float(total_all[0]) / self._table_rows(p)
         colsq = ops.rows(u, rho, thresh, eps, keep)  # (n,) float64
         pairs = (int(group["iterations"]) - 1) // 2
+        step = float(group["lr_correction"]) * float(group["lr"]) * math.sqrt(n)
         for i in range(pairs):
             colsq = self._all_reduce(colsq, p)  # column norms run over every row of the table
             colinv = 1.0 / (colsq.sqrt() + eps)
-            colsq = ops.cols_rows(u, colinv, keep, eps, i < pairs - 1)  # the last pair ends on rows
-        ops.apply(p.data, active, u, keep, float(group["lr_correction"]) * float(group["lr"]) * math.sqrt(n))
+            if i < pairs - 1:
+                colsq = ops.cols_rows(u, colinv, keep, eps, True)
+            else:  # the last pair ends on rows, each kept row's update written to W at once
+                ops.cols_rows_apply(u, colinv, keep, eps, p.data, active, step)
+        if not pairs:  # K = 1: the row pass alone
+            ops.apply(p.data, active, u, keep, step)
         if zero_rows:  # rows whose momentum underflowed to zero leave the active set (exactly: N = 0)
             active, mom = ops.compact(active, mom)
         state["rows"], state["momentum"] = active, mom
@@ -175,26 +183,45 @@ class SparseSinkhorn(torch.optim.Optimizer):
     def _passes(self, p: torch.Tensor) -> SimpleNamespace:
         """The passes for p's device: numba on the CPU, Triton on CUDA (with triton), else torch."""
         if self.backend == "auto" and p.device.type == "cpu":
-            return _numba_passes(self.threads)
+            return _numba_passes(self.threads, self._room.setdefault(id(p), {}))
         triton = self.backend == "auto" and kernels.use_triton(p)
         ops: Any = kernels if triton else reference  # the Triton kernels or their torch twins
+        apply = kernels.sinkhorn_apply if triton else _torch_apply
+
+        def cols_rows_apply(
+            u: torch.Tensor,
+            colinv: torch.Tensor,
+            keep: torch.Tensor,
+            eps: float,
+            w: torch.Tensor,
+            rows: torch.Tensor,
+            step: float,
+        ) -> None:  # the last pair, then the apply: two passes here
+            ops.sinkhorn_cols_rows(u, colinv, keep, eps, False)
+            apply(w, rows, u, keep, step)
+
         return SimpleNamespace(
             merge=_merge,
             compact=_torch_compact,
             blend=ops.sinkhorn_blend,
             rows=ops.sinkhorn_rows,
             cols_rows=ops.sinkhorn_cols_rows,
-            apply=kernels.sinkhorn_apply if triton else _torch_apply,
+            cols_rows_apply=cols_rows_apply,
+            apply=apply,
         )
 
-    def _workspace(self, dtype: torch.dtype, a: int, n: int, device: torch.device) -> torch.Tensor:
-        """The (a, n) workspace of the passes, from a buffer kept between steps (grown by half)."""
-        buf = self._work.get(dtype)
+    def _workspace(
+        self, dtype: torch.dtype, a: int, n: int, device: torch.device, name: str = "u"
+    ) -> torch.Tensor:
+        """An (a, n) buffer of the passes (`name`: "u" the workspace, "rho", "keep"), kept between
+        steps (grown by half): fresh memory would cost a page fault every 4 KiB each step."""
+        key = (name, dtype)
+        buf = self._work.get(key)
         if buf is None or buf.numel() < a * n or buf.device != device:
             buf = torch.empty(
                 max(a * n, int(1.5 * (0 if buf is None else buf.numel()))), dtype=dtype, device=device
             )
-            self._work[dtype] = buf
+            self._work[key] = buf
         return buf[: a * n].view(a, n)
 
     # ------------------------------------------------------------------ state
@@ -226,6 +253,7 @@ class SparseSinkhorn(torch.optim.Optimizer):
             if saved:
                 _check_saved_state(pid, saved, p)
         super().load_state_dict(state_dict)
+        self._room.clear()  # the loaded states are new tensors
         for pid, p in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(pid)
             if saved:
@@ -289,8 +317,13 @@ def _torch_apply(
     w.index_add_(0, rows[kept], u[kept].to(w.dtype), alpha=-step)
 
 
-def _numba_passes(threads: int | None) -> SimpleNamespace:
-    """The numba kernels (engram.kernels.cpu_sinkhorn) behind the torch passes' signatures."""
+STATE_ROOM = 1.25  # a growing active set's rows and momentum get room for this many times their rows
+
+
+def _numba_passes(threads: int | None, room: dict[str, Any]) -> SimpleNamespace:
+    """The numba kernels (engram.kernels.cpu_sinkhorn) behind the torch passes' signatures. `room`:
+    one table's arrays that its state's rows and momentum (and the merge's gidx) are prefixes of,
+    kept between steps, so that `merge` adds new rows in place (`cpu_sinkhorn.merge`)."""
     from engram.kernels import cpu_sinkhorn as k
 
     def apply(w: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, keep: torch.Tensor, step: float) -> None:
@@ -299,8 +332,38 @@ def _numba_passes(threads: int | None) -> SimpleNamespace:
         else:  # a bf16 / fp16 table
             _torch_apply(w, rows, u, keep, step)
 
+    def cols_rows_apply(
+        u: torch.Tensor,
+        colinv: torch.Tensor,
+        keep: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        rows: torch.Tensor,
+        step: float,
+    ) -> None:
+        colinv_np = colinv.to(u.dtype).numpy()
+        if w.dtype == u.dtype and w.is_contiguous():  # one sweep: each row's update written at once
+            k.cols_rows_apply(u.numpy(), colinv_np, keep.numpy(), eps, w.numpy(), rows.numpy(), step, threads)
+        else:  # a bf16 / fp16 table
+            k.cols_rows(u.numpy(), colinv_np, keep.numpy(), eps, False, threads)
+            _torch_apply(w, rows, u, keep, step)
+
     def merge(rows: torch.Tensor, mom: torch.Tensor, grows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        merged = k.merge(rows.numpy(), mom.numpy(), grows.numpy())
+        rows_np, mom_np = rows.numpy(), mom.numpy()
+        rows_room, mom_room = room.get("rows"), room.get("momentum")
+        if (  # the state is a prefix of the room (else it was set from outside: a loaded state)
+            rows_room is None
+            or mom_room is None
+            or rows_room.ctypes.data != rows_np.ctypes.data
+            or mom_room.ctypes.data != mom_np.ctypes.data
+            or mom_room.dtype != mom_np.dtype
+            or mom_room.shape[1:] != mom_np.shape[1:]
+        ):
+            rows_room = mom_room = None
+        merged = k.merge(rows_np, mom_np, grows.numpy(), rows_room, mom_room, room.get("gidx"), STATE_ROOM)
+        for key, x, given in zip(("rows", "momentum", "gidx"), merged, (rows_np, mom_np, None), strict=True):
+            if x is not given:  # a prefix of a room (one given or a new one): its .base
+                room[key] = x.base if x.base is not None else x
         return tuple(torch.from_numpy(x) for x in merged)
 
     def compact(rows: torch.Tensor, mom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,6 +382,7 @@ def _numba_passes(threads: int | None) -> SimpleNamespace:
         cols_rows=lambda u, colinv, keep, eps, want: torch.from_numpy(
             k.cols_rows(u.numpy(), colinv.to(u.dtype).numpy(), keep.numpy(), eps, want, threads)
         ),
+        cols_rows_apply=cols_rows_apply,
         apply=apply,
     )
 
