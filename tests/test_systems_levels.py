@@ -33,7 +33,7 @@ def backing(request, tmp_path):
     return t, t
 
 
-@pytest.mark.parametrize("budgets", [(1, 1), (7, 20), (40, 120), (300, 300), (64, 8)])
+@pytest.mark.parametrize("budgets", [(1, 1), (7, 20), (40, 120), (300, 300), (64, 8), (7, 0), (64, 0)])
 def test_bit_exact_random_and_repeated(backing, budgets) -> None:
     t, b = backing
     lt = LevelTable(b, device_rows=budgets[0], host_rows=budgets[1])
@@ -51,9 +51,13 @@ def test_bit_exact_random_and_repeated(backing, budgets) -> None:
         assert torch.equal(_bits(got), _bits(t.gather(rows.long(), dtype)))
     s = lt.stats()
     assert s["device"]["hits"] + s["device"]["misses"] == s["rows_distinct"]
-    assert s["host"]["hits"] + s["host"]["misses"] == s["device"]["misses"]
-    assert s["backing"]["hits"] == s["host"]["misses"]
-    assert s["backing"]["bytes_in"] == s["host"]["misses"] * 66  # 64 values + 2 scales
+    if budgets[1]:
+        assert s["host"]["hits"] + s["host"]["misses"] == s["device"]["misses"]
+        assert s["backing"]["hits"] == s["host"]["misses"]
+    else:  # no host level: level 1's misses read from the backing store
+        assert s["host"]["hits"] == s["host"]["misses"] == 0
+        assert s["backing"]["hits"] == s["device"]["misses"]
+    assert s["backing"]["bytes_in"] == s["backing"]["hits"] * 66  # 64 values + 2 scales
 
 
 def test_all_rows_and_float64(backing) -> None:
@@ -111,7 +115,8 @@ def test_verify_counts_corrupted_cache_and_file(tmp_path) -> None:
     ("kw", "match"),
     [
         ({"device_rows": 0, "host_rows": 10}, r"device_rows=0 rows.*budget >= 1.*TieredTable"),
-        ({"device_rows": 10, "host_rows": 0}, r"host_rows=0"),
+        ({"device_rows": 10, "host_rows": -1}, r"host_rows=-1"),
+        ({"device_rows": 10, "host_rows": 0, "host_policy": "lru"}, r"host_rows=0 leaves out the host level"),
         (
             {"device_rows": 301, "host_rows": 10},
             r"device_rows=301 rows is larger than the table \(300 rows\)",

@@ -38,10 +38,13 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tiers": ("bench_tiers", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
     "levels": ("bench_levels", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 3}),
     "hf": ("bench_hf", {}, {"seq": 128, "steps": 2, "new_tokens": 8, "repeats": 1}),
+    # needs vLLM (the plugin's environment): skipped elsewhere
+    "vllm": ("bench_vllm", {}, {"prompt_tokens": 64, "new_tokens": 32, "repeats": 1, "table_rows": 50_000}),
 }
 
 # (key, unit, scale) in order of preference for the throughput column
 _THROUGHPUT = (
+    ("output_tokens_per_s", "tok/s", 1.0),  # generated tokens (serving)
     ("tokens_per_s", "M tok/s", 1e-6),
     ("rows_per_s", "M rows/s", 1e-6),
     ("us_per_step", "us/step", 1.0),

@@ -58,9 +58,11 @@ class LevelStats:
         }
 
 
-def _budget(name: str, value: object, num_rows: int) -> int:
+def _budget(name: str, value: object, num_rows: int, *, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}={value!r} must be an int number of rows")
+    if allow_zero and value == 0:
+        return 0
     if value < 1:
         raise ValueError(
             f"{name}={value} rows: a level needs a budget >= 1 row; to leave out a cache level use "
@@ -92,7 +94,8 @@ class LevelTable(EngramTable):
     """A frozen FP8 table in three levels: `device_rows` on `device`, `host_rows` in DRAM, `backing` below.
 
     `backing`: a `RowFile` (SSD, positional reads), an `MmapFP8Table` (SSD, memory-mapped) or an
-    `FP8Table` on the host. `device_policy` / `host_policy`: the caches' replacement policies (None: the
+    `FP8Table` on the host. `host_rows=0` leaves the host level out (on a CPU-only machine level 1
+    is already in DRAM: a second DRAM level behind it only repeats its work). `device_policy` / `host_policy`: the caches' replacement policies (None: the
     `RowCache` default); `*_pinned_rows`: the rows a pinned policy pins (`RowCache(pinned_rows=...)`). `verify`: re-read every served row from `backing` and count
     mismatches (`stats()["verify_mismatches"]`); off by default (it reads every row twice).
     """
@@ -126,10 +129,14 @@ class LevelTable(EngramTable):
         self.row_bytes = fp8_row_bytes(self.dim)
         self.device = as_device(device)
         d = _budget("device_rows", device_rows, self.num_rows)
-        h = _budget("host_rows", host_rows, self.num_rows)
+        h = _budget("host_rows", host_rows, self.num_rows, allow_zero=True)
+        if not h and (host_policy is not None or host_pinned_rows is not None):
+            raise ValueError("host_rows=0 leaves out the host level: drop host_policy / host_pinned_rows")
         self.verify = bool(verify)
         self.l1 = _cache("device", d, self.dim, self.device, device_policy, device_pinned_rows)
-        self.l2 = _cache("host", h, self.dim, torch.device("cpu"), host_policy, host_pinned_rows)
+        self.l2 = (
+            _cache("host", h, self.dim, torch.device("cpu"), host_policy, host_pinned_rows) if h else None
+        )
         self.levels = [LevelStats("device", d), LevelStats("host", h), LevelStats("backing", self.num_rows)]
         self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
         self.reset_stats()
@@ -209,7 +216,14 @@ class LevelTable(EngramTable):
         t0 = time.perf_counter()
         v1 = np.empty((m1, self.dim), dtype=np.uint8)  # level-1 misses' bytes, assembled on the host
         s1 = np.empty((m1, nb), dtype=np.uint8)
-        if m1:
+        if m1 and l2 is None:  # no host level: level 1's misses come from the backing store
+            t1 = time.perf_counter()
+            self._read_backing(miss1, v1, s1)
+            lv2.seconds += time.perf_counter() - t1
+            lv3.hits += m1
+            lv3.bytes_in += m1 * self.row_bytes
+        elif m1:
+            assert l2 is not None
             # a pinned policy may list level 1's misses admitted-first: level 2 plans them sorted
             order = np.argsort(miss1, kind="stable") if (np.diff(miss1) < 0).any() else None
             sorted1 = miss1 if order is None else miss1[order]
@@ -298,5 +312,5 @@ class LevelTable(EngramTable):
     def extra_repr(self) -> str:
         return (
             f"num_rows={self.num_rows}, dim={self.dim}, device={self.device}, device_rows={self.l1.capacity}, "
-            f"host_rows={self.l2.capacity}, backing={type(self.backing).__name__}, verify={self.verify}"
+            f"host_rows={0 if self.l2 is None else self.l2.capacity}, backing={type(self.backing).__name__}, verify={self.verify}"
         )

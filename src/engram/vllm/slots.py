@@ -119,11 +119,12 @@ class SlotTokens:
             at = np.repeat(heads, k) + (np.arange(total) - np.repeat(np.cumsum(k) - k, k))
             seq[at] = prev
             own[at] = False
-        seq[own] = np.concatenate([ids[b:e] for b, e in zip(begin, end, strict=True)])
+        run_lens = end - begin
+        where = np.arange(int(run_lens.sum())) + np.repeat(begin - (np.cumsum(run_lens) - run_lens), run_lens)
+        seq[own] = ids[where]  # the runs' own tokens, in order (`where`: their places in the batch)
         starts = np.zeros(seq.shape[0], dtype=bool)
         starts[heads] = True
         rows = self.hasher.hash(seq[None], starts=starts[None])[0]
-        where = np.concatenate([np.arange(b, e) for b, e in zip(begin, end, strict=True)])
         out[torch.from_numpy(where)] = torch.from_numpy(np.ascontiguousarray(rows[own]))
         return out
 
