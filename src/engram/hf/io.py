@@ -32,6 +32,7 @@ __all__ = [
     "engram_part",
     "export_fp8",
     "load_engram",
+    "read_options",
     "save_engram",
 ]
 
@@ -80,6 +81,28 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     return _save(model, directory, fp8=True)
 
 
+def read_options(part: str | os.PathLike[str]) -> dict[str, Any]:
+    """The attachment options (`boundaries`, `eos_token_id`) an Engram part's folder records; {} for a
+    part saved before there were any. Present but unreadable is refused, never skipped."""
+    d = Path(part)
+    if not os.path.lexists(d / OPTIONS_FILE):
+        return {}
+    try:  # a folder, a FIFO (never opened: that blocks), a link out of the part: refused
+        path = member_file(d, OPTIONS_FILE, f"{d}: the Engram part's attachment options")
+    except ValueError as e:
+        raise ValueError(
+            f"{e}. It records how the part was attached (boundaries, eos_token_id): restore the "
+            "JSON file save_engram wrote, or save the part again"
+        ) from None
+    options = read_json(path)
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"{path}: expected a JSON object ({{'boundaries': ..., 'eos_token_id': ...}}), got "
+            f"{type(options).__name__}; restore the file save_engram wrote, or save the part again"
+        )
+    return options
+
+
 def load_engram(
     model: nn.Module,
     directory: str | os.PathLike[str],
@@ -121,21 +144,7 @@ def load_engram(
     if not comp_path.is_file():
         raise FileNotFoundError(f"{comp_path}: missing (the tokenizer compression map save_engram writes)")
     compression = TokenizerCompression.load(comp_path, tokenizer)
-    options: dict[str, Any] = {}  # none written (a part saved before options were): no boundaries
-    if os.path.lexists(d / OPTIONS_FILE):  # present but unreadable is refused, never skipped
-        try:  # a folder, a FIFO (never opened: that blocks), a link out of the part: refused
-            path = member_file(d, OPTIONS_FILE, f"{d}: the Engram part's attachment options")
-        except ValueError as e:
-            raise ValueError(
-                f"{e}. It records how the part was attached (boundaries, eos_token_id): restore the "
-                "JSON file save_engram wrote, or save the part again"
-            ) from None
-        options = read_json(path)
-        if not isinstance(options, dict):
-            raise ValueError(
-                f"{path}: expected a JSON object ({{'boundaries': ..., 'eos_token_id': ...}}), got "
-                f"{type(options).__name__}; restore the file save_engram wrote, or save the part again"
-            )
+    options = read_options(d)
     p = next(iter(model.parameters()), None)
     dtype = p.dtype if p is not None and p.dtype in (torch.float32, torch.bfloat16) else torch.float32
     config, modules = load_engram_modules(d, config, mmap=mmap, dtype=dtype)

@@ -10,19 +10,15 @@ refusal names the value and the fix. Knows files and configs, nothing of vLLM.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engram.addressing.compression import TokenizerCompression
-from engram.checkpoint.files import member_file
-from engram.checkpoint.json_file import read_json
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41 import read_checkpoint_config, stored_tables
 from engram.config import EngramConfig, Variant
-from engram.hf.io import OPTIONS_FILE, PART_FOLDER
+from engram.hf.io import OPTIONS_FILE, PART_FOLDER, read_options
 
 __all__ = ["TOKENIZER_FILE", "EngramPart", "PartError", "read_part"]
 
@@ -106,7 +102,10 @@ def read_part(
             f"{part}'s compression map does not fit the tokenizer {tok_file}: {e}; serve the part with the "
             "tokenizer it was saved with"
         ) from None
-    options = _options(part)
+    try:
+        options = read_options(part)
+    except (ValueError, OSError) as e:
+        raise PartError(str(e)) from None
     boundaries, eos = options.get("boundaries"), options.get("eos_token_id")
     if boundaries not in (None, "eos", "position_ids"):
         raise PartError(
@@ -124,17 +123,3 @@ def read_part(
     if fp8 and len(fp8_tables) != len(config.layer_ids):
         raise PartError(f"{part}: some layers' tables are FP8 and some float; save the part again")
     return EngramPart(d, part, config, compression, boundaries, eos, fp8)
-
-
-def _options(part: Path) -> dict[str, Any]:
-    """The attachment options save_engram wrote ({} for a part saved before there were any)."""
-    if not os.path.lexists(part / OPTIONS_FILE):
-        return {}
-    try:
-        path = member_file(part, OPTIONS_FILE, f"{part}: the Engram part's attachment options")
-        options = read_json(path)
-    except (ValueError, OSError, json.JSONDecodeError) as e:
-        raise PartError(f"{e}; restore the JSON file save_engram wrote, or save the part again") from None
-    if not isinstance(options, dict):
-        raise PartError(f"{part / OPTIONS_FILE}: expected a JSON object, got {type(options).__name__}")
-    return options
