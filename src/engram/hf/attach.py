@@ -32,6 +32,7 @@ __all__ = [
     "DECODER_LAYER_PATHS",
     "EngramAttachment",
     "add_engram",
+    "boundary_config",
     "find_decoder_layers",
     "find_decoder_stack",
     "get_attachment",
@@ -273,18 +274,10 @@ def add_engram(
             f"layer ids {bad} are out of range: {type(model).__name__} has {len(decoder)} decoder layers "
             f"(ids 0..{len(decoder) - 1})"
         )
-    if boundaries not in (None, "eos", "position_ids"):
-        raise ValueError(f"boundaries={boundaries!r}: use None (V4.1), 'eos' or 'position_ids'")
-    if boundaries == "eos":
-        if eos_token_id is None:
-            eos = getattr(getattr(model, "config", None), "eos_token_id", None)
-            eos_token_id = eos[0] if isinstance(eos, list | tuple) and eos else eos
-        if not isinstance(eos_token_id, int) or not 0 <= eos_token_id < config.vocab_size:
-            raise ValueError(
-                f"boundaries='eos' needs an eos_token_id in [0, {config.vocab_size}), got {eos_token_id!r}"
-            )
-    if boundaries == "eos":  # the hasher and its streams restart windows after EOS themselves
-        config = config.replace(restart_after_id=eos_token_id)
+    if boundaries == "eos" and eos_token_id is None:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+        eos_token_id = eos[0] if isinstance(eos, list | tuple) and eos else eos
+    config = boundary_config(config, boundaries, eos_token_id)
     hasher = build_hasher(config, tokenizer, compression)
     p = _model_param(model)
     if dtype is None:
@@ -309,6 +302,26 @@ def add_engram(
     model.engram = att
     install_hooks(model, owner, att, decoder)
     return model
+
+
+def boundary_config(config: EngramConfig, boundaries: str | None, eos_token_id: int | None) -> EngramConfig:
+    """`config` with an attachment's window boundaries applied: `boundaries` None (V4.1), 'eos' (windows
+    restart after `eos_token_id`: the hasher and its streams do that themselves, through
+    `restart_after_id`) or 'position_ids' (the rows source restarts them; the config is unchanged).
+    Raises for another value, or for 'eos' without an id of the vocabulary."""
+    if boundaries not in (None, "eos", "position_ids"):
+        raise ValueError(f"boundaries={boundaries!r}: use None (V4.1), 'eos' or 'position_ids'")
+    if boundaries != "eos":
+        return config
+    if (
+        isinstance(eos_token_id, bool)
+        or not isinstance(eos_token_id, int)
+        or not 0 <= eos_token_id < config.vocab_size
+    ):
+        raise ValueError(
+            f"boundaries='eos' needs an eos_token_id in [0, {config.vocab_size}), got {eos_token_id!r}"
+        )
+    return config.replace(restart_after_id=eos_token_id)
 
 
 @torch.no_grad()

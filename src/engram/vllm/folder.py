@@ -18,6 +18,7 @@ from engram.addressing.compression import TokenizerCompression
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41 import read_checkpoint_config, stored_tables
 from engram.config import EngramConfig, Variant
+from engram.hf.attach import boundary_config
 from engram.hf.io import OPTIONS_FILE, PART_FOLDER, read_options
 
 __all__ = ["TOKENIZER_FILE", "EngramPart", "PartError", "read_part"]
@@ -107,14 +108,10 @@ def read_part(
     except (ValueError, OSError) as e:
         raise PartError(str(e)) from None
     boundaries, eos = options.get("boundaries"), options.get("eos_token_id")
-    if boundaries not in (None, "eos", "position_ids"):
-        raise PartError(
-            f"{part / OPTIONS_FILE}: boundaries={boundaries!r} is not None, 'eos' or 'position_ids'"
-        )
-    if boundaries == "eos":
-        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < config.vocab_size:
-            raise PartError(f"{part / OPTIONS_FILE}: boundaries 'eos' with eos_token_id={eos!r}")
-        config = config.replace(restart_after_id=eos)  # the hasher restarts windows after EOS itself
+    try:  # as engram.hf.load_engram attaches it: 'eos' becomes the hasher's restart rule
+        config = boundary_config(config, boundaries, eos)
+    except ValueError as e:
+        raise PartError(f"{part / OPTIONS_FILE}: {e}") from None
     try:
         _, fp8_tables = stored_tables(part, config)
     except ValueError as e:
