@@ -58,16 +58,20 @@ class _Engrams(nn.Module):
         self.layers = nn.ModuleDict({str(k): v for k, v in modules.items()})
 
 
+class _Step(threading.local):
+    rows: torch.Tensor | None = None  # [tokens, n_layers, heads] of the forward in progress
+
+
 class _Entrance:
     """Pre-hook of an Engram decoder layer: (positions, h, residual) -> (positions, Engram(h + r), None)."""
 
-    def __init__(self, owner: EngramServing, layer_id: int, index: int) -> None:
-        self.owner, self.layer_id, self.index = owner, layer_id, index
+    def __init__(self, step: _Step, module: nn.Module, layer_id: int, index: int) -> None:
+        self.step, self.module, self.layer_id, self.index = step, module, layer_id, index
 
     def __call__(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         call = dict(zip(_LAYER_ARGS, args, strict=False))
         call.update({k: kwargs.pop(k) for k in _LAYER_ARGS if k in kwargs})
-        rows = self.owner.engram_step.rows
+        rows = self.step.rows
         if rows is None:
             raise RuntimeError(
                 f"Engram layer {self.layer_id} ran without rows: the model's forward computes them; call it, "
@@ -75,14 +79,9 @@ class _Entrance:
             )
         hidden, residual = call["hidden_states"], call["residual"]
         h = hidden if residual is None else hidden + residual
-        module = self.owner.engram.layers[str(self.layer_id)]
         t = h.shape[0]
-        new = module(h[None, :, None, :], rows[None, :t, self.index], None)[0, :, 0]
+        new = self.module(h[None, :, None, :], rows[None, :t, self.index], None)[0, :, 0]
         return (call["positions"], new, None, *args[3:]), kwargs
-
-
-class _Step(threading.local):
-    rows: torch.Tensor | None = None  # [tokens, n_layers, heads] of the forward in progress
 
 
 def check_interface(base: type[nn.Module]) -> None:
@@ -125,6 +124,7 @@ class EngramServing:
         with torch.device("cpu"):  # our loader's tensors, whatever device vLLM builds under
             modules = load_tables(part, self.engram_options, mc.dtype)
         self.engram = _Engrams(modules)
+        self.__dict__["_engram_modules"] = modules  # {layer id: Engram}: the same modules, by int id
         self.engram_hasher = NgramHasher(part.config, part.compression)
         self.engram_slots = SlotTokens(self.engram_hasher, int(vllm_config.cache_config.block_size))
         self.engram_step = _Step()
@@ -134,7 +134,7 @@ class EngramServing:
         self._engram_kv = None  # the KV tensor the slot store was sized for
         self._engram_hooks = [
             layers[lid].register_forward_pre_hook(
-                _Entrance(self, lid, part.config.layer_index(lid)), with_kwargs=True
+                _Entrance(self.engram_step, modules[lid], lid, part.config.layer_index(lid)), with_kwargs=True
             )
             for lid in part.config.layer_ids
         ]
@@ -180,7 +180,7 @@ class EngramServing:
         rows = rows.to(dev)
         cfg = self.engram_part.config
         prefetch(
-            {int(k): m for k, m in self.engram.layers.items()},
+            self._engram_modules,
             {lid: rows[None, :, cfg.layer_index(lid)] for lid in cfg.layer_ids},
             self.engram_dtype,
         )
@@ -207,9 +207,7 @@ class EngramServing:
     def engram_stats(self) -> dict[str, Any]:
         """The served tables' counters by layer, and the look-back ids read from KV-cache slots."""
         return {
-            "tables": {
-                str(k): v for k, v in table_stats({int(k): m for k, m in self.engram.layers.items()}).items()
-            },
+            "tables": {str(k): v for k, v in table_stats(self._engram_modules).items()},
             "lookback_reads": self.engram_slots.lookback_reads,
             "options": {
                 "tables": self.engram_options.tables.value,
