@@ -1,0 +1,44 @@
+"""The V4.1 checkpoint format for Engram modules: safetensors shards + config.json, no pickle.
+
+`format` holds the format itself (file and tensor names, shard metadata, which tensors a config
+expects and the layout fingerprint rule), `writer` writes it atomically (`save_checkpoint`), `reader`
+checks every tensor and fingerprint before it builds modules (`load_engram_modules`, `stored_tables`).
+Each shard we write records the layout fingerprint (and each FP8 table's content fingerprint), so
+tables are never loaded under another layout; DeepSeek's files record none and load as they are.
+Conversions are `engram.checkpoint.convert`'s. Design: docs/checkpoint.md.
+"""
+
+from engram.checkpoint.v41.format import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    LAYOUT_FINGERPRINT_KEY,
+    TABLE_FINGERPRINT_KEY,
+    TableFormat,
+    foreign_config,
+    layer_prefix,
+)
+from engram.checkpoint.v41.reader import (
+    StoredTable,
+    load_engram_modules,
+    read_checkpoint_config,
+    stored_tables,
+)
+from engram.checkpoint.v41.writer import engram_state_dict, save_checkpoint
+
+__all__ = [
+    "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_FILE",
+    "LAYOUT_FINGERPRINT_KEY",
+    "TABLE_FINGERPRINT_KEY",
+    "StoredTable",
+    "TableFormat",
+    "engram_state_dict",
+    "foreign_config",
+    "layer_prefix",
+    "load_engram_modules",
+    "read_checkpoint_config",
+    "save_checkpoint",
+    "stored_tables",
+]

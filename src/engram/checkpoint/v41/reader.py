@@ -1,0 +1,244 @@
+"""Reading V4.1 checkpoints: the config, then every file's header checked against the format's rules
+(`engram.checkpoint.v41.format`: each expected tensor, the layout fingerprint) before any module is
+built; NaN / Inf refused; no file outside the folder read. DeepSeek's files record no fingerprints
+and load as they are. Safetensors I/O is `engram.checkpoint.files`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engram.checkpoint.files import TensorEntry, TensorFile, listed_names, member_file, open_tensors
+from engram.checkpoint.hf_config import from_hf_dict
+from engram.checkpoint.integrity import check_finite, check_fp8_table, scan_table
+from engram.checkpoint.json_file import read_json
+from engram.checkpoint.v41.format import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    TABLE_FINGERPRINT_KEY,
+    LayerPlan,
+    TableFormat,
+    config_diffs,
+    layout_problems,
+    plan_layers,
+)
+from engram.config import EngramConfig
+from engram.model.module import Engram
+from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+
+__all__ = ["StoredTable", "load_engram_modules", "read_checkpoint_config", "stored_tables"]
+
+
+def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str | None = None) -> EngramConfig:
+    """The EngramConfig of a checkpoint's config.json (refuses a num_embeddings its primes contradict)."""
+    path = Path(ckpt_dir) / CONFIG_FILE
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{path}: no config.json; pass config=... or save the checkpoint with one")
+    member_file(ckpt_dir, CONFIG_FILE, "the checkpoint's")  # a regular file, inside the folder
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return from_hf_dict(data, name=Path(ckpt_dir).name, tokenizer=tokenizer)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str], dict[Path, dict[str, str]]]:
+    """Headers of the checkpoint's files: ({tensor: entry}, problems, tensors whose file is unreadable,
+    {file: its metadata})."""
+    found: dict[str, TensorEntry] = {}
+    problems: list[str] = []
+    explained: set[str] = set()
+    metas: dict[Path, dict[str, str]] = {}
+    index_path = ckpt_dir / INDEX_FILE
+    if os.path.lexists(index_path):
+        member_file(ckpt_dir, INDEX_FILE, "the checkpoint's")  # a regular file, inside the folder
+        try:
+            weight_map = read_json(index_path)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not {tensor name: file name}")
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{index_path}: not a safetensors index ({e!r})") from None
+        by_file: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in sorted(by_file.items()):
+            try:
+                # refuses "../x", absolute paths, links out of the folder, FIFOs: before anything is opened
+                path = member_file(
+                    ckpt_dir, file, f"{index_path} maps {len(names)} tensor(s) (e.g. {names[0]}) to"
+                )
+                opened = open_tensors(path)
+                entries, metas[path] = opened.entries(), opened.metadata
+            except FileNotFoundError:
+                problems.append(
+                    f"{INDEX_FILE} maps {len(names)} tensor(s) (e.g. {names[0]}) to {file}, "
+                    f"which does not exist in {ckpt_dir}"
+                )
+                explained.update(names)
+                continue
+            except ValueError as e:
+                problems.append(str(e))
+                explained.update(names)
+                continue
+            for name in names:
+                if name in entries:
+                    found[name] = entries[name]
+                else:
+                    problems.append(f"{name}: {INDEX_FILE} maps it to {file}, which does not hold it")
+                    explained.add(name)
+        return found, problems, explained, metas
+
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt_dir}: no *.safetensors files and no {INDEX_FILE}: not a checkpoint")
+    for path in files:
+        try:
+            member_file(ckpt_dir, path.name, f"the checkpoint {ckpt_dir} holds")
+            opened = open_tensors(path)
+            entries, metas[path] = opened.entries(), opened.metadata
+        except ValueError as e:
+            problems.append(str(e))
+            explained.update(listed_names(path))  # what the damaged file held: unreadable, not "missing"
+            continue
+        for name, entry in entries.items():
+            if name in found:
+                problems.append(
+                    f"{name}: in both {found[name].path.name} and {path.name}; remove one of them"
+                )
+            found[name] = entry
+    return found, problems, explained, metas
+
+
+def _plan(
+    ckpt_dir: Path, config: EngramConfig | None
+) -> tuple[EngramConfig, dict[int, LayerPlan], dict[Path, dict[str, str]]]:
+    """(config, per-layer plans, {file: metadata}) of a checkpoint, every check of `load_engram_modules`
+    but the data scans done: the config against config.json, every tensor, the layout fingerprint."""
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"{ckpt_dir}: no such checkpoint directory")
+    file_config = read_checkpoint_config(ckpt_dir) if (ckpt_dir / CONFIG_FILE).is_file() else None
+    if config is None:
+        if file_config is None:
+            raise FileNotFoundError(f"{ckpt_dir / CONFIG_FILE}: no config.json; pass config=...")
+        config = file_config
+    elif file_config is not None:
+        diffs = config_diffs(config, file_config, stored_only=True)
+        if diffs:
+            raise ValueError(
+                f"config {config.name!r} disagrees with {ckpt_dir / CONFIG_FILE} (given vs file): "
+                + "; ".join(diffs)
+            )
+        if config.declared_num_embeddings is None:
+            config = dataclasses.replace(config, declared_num_embeddings=file_config.declared_num_embeddings)
+
+    found, problems, explained, metas = _scan(ckpt_dir)
+    plans = plan_layers(config, found, problems, explained)
+    problems += layout_problems(config, metas)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"checkpoint {ckpt_dir} does not match config {config.name!r} "
+            f"({len(problems)} problem(s)):\n{lines}"
+        )
+    return config, plans, metas
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTable:
+    """One layer's FP8 table as a checkpoint stores it: its two tensors (nothing read) and the content
+    fingerprint save_checkpoint recorded (`table_fingerprint`; None in a file it did not write)."""
+
+    weight: TensorEntry
+    scale: TensorEntry
+    fingerprint: str | None
+
+
+def stored_tables(
+    ckpt_dir: str | os.PathLike[str], config: EngramConfig | None = None
+) -> tuple[EngramConfig, dict[int, StoredTable]]:
+    """(config, {layer_id: StoredTable}) of a checkpoint's FP8 tables (float tables are left out), checked
+    as `load_engram_modules` checks them (every tensor, the layout fingerprint); no data is read."""
+    config, plans, metas = _plan(Path(ckpt_dir), config)
+    out = {}
+    for layer_id, plan in plans.items():
+        if plan.fmt is TableFormat.FP8:
+            assert plan.scale is not None
+            fp = metas.get(plan.weight.path, {}).get(f"{TABLE_FINGERPRINT_KEY}.{layer_id}")
+            out[layer_id] = StoredTable(plan.weight, plan.scale, fp)
+    return config, out
+
+
+def load_engram_modules(
+    ckpt_dir: str | os.PathLike[str],
+    config: EngramConfig | None = None,
+    *,
+    mmap: bool = True,
+    dtype: torch.dtype | None = torch.float32,
+    verify: bool = False,
+) -> tuple[EngramConfig, dict[int, Engram]]:
+    """Load the Engram modules of a checkpoint: (config, {layer_id: Engram}).
+
+    `config` defaults to the checkpoint's config.json (a given one must agree with it). Every expected
+    tensor is checked (present, dtype, shape) before anything is built, and so is the layout fingerprint
+    each file we wrote records (a config.json whose seed was edited is refused); all problems are
+    reported in one ValueError. FP8 tables load as `MmapFP8Table` (mmap=True) or `FP8Table` (in
+    memory), float tables as `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
+    NaN / Inf (for FP8 tables, NaN bytes) is refused in every module weight and in every table up to
+    `SCAN_LIMIT_BYTES`; larger tables are scanned with `verify=True` only (else an `UnscannedTableWarning`).
+    """
+    config, plans, _ = _plan(Path(ckpt_dir), config)
+
+    opened: dict[Path, TensorFile] = {}
+
+    def read(e: TensorEntry, to: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor `e` copied into memory (cast to `to`): the file's mapping is only read from."""
+        f = opened.get(e.path) or opened.setdefault(e.path, open_tensors(e.path))
+        return f.tensor(e.name).to(to, copy=True)
+
+    def check(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
+        check_finite(t, f"{e.path}: tensor {e.name!r}")
+        return t
+
+    modules: dict[int, Engram] = {}
+    for layer_id, plan in plans.items():
+        state = {k: check(e, read(e, dtype)) for k, e in plan.others.items()}  # wkv, q_weight, k_weight
+        table: FP8Table | MmapFP8Table | TrainableTable
+        if plan.fmt is TableFormat.FP8:
+            assert plan.scale is not None
+            if mmap:
+                table = MmapFP8Table(
+                    plan.weight.path, plan.weight.name, plan.scale.name, scale_path=plan.scale.path
+                )
+            else:
+                table = FP8Table(read(plan.weight), read(plan.scale))
+            assert isinstance(table.weight, torch.Tensor) and isinstance(table.scale, torch.Tensor)
+            nbytes = table.weight.numel() + table.scale.numel()  # one byte each
+            where = f"{plan.weight.path}: table {plan.weight.name!r} (with {plan.scale.name!r})"
+            if scan_table(nbytes, verify, where):
+                check_fp8_table(table.weight, table.scale, where)
+        else:
+            data = read(plan.weight)
+            where = f"{plan.weight.path}: table {plan.weight.name!r}"
+            if scan_table(data.numel() * data.element_size(), verify, where):
+                check_finite(data, where)
+            want = dtype if dtype is not None else data.dtype
+            if want not in (torch.float32, torch.bfloat16, torch.float64):
+                want = torch.float32  # a TrainableTable is fp32/bf16/fp64
+            rows, dim = data.shape
+            table = TrainableTable(rows, dim, dtype=want, device="meta")
+            table.weight = nn.Parameter(data.to(want))
+        module = Engram(config, layer_id, table=table, device="meta", dtype=dtype or torch.float32)
+        result = module.load_state_dict(state, strict=False, assign=True)
+        assert not result.unexpected_keys and all(k.startswith("table.") for k in result.missing_keys), result
+        assert not any(t.is_meta for t in module.state_dict().values()), (
+            "a weight was left on the meta device"
+        )
+        modules[layer_id] = module
+    return config, modules
