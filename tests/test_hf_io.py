@@ -176,3 +176,132 @@ def test_save_engram_beside_any_foreign_config(tmp_path, content):
     part = save_engram(_trained(), tmp_path)
     assert part == tmp_path / "engram" and (part / "config.json").is_file()
     assert (tmp_path / "config.json").read_text() == content
+
+
+# ------------------------------------------------------------------- the part's dtype (issue 26 item 13)
+def test_float64_model_loads_its_part_in_float64(tmp_path):
+    """A float64 model's part loads in float64 (it loaded as float32: logits ~5e-8 off); `dtype=` picks
+    another one."""
+    model = add_engram(
+        S.llama().double(), S.engram_config((0, 2)), compression=S.compression(), dtype=torch.float64
+    )
+    with torch.no_grad():
+        for m in model.engram.layers.values():
+            m.wkv.weight.normal_(std=0.3)
+            m.table.weight.normal_(std=1.0)
+    x = S.batch(2, 9)
+    ref = model(x).logits
+    save_engram(model, tmp_path / "e")
+    fresh = load_engram(S.llama().double(), tmp_path / "e")
+    for m in fresh.engram.layers.values():
+        assert {t.dtype for t in m.state_dict().values()} == {torch.float64}
+    torch.testing.assert_close(fresh(x).logits, ref, rtol=0, atol=1e-12)
+    as32 = load_engram(S.llama().double(), tmp_path / "e", dtype=torch.float32)
+    assert as32.engram.module(0).wkv.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match=r"dtype=torch.int64: give torch.float32"):
+        load_engram(S.llama().double(), tmp_path / "e", dtype=torch.int64)
+    # add_engram on a float64 model makes float64 modules too, so the round trip is exact by default
+    assert (
+        add_engram(S.llama().double(), S.engram_config(), compression=S.compression())
+        .engram.module(1)
+        .wkv.weight.dtype
+        == torch.float64
+    )
+
+
+# ------------------------------------------------------- the folder's own tokenizer (issue 26 item 17)
+def _same_size_other_tokenizer():
+    """S.tokenizer() with two ids swapped: another tokenizer of the same size (another fingerprint)."""
+    from tokenizers import Tokenizer
+
+    d = json.loads(S.tokenizer().to_str())
+    vocab = d["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    other = Tokenizer.from_str(json.dumps(d))
+    assert other.get_vocab_size() == S.tokenizer().get_vocab_size()
+    return other
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    model = _trained()
+    d = tmp_path / "hf"
+    model.save_pretrained(d)
+    save_engram(model, d)
+    return d
+
+
+def test_load_checks_the_folders_own_tokenizer(hf_folder):
+    import warnings
+
+    from engram.hf.io import TokenizerNotCheckedWarning
+
+    _same_size_other_tokenizer().save(str(hf_folder / "tokenizer.json"))
+    fresh = S.llama()
+    with pytest.raises(
+        ValueError, match=r"compression.safetensors does not fit the tokenizer .*tokenizer.json"
+    ):
+        load_engram(fresh, hf_folder)  # no tokenizer given: the folder's is the model's
+    assert not hasattr(fresh, "engram")
+    S.tokenizer().save(str(hf_folder / "tokenizer.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked: nothing to warn of
+        load_engram(S.llama(), hf_folder)
+    (hf_folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer.json is not a tokenizer.json tokenizers can read"):
+        load_engram(S.llama(), hf_folder)
+    (hf_folder / "tokenizer.json").unlink()
+    with pytest.warns(TokenizerNotCheckedWarning, match=r"not checked against a tokenizer.*tokenizer=\.\.\."):
+        load_engram(S.llama(), hf_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_engram(S.llama(), hf_folder, tokenizer=S.tokenizer())  # a given tokenizer is checked
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_load_refuses_a_tokenizer_json_that_is_not_a_file(hf_folder, mkfifo, kind):
+    path = hf_folder / "tokenizer.json"
+    if kind == "fifo":
+        mkfifo(path)
+    else:
+        path.mkdir()
+    fresh = S.llama()
+    what = "a named pipe" if kind == "fifo" else "a folder"
+    with pytest.raises(ValueError, match=rf"tokenizer.json is {what}.*, not a tokenizer.json"):
+        load_engram(fresh, hf_folder)
+    assert not hasattr(fresh, "engram")
+
+
+def test_load_refuses_part_files_that_are_not_what_they_should_be(hf_folder, mkfifo, tmp_path):
+    import shutil
+
+    comp = hf_folder / "engram" / "compression.safetensors"
+    comp.unlink()
+    mkfifo(comp)  # was reported "missing"
+    with pytest.raises(ValueError, match=r"'compression.safetensors': a named pipe .*save the part again"):
+        load_engram(S.llama(), hf_folder)
+    comp.unlink()
+    with pytest.raises(FileNotFoundError, match=r"'compression.safetensors', which does not exist"):
+        load_engram(S.llama(), hf_folder)
+    shutil.rmtree(hf_folder / "engram")
+    (hf_folder / "engram").write_text("not a folder")  # was reported "missing"
+    with pytest.raises(ValueError, match=r"engram is a file, not the folder of an Engram part"):
+        load_engram(S.llama(), hf_folder)
+
+
+def test_a_config_json_that_is_a_fifo_does_not_hang(tmp_path, mkfifo):
+    """An HF folder whose config.json is a FIFO: the part is found in engram/ without reading it."""
+    save_engram(_trained(), tmp_path / "engram")
+    mkfifo(tmp_path / "config.json")
+    assert hasattr(load_engram(S.llama(), tmp_path), "engram")
+
+
+def test_load_refuses_a_part_for_a_larger_vocabulary(tmp_path):
+    save_engram(_trained(), tmp_path / "e")
+    small = S.llama()
+    small.resize_token_embeddings(S.vocab() - 10)
+    with pytest.raises(
+        ValueError, match=rf"vocabulary of {S.vocab()}, but LlamaForCausalLM has {S.vocab() - 10}"
+    ):
+        load_engram(small, tmp_path / "e")
+    assert not hasattr(small, "engram")

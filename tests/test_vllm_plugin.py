@@ -49,7 +49,7 @@ def test_refusals_name_the_value(float_folder, tmp_path):
         read_part(float_folder, **{**SHAPE, "hidden_size": 384})
     with pytest.raises(PartError, match=r"layers \[1\], but the backbone .* has 1 decoder layers"):
         read_part(float_folder, **{**SHAPE, "num_layers": 1})
-    with pytest.raises(PartError, match=r"vocabulary of 1000, larger than the backbone's 500"):
+    with pytest.raises(PartError, match=r"vocabulary of 1000, but the backbone .* has 500 token ids"):
         read_part(float_folder, **{**SHAPE, "vocab_size": 500})
     plain = vllm_setup.build_folder(tmp_path / "plain", engram=False)
     with pytest.raises(FileNotFoundError, match=r"has no Engram part .*save_engram"):
@@ -103,6 +103,89 @@ def test_eos_boundaries_become_the_restart_rule(tmp_path):
     (tmp_path / "m" / "engram" / "engram_hf.json").write_text("[1, 2]")
     with pytest.raises(PartError, match=r"expected a JSON object"):
         read_part(tmp_path / "m", **SHAPE)
+
+
+@pytest.fixture
+def folder_copy(float_folder, tmp_path):
+    import shutil
+
+    return shutil.copytree(float_folder, tmp_path / "model")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_tokenizer_json_that_is_not_a_file_is_refused(folder_copy, mkfifo, kind):
+    """It was skipped without a word (the map then went unchecked); a FIFO is never opened."""
+    path = folder_copy / "tokenizer.json"
+    if kind == "fifo":
+        mkfifo(path)
+    else:
+        path.mkdir()
+    what = "a named pipe" if kind == "fifo" else "a folder"
+    with pytest.raises(
+        PartError, match=rf"tokenizer.json is {what}.*, not a tokenizer.json, so .* cannot be checked"
+    ):
+        read_part(folder_copy, **SHAPE)
+
+
+def test_a_missing_tokenizer_folder_is_refused_and_a_missing_tokenizer_said(float_folder, tmp_path):
+    from engram.hf.io import TokenizerNotCheckedWarning
+
+    with pytest.raises(
+        PartError, match=r"the tokenizer folder .*nope is missing, so the Engram part .* cannot be"
+    ):
+        read_part(float_folder, **SHAPE, tokenizer_dir=tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PartError, match=r"the tokenizer folder .*file is a file"):
+        read_part(float_folder, **SHAPE, tokenizer_dir=tmp_path / "file")
+    # no tokenizer.json (vLLM with skip_tokenizer_init serves token ids): served, and said
+    with pytest.warns(
+        TokenizerNotCheckedWarning,
+        match=r"not checked against a tokenizer \(no tokenizer given and no .*tokenizer.json\)",
+    ):
+        assert read_part(float_folder, **SHAPE).tokenizer is None
+
+
+def test_part_files_that_are_not_what_they_should_be_are_named(folder_copy, mkfifo):
+    import shutil
+
+    comp = folder_copy / "engram" / "compression.safetensors"
+    comp.unlink()
+    mkfifo(comp)  # was reported "missing"
+    with pytest.raises(PartError, match=r"'compression.safetensors': a named pipe \(FIFO\), not a file"):
+        read_part(folder_copy, **SHAPE)
+    shutil.rmtree(folder_copy / "engram")
+    (folder_copy / "engram").write_text("{}")  # was reported "missing"
+    with pytest.raises(PartError, match=r"engram is a file, not the folder of an Engram part"):
+        read_part(folder_copy, **SHAPE)
+
+
+def test_the_tokenizer_checked_is_recorded(tmp_path):
+    import warnings
+
+    from engram.addressing.compression import TokenizerCompression
+    from engram.hf import add_engram, save_engram
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    tokenizer = _word_level(vllm_setup.VOCAB)
+    tokenizer.save(str(tok / "tokenizer.json"))
+    model = vllm_setup.backbone("llama")
+    add_engram(model, vllm_setup.engram_config(), compression=TokenizerCompression.from_tokenizer(tokenizer))
+    model.save_pretrained(tmp_path / "m")
+    save_engram(model, tmp_path / "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        part = read_part(tmp_path / "m", **SHAPE, tokenizer_dir=tok)
+    assert part.tokenizer == str(tok / "tokenizer.json")
+
+
+def _word_level(size):
+    """A word-level tokenizer of exactly `size` ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
 
 
 # ------------------------------------------------------------------------------------ the tables

@@ -33,6 +33,7 @@ __all__ = [
     "EngramAttachment",
     "add_engram",
     "boundary_config",
+    "engram_dtype",
     "find_decoder_layers",
     "find_decoder_stack",
     "get_attachment",
@@ -120,6 +121,17 @@ def model_hidden_size(model: nn.Module) -> int | None:
 
 def _model_param(model: nn.Module) -> torch.Tensor | None:
     return next(iter(model.parameters()), None)
+
+
+def engram_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype Engram modules take on `model`: its parameters' when a trainable table can have it
+    (float32, bfloat16, float64), else float32 (a float16 model's table would lose small updates)."""
+    p = _model_param(model)
+    return (
+        p.dtype
+        if p is not None and p.dtype in (torch.float32, torch.bfloat16, torch.float64)
+        else torch.float32
+    )
 
 
 class EngramAttachment(nn.Module):
@@ -281,7 +293,7 @@ def add_engram(
     hasher = build_hasher(config, tokenizer, compression)
     p = _model_param(model)
     if dtype is None:
-        dtype = p.dtype if p is not None and p.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        dtype = engram_dtype(model)
     if modules is None:
         modules = {}
         for lid in config.layer_ids:

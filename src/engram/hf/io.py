@@ -5,30 +5,47 @@ of DeepSeek-V4.1's `engram_*` keys (`engram.checkpoint.v41`), the tokenizer comp
 the attachment options (into `engram/` when the folder is an HF model's: HF's files are never
 touched); `export_fp8` writes the same with FP8 tables (values + ue8m0 scales),
 which `MmapFP8Table` and the `engram.systems` tiers serve from host memory or SSD; `load_engram`
-attaches either to a backbone (checked before anything is attached).
+attaches either to a backbone. `check_part` is the one check of a part against a backbone (hidden
+size, layers, vocabulary, compression map and tokenizer, attachment options) that `load_engram` and
+the vLLM plugin (`engram.vllm.folder`) both run before anything is loaded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engram.addressing.compression import TokenizerCompression
+from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+from engram.apps.input_files import path_kind
 from engram.checkpoint.files import member_file
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41 import foreign_config, load_engram_modules, read_checkpoint_config, save_checkpoint
-from engram.hf.attach import add_engram, find_decoder_layers, get_attachment, model_hidden_size
+from engram.config import EngramConfig
+from engram.hf.attach import (
+    add_engram,
+    boundary_config,
+    engram_dtype,
+    find_decoder_layers,
+    get_attachment,
+    model_hidden_size,
+)
 
 __all__ = [
     "COMPRESSION_FILE",
     "OPTIONS_FILE",
     "PART_FOLDER",
+    "TOKENIZER_FILE",
+    "CheckedPart",
+    "TokenizerNotCheckedWarning",
+    "check_part",
     "engram_part",
     "export_fp8",
     "load_engram",
@@ -38,6 +55,12 @@ __all__ = [
 
 OPTIONS_FILE = "engram_hf.json"  # how the part was attached: boundaries, eos_token_id
 PART_FOLDER = "engram"  # the part's folder inside an HF model folder (`save_pretrained`'s)
+TOKENIZER_FILE = "tokenizer.json"  # an HF model folder's tokenizer, which the compression map must fit
+
+
+class TokenizerNotCheckedWarning(UserWarning):
+    """An Engram part was loaded with no tokenizer to check its compression map against: a map built
+    for another tokenizer of the same size would hash every n-gram wrong, and nothing would say so."""
 
 
 def engram_part(directory: str | os.PathLike[str]) -> Path:
@@ -103,6 +126,141 @@ def read_options(part: str | os.PathLike[str]) -> dict[str, Any]:
     return options
 
 
+def part_folder(part: str | os.PathLike[str], missing: str) -> Path:
+    """`part` (an Engram part's folder) as a Path; FileNotFoundError(`missing`) when nothing is there,
+    ValueError naming what is there instead (a file, a FIFO: nothing is opened)."""
+    part = Path(part)
+    kind = path_kind(part)
+    if kind is None:
+        raise FileNotFoundError(missing)
+    if kind != "a folder":
+        raise ValueError(
+            f"{part} is {kind}, not the folder of an Engram part: remove it, then write the part with "
+            f"engram.hf.save_engram(model, {str(part.parent)!r})"
+        )
+    return part
+
+
+@dataclass(frozen=True)
+class CheckedPart:
+    """An Engram part checked against a backbone (`check_part`): nothing of its tables read yet."""
+
+    part: Path
+    config: EngramConfig  # as attached: the attachment's restart rule applied ('eos' boundaries)
+    compression: TokenizerCompression
+    boundaries: str | None
+    eos_token_id: int | None
+    tokenizer: str | None  # what the compression map was checked against; None: it could not be
+
+
+def _compression(part: Path) -> tuple[Path, TokenizerCompression]:
+    try:  # a FIFO (never opened: that blocks), a folder, a link out of the part: refused
+        path = member_file(part, COMPRESSION_FILE, f"{part}: the Engram part's tokenizer compression map")
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(
+            f"{e}. It maps the tokenizer's ids to the ids the tables are hashed on: restore the file "
+            "save_engram wrote, or save the part again"
+        ) from None
+    return path, TokenizerCompression.load(path)
+
+
+def _check_tokenizer(
+    part: Path,
+    comp_path: Path,
+    compression: TokenizerCompression,
+    tokenizer: Any,
+    tokenizer_file: Path | None,
+) -> str | None:
+    """What the map was checked against: `tokenizer`, else `tokenizer_file` when there is one; None
+    (with a TokenizerNotCheckedWarning) when there is neither."""
+    if tokenizer is None and tokenizer_file is not None:
+        kind = path_kind(tokenizer_file)
+        if kind is not None and kind != "a file":  # a folder, a FIFO (opening one blocks): never opened
+            raise ValueError(
+                f"{tokenizer_file} is {kind}, not a tokenizer.json, so {comp_path} cannot be checked against "
+                "the tokenizer: put the tokenizer's tokenizer.json there (the one the part was saved with)"
+            )
+        tokenizer = tokenizer_file if kind is not None else None
+    if tokenizer is None:
+        where = "no tokenizer given" + (f" and no {tokenizer_file}" if tokenizer_file is not None else "")
+        warnings.warn(
+            f"{part}: its compression map was not checked against a tokenizer ({where}): a part "
+            "saved for another tokenizer of the same size would load and hash every n-gram wrong; pass the "
+            "model's tokenizer (tokenizer=...) or put its tokenizer.json in the model folder",
+            TokenizerNotCheckedWarning,
+            stacklevel=4,  # the caller of load_engram / read_part
+        )
+        return None
+    what = str(tokenizer) if isinstance(tokenizer, str | Path) else f"the given {type(tokenizer).__name__}"
+    tok = resolve_tokenizer(tokenizer)  # a path that holds no readable tokenizer: its own clear error
+    try:
+        compression.check_tokenizer(tok)
+    except ValueError as e:
+        raise ValueError(
+            f"{comp_path} does not fit the tokenizer {what}: {e}; use the part with the tokenizer it was "
+            "saved with, or save the part again with this one"
+        ) from None
+    return what
+
+
+def check_part(
+    part: str | os.PathLike[str],
+    *,
+    backbone: str,
+    hidden_size: int | None,
+    num_layers: int,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
+    tokenizer_file: str | os.PathLike[str] | None = None,
+) -> CheckedPart:
+    """Check the Engram part in folder `part` against a backbone before anything is loaded: its config
+    (one residual stream, `hidden_size` unless None, layer ids below `num_layers`, a vocabulary no
+    larger than `vocab_size` unless None), its compression map (against `tokenizer` when given, else
+    against `tokenizer_file` when there is one; with neither, a TokenizerNotCheckedWarning), and its
+    attachment options. `backbone` names the backbone in the messages ("LlamaForCausalLM", "the
+    backbone in <folder>"). Raises ValueError (FileNotFoundError for a missing file) naming the value
+    and the fix; the one check `load_engram` and the vLLM plugin's `read_part` share."""
+    part = Path(part)
+    config = read_checkpoint_config(part)
+    if config.hc_mult != 1:
+        raise ValueError(
+            f"{part} holds Engram with hc_mult={config.hc_mult}, but {backbone} has one residual stream (1): "
+            "use a part saved from an HF model (engram.hf.save_engram)"
+        )
+    if hidden_size is not None and hidden_size != config.hidden_size:
+        raise ValueError(
+            f"{part} holds Engram for hidden size {config.hidden_size}, but {backbone} has hidden size "
+            f"{hidden_size}: use the part with the backbone it was trained with"
+        )
+    if max(config.layer_ids) >= num_layers:
+        raise ValueError(
+            f"{part} holds Engram for layers {list(config.layer_ids)}, but {backbone} has {num_layers} "
+            f"decoder layers (ids 0..{num_layers - 1}): use the part with the backbone it was trained with"
+        )
+    if vocab_size is not None and config.vocab_size > vocab_size:
+        raise ValueError(
+            f"{part} hashes ids of a vocabulary of {config.vocab_size}, but {backbone} has {vocab_size} token "
+            "ids: the part was built for another tokenizer; save the part of this model again"
+        )
+    comp_path, compression = _compression(part)
+    tok_file = Path(tokenizer_file) if tokenizer_file is not None else None
+    checked = _check_tokenizer(part, comp_path, compression, tokenizer, tok_file)
+    options = read_options(part)
+    boundaries, eos = options.get("boundaries"), options.get("eos_token_id")
+    try:  # as add_engram attaches it: 'eos' becomes the hasher's restart rule
+        attached = boundary_config(config, boundaries, eos)
+    except ValueError as e:
+        raise ValueError(f"{part / OPTIONS_FILE}: {e}; restore the file save_engram wrote") from None
+    return CheckedPart(part, attached, compression, boundaries, eos, checked)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    get_emb = getattr(model, "get_input_embeddings", None)
+    emb = get_emb() if callable(get_emb) else None
+    n = getattr(emb, "num_embeddings", None)
+    return n if isinstance(n, int) else None
+
+
 def load_engram(
     model: nn.Module,
     directory: str | os.PathLike[str],
@@ -110,45 +268,47 @@ def load_engram(
     tokenizer: Any = None,
     mmap: bool = True,
     decoder_layers: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
 
     `directory` is the part's folder, or an HF model folder whose `engram/` holds it (what
-    `save_pretrained` then `save_engram` into one folder give). Refuses, before attaching anything, a
-    part saved for another hidden size or for more layers than the model has, and (with `tokenizer`) a
-    compression map built for another tokenizer. FP8 tables load memory-mapped (`mmap=True`) or into
-    memory; float tables load trainable.
+    `save_pretrained` then `save_engram` into one folder give). `check_part` runs first: a part saved
+    for another hidden size, for more layers or a larger vocabulary than the model has, or with a
+    compression map built for another tokenizer (`tokenizer`, else `directory/tokenizer.json` when
+    there is one; with neither a TokenizerNotCheckedWarning says the map was not checked) is refused
+    with nothing attached. FP8 tables load memory-mapped (`mmap=True`) or into memory; float tables
+    load trainable. The modules take `dtype` (default: the model's, float32 / bfloat16 / float64;
+    float32 for another), so a float64 model computes Engram in float64.
     """
-    if not Path(directory).is_dir():
+    if dtype is None:
+        dtype = engram_dtype(model)
+    elif dtype not in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        raise TypeError(
+            f"dtype={dtype!r}: give torch.float32, torch.bfloat16, torch.float64 or torch.float16"
+        )
+    directory = Path(directory)
+    kind = path_kind(directory)
+    if kind is None:
         raise FileNotFoundError(f"{directory}: no such directory (write one with engram.hf.save_engram)")
-    d = engram_part(directory)
-    if not d.is_dir():
-        raise FileNotFoundError(
-            f"{directory} is an HF model folder without an Engram part ({d} is missing): save it with "
-            f"engram.hf.save_engram(model, {str(directory)!r})"
-        )
-    config = read_checkpoint_config(d)
-    hidden = model_hidden_size(model)
-    if hidden is not None and hidden != config.hidden_size:
-        raise ValueError(
-            f"{d} holds Engram for hidden size {config.hidden_size}, but {type(model).__name__} has "
-            f"hidden size {hidden}: load it into the backbone it was trained with"
-        )
-    n_layers = len(find_decoder_layers(model, decoder_layers))
-    if max(config.layer_ids) >= n_layers:
-        raise ValueError(
-            f"{d} holds Engram for layers {list(config.layer_ids)}, but {type(model).__name__} has "
-            f"{n_layers} decoder layers"
-        )
-    comp_path = d / COMPRESSION_FILE
-    if not comp_path.is_file():
-        raise FileNotFoundError(f"{comp_path}: missing (the tokenizer compression map save_engram writes)")
-    compression = TokenizerCompression.load(comp_path, tokenizer)
-    options = read_options(d)
-    p = next(iter(model.parameters()), None)
-    dtype = p.dtype if p is not None and p.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    config, modules = load_engram_modules(d, config, mmap=mmap, dtype=dtype)
+    if kind != "a folder":
+        raise ValueError(f"{directory} is {kind}, not a folder: give the folder save_engram wrote")
+    d = part_folder(
+        engram_part(directory),
+        f"{directory} is an HF model folder without an Engram part ({directory / PART_FOLDER} is missing): "
+        f"save it with engram.hf.save_engram(model, {str(directory)!r})",
+    )
     decoder = find_decoder_layers(model, decoder_layers)
+    checked = check_part(
+        d,
+        backbone=type(model).__name__,
+        hidden_size=model_hidden_size(model),
+        num_layers=len(decoder),
+        vocab_size=_vocab_size(model),
+        tokenizer=tokenizer,
+        tokenizer_file=directory / TOKENIZER_FILE,
+    )
+    config, modules = load_engram_modules(d, mmap=mmap, dtype=dtype)
     for lid, m in modules.items():
         lp = next(iter(decoder[lid].parameters()), None)
         if lp is not None and lp.device.type != "cpu":
@@ -156,9 +316,9 @@ def load_engram(
     return add_engram(
         model,
         config,
-        compression=compression,
+        compression=checked.compression,
         modules=modules,
         decoder_layers=decoder_layers,
-        boundaries=options.get("boundaries"),
-        eos_token_id=options.get("eos_token_id"),
+        boundaries=checked.boundaries,
+        eos_token_id=checked.eos_token_id,
     )

@@ -11,6 +11,7 @@ import enum
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
     if not os.path.lexists(path):
         return False
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (reading one blocks): not ours
+            return True
         d = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return True
