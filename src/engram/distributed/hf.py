@@ -194,14 +194,22 @@ class ShardedTableSync:
             "param_groups": self.optimizer.state_dict()["param_groups"],
         }
 
-    def load_table_state_dict(self, state: dict[str, Any]) -> None:
-        """A resume: keep the hyperparameters until the shard files are read (`restore`)."""
+    def check_table_state_dict(self, state: dict[str, Any]) -> None:
+        """Refuse what `load_table_state_dict` would refuse (its hyperparameters checked as the table
+        optimizer's constructor checks them), changing nothing."""
         if not isinstance(state, dict) or SHARDED_STATE_KEY not in state:
             raise ValueError(
                 "this optimizer state holds whole tables (saved on one process or with mode='replicated'), "
                 "but this run's tables are row-sharded: resume with the mode it was saved with, or load the "
                 "single-process Engram part (engram.hf.load_engram) into a fresh run"
             )
+        check = getattr(self.optimizer, "check_state_dict", None)
+        if check is not None:
+            check({"state": {}, "param_groups": state.get("param_groups")})
+
+    def load_table_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume: keep the hyperparameters until the shard files are read (`restore`)."""
+        self.check_table_state_dict(state)
         mark = state[SHARDED_STATE_KEY]
         if mark.get("run") == self.run and mark.get("steps") == self.steps:
             # this run's own state as it is now: a wrapper's round trip (accelerate's AcceleratedOptimizer,

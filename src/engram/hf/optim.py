@@ -63,34 +63,41 @@ class EngramOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the tables, then the dense part: every refusal of ours (tables not synchronised across
+        processes, a resume whose rows were not read back, a bad table gradient) comes before any
+        parameter moves, the table optimizers checking every gradient before they change a row."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.tables is not None:
+            self._step_tables()
         if self.dense is not None:
             self.dense.step()
-        if self.tables is not None:
-            params = [p for g in self.tables.param_groups for p in g["params"]]
-            sync = getattr(self.attachment, "table_sync", None)
-            if sync is not None:
-                self.pending = sync(params, self.pending)  # one table across the ranks
-            elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                self.pending.clear()
-                raise RuntimeError(
-                    f"this process is one of {dist.get_world_size()}, but the Engram tables are not "
-                    "synchronised across them: each rank would train its own table. Call "
-                    "engram.distributed.prepare_data_parallel(model) before DDP, accelerate or the Trainer "
-                    "wraps the model"
-                )
-            for p, g in self.pending.items():
-                p.grad = g
-            try:
-                self.tables.step()
-            finally:
-                for p in self.pending:
-                    p.grad = None
-                self.pending.clear()
         return loss
+
+    def _step_tables(self) -> None:
+        assert self.tables is not None
+        params = [p for g in self.tables.param_groups for p in g["params"]]
+        sync = getattr(self.attachment, "table_sync", None)
+        if sync is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.pending.clear()
+            raise RuntimeError(
+                f"this process is one of {dist.get_world_size()}, but the Engram tables are not "
+                "synchronised across them: each rank would train its own table. Call "
+                "engram.distributed.prepare_data_parallel(model) before DDP, accelerate or the Trainer "
+                "wraps the model"
+            )
+        if sync is not None:
+            self.pending = sync(params, self.pending)  # one table across the ranks
+        for p, g in self.pending.items():
+            p.grad = g
+        try:
+            self.tables.step()
+        finally:
+            for p in self.pending:
+                p.grad = None
+            self.pending.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.dense is not None:
@@ -107,18 +114,31 @@ class EngramOptimizer(torch.optim.Optimizer):
         return {"dense": None if self.dense is None else self.dense.state_dict(), "tables": tables}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict()`: every part checked before any is replaced (the table part by its
+        optimizer's `check_state_dict`, or by the table sync's check across processes; torch checks the
+        dense part's groups before it replaces anything), so a refused load leaves both as they were."""
         if not isinstance(state_dict, dict) or set(state_dict) != {"dense", "tables"}:
             raise ValueError("not an EngramOptimizer state dict (expected the keys 'dense' and 'tables')")
         for name, opt in (("dense", self.dense), ("tables", self.tables)):
             if (opt is None) != (state_dict[name] is None):
                 raise ValueError(f"the saved state {'has' if opt is None else 'lacks'} a {name!r} optimizer")
-            if opt is None:
-                continue
-            load_tables = getattr(getattr(self.attachment, "table_sync", None), "load_table_state_dict", None)
-            if name == "tables" and load_tables is not None:
-                load_tables(state_dict[name])
-            else:
-                opt.load_state_dict(state_dict[name])
+        sync = getattr(self.attachment, "table_sync", None)
+        load_tables = getattr(sync, "load_table_state_dict", None)  # row-sharded: the rows are in shard files
+        if load_tables is not None:  # across processes: the sync's check (it holds the optimizer's)
+            check = getattr(sync, "check_table_state_dict", None)
+        else:
+            check = getattr(self.tables, "check_state_dict", None)  # ours have it; any other, unchecked
+        if self.tables is not None and check is not None:
+            check(state_dict["tables"])
+        if self.dense is not None:
+            self.dense.load_state_dict(state_dict["dense"])
+        if self.tables is not None:
+            (load_tables or self.tables.load_state_dict)(state_dict["tables"])
+        # the loads replaced the optimizers' group dicts: ours must be theirs, or an LR scheduler stepping
+        # this optimizer would set learning rates nobody reads
+        self.param_groups[:] = [
+            g for opt in (self.dense, self.tables) if opt is not None for g in opt.param_groups
+        ]
 
     def remove_hooks(self) -> None:
         """Stop taking the tables' gradients (before building another optimizer for the same model)."""

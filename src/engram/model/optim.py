@@ -9,14 +9,13 @@ were looked up or where the table lives. Design: docs/model.md.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
-from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
+from engram.model.saved_state import check_number, first_bad_row, saved_param_states
 from engram.model.table import TrainableTable
 from engram.storage import hugepages
 
@@ -45,15 +44,6 @@ def _same_kind(stored: torch.dtype, kept: torch.dtype) -> bool:
     if stored.is_complex or stored == torch.bool:
         return False
     return stored.is_floating_point == kept.is_floating_point
-
-
-def check_number(name: str, value: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        lo_s = f"> {lo}" if lo_open else f">= {lo}"
-        hi_s = "" if hi == math.inf else f" and <= {hi}"
-        raise ValueError(f"{name} must be a finite number {lo_s}{hi_s}, got {value!r}")
 
 
 def check_table_param(p: torch.Tensor, opt_name: str) -> None:
@@ -105,11 +95,16 @@ def _mean_square(g: torch.Tensor) -> torch.Tensor:
 
 class _SparseRowOptimizer(torch.optim.Optimizer):
     """The step loop (closure, touched rows, lazy state), shared checks, state validation and the
-    dtype-preserving `load_state_dict`; subclasses give `_init_state` and `_update`."""
+    dtype-preserving `load_state_dict`; subclasses give `_check_group`, `expected_state`, `_init_state`
+    and `_update`."""
 
     _name = "sparse row optimizer"
+    _hyperparameters: tuple[str, ...] = ()  # every group's keys besides "params" (a saved group's too)
+    _nonnegative: frozenset[str] = frozenset()  # state keys whose values are >= 0 (counts, sums of squares)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        """Refuse a group's hyperparameters (constructor arguments, an added or a saved group alike);
+        `where` names the group in the message."""
         raise NotImplementedError
 
     def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -139,16 +134,20 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Every gradient is read and checked before any table or state changes.
+        work = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 sd = state_dtype(p)
                 rows, g = touched_rows(p, sd, self._name)  # (U,), (U, dim)
-                if not self.state[p]:
-                    self.state[p] = self._init_state(group, p, sd)
-                if rows.numel():
-                    self._update(group, p, self.state[p], rows, g, sd)
+                work.append((group, p, rows, g, sd))
+        for group, p, rows, g, sd in work:
+            if not self.state[p]:
+                self.state[p] = self._init_state(group, p, sd)
+            if rows.numel():
+                self._update(group, p, self.state[p], rows, g, sd)
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -156,42 +155,78 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         for p in group["params"]:
             check_table_param(p, self._name)
-        self._check_group(group)
+        self._check_group(group, f"param group {len(self.param_groups) - 1}")
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse what `load_state_dict` would refuse, changing nothing (a caller that loads several
+        optimizers checks them all first)."""
+        self._saved_states(state_dict)
+
+    def _saved_states(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, Any]]:
+        """(saved id, parameter, saved state or None), every part of `state_dict` checked: its groups'
+        hyperparameters as the constructor checks them, ids, and each state's keys, dtypes, shapes and
+        values."""
+        saved = saved_param_states(
+            self._name, state_dict, self.param_groups, self._hyperparameters, self._check_group
+        )
+        for pid, p, entry in saved:
+            if entry is not None:
+                self._check_saved_state(pid, entry, p)
+        return saved
+
+    def _check_saved_state(self, pid: int, saved: Any, p: torch.Tensor) -> None:
+        expected = self.expected_state(p)
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"saved state of parameter {pid} is a {type(saved).__name__}, {self._name} keeps a dict of "
+                f"{sorted(expected)}: the saved state is damaged or of another optimizer"
+            )
+        if set(saved) != set(expected):
+            raise ValueError(
+                f"saved state of parameter {pid} has keys {sorted(map(repr, saved))}, {self._name} expects "
+                f"{sorted(expected)}: was it saved by another optimizer?"
+            )
+        for key, (shape, dtype) in expected.items():
+            value = saved[key]
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(
+                    f"saved state {key!r} of parameter {pid} is a {type(value).__name__}, not a tensor: the "
+                    "saved state is damaged or of another optimizer"
+                )
+            if not _same_kind(value.dtype, dtype):  # an int32 momentum would load cast, as garbage
+                raise ValueError(
+                    f"saved state {key!r} of parameter {pid} has dtype {value.dtype}, {self._name} keeps "
+                    f"it as {dtype}: the saved state is damaged or of another optimizer"
+                )
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"saved state {key!r} of parameter {pid} has shape {tuple(value.shape)}, "
+                    f"the parameter {tuple(p.shape)} needs {shape}: does the table size match?"
+                )
+            nonneg = key in self._nonnegative
+            bad = first_bad_row(value, nonnegative=nonneg)
+            if bad is not None:
+                what = "NaN, Inf or a negative value" if nonneg else "NaN or Inf"
+                raise ValueError(
+                    f"saved state {key!r} of parameter {pid} holds {what} at row {bad}: a damaged state"
+                )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()`; state keeps its fp32/int32 dtypes and is copied, not shared.
+        """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`); state
+        keeps its fp32/int32 dtypes and is copied, not shared.
 
         (torch's default casts floating state to the parameter's dtype, which would round the
         fp32 momentum of a bf16 table, and int32 step counts to float.)
         """
-        super().load_state_dict(state_dict)  # group checks, hyperparameters, param mapping
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(pid)
-            if saved is None:
+        saved = self._saved_states(state_dict)
+        super().load_state_dict(state_dict)  # hyperparameters, param mapping
+        for _, p, entry in saved:
+            if entry is None:
                 continue
-            expected = self.expected_state(p)
-            if set(saved) != set(expected):
-                raise ValueError(
-                    f"saved state of parameter {pid} has keys {sorted(saved)}, {self._name} expects "
-                    f"{sorted(expected)}: was it saved by another optimizer?"
-                )
-            state = {}
-            for key, (shape, dtype) in expected.items():
-                value = saved[key]
-                if tuple(value.shape) != shape:
-                    raise ValueError(
-                        f"saved state {key!r} of parameter {pid} has shape {tuple(value.shape)}, "
-                        f"the parameter {tuple(p.shape)} needs {shape}: does the table size match?"
-                    )
-                if not _same_kind(value.dtype, dtype):  # an int32 momentum would load cast, as garbage
-                    raise ValueError(
-                        f"saved state {key!r} of parameter {pid} has dtype {value.dtype}, {self._name} keeps "
-                        f"it as {dtype}: the saved state is damaged or of another optimizer"
-                    )
-                state[key] = value.to(device=p.device, dtype=dtype, copy=True)
-            self.state[p] = state
+            self.state[p] = {
+                key: entry[key].to(device=p.device, dtype=dtype, copy=True)
+                for key, (_, dtype) in self.expected_state(p).items()
+            }
 
 
 class SparseRowAdam(_SparseRowOptimizer):
@@ -221,6 +256,8 @@ class SparseRowAdam(_SparseRowOptimizer):
     """
 
     _name = "SparseRowAdam"
+    _hyperparameters = ("lr", "betas", "eps", "weight_decay")
+    _nonnegative = frozenset({"exp_avg_sq_row", "step"})
 
     def __init__(
         self,
@@ -232,18 +269,16 @@ class SparseRowAdam(_SparseRowOptimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        check_number("lr", group["lr"], 0.0)
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        check_number("lr", group["lr"], 0.0, where=where)
         betas = group["betas"]
         if not isinstance(betas, tuple | list) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        for i, b in enumerate(betas):
-            check_number(f"betas[{i}]", b, 0.0, 1.0)
-            if b == 1.0:
-                raise ValueError(f"betas[{i}] must be < 1 (bias correction divides by 1 - beta**t), got {b}")
+            raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, b in enumerate(betas):  # < 1: bias correction divides by 1 - beta**t
+            check_number(f"betas[{i}]", b, 0.0, 1.0, hi_open=True, where=where)
         # eps = 0 would make a touched row with an all-zero gradient and zero v compute 0 / 0.
-        check_number("eps", group["eps"], 0.0, lo_open=True)
-        check_number("weight_decay", group["weight_decay"], 0.0)
+        check_number("eps", group["eps"], 0.0, lo_open=True, where=where)
+        check_number("weight_decay", group["weight_decay"], 0.0, where=where)
 
     def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         sd = state_dtype(p)
@@ -313,6 +348,8 @@ class SparseRowAdagrad(_SparseRowOptimizer):
     """
 
     _name = "SparseRowAdagrad"
+    _hyperparameters = ("lr", "eps", "initial_accumulator_value")
+    _nonnegative = frozenset({"sum_row"})
 
     def __init__(
         self,
@@ -324,13 +361,13 @@ class SparseRowAdagrad(_SparseRowOptimizer):
         defaults = {"lr": lr, "eps": eps, "initial_accumulator_value": initial_accumulator_value}
         super().__init__(params, defaults)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        check_number("lr", group["lr"], 0.0)
-        check_number("eps", group["eps"], 0.0)
-        check_number("initial_accumulator_value", group["initial_accumulator_value"], 0.0)
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        check_number("lr", group["lr"], 0.0, where=where)
+        check_number("eps", group["eps"], 0.0, where=where)
+        check_number("initial_accumulator_value", group["initial_accumulator_value"], 0.0, where=where)
         if group["eps"] == 0 and group["initial_accumulator_value"] == 0:
             raise ValueError(
-                "eps and initial_accumulator_value are both 0: a touched row with an all-zero first "
+                f"{where}: eps and initial_accumulator_value are both 0: a touched row with an all-zero first "
                 "gradient would compute 0 / 0; make one of them > 0"
             )
 

@@ -28,11 +28,10 @@ import torch
 
 from engram import kernels
 from engram.kernels import reference
-from engram.model.optim import check_number, check_table_param, state_dtype, touched_rows
+from engram.model.optim import check_table_param, state_dtype, touched_rows
+from engram.model.saved_state import check_active_state, check_number, saved_param_states
 
 __all__ = ["SparseSinkhorn"]
-
-_STATE_KEYS = ("rows", "momentum")
 
 
 class SparseSinkhorn(torch.optim.Optimizer):
@@ -99,18 +98,22 @@ class SparseSinkhorn(torch.optim.Optimizer):
                     f"side), got a table of shape {(rows, p.shape[1])}; pass its transpose's layout or use "
                     "AdamW for it"
                 )
-        check_number("lr", group["lr"], 0.0, lo_open=True)
-        check_number("beta", group["beta"], 0.0, 1.0)
-        if group["beta"] >= 1.0:
-            raise ValueError(f"beta must be < 1 (the momentum's decay), got {group['beta']!r}")
+        self._check_group(group, f"param group {len(self.param_groups) - 1}")
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
+        """Refuse a group's hyperparameters (constructor arguments, an added or a saved group alike);
+        `where` names the group in the message."""
+        check_number("lr", group["lr"], 0.0, lo_open=True, where=where)
+        check_number("beta", group["beta"], 0.0, 1.0, hi_open=True, where=where)  # the momentum's decay
         k = group["iterations"]
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
             raise ValueError(
-                f"iterations must be an odd int >= 1 (rows first and last: 1 + 2 * column/row pairs; V4.1: 11), got {k!r}"
+                f"{where}: iterations must be an odd int >= 1 (rows first and last: 1 + 2 * column/row pairs; "
+                f"V4.1: 11), got {k!r}"
             )
-        check_number("tau", group["tau"], 0.0)
-        check_number("eps", group["eps"], 0.0, lo_open=True)
-        check_number("lr_correction", group["lr_correction"], 0.0, lo_open=True)
+        check_number("tau", group["tau"], 0.0, where=where)
+        check_number("eps", group["eps"], 0.0, lo_open=True, where=where)
+        check_number("lr_correction", group["lr_correction"], 0.0, lo_open=True, where=where)
 
     # ------------------------------------------------------------------ hooks of the sharded twin
     def _table_rows(self, p: torch.Tensor) -> int:
@@ -225,41 +228,35 @@ class SparseSinkhorn(torch.optim.Optimizer):
         return buf[: a * n].view(a, n)
 
     # ------------------------------------------------------------------ state
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse what `load_state_dict` would refuse, changing nothing (a caller that loads several
+        optimizers checks them all first)."""
+        self._saved_states(state_dict)
+
+    def _saved_states(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, Any]]:
+        """(saved id, parameter, saved state or None), every part of `state_dict` checked: its groups'
+        hyperparameters as the constructor checks them, ids, and each state's keys, dtypes, shapes and
+        values."""
+        saved = saved_param_states(
+            "SparseSinkhorn", state_dict, self.param_groups, self._hyperparameters, self._check_group
+        )
+        for pid, p, entry in saved:
+            if entry is not None:
+                check_active_state("SparseSinkhorn", pid, entry, p, state_dtype(p))
+        return saved
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()`: every saved state is checked (keys, row ids, shapes, finite momentum)
-        before anything changes; the momentum keeps its fp32 dtype (torch's default would cast it to a
-        bf16 table's dtype)."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or "state" not in state_dict:
-            raise ValueError(
-                "not an optimizer state_dict (no 'state' and 'param_groups'): pass optimizer.state_dict()"
-            )
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved_ids = [pid for g in groups for pid in g.get("params", [])]
-        if len(saved_ids) != len(params):
-            raise ValueError(
-                f"the saved state has {len(saved_ids)} parameters, this optimizer {len(params)}: was it saved for "
-                "another model?"
-            )
-        for g in groups:
-            missing = sorted(k for k in self._hyperparameters if k not in g)
-            if missing:
-                raise ValueError(
-                    f"the saved param group has no {', '.join(missing)}: it was saved by another optimizer, not "
-                    "SparseSinkhorn"
-                )
-        for pid, p in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(pid)
-            if saved:
-                _check_saved_state(pid, saved, p)
+        """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`: the
+        hyperparameters as the constructor checks them; keys, row ids, dtypes, shapes, finite momentum);
+        the momentum keeps its fp32 dtype (torch's default would cast it to a bf16 table's dtype)."""
+        saved = self._saved_states(state_dict)
         super().load_state_dict(state_dict)
         self._room.clear()  # the loaded states are new tensors
-        for pid, p in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(pid)
-            if saved:
+        for _, p, entry in saved:
+            if entry:
                 self.state[p] = {
-                    "rows": saved["rows"].to(device=p.device, dtype=torch.int64, copy=True).contiguous(),
-                    "momentum": saved["momentum"]
+                    "rows": entry["rows"].to(device=p.device, dtype=torch.int64, copy=True).contiguous(),
+                    "momentum": entry["momentum"]
                     .to(device=p.device, dtype=state_dtype(p), copy=True)
                     .contiguous(),
                 }
@@ -279,8 +276,17 @@ class SparseSinkhorn(torch.optim.Optimizer):
 
     def load_row_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what `row_state_dict` gave (the active rows are the rows of nonzero momentum)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        params = {
+            pid: p
+            for pid, p, _ in saved_param_states(
+                "SparseSinkhorn", {"state": {}, "param_groups": groups}, self.param_groups,
+                self._hyperparameters, self._check_group,
+            )
+        }  # fmt: skip
         state = {}
-        for pid, st in state_dict.get("state", {}).items():
+        saved_state = state_dict["state"] if isinstance(state_dict.get("state"), dict) else {}
+        for pid, st in saved_state.items():
             mom = st.get("momentum") if isinstance(st, dict) else None
             if (
                 not isinstance(st, dict)
@@ -288,14 +294,20 @@ class SparseSinkhorn(torch.optim.Optimizer):
                 or not isinstance(mom, torch.Tensor)
                 or mom.dim() != 2
             ):
-                keys = sorted(st) if isinstance(st, dict) else type(st).__name__
+                keys = sorted(map(repr, st)) if isinstance(st, dict) else type(st).__name__
                 raise ValueError(
-                    f"saved per-row state of parameter {pid} has {keys}; SparseSinkhorn's is one 'momentum' "
+                    f"saved per-row state of parameter {pid!r} has {keys}; SparseSinkhorn's is one 'momentum' "
                     "[num_rows, dim]: was it saved by another optimizer?"
+                )
+            p = params.get(pid)  # None: an unknown id, which load_state_dict refuses
+            if p is not None and tuple(mom.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"saved per-row state 'momentum' of parameter {pid} has shape {tuple(mom.shape)}, the table "
+                    f"{tuple(p.shape)}: does the table size match?"
                 )
             rows = mom.ne(0).any(dim=1).nonzero()[:, 0]
             state[pid] = {"rows": rows, "momentum": mom[rows]}
-        self.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        self.load_state_dict({"state": state, "param_groups": groups})
 
     def active_rows(self, p: torch.Tensor) -> int:
         """How many rows of `p` have state (nonzero momentum) now."""
@@ -432,39 +444,3 @@ def _merge(
     gidx = torch.full((active.numel(),), -1, dtype=torch.int64, device=active.device)
     gidx[torch.searchsorted(active, grows)] = torch.arange(grows.numel(), device=active.device)
     return active, new_mom, gidx
-
-
-def _check_saved_state(pid: Any, saved: Any, p: torch.Tensor) -> None:
-    """Refuse a saved state that is not SparseSinkhorn's for a table of p's shape, naming what differs."""
-    if not isinstance(saved, dict) or set(saved) != set(_STATE_KEYS):
-        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-        raise ValueError(
-            f"saved state of parameter {pid} has keys {keys}, SparseSinkhorn keeps {list(_STATE_KEYS)}: was it "
-            "saved by another optimizer?"
-        )
-    rows, mom = saved["rows"], saved["momentum"]
-    if not isinstance(rows, torch.Tensor) or not isinstance(mom, torch.Tensor):
-        raise ValueError(f"saved state of parameter {pid}: 'rows' and 'momentum' must be tensors")
-    if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"saved state 'rows' of parameter {pid} must be 1-D integers, got {rows.dtype} {tuple(rows.shape)}"
-        )
-    if tuple(mom.shape) != (rows.numel(), p.shape[1]) or not mom.is_floating_point():
-        raise ValueError(
-            f"saved state 'momentum' of parameter {pid} has shape {tuple(mom.shape)}, a table of shape "
-            f"{tuple(p.shape)} with {rows.numel()} active rows needs ({rows.numel()}, {p.shape[1]}): does the "
-            "table size match?"
-        )
-    if rows.numel():
-        r = rows.to(torch.int64)
-        if int(r.min()) < 0 or int(r.max()) >= p.shape[0]:
-            raise ValueError(
-                f"saved state 'rows' of parameter {pid} holds rows outside [0, {p.shape[0]}) (a table of "
-                f"shape {tuple(p.shape)}): does the table size match?"
-            )
-        if r.numel() > 1 and not bool((r[1:] > r[:-1]).all()):
-            raise ValueError(
-                f"saved state 'rows' of parameter {pid} is not sorted and distinct: a damaged state"
-            )
-        if not bool(torch.isfinite(mom).all()):
-            raise ValueError(f"saved state 'momentum' of parameter {pid} holds NaN or Inf: a damaged state")
