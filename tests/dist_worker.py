@@ -245,7 +245,7 @@ def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> 
     """The fp64 run with sharded checkpoints (steps 3 and 6), its step-3 checkpoint resumed in this
     world (exact) and, with `prev_dir`, the other world's step-3 checkpoint resumed here."""
     from engram.apps.train import build_model
-    from engram.checkpoint.shards import TableShards
+    from engram.checkpoint.shards import RowShards
     from engram.distributed import DistributedTrainer
 
     res: dict[str, Any] = {}
@@ -270,23 +270,50 @@ def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> 
     resumed.resume_from(out_dir / "sharded64" / half)
     resumed.run()
     res["sharded_resumed_history64"] = resumed.history
+    res["damaged_resume_error"] = _damaged_resume(cfg, data, out_dir, out_dir / "sharded64" / half, owners)
     if prev_dir is not None:  # the other world's checkpoint, every rank of this one owning rows
         other = build_model(cfg.replace(seed=99), data).double()
         cross = DistributedTrainer(cfg, data, other, out_dir=out_dir / "cross64")
         reads: list[tuple[str, int, int]] = []  # (table, lo, hi) of every read of shard files
-        read_rows = TableShards.read_rows
+        read_rows = RowShards.read_rows
 
-        def spy(self: TableShards, folder: Any, key: str, lo: int, hi: int) -> torch.Tensor:
-            reads.append((self.name, lo, hi))
-            return read_rows(self, folder, key, lo, hi)
+        def spy(self: RowShards, name: str, key: str, lo: int, hi: int, scan: bool = False) -> torch.Tensor:
+            reads.append((name, lo, hi))
+            return read_rows(self, name, key, lo, hi, scan)
 
-        with mock.patch.object(TableShards, "read_rows", spy):
+        with mock.patch.object(RowShards, "read_rows", spy):
             cross.resume_from(prev_dir / "sharded64" / half)
         res["cross_reads"] = reads
         res["cross_rows"] = [t.weight.shape[0] for t in cross.tables]
         cross.run()
         res["cross_history64"] = cross.history
     return res
+
+
+def _damaged_resume(cfg: Any, data: Any, out_dir: Path, ckpt: Path, owners: Any) -> str | None:
+    """`ckpt` copied with a data byte of the last shard file flipped (read by its own rank only, at this
+    world size), resumed on every rank: the error this rank raised (None: it resumed)."""
+    import shutil
+
+    from engram.apps.train import build_model
+    from engram.distributed import DistributedTrainer
+
+    copy = out_dir / "damaged64" / "checkpoints" / ckpt.name
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, copy)
+        last = sorted((copy / "engram-shards").iterdir())[-1]
+        raw = bytearray(last.read_bytes())
+        raw[-3] ^= 0x20  # in the last tensor's data
+        last.write_bytes(bytes(raw))
+    dist.barrier()
+    t = DistributedTrainer(
+        cfg, data, build_model(cfg, data).double(), out_dir=out_dir / "damaged64", owners=owners
+    )
+    try:
+        t.resume_from(copy)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _sinkhorn_train_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:

@@ -59,6 +59,10 @@ class Run:
     save_steps: int = 0  # the Trainer checkpoints every save_steps steps (with EngramShardsCallback)
     resume: str | None = None  # the Trainer resumes from checkpoint-1 of this run (its output folder)
     callback: bool = True  # EngramShardsCallback in the Trainer's callbacks
+    # Resume from a copy of `resume`'s checkpoint-1 (in this run's folder) whose rank-00001 shard file
+    # rank 0 damaged first: "flip" (a data byte), "missing", "foreign:<run>" (that run's checkpoint-1 file),
+    # "later" (the same run's checkpoint-2 file, its header's step edited to 1)
+    damage: str | None = None
 
 
 def rms_norm_in_its_dtype(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +120,11 @@ def _train_trainer(run: Run, model, opt, collate, data, world: int, out: Path, r
 
     from engram.distributed import EngramShardsCallback
 
+    folder = out / f"{run.name if run.damage else run.resume or run.name}-trainer"
+    if run.damage:
+        _damaged_copy(run, out, folder / "checkpoint-1")
     args = transformers.TrainingArguments(
-        output_dir=str(out / f"{run.resume or run.name}-trainer"),
+        output_dir=str(folder),
         per_device_train_batch_size=run.batch // world,
         gradient_accumulation_steps=run.accum,
         max_steps=STEPS,
@@ -146,13 +153,41 @@ def _train_trainer(run: Run, model, opt, collate, data, world: int, out: Path, r
         seen=res["seen"],
         callbacks=[EngramShardsCallback()] if run.callback else [],
     )
-    trainer.train(
-        resume_from_checkpoint=str(out / f"{run.resume}-trainer" / "checkpoint-1") if run.resume else None
-    )
+    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-1") if run.resume else None)
     res["world_size"] = trainer.args.world_size
     res["distributed_type"] = trainer.accelerator.distributed_type.value
     res["num_processes"] = trainer.accelerator.num_processes
     return trainer.model_wrapped
+
+
+def _damaged_copy(run: Run, out: Path, dest: Path) -> None:
+    """Rank 0 copies `run.resume`'s checkpoint-1 to `dest` and damages its rank-00001 shard file as
+    `run.damage` says; every rank waits for it."""
+    import shutil
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        src = out / f"{run.resume}-trainer"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(src / "checkpoint-1", dest)
+        shard = dest / "engram-shards" / "rank-00001.safetensors"
+        kind, _, other = run.damage.partition(":")
+        if kind == "flip":
+            raw = bytearray(shard.read_bytes())
+            raw[-3] ^= 0x20  # a byte of the last tensor's data
+            shard.write_bytes(bytes(raw))
+        elif kind == "missing":
+            shard.unlink()
+        elif kind == "foreign":
+            shutil.copy(out / f"{other}-trainer" / "checkpoint-1" / shard.relative_to(dest), shard)
+        elif kind == "later":
+            raw = (src / "checkpoint-2" / shard.relative_to(dest)).read_bytes()
+            edited = raw.replace(b'\\"step\\": 2', b'\\"step\\": 1')
+            assert len(edited) == len(raw) and edited != raw
+            shard.write_bytes(edited)
+        else:
+            raise ValueError(f"damage={run.damage!r}")
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _train_accelerate(run: Run, model, opt, collate, data, world: int, res: dict) -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dist_worker import (
@@ -31,7 +32,8 @@ from dist_worker import (
     worker,
 )
 from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_trained_model, prepare_data
-from engram.checkpoint.shards import SHARDS_KEY, shard_file
+from engram.checkpoint.shard_format import HEADER_KEY, SHARDS_FOLDER, shard_file
+from engram.checkpoint.shards import SHARDS_KEY
 from engram.distributed import chunked_normal, shard_bounds
 from engram.model.optim import SparseRowAdam
 from engram.model.sinkhorn import SparseSinkhorn
@@ -383,35 +385,41 @@ def _sharded(runs: dict[int, dict], world: int, run: str = "sharded64", step: in
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_sharded_checkpoint_files_hold_only_their_ranks_rows(runs, world):
-    """--sharded-checkpoints: one tables-rank-R file per owner rank holding exactly that rank's rows
-    of every table and of its optimizer state (W=3: owners 0 and 2, none from rank 1); model and
-    optimizer files without table rows; state.json recording the layout."""
+    """--sharded-checkpoints: one engram-shards/rank-R file per owner rank holding exactly that rank's
+    rows of every table and of its optimizer state, its header their ranges (W=3: owners 0 and 2, none
+    from rank 1); model and optimizer files without table rows; state.json naming the run."""
     ckpt = _sharded(runs, world)
     state = json.loads((ckpt / "state.json").read_text())
     ranks = runs[world]["ranks"]
     full = ranks[0]["state64"]  # the step-6 model, gathered whole
     owners = SHARDED_OWNERS[world]
     writers = sorted(range(world) if owners is None else owners)
-    assert sorted(p.name for p in ckpt.glob("tables-rank-*")) == [shard_file(r) for r in writers]
+    assert sorted(p.name for p in (ckpt / SHARDS_FOLDER).iterdir()) == [shard_file(r) for r in writers]
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step-0000003", "step-0000006"]  # no .tmp-*
-    layout = {e["name"]: e for e in state[SHARDS_KEY]}
+    assert state[SHARDS_KEY]["world"] == world and state[SHARDS_KEY]["optimizer"] == "SparseRowAdam"
+    headers = {}
+    for r in writers:
+        with safe_open(str(ckpt / SHARDS_FOLDER / shard_file(r)), "pt") as f:
+            headers[r] = json.loads(f.metadata()[HEADER_KEY])
+        assert (headers[r]["run"], headers[r]["step"], headers[r]["rank"]) == (state[SHARDS_KEY]["run"], 6, r)
+    layout = {e["name"]: e for e in headers[writers[0]]["tables"]}
     assert sorted(layout) == sorted(ranks[0]["sharded_rows"]) and len(layout) == 2
     dense = load_file(str(ckpt / "model.safetensors"))
     assert not any(f"{n}.weight" in dense for n in layout) and len(dense) == len(full) - 2
     assert not any(k.startswith("table.") for k in load_file(str(ckpt / "optimizer.safetensors")))
     for entry in layout.values():
         bounds = shard_bounds(entry["num_rows"], world, owners)
-        assert entry["files"] == [
-            {"file": shard_file(r), "lo": bounds[r], "hi": bounds[r + 1]} for r in writers
-        ]
-        assert entry["optimizer_fields"] == ["exp_avg", "exp_avg_sq_row", "step"]
+        for r in writers:
+            (mine,) = (t for t in headers[r]["tables"] if t["name"] == entry["name"])
+            assert (mine["lo"], mine["hi"]) == (bounds[r], bounds[r + 1])
+            assert mine["fields"] == ["exp_avg", "exp_avg_sq_row", "step"]
     for r in range(world):
         for name, (lo, hi) in ranks[r]["sharded_rows"].items():  # the rows rank r owned
             if r not in writers:
                 assert lo == hi
                 continue
-            got = load_file(str(ckpt / shard_file(r)))
-            fields = layout[name]["optimizer_fields"]
+            got = load_file(str(ckpt / SHARDS_FOLDER / shard_file(r)))
+            fields = layout[name]["fields"]
             mine = {k for k in got if k.startswith(f"{name}.")}
             assert mine == {f"{name}.weight"} | {f"{name}.optimizer.{f}" for f in fields}
             assert torch.equal(got[f"{name}.weight"], full[f"{name}.weight"][lo:hi])
@@ -427,13 +435,27 @@ def test_sharded_checkpoint_run_and_exact_resume(runs, single64, world):
     _check_history(res["history64"], single64["history"], 1e-10)
     assert res["sharded_resumed_history64"] == res["history64"]
     a, b = _sharded(runs, world), _sharded(runs, world, "sharded64_resumed")
-    names = sorted(p.name for p in a.glob("*.safetensors"))
-    assert names == sorted(p.name for p in b.glob("*.safetensors")) and len(names) > 2
+    names = sorted(str(p.relative_to(a)) for p in a.rglob("*.safetensors"))
+    assert names == sorted(str(p.relative_to(b)) for p in b.rglob("*.safetensors")) and len(names) > 2
     for name in names:
         fa, fb = load_file(str(a / name)), load_file(str(b / name))
         assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa), name
     sa, sb = (json.loads((c / "state.json").read_text()) for c in (a, b))
     assert sa[SHARDS_KEY] == sb[SHARDS_KEY]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_damaged_shard_file_is_one_error_on_every_rank(runs, world):
+    """A sharded checkpoint whose last shard file has a flipped data byte (read by its own rank only):
+    resume_from raises the same ValueError on every rank, naming the file and its CRC32, instead of
+    one rank failing and the others losing their peer in the next collective."""
+    errors = [r["damaged_resume_error"] for r in runs[world]["ranks"]]
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    last = (SHARDED_OWNERS[world] or range(world))[-1]
+    assert (
+        f"rank {last} of {world}: " in errors[0] and f"engram-shards/rank-{last:05d}.safetensors" in errors[0]
+    )
+    assert "has CRC32" in errors[0] and "was refused, on every rank" in errors[0]
 
 
 def test_sharded_checkpoint_resumes_in_another_world(runs, single64):

@@ -117,10 +117,7 @@ def _run_job(rank: int, world: int, job: dict, out: str) -> dict:
             model.load_state_dict(saved["model"], strict=False)  # the dense part: no table in it
             opt.load_state_dict(saved["optimizer"])
             if not job.get("skip_restore"):
-                load_table_shards(
-                    sync.tables, sync.optimizer, job["resume"], sync.restore["param_groups"], saved["step"]
-                )
-                sync.restore = None
+                load_table_shards(model, job["resume"])
             first = saved["step"]
         local = BATCH // world
         for step, batch in enumerate(_batches(model)):
@@ -132,7 +129,7 @@ def _run_job(rank: int, world: int, job: dict, out: str) -> dict:
             opt.zero_grad()
             if job.get("save") and step + 1 == job["save_after"]:
                 if not job.get("no_shards"):
-                    save_table_shards(sync.tables, sync.optimizer, job["save"], step + 1)
+                    save_table_shards(model, job["save"])
                 if rank == 0:
                     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step + 1}
                     torch.save(state, f"{job['save']}/rank0.pt")

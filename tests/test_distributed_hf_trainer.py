@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,12 +47,21 @@ RUNS: dict[str, tuple[int, J.Run]] = {
     "accelerate-w3-replicated": (3, J.Run("accelerate-w3-replicated", kind="accelerate", batch=6, mode="replicated")),
 }  # fmt: skip
 # The Trainer's checkpoints with row-sharded tables (EngramShardsCallback): written by a 2-rank run,
-# resumed on 2 ranks and on 3 (the 3-rank launch runs after the 2-rank one, in the same folder).
+# resumed on 2 ranks, on 3 and on 1 (torchrun, default mode: replicated) and in one plain process (the
+# other launches run after the 2-rank one, in the same folder); resumed from a copy whose rank-1 file
+# was damaged, removed, taken from another run or from a later step (its step edited).
 CHECKPOINT_RUNS: dict[str, tuple[int, J.Run]] = {
     "trainer-ckpt": (2, J.Run("trainer-ckpt", table_optimizer="sinkhorn", batch=6, save_steps=1)),
+    "trainer-ckpt-other": (2, J.Run("trainer-ckpt-other", table_optimizer="sinkhorn", batch=6, save_steps=1)),
     "trainer-resume-w2": (2, J.Run("trainer-resume-w2", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt")),
     "trainer-resume-nocb": (2, J.Run("trainer-resume-nocb", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt", callback=False)),
     "trainer-resume-w3": (3, J.Run("trainer-resume-w3", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt")),
+    "trainer-resume-w1": (1, J.Run("trainer-resume-w1", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt")),
+}  # fmt: skip
+# damage -> what every rank's error must say (besides the file's name)
+DAMAGED_RUNS: dict[str, tuple[int, J.Run]] = {
+    d: (2, J.Run(f"trainer-resume-{d.split(':')[0]}", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt", damage=d))
+    for d in ("flip", "missing", "foreign:trainer-ckpt-other", "later")
 }  # fmt: skip
 
 
@@ -61,10 +71,10 @@ def launched(tmp_path_factory):
     launches share one folder, and the 2-rank one runs first (the 3-rank runs resume its checkpoint)."""
     out = tmp_path_factory.mktemp("hf-trainer")
     done: set[int] = set()
-    every = {**RUNS, **CHECKPOINT_RUNS}
+    every = {**RUNS, **CHECKPOINT_RUNS, **DAMAGED_RUNS}
 
     def get(world: int) -> Path:
-        for w in sorted({2, world}):
+        for w in [2, *sorted({world} - {2})]:  # the 2-rank launch writes the checkpoints
             if w not in done:
                 _launch(w, out, [run for wr, run in every.values() if wr == w])
                 done.add(w)
@@ -219,6 +229,7 @@ def test_trainer_checkpoints_resume_with_sharded_tables(launched, single):
     res = {
         n: [torch.load(out / f"{n}-rank-{r}.pt", weights_only=False) for r in range(w)]
         for n, (w, _) in CHECKPOINT_RUNS.items()
+        if w > 1  # the 1-rank launch: test_two_rank_checkpoint_resumes_on_one_process
     }
     for name in ("trainer-ckpt", "trainer-resume-w2", "trainer-resume-w3"):
         for rank, r in enumerate(res[name]):
@@ -242,3 +253,50 @@ def test_one_process_trainer_checkpoint_resumes_bit_exact(tmp_path):
     assert a["error"] is None and b["error"] is None
     assert [s for s, _ in b["seen"]] == [1, 2]
     _assert_states_equal(b["state"], a["state"], "resumed in one process", atol=0)
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("flip", "rank 1 of 2: .*/rank-00001.safetensors: tensor .* has CRC32 [0-9a-f]{8}, its header records"),
+        ("missing", "rows \\[\\d+, \\d+\\) of table 'layers.1.table' are in no shard file .*a rank's file is missing"),
+        ("foreign:trainer-ckpt-other", "/rank-00001.safetensors does not belong to this checkpoint: its run is '[0-9a-f]+', the checkpoint's is '[0-9a-f]+' \\(a file copied from another run\\)"),
+        ("later", "/rank-00001.safetensors: its shard header does not match its seal"),
+    ],
+)  # fmt: skip
+def test_damaged_or_foreign_rank_file_refused_on_every_rank(launched, damage, says):
+    """Resumed on 2 ranks from a copy of a 2-rank checkpoint whose rank-1 shard file had a data byte
+    flipped (read, so seen, by rank 1 only), was removed, was copied from another run at the same step,
+    or was the same run's next step's with its step edited: every rank raises the same ValueError, naming
+    the file (and the run ids), before any step and before any collective a peer could have left."""
+    out = launched(2)
+    _, run = DAMAGED_RUNS[damage]
+    errors = [torch.load(out / f"{run.name}-rank-{r}.pt", weights_only=False)["error"] for r in range(2)]
+    last = [e.strip().splitlines()[-1] for e in errors]
+    assert last[0] == last[1], last
+    assert (
+        last[0].startswith("ValueError: resuming the Engram tables from ")
+        and "refused, on every rank" in last[0]
+    )
+    assert re.search(says, last[0]), last[0]
+    assert not any("Connection closed" in e or "RankError" in e for e in errors)
+
+
+def test_two_rank_checkpoint_resumes_on_one_process(launched, single, tmp_path):
+    """Item 5: the 2-rank checkpoint-1 resumed by one process, with no process group (the Trainer alone)
+    and under torchrun --nproc_per_node 1 in the default mode (replicated tables): each reads every row
+    of both rank files (the table optimizer a plain SparseSinkhorn) and ends where the uninterrupted run
+    ends (fp64, 1e-9)."""
+    out = launched(1)
+    want = single(CHECKPOINT_RUNS["trainer-ckpt"][1])["state"]
+    (w1,) = [torch.load(out / f"trainer-resume-w1-rank-{r}.pt", weights_only=False) for r in range(1)]
+    assert w1["error"] is None, w1["error"]
+    assert w1["mode"] == "replicated" and w1["world_size"] == 1
+    assert [s for s, _ in w1["seen"]] == [1, 2]
+    _assert_states_equal(w1["state"], want, "resumed under torchrun --nproc_per_node 1")
+    plain = J.Run("trainer-resume-plain", table_optimizer="sinkhorn", batch=6, resume="trainer-ckpt")
+    with mock.patch.object(LlamaRMSNorm, "forward", J.rms_norm_in_its_dtype):
+        res = J.train(plain, out)
+    assert res["error"] is None and [s for s, _ in res["seen"]] == [1, 2]
+    assert res["state"].keys() == want.keys()
+    _assert_states_equal(res["state"], want, "resumed in one plain process")

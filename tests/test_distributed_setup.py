@@ -18,7 +18,7 @@ import torch
 
 from dist_worker import CHUNKED_ROWS
 from engram.apps.train import TrainConfig, evaluate, load_trained_model, prepare_data
-from engram.checkpoint.shards import shard_file
+from engram.checkpoint.shard_format import SHARDS_FOLDER, shard_file
 from engram.distributed import chunked_normal, shard_bounds, table_owners
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
 from training_setup import dist_cfg
@@ -209,7 +209,7 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     assert held["loss"] == pytest.approx(summary["held_out"]["loss"], abs=1e-5)
     ckpt = json.loads((Path(summary["checkpoint"]) / "state.json").read_text())
     assert ckpt["train_config"]["steps"] == 2 and sys.executable
-    assert [p.name for p in Path(summary["checkpoint"]).glob("tables-rank-*")] == [shard_file(0)]
+    assert [p.name for p in (Path(summary["checkpoint"]) / SHARDS_FOLDER).iterdir()] == [shard_file(0)]
 
 
 def test_collective_timeout_reaches_process_group(monkeypatch):

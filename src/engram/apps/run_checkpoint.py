@@ -25,7 +25,8 @@ from engram.apps.train_config import TrainConfig
 from engram.checkpoint.files import member_file
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import OptimizerStateError
-from engram.checkpoint.shards import OPTIMIZER_FILE, is_table_key, read_checkpoint, tables_of_state
+from engram.checkpoint.shard_format import SHARDS_FOLDER
+from engram.checkpoint.shards import OPTIMIZER_FILE, is_table_key, read_checkpoint, shards_of_state
 from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
 from engram.model.lm import EngramLM, LMConfig
 
@@ -141,8 +142,8 @@ def optimizer_state_of(ckpt: Path, state: dict[str, Any]) -> Iterator[None]:
     except OptimizerStateError as e:
         if e.tensor is None:
             file = ckpt / "state.json"  # the param groups
-        elif tables_of_state(state) is not None and is_table_key(e.tensor):
-            file = ckpt / "tables-rank-*.safetensors"
+        elif shards_of_state(state) is not None and is_table_key(e.tensor):
+            file = ckpt / SHARDS_FOLDER / "rank-*.safetensors"
         else:
             file = ckpt / OPTIMIZER_FILE
         raise ValueError(f"{file}: {e}") from None
@@ -219,7 +220,7 @@ def check_layout(ckpt: Path, lm_cfg: LMConfig) -> None:
     want = layout_metadata(lm_cfg).get(LAYOUT_FINGERPRINT_KEY)
     if want is None:
         return
-    for path in [ckpt / "model.safetensors", *sorted(ckpt.glob("tables-rank-*.safetensors"))]:
+    for path in [ckpt / "model.safetensors", *sorted((ckpt / SHARDS_FOLDER).glob("rank-*.safetensors"))]:
         if not path.is_file():
             continue  # a missing or odd file is reported where the tensors are read
         try:

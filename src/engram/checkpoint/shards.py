@@ -1,237 +1,338 @@
-"""Sharded training checkpoints (every Engram table's rows split over one file per owner rank) and
-`read_checkpoint`, which reads a run's checkpoint in either format, checked, under the unsharded
-format's keys. Plain file logic: no torch.distributed here; files go through
-`engram.checkpoint.files`. Design: docs/checkpoint.md.
+"""Row-range shard files (`engram.checkpoint.shard_format`): `write_shard` writes one rank's rows,
+`RowShards` reads a checkpoint's set back at any world size, and `read_checkpoint` reads a training
+run's checkpoint, whole tables or sharded, under the unsharded format's keys. One reader for
+`engram train --distributed` and the HF Trainer's checkpoints.
+
+Every file goes through `engram.checkpoint.files.member_file` (a FIFO, a folder or a symlink out of
+the checkpoint is refused before it is opened); its header must belong to the checkpoint (run, step,
+world size, layout, table optimizer, tables: the error names the file and both values) and the
+ranges of all files must tile each table exactly; the files a reader reads are checked against
+their CRC32s and scanned for NaN / Inf. Plain file logic: no torch.distributed. Design:
+docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engram.checkpoint.files import dtype_name, member_file, open_tensors, save_tensors
+from engram.checkpoint.files import TensorFile, dtype_name, member_file, open_tensors, save_tensors
 from engram.checkpoint.integrity import check_finite, scan_table
+from engram.checkpoint.shard_format import (
+    SHARDS_FOLDER,
+    ShardHeader,
+    ShardIdentity,
+    TableRange,
+    shard_file,
+    shard_rank,
+    tensor_crc32,
+)
+from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
 
 __all__ = [
     "MODEL_FILE",
     "OPTIMIZER_FILE",
     "SHARDS_KEY",
-    "TableShards",
+    "RowShards",
     "is_table_key",
     "read_checkpoint",
-    "read_table_rows",
-    "save_shard",
     "shard_file",
-    "tables_of_state",
+    "shards_of_state",
+    "write_shard",
 ]
 
-SHARDS_KEY = "table_shards"  # state.json's entry: present only in a sharded checkpoint
+SHARDS_KEY = (
+    "table_shards"  # state.json's entry ({"run", "world", "optimizer"}): only in a sharded checkpoint
+)
 MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+_FIX = "copy this checkpoint's own shard files back, or resume from another checkpoint"
+_HINTS = {
+    "run": "a file copied from another run",
+    "step": "a file of another step of the run",
+    "world": "a file of a checkpoint written at another world size",
+    "layout": "a file of another Engram config (seed, primes or table sizes)",
+    "optimizer": "a file of a run with another table optimizer",
+}
 
 
-def shard_file(rank: int) -> str:
-    """The file name of rank `rank`'s table rows."""
-    return f"tables-rank-{rank}.safetensors"
-
-
-@dataclass(frozen=True)
-class TableShards:
-    """Where one table's rows are: `files` holds (file name, lo, hi), rows [lo, hi) in each, sorted
-    by lo. `optimizer_index` is the table's parameter index in the table optimizer (None: it has
-    none), `optimizer_fields` its per-row state tensors (empty before the first step)."""
-
-    name: str
-    num_rows: int
-    dim: int
-    files: tuple[tuple[str, int, int], ...]
-    optimizer_index: int | None = None
-    optimizer_fields: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        files = sorted(((str(f), int(a), int(b)) for f, a, b in self.files), key=lambda e: e[1:])
-        object.__setattr__(self, "files", tuple(files))
-        object.__setattr__(self, "optimizer_fields", tuple(self.optimizer_fields))
-
-    @property
-    def tensors(self) -> dict[str, str]:
-        """Shard-file key -> the key the unsharded format gives it (model or optimizer file)."""
-        out = {f"{self.name}.weight": f"{self.name}.weight"}
-        for f in self.optimizer_fields:
-            out[f"{self.name}.optimizer.{f}"] = f"table.{self.optimizer_index}.{f}"
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "num_rows": self.num_rows,
-            "dim": self.dim,
-            "optimizer_index": self.optimizer_index,
-            "optimizer_fields": list(self.optimizer_fields),
-            "files": [{"file": f, "lo": a, "hi": b} for f, a, b in self.files],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TableShards:
-        """The inverse of `to_json`; ValueError (not KeyError) for an entry of another shape."""
-        try:
-            files = tuple((e["file"], int(e["lo"]), int(e["hi"])) for e in d["files"])
-            fields = tuple(str(f) for f in d.get("optimizer_fields", ()))
-            return cls(
-                str(d["name"]), int(d["num_rows"]), int(d["dim"]), files, d.get("optimizer_index"), fields
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(
-                f"{SHARDS_KEY} entry {str(d)[:200]} is not a table layout ({type(e).__name__}: {e}); the "
-                "checkpoint's state.json is damaged: resume from another checkpoint"
-            ) from None
-
-    def _file(self, folder: Path, f: str) -> Path:
-        """Shard file `f`: a regular file inside `folder` (never "../x", an absolute path or a FIFO)."""
-        return member_file(
-            folder, f, f"{folder / 'state.json'}: {SHARDS_KEY} of table {self.name!r} names the file"
-        )
-
-    def check(self, folder: str | Path, weight_dtype: torch.dtype | None = None) -> None:
-        """ValueError unless the files are in `folder`, their ranges cover [0, num_rows) exactly and
-        every tensor has (hi - lo) rows and one dtype and row shape across files (reads headers only);
-        with `weight_dtype`, the table's rows must be of that dtype (the model's)."""
-        folder = Path(folder)
-        where = f"checkpoint {folder}, table {self.name!r}"
-        at, prev = 0, None
-        for f, lo, hi in self.files:
-            if lo > at:
-                raise ValueError(
-                    f"{where}: rows [{at}, {lo}) are in no shard file ({f} starts at row {lo}); the "
-                    "checkpoint's state.json does not match its files: resume from another checkpoint"
-                )
-            if lo < at:
-                raise ValueError(
-                    f"{where}: rows [{lo}, {min(at, hi)}) are in both {prev} and {f}; the checkpoint's "
-                    "state.json does not match its files: resume from another checkpoint"
-                )
-            if hi <= lo:
-                raise ValueError(f"{where}: {f} is listed with the empty row range [{lo}, {hi}); remove it")
-            at, prev = hi, f
-        if at != self.num_rows:
-            raise ValueError(
-                f"{where}: the shard files cover rows [0, {at}) of {self.num_rows}; rows [{at}, "
-                f"{self.num_rows}) are missing: resume from another checkpoint"
-            )
-        seen: dict[str, tuple[str, list[int], str]] = {}  # key -> (dtype, row shape, first file)
-        for f, lo, hi in self.files:
-            try:
-                path = self._file(folder, f)
-            except FileNotFoundError:
-                raise ValueError(
-                    f"{where}: shard file {f} (rows [{lo}, {hi})) is missing; copy every "
-                    "tables-rank-*.safetensors of the checkpoint into the folder (each owner rank wrote one)"
-                ) from None
-            fh = open_tensors(path)
-            for key in self.tensors:
-                if key not in fh:
-                    raise ValueError(
-                        f"{where}: {f} has no tensor {key!r}; the file belongs to another checkpoint: "
-                        "copy this checkpoint's own shard files"
-                    )
-                e = fh.entry(key)
-                shape, dtype = list(e.shape), e.dtype
-                if (
-                    key.endswith(".weight")
-                    and weight_dtype is not None
-                    and not _compatible(e.torch_dtype, weight_dtype)
-                ):
-                    raise ValueError(
-                        f"{path}: tensor {key!r} has dtype {dtype}, but the model's table is "
-                        f"{dtype_name(weight_dtype)}; the file is damaged or from another run: resume from "
-                        "another checkpoint"
-                    )
-                if not shape or shape[0] != hi - lo or (key.endswith(".weight") and shape[1:] != [self.dim]):
-                    want = f"({hi - lo}, {self.dim})" if key.endswith(".weight") else f"({hi - lo}, ...)"
-                    raise ValueError(
-                        f"{where}: {f} holds {key!r} of shape {tuple(shape)}, expected {want} for rows "
-                        f"[{lo}, {hi}); the file belongs to another checkpoint: copy this one's own"
-                    )
-                first = seen.setdefault(key, (dtype, shape[1:], f))
-                if (dtype, shape[1:]) != first[:2]:
-                    raise ValueError(
-                        f"{where}: {key!r} is {dtype} {shape[1:]} per row in {f} but {first[0]} "
-                        f"{first[1]} in {first[2]}; the files come from different runs: copy this "
-                        "checkpoint's own shard files"
-                    )
-
-    def read_rows(self, folder: str | Path, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) of shard tensor `key` (see `tensors`), from the files overlapping them;
-        only those rows are read. Assumes `check` passed."""
-        if not 0 <= lo <= hi <= self.num_rows:
-            raise ValueError(
-                f"rows [{lo}, {hi}) of table {self.name!r} are outside its {self.num_rows} rows: "
-                "is the model of another config?"
-            )
-        folder = Path(folder)
-        out: torch.Tensor | None = None
-        for f, a, b in self.files:
-            s, e = max(lo, a), min(hi, b)
-            if out is not None and s >= e:
-                continue
-            fh = open_tensors(self._file(folder, f))
-            if out is None:  # dtype and row shape from the first file's header
-                entry = fh.entry(key)
-                out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
-            if s < e:
-                out[s - lo : e - lo] = fh.slice(key)[s - a : e - a]  # only these rows are read
-        assert out is not None  # check() made sure there is at least one file
-        return out
-
-
-def tables_of_state(state: dict[str, Any]) -> list[TableShards] | None:
-    """The table layout of a checkpoint's state.json (None: the unsharded format)."""
-    entries = state.get(SHARDS_KEY)
-    if entries is not None and not isinstance(entries, list):
-        raise ValueError(
-            f"state.json's {SHARDS_KEY} is a {type(entries).__name__}, expected a list of table layouts; "
-            "the checkpoint is damaged: resume from another checkpoint"
-        )
-    return None if entries is None else [TableShards.from_json(d) for d in entries]
-
-
-def save_shard(
-    folder: str | Path, rank: int, tensors: dict[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+def write_shard(
+    folder: str | os.PathLike[str],
+    identity: ShardIdentity,
+    rank: int,
+    tables: list[TableRange],
+    tensors: Mapping[str, torch.Tensor],
 ) -> Path:
-    """Write rank `rank`'s table rows (keys as `TableShards.tensors` names them) into `folder`
-    (`metadata`: e.g. the layout fingerprint)."""
-    path = Path(folder) / shard_file(rank)
-    save_tensors(path, tensors, metadata)
+    """Write rank `rank`'s rows into `folder/engram-shards/rank-RRRRR.safetensors`: `tensors` holds each
+    table's `TableRange.tensor_keys()`, (hi - lo) rows each; the header records `identity`, the ranges and a
+    CRC32 of every tensor. Creates the shards folder (ranks may call it at once)."""
+    for t in tables:
+        for key in t.tensor_keys():
+            if key not in tensors:
+                raise ValueError(f"rank {rank}'s shard lacks tensor {key!r} (table {t.name!r} lists it)")
+            if tensors[key].dim() == 0 or tensors[key].shape[0] != t.hi - t.lo:
+                raise ValueError(
+                    f"rank {rank}'s tensor {key!r} has shape {tuple(tensors[key].shape)}, but table {t.name!r}'s "
+                    f"rows [{t.lo}, {t.hi}) are {t.hi - t.lo}: only per-row state can be written sharded"
+                )
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    header = ShardHeader(identity, rank, tuple(tables), {k: tensor_crc32(v) for k, v in cpu.items()})
+    path = Path(folder) / SHARDS_FOLDER / shard_file(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # the layout fingerprint also under the key every other table file uses (engram.checkpoint.v41)
+    save_tensors(path, cpu, {**header.to_metadata(), LAYOUT_FINGERPRINT_KEY: identity.layout})
     return path
 
 
-def read_table_rows(
-    folder: str | Path,
-    tables: list[TableShards],
-    ranges: dict[str, tuple[int, int]] | None = None,
-    *,
-    optimizer: bool = True,
-    dtypes: Mapping[str, torch.dtype] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(model tensors, optimizer tensors) of the tables, keyed as the unsharded format keys them:
-    rows `ranges[name]` = (lo, hi) of each (default: the whole table); `optimizer=False` skips the
-    optimizer state. Validates every table's files first (ValueError naming the file and the fix);
-    `dtypes` ({model key: dtype}): the dtypes the model expects of the tables' rows."""
-    model: dict[str, torch.Tensor] = {}
-    opt: dict[str, torch.Tensor] = {}
-    for t in tables:
-        t.check(folder, None if dtypes is None else dtypes.get(f"{t.name}.weight"))
-    for t in tables:
-        lo, hi = (0, t.num_rows) if ranges is None else ranges[t.name]
-        for key, dest in t.tensors.items():
-            if key.endswith(".weight"):
-                model[dest] = t.read_rows(folder, key, lo, hi)
-            elif optimizer:
-                opt[dest] = t.read_rows(folder, key, lo, hi)
-    return model, opt
+class RowShards:
+    """The shard files of checkpoint `folder`, checked to belong to it: every file's identity equals
+    `expect`, its rank is its name's, its tables are `tables` ({name: (num_rows, dim)}; None: the first
+    file's) with one dtype and row shape per tensor across files, and each table's ranges tile its rows
+    exactly. Reads headers only; ValueError naming the file, what it holds and what was expected."""
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        expect: ShardIdentity,
+        tables: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        self.root = self.folder / SHARDS_FOLDER
+        self.expect = expect
+        self.files: dict[Path, tuple[ShardHeader, TensorFile]] = {}
+        for path in self._listed():
+            where = str(path)
+            f = open_tensors(path)  # safetensors' header checks: a truncated file is refused naming it
+            header = ShardHeader.from_metadata(f.metadata, where)
+            self._check_identity(path, header)
+            self.files[path] = (header, f)
+        if not self.files:
+            raise ValueError(f"{self.root} holds no shard files (rank-RRRRR.safetensors); {_FIX}")
+        self.tables = self._check_tables(tables)
+        self._verified: set[tuple[Path, str]] = set()
+
+    def _listed(self) -> list[Path]:
+        """The shard files of the folder, each a regular file inside it (member_file)."""
+        if not os.path.lexists(self.root):
+            raise ValueError(
+                f"{self.folder} has no {SHARDS_FOLDER} folder, but the checkpoint's tables are sharded: each "
+                f"owner rank writes its rows there; {_FIX}"
+            )
+        if not os.path.isdir(self.root):
+            raise ValueError(f"{self.root} is not a folder; it must hold the shard files: {_FIX}")
+        if os.path.islink(self.root):
+            real, inside = os.path.realpath(self.root), os.path.realpath(self.folder)
+            if os.path.commonpath([real, inside]) != inside:
+                raise ValueError(
+                    f"{self.root}: a symlink to {real}, outside the checkpoint folder; a checkpoint reads only "
+                    "files inside its folder: copy the shard files in instead of linking them"
+                )
+        names = sorted(n for n in os.listdir(self.root) if shard_rank(n) is not None)
+        return [member_file(self.root, n, f"the shard folder {self.root} holds") for n in names]
+
+    def _check_identity(self, path: Path, header: ShardHeader) -> None:
+        for field, want, got in self.expect.differences(header.identity):
+            raise ValueError(
+                f"{path} does not belong to this checkpoint: its {field} is {got!r}, the checkpoint's is "
+                f"{want!r} ({_HINTS[field]}); {_FIX}"
+            )
+        rank = shard_rank(path.name)
+        if header.rank != rank or not 0 <= header.rank < header.identity.world:
+            raise ValueError(
+                f"{path} holds the rows of rank {header.rank} (of {header.identity.world}), but its name is "
+                f"rank {rank}'s; {_FIX}"
+            )
+
+    def _check_tables(self, want: Mapping[str, tuple[int, int]] | None) -> dict[str, TableRange]:
+        """{name: the table (lo, hi = 0, num_rows)}, after the per-table checks across files."""
+        first = next(iter(self.files))
+        if want is None:
+            want = {t.name: (t.num_rows, t.dim) for t in self.files[first][0].tables}
+        out: dict[str, TableRange] = {}
+        spans: dict[str, list[tuple[int, int, Path]]] = {name: [] for name in want}
+        seen: dict[str, tuple[str, tuple[int, ...], Path]] = {}  # key -> (dtype, row shape, first file)
+        for path, (header, f) in self.files.items():
+            names = [t.name for t in header.tables]
+            if sorted(names) != sorted(want):
+                raise ValueError(
+                    f"{path} holds tables {sorted(names)}, this model has {sorted(want)}; the file belongs to "
+                    f"another model: {_FIX}"
+                )
+            for t in header.tables:
+                if (t.num_rows, t.dim) != tuple(want[t.name]):
+                    raise ValueError(
+                        f"{path}: table {t.name!r} is {t.num_rows} x {t.dim} there, {want[t.name][0]} x "
+                        f"{want[t.name][1]} in this model; the file belongs to another config: {_FIX}"
+                    )
+                if not 0 <= t.lo < t.hi <= t.num_rows:
+                    raise ValueError(
+                        f"{path}: table {t.name!r}'s row range [{t.lo}, {t.hi}) is not inside its "
+                        f"{t.num_rows} rows (or empty); {_FIX}"
+                    )
+                prev = out.setdefault(
+                    t.name, TableRange(t.name, t.num_rows, t.dim, 0, t.num_rows, t.index, t.fields)
+                )
+                if (prev.index, prev.fields) != (t.index, t.fields):
+                    raise ValueError(
+                        f"{path}: table {t.name!r} has optimizer index {t.index} and state {list(t.fields)}, "
+                        f"another file {prev.index} and {list(prev.fields)}; the files come from different "
+                        f"runs: {_FIX}"
+                    )
+                spans[t.name].append((t.lo, t.hi, path))
+                for key in t.tensor_keys():
+                    seen_key = self._check_tensor(path, f, t, key, seen.get(key))
+                    seen.setdefault(key, seen_key)
+        for name, ranges in spans.items():
+            _check_tiling(name, want[name][0], sorted(ranges), self.root)
+        return out
+
+    @staticmethod
+    def _check_tensor(
+        path: Path, f: TensorFile, t: TableRange, key: str, first: tuple[str, tuple[int, ...], Path] | None
+    ) -> tuple[str, tuple[int, ...], Path]:
+        if key not in f:
+            raise ValueError(
+                f"{path}: no tensor {key!r}, which its header lists for table {t.name!r}; {_FIX}"
+            )
+        e = f.entry(key)
+        n = t.hi - t.lo
+        if not e.shape or e.shape[0] != n or (key == t.weight_key and e.shape[1:] != (t.dim,)):
+            want = f"({n}, {t.dim})" if key == t.weight_key else f"({n}, ...)"
+            raise ValueError(
+                f"{path}: tensor {key!r} has shape {e.shape}, but the header's row range [{t.lo}, {t.hi}) of "
+                f"table {t.name!r} needs {want}; {_FIX}"
+            )
+        if first is not None and (e.dtype, e.shape[1:]) != first[:2]:
+            raise ValueError(
+                f"{path}: tensor {key!r} is {e.dtype} {list(e.shape[1:])} per row, but {first[0]} "
+                f"{list(first[1])} in {first[2]}; the files come from different runs: {_FIX}"
+            )
+        return e.dtype, e.shape[1:], path
+
+    def _verify(self, path: Path, key: str) -> None:
+        """The whole tensor `key` of file `path` against its header's CRC32 (once per reader)."""
+        if (path, key) in self._verified:
+            return
+        header, f = self.files[path]
+        want = header.checksums.get(key)
+        got = tensor_crc32(f.tensor(key))
+        if got != want:
+            raise ValueError(
+                f"{path}: tensor {key!r} has CRC32 {got:08x}, its header records "
+                f"{'none' if want is None else f'{want:08x}'}: the file's data was damaged after it was "
+                f"written; {_FIX}"
+            )
+        self._verified.add((path, key))
+
+    def read_rows(self, name: str, key: str, lo: int, hi: int, scan: bool = False) -> torch.Tensor:
+        """Rows [lo, hi) of tensor `key` of table `name`, from the files holding them (each such file's
+        tensor checked against its CRC32 first); only those rows are kept. `scan`: each file's rows are
+        scanned for NaN / Inf (the error names that file)."""
+        table = self.tables[name]
+        if not 0 <= lo <= hi <= table.num_rows:
+            raise ValueError(
+                f"rows [{lo}, {hi}) of table {name!r} are outside its {table.num_rows} rows: is the model of "
+                "another config?"
+            )
+        out: torch.Tensor | None = None
+        for path, (header, f) in self.files.items():
+            t = next(t for t in header.tables if t.name == name)
+            s, e = max(lo, t.lo), min(hi, t.hi)
+            if out is None:  # dtype and row shape from the first file's header (checked alike in all)
+                entry = f.entry(key)
+                out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
+            if s < e:
+                self._verify(path, key)
+                out[s - lo : e - lo] = f.slice(key)[s - t.lo : e - t.lo]
+                if scan:
+                    where = (
+                        f"{path}: table {name!r}, tensor {key!r}, rows [{s}, {e}) (positions from row {s})"
+                    )
+                    check_finite(out[s - lo : e - lo], where)
+        assert out is not None  # __init__ made sure there is at least one file
+        return out
+
+    def where(self, name: str, lo: int, hi: int) -> str:
+        """The files holding rows [lo, hi) of table `name`, for messages."""
+        found = []
+        for path, (header, _) in self.files.items():
+            t = next(t for t in header.tables if t.name == name)
+            if max(lo, t.lo) < min(hi, t.hi):
+                found.append(path.name)
+        return f"{self.root}/{'{' + ','.join(found) + '}' if len(found) > 1 else ''.join(found)}"
+
+    def read(
+        self,
+        ranges: Mapping[str, tuple[int, int]] | None = None,
+        *,
+        optimizer: bool = True,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        verify: bool = False,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """{table: {"weight": rows, field: rows ...}}: rows `ranges[name]` = (lo, hi) of each table (default:
+        all); `optimizer=False` skips the optimizer state. `dtypes` ({table: dtype}): the model's dtype of
+        each table's rows (any float loads into a float; else the same dtype). The rows read are scanned
+        for NaN / Inf (a table over `SCAN_LIMIT_BYTES` only with `verify`)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in self.tables.items():
+            lo, hi = (0, t.num_rows) if ranges is None else ranges[name]
+            keys = {"weight": t.weight_key, **({f: t.field_key(f) for f in t.fields} if optimizer else {})}
+            rows: dict[str, torch.Tensor] = {}
+            for field, key in keys.items():
+                first = next(iter(self.files.values()))[1].entry(key)
+                want = None if dtypes is None or field != "weight" else dtypes.get(name)
+                if want is not None and not _compatible(first.torch_dtype, want):
+                    raise ValueError(
+                        f"{self.where(name, lo, hi)}: tensor {key!r} has dtype {first.dtype}, but the model's "
+                        f"table is {dtype_name(want)}; {_FIX}"
+                    )
+                size = t.num_rows * math.prod(first.shape[1:]) * first.torch_dtype.itemsize
+                scan = scan_table(size, verify, f"{self.root}: table {name!r}, tensor {key!r}")
+                rows[field] = self.read_rows(name, key, lo, hi, scan)
+            out[name] = rows
+        return out
+
+
+def _check_tiling(name: str, num_rows: int, ranges: list[tuple[int, int, Path]], root: Path) -> None:
+    """ValueError unless the sorted ranges cover [0, num_rows) exactly, naming the files and ranges."""
+    at, prev = 0, None
+    for lo, hi, path in ranges:
+        if lo > at:
+            raise ValueError(
+                f"rows [{at}, {lo}) of table {name!r} are in no shard file of {root} (files: "
+                f"{', '.join(p.name for _, _, p in ranges)}): a rank's file is missing; {_FIX}"
+            )
+        if lo < at:
+            assert prev is not None
+            raise ValueError(
+                f"{path} claims rows [{lo}, {hi}) of table {name!r}, but rows [{lo}, {min(at, hi)}) are also in "
+                f"{prev[2]} (rows [{prev[0]}, {prev[1]})): the files come from different checkpoints; {_FIX}"
+            )
+        at, prev = hi, (lo, hi, path)
+    if at != num_rows:
+        raise ValueError(
+            f"rows [{at}, {num_rows}) of table {name!r} are in no shard file of {root} (files: "
+            f"{', '.join(p.name for _, _, p in ranges)}): a rank's file is missing; {_FIX}"
+        )
+
+
+def shards_of_state(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The sharded-tables entry of a training checkpoint's state.json ({"run", "world", "optimizer"};
+    None: whole tables). ValueError for an entry of another shape."""
+    entry = state.get(SHARDS_KEY)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not {"run", "world", "optimizer"} <= set(entry):
+        raise ValueError(
+            f"state.json's {SHARDS_KEY} is {str(entry)[:200]}, expected {{'run', 'world', 'optimizer'}} (a "
+            "checkpoint written before the row-range shard format is not read); the checkpoint is damaged "
+            "or older: resume from another checkpoint"
+        )
+    return entry
 
 
 def _compatible(stored: torch.dtype, want: torch.dtype) -> bool:
@@ -249,7 +350,7 @@ def is_table_key(key: str) -> bool:
 
 def _read_file(
     folder: Path, name: str, dtypes: Mapping[str, torch.dtype] | None
-) -> tuple[Path, dict[str, torch.Tensor]]:
+) -> tuple[TensorFile, dict[str, torch.Tensor]]:
     """Every tensor of checkpoint file `name` (memory-mapped), its dtypes checked against `dtypes` first."""
     f = open_tensors(member_file(folder, name, f"the checkpoint {folder} holds"))
     for key in f:
@@ -259,7 +360,7 @@ def _read_file(
                 f"{f.path}: tensor {key!r} has dtype {f.entry(key).dtype}, but the model expects "
                 f"{dtype_name(want)}; the file is damaged or from another model: resume from another checkpoint"
             )
-    return f.path, {key: f.tensor(key) for key in f}
+    return f, {key: f.tensor(key) for key in f}
 
 
 def read_checkpoint(
@@ -270,27 +371,46 @@ def read_checkpoint(
     optimizer: bool = True,
     dtypes: Mapping[str, torch.dtype] | None = None,
     verify: bool = False,
+    tables: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(model tensors, optimizer tensors) of a checkpoint folder whose state.json is `state`, in either
-    format; a sharded one's tables as `read_table_rows` gives them (ranges: see there).
+    """(model tensors, optimizer tensors) of a training checkpoint folder whose state.json is `state`,
+    whole tables or sharded; a sharded one's tables as `RowShards.read` gives them (rows `ranges[table]`,
+    default all), keyed `{table}.weight` and `table.{index}.{field}` as the unsharded format keys them.
+    Its shard files must be this checkpoint's (the run, world size and optimizer of state.json's
+    `table_shards`, its step, model.safetensors' layout fingerprint; `tables` {name: (rows, dim)}: the
+    model's tables).
 
     `dtypes` ({model key: dtype}, e.g. from the model's state_dict): a model tensor of another kind is
-    refused (an I32 where F32 is expected would load, cast, as garbage); float dtypes load into each other. Every float tensor is scanned
-    for NaN / Inf, except table tensors (`is_table_key`) over `SCAN_LIMIT_BYTES` without `verify`. Errors
-    are ValueErrors naming the file, the tensor and the fix."""
+    refused (an I32 where F32 is expected would load, cast, as garbage); float dtypes load into each
+    other. Every float tensor is scanned for NaN / Inf, except table tensors (`is_table_key`) over
+    `SCAN_LIMIT_BYTES` without `verify`. Errors are ValueErrors naming the file, the tensor and the fix."""
     folder = Path(folder)
-    model_path, model = _read_file(folder, MODEL_FILE, dtypes)
-    opt_path, opt = _read_file(folder, OPTIMIZER_FILE, None) if optimizer else (folder / OPTIMIZER_FILE, {})
-    tables = tables_of_state(state)
-    where = {key: model_path for key in model} | {key: opt_path for key in opt}
-    if tables is not None:
-        rows, opt_rows = read_table_rows(folder, tables, ranges, optimizer=optimizer, dtypes=dtypes)
-        shards = folder / "tables-rank-*.safetensors"
-        where |= {key: shards for key in [*rows, *opt_rows]}
-        model.update(rows)
-        opt.update(opt_rows)
+    model_file, model = _read_file(folder, MODEL_FILE, dtypes)
+    opt_path, opt = (
+        (folder / OPTIMIZER_FILE, _read_file(folder, OPTIMIZER_FILE, None)[1])
+        if optimizer
+        else (folder / OPTIMIZER_FILE, {})
+    )
     for key, t in [*model.items(), *opt.items()]:
-        name = f"{where[key]}: tensor {key!r}"
+        name = f"{model_file.path if key in model else opt_path}: tensor {key!r}"
         if not is_table_key(key) or scan_table(t.numel() * t.element_size(), verify, name):
             check_finite(t, name)
+    entry = shards_of_state(state)
+    if entry is None:
+        return model, opt
+    layout = model_file.metadata.get(LAYOUT_FINGERPRINT_KEY)
+    if layout is None:
+        raise ValueError(
+            f"{model_file.path} records no Engram layout fingerprint ({LAYOUT_FINGERPRINT_KEY}), which a "
+            "checkpoint with sharded tables always has; the checkpoint is damaged: resume from another one"
+        )
+    expect = ShardIdentity(str(entry["run"]), state.get("step"), entry["world"], layout, entry["optimizer"])
+    shards = RowShards(folder, expect, tables)
+    table_dtypes = None if dtypes is None else {n: dtypes.get(f"{n}.weight") for n in shards.tables}
+    rows = shards.read(ranges, optimizer=optimizer, dtypes=table_dtypes, verify=verify)
+    for name, got in rows.items():
+        t = shards.tables[name]
+        model[t.weight_key] = got.pop("weight")
+        for field, x in got.items():
+            opt[f"table.{t.index}.{field}"] = x
     return model, opt

@@ -340,7 +340,7 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument(
         "--sharded-checkpoints",
         action="store_true",
-        help="with --distributed: each table-owning rank writes its own rows (tables-rank-R.safetensors) "
+        help="with --distributed: each table-owning rank writes its own rows (engram-shards/rank-R.safetensors) "
         "instead of gathering every table onto rank 0; resumes on any world size, and `engram eval` "
         "reads it (a run resumed from such a checkpoint keeps writing them)",
     )

@@ -4,17 +4,19 @@
 No rank holds a whole table, so no single rank can write one. Two forms:
 - training state (`save_table_shards` / `load_table_shards`, used by the HF Trainer's
   `EngramShardsCallback`): each owner rank writes its rows of every table and of their optimizer state
-  to `<checkpoint>/engram-shards/rank-R.safetensors`; a resumed run reads back the rows it owns now,
-  from whichever files hold them, so it resumes at the same world size bit-exact and at another one
-  with the rows redistributed;
+  to `<checkpoint>/engram-shards/rank-RRRRR.safetensors` (the row-range shard format,
+  `engram.checkpoint.shard_format`, also `engram train --distributed`'s), and the model's optimizer
+  state records the run and step they belong to. A resumed run reads back the rows it holds now, from
+  whichever files hold them: at the same world size bit-exact; at another one with the rows
+  redistributed; in one process, or with replicated tables, every row (the table optimizer then a
+  plain one);
 - the Engram part (`save_engram` / `export_fp8`): the tables gathered to rank 0, which writes the part
   `engram.hf.load_engram` reads in one process.
-Knows ShardedTable, the table optimizers' per-row state and safetensors; nothing of the Trainer.
+Knows ShardedTable, the table optimizers' per-row state and the shard files; nothing of the Trainer.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,30 +25,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from engram.addressing.layout import Layout, layout_fingerprint
+from engram.checkpoint.shard_format import SHARDED_STATE_KEY, SHARDS_FOLDER, ShardIdentity, TableRange
+from engram.checkpoint.shards import RowShards, write_shard
+from engram.distributed.hf import ShardedTableSync
+from engram.distributed.shard_checkpoint import agreed, table_optimizer_name
 from engram.distributed.sharded_table import ShardedTable
 from engram.hf import export_fp8 as hf_export_fp8
 from engram.hf import save_engram as hf_save_engram
 from engram.hf.attach import get_attachment
 from engram.model.table import TrainableTable
 
-__all__ = ["SHARDS_FOLDER", "export_fp8", "load_table_shards", "save_engram", "save_table_shards"]
+__all__ = [
+    "SHARDS_FOLDER",
+    "export_fp8",
+    "load_table_shards",
+    "pending_restore",
+    "save_engram",
+    "save_table_shards",
+]
 
-SHARDS_FOLDER = "engram-shards"
-_FORMAT = 1
 
-
-def _shard_file(folder: Path, rank: int) -> Path:
-    return folder / SHARDS_FOLDER / f"rank-{rank:05d}.safetensors"
-
-
-def _row_state(opt: torch.optim.Optimizer) -> tuple[dict[int, dict[str, torch.Tensor]], list[dict]]:
+def _row_state(opt: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
     """The table optimizer's state with every tensor running over its table's rows (dim 0)."""
     sd = opt.row_state_dict() if hasattr(opt, "row_state_dict") else opt.state_dict()
-    return sd["state"], sd["param_groups"]
+    return sd["state"]
 
 
 def _load_row_state(
@@ -56,138 +61,136 @@ def _load_row_state(
     opt.load_row_state_dict(sd) if hasattr(opt, "load_row_state_dict") else opt.load_state_dict(sd)
 
 
-def save_table_shards(
-    tables: list[ShardedTable],
-    table_opt: torch.optim.Optimizer | None,
-    folder: str | os.PathLike[str],
-    step: int,
-    fingerprint: str | None = None,
-) -> Path | None:
-    """Write this rank's rows of `tables` (and of `table_opt`'s state; its param i is table i's shard)
-    into `folder/engram-shards/`, with the tables' layout `fingerprint`; returns the file (None on a rank
-    that owns no rows). Every rank calls it with the same tables; no collective."""
-    state = _row_state(table_opt)[0] if table_opt is not None else {}
+def _table_names(model: nn.Module) -> list[str]:
+    """The tables' names in shard files (the attachment's layer ids: the same under any wrapper)."""
+    return [f"layers.{lid}.table" for lid in get_attachment(model).layers]
+
+
+def save_table_shards(model: nn.Module, folder: str | os.PathLike[str]) -> Path | None:
+    """Write this rank's rows of `model`'s row-sharded tables (and of their optimizer state) into
+    `folder/engram-shards/`; returns the file (None on a rank that owns no rows). The file records the
+    run and the table steps taken (what the optimizer's `state_dict()` records of the tables), the
+    world size, its rank, each table's row range and the layout fingerprint. Every rank calls it with
+    the same model; no collective."""
+    att = get_attachment(model)
+    sync = att.table_sync
+    if not isinstance(sync, ShardedTableSync):
+        raise ValueError(
+            "the model's Engram tables are not row-sharded (prepare_data_parallel(model, 'sharded')): the "
+            "Trainer's own files hold them whole"
+        )
+    opt = sync.optimizer
+    state = _row_state(opt) if opt is not None else {}
     tensors: dict[str, torch.Tensor] = {}
     ranges = []
-    for i, t in enumerate(tables):
-        n = t.hi - t.lo
-        ranges.append([t.lo, t.hi])
-        if n == 0:
+    for i, (name, t) in enumerate(zip(_table_names(model), sync.tables, strict=True)):
+        if t.hi == t.lo:
             continue
-        tensors[f"table.{i}.weight"] = t.weight.detach()
-        for key, value in state.get(i, {}).items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
+        fields = state.get(i, {})
+        r = TableRange(name, t.num_rows, t.dim, t.lo, t.hi, None if opt is None else i, tuple(sorted(fields)))
+        ranges.append(r)
+        tensors[r.weight_key] = t.weight.detach()
+        for field, value in fields.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != t.hi - t.lo:
                 raise ValueError(
-                    f"{type(table_opt).__name__}'s state {key!r} of table {i} does not run over its rows: "
-                    "this table optimizer cannot be checkpointed sharded"
+                    f"{type(opt).__name__}'s state {field!r} of table {i} does not run over its rows: this "
+                    "table optimizer cannot be checkpointed sharded"
                 )
-            tensors[f"table.{i}.state.{key}"] = value.detach()
-    if not tensors:
+            tensors[r.field_key(field)] = value.detach()
+    if not ranges:
         return None
-    first = tables[0]
-    meta = {
-        "format": _FORMAT,
-        "step": step,
-        "world": first.world,
-        "rank": first.rank,
-        "ranges": ranges,
-        "num_rows": [t.num_rows for t in tables],
-        "optimizer": type(table_opt).__name__ if table_opt is not None else None,
-        "layout": fingerprint,
-    }
-    path = _shard_file(Path(folder), first.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cpu = {k: v.cpu().contiguous() for k, v in tensors.items()}
-    save_file(cpu, str(path), metadata={"engram_shards": json.dumps(meta)})
-    return path
+    first = sync.tables[0]
+    identity = ShardIdentity(
+        sync.run, sync.steps, first.world, layout_fingerprint(Layout(att.config)), table_optimizer_name(opt)
+    )
+    return write_shard(folder, identity, first.rank, ranges, tensors)
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    with safe_open(str(path), framework="pt") as f:
-        raw = (f.metadata() or {}).get("engram_shards")
-    if raw is None:
-        raise ValueError(f"{path} is not an Engram table shard (no 'engram_shards' metadata)")
-    return json.loads(raw)
+def pending_restore(model: nn.Module) -> tuple[dict[str, Any] | None, Any]:
+    """(the loaded optimizer state's table part whose rows are still to be read back from shard files,
+    or None; the model's table sync)."""
+    att = get_attachment(model)
+    sync = att.table_sync
+    if isinstance(sync, ShardedTableSync):
+        return sync.restore, sync
+    return getattr(getattr(att, "optimizer_hooks", None), "table_restore", None), sync
 
 
-def load_table_shards(
-    tables: list[ShardedTable],
-    table_opt: torch.optim.Optimizer | None,
-    folder: str | os.PathLike[str],
-    param_groups: list[dict] | None = None,
-    step: int | None = None,
-    fingerprint: str | None = None,
-) -> None:
-    """Set this rank's rows of `tables` (and `table_opt`'s state, with `param_groups`) from the shard
-    files in `folder/engram-shards/`, written at any world size. Refuses files of another table shape,
-    optimizer or `step`. No collective."""
-    root = Path(folder) / SHARDS_FOLDER
-    files = sorted(root.glob("rank-*.safetensors")) if root.is_dir() else []
-    if not files:
+def load_table_shards(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Read back `model`'s table rows (and their optimizer state) from the shard files in
+    `folder/engram-shards/`, written at any world size, once the model's optimizer state (which says
+    which run and step the files must be of) was loaded: row-sharded tables take the rows this rank
+    owns, whole tables (one process, or replicated across processes) every row. Every file read is
+    checked (it belongs to that run and step, its world size, layout, optimizer and tables are this
+    checkpoint's, its ranges tile the tables, its data matches its CRC32s, no NaN / Inf) before
+    anything changes; across processes the ranks then agree (one all-gather), so a file refused on one
+    rank is the same ValueError on every rank."""
+    pending, sync = pending_restore(model)
+    if pending is None:
+        raise ValueError(
+            "nothing to read back: load the checkpoint's optimizer state (optimizer.load_state_dict, which the "
+            "Trainer does on resume) first; it says which run and step the shard files must be of"
+        )
+    att = get_attachment(model)
+    group = getattr(sync, "group", None)
+    folder = Path(folder)
+    with agreed(group, lambda: f"resuming the Engram tables from {folder / SHARDS_FOLDER}"):
+        _load(model, att, sync, pending, folder)
+    if isinstance(sync, ShardedTableSync):
+        mark = pending[SHARDED_STATE_KEY]
+        sync.restore = None
+        sync.run, sync.steps = mark["run"], mark["steps"]  # the resumed run goes on as the same run
+    else:
+        att.optimizer_hooks.table_restore = None
+
+
+def _load(model: nn.Module, att: Any, sync: Any, pending: dict[str, Any], folder: Path) -> None:
+    """Check every file this process reads, then set the rows and the table optimizer's state."""
+    root = folder / SHARDS_FOLDER
+    if not os.path.lexists(root):
         raise ValueError(
             f"{root} holds no table shards: the checkpoint was written without engram.distributed's "
             "EngramShardsCallback (add it to the Trainer's callbacks), so its sharded Engram tables are lost"
         )
-    metas = [(p, _read_meta(p)) for p in files]
-    want = [t.num_rows for t in tables]
-    opt_name = type(table_opt).__name__ if table_opt is not None else None
-    for p, m in metas:
-        if m.get("format") != _FORMAT or m.get("num_rows") != want:
-            raise ValueError(
-                f"{p} holds tables of {m.get('num_rows')} rows, this model's have {want}: it was written for "
-                "another Engram config"
+    mark = pending.get(SHARDED_STATE_KEY)
+    if not isinstance(mark, dict) or not {"run", "steps", "world"} <= set(mark):
+        raise ValueError(
+            f"the optimizer state's {SHARDED_STATE_KEY!r} is {str(mark)[:200]}, expected the run, steps and "
+            "world size of the shard files: the checkpoint's optimizer state is damaged or of an older version"
+        )
+    sharded = isinstance(sync, ShardedTableSync)
+    opt = sync.optimizer if sharded else att.optimizer_hooks.tables
+    tables = sync.tables if sharded else [m.table for m in att.layers.values()]
+    for t in tables:
+        if not isinstance(t, ShardedTable | TrainableTable):
+            raise TypeError(
+                f"a {type(t).__name__} cannot take a training checkpoint's rows (not a trainable table)"
             )
-        if fingerprint is not None and m.get("layout") not in (None, fingerprint):
-            raise ValueError(
-                f"{p} was written for the hash layout {m.get('layout')}, this model's is {fingerprint}: another "
-                "Engram config (seed, primes or table sizes); resume with the config it was trained with"
-            )
-        if step is not None and m.get("step") != step:
-            raise ValueError(f"{p} was written at step {m.get('step')}, the checkpoint is of step {step}")
-        if m.get("optimizer") != opt_name:
-            raise ValueError(
-                f"{p} holds the state of a {m.get('optimizer')} table optimizer, this run uses {opt_name}: "
-                "resume with the table optimizer the checkpoint was trained with"
-            )
-    # Each file opened once: of every table, the slice of its rows this rank owns now (in file order,
-    # which is row order: the files are named by rank and a rank's rows follow the lower ranks').
-    parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in tables]
-    covered = [0] * len(tables)
-    for p, m in metas:
-        with safe_open(str(p), framework="pt") as f:
-            keys = list(f.keys())
-            for i, t in enumerate(tables):
-                lo, hi = m["ranges"][i]
-                a, b = max(lo, t.lo), min(hi, t.hi)
-                if a >= b:
-                    continue
-                covered[i] += b - a
-                prefix = f"table.{i}."
-                for key in keys:
-                    if key.startswith(prefix):
-                        parts[i].setdefault(key[len(prefix) :], []).append(f.get_slice(key)[a - lo : b - lo])
+    shape = {n: (t.num_rows, t.dim) for n, t in zip(_table_names(model), tables, strict=True)}
+    span = {
+        n: (t.lo, t.hi) if sharded else (0, t.num_rows)
+        for n, t in zip(_table_names(model), tables, strict=True)
+    }
+    expect = ShardIdentity(
+        str(mark["run"]),
+        mark["steps"],
+        mark["world"],
+        layout_fingerprint(Layout(att.config)),
+        table_optimizer_name(opt),
+    )
+    shards = RowShards(folder, expect, shape)
+    dtypes = {n: t.weight.dtype for n, t in zip(_table_names(model), tables, strict=True)}
+    rows = shards.read(span, dtypes=dtypes)
     state: dict[int, dict[str, torch.Tensor]] = {}
+    for i, (name, t) in enumerate(zip(_table_names(model), tables, strict=True)):
+        fields = {k: v.to(t.weight.device) for k, v in rows[name].items() if k != "weight"}
+        if fields:  # table i is the table optimizer's parameter i (as the files' writer had it)
+            state[i] = fields
     with torch.no_grad():
-        for i, t in enumerate(tables):
-            if covered[i] != t.hi - t.lo:
-                raise ValueError(
-                    f"the shard files in {root} cover {covered[i]} of rows [{t.lo}, {t.hi}) of table {i}: a "
-                    "rank's file is missing"
-                )
-            if not parts[i]:  # a rank that owns no rows
-                continue
-            t.weight.copy_(torch.cat(parts[i].pop("weight")))
-            fields = {k[len("state.") :]: torch.cat(v) for k, v in parts[i].items() if k.startswith("state.")}
-            if fields:
-                state[i] = {k: v.to(t.weight.device) for k, v in fields.items()}
-    if table_opt is not None:
-        empty = [i for i, t in enumerate(tables) if t.hi == t.lo]
-        if empty and state:  # a non-owner: empty state of the same fields
-            ref = next(iter(state.values()))
-            for i in empty:
-                state[i] = {k: v[:0] for k, v in ref.items()}
-        groups = param_groups if param_groups is not None else table_opt.state_dict()["param_groups"]
-        _load_row_state(table_opt, state, groups)
+        if opt is not None:  # checks the state before it changes anything
+            _load_row_state(opt, state, pending["param_groups"])
+        for name, t in zip(_table_names(model), tables, strict=True):
+            t.weight.copy_(rows[name]["weight"])
 
 
 @contextmanager

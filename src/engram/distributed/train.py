@@ -1,7 +1,9 @@
 """Data-parallel training with row-sharded Engram tables (launched with torchrun): `DistributedTrainer`
 is `engram.apps.train.Trainer` with its batch, backward, evaluation and checkpoint pieces replaced, so
 W ranks train the model one process trains with the same global batch. Checkpoints in the
-single-process or the sharded format. Design: docs/distributed.md.
+single-process format or with row-sharded tables (each owner rank's rows in
+`<checkpoint>/engram-shards/`, the row-range format `engram.checkpoint.shard_format`, readable at any
+world size and in one process). Design: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engram.addressing.layout import Layout, layout_fingerprint
 from engram.apps.evaluation import eval_summary, score_windows, window_rows
-from engram.apps.train import DataBundle, TableOptimizer, TrainConfig, Trainer, build_model, layout_metadata
-from engram.checkpoint.shards import SHARDS_KEY, TableShards, read_checkpoint, save_shard, shard_file
+from engram.apps.train import DataBundle, TableOptimizer, TrainConfig, Trainer, build_model
+from engram.checkpoint.shard_format import ShardIdentity, TableRange
+from engram.checkpoint.shards import SHARDS_KEY, read_checkpoint, shards_of_state, write_shard
 from engram.distributed.guard import describe, disagreements, named_failures
 from engram.distributed.parallelize import (
     TableInit,
@@ -31,6 +35,7 @@ from engram.distributed.parallelize import (
     sharded_tables,
     split_sharded_params,
 )
+from engram.distributed.shard_checkpoint import agreed, agreed_error, run_name, table_optimizer_name
 from engram.distributed.sharded_table import ShardedTable, gather_shards, release_tables, sync_table_grads
 from engram.distributed.sinkhorn import ShardedSinkhorn
 from engram.model.lm import EngramLM
@@ -131,6 +136,8 @@ class DistributedTrainer(Trainer):
         self.sharded_checkpoints = bool(sharded_checkpoints)
         super().__init__(cfg, data, model, out_dir)
         self._check_ranks_agree(data, dict(settings or {}))
+        # the run's name (rank 0's), which its sharded checkpoints' files record; a resumed run keeps it
+        self.run_id = run_name(group)
         # table optimizer's param index -> its table (for gathering / slicing its state in checkpoints)
         owner = {id(t.weight): t for t in self.tables}
         self._opt_tables = (
@@ -312,17 +319,23 @@ class DistributedTrainer(Trainer):
         found = {n: m for n, m in self.model.named_modules() if isinstance(m, ShardedTable)}
         return dict(sorted(found.items()))
 
-    def _table_layout(self, opt_tensors: dict[str, torch.Tensor]) -> list[TableShards]:
-        """Every table's entry of a sharded checkpoint's state.json (the same on every rank)."""
+    def _table_ranges(self, opt_tensors: dict[str, torch.Tensor]) -> list[TableRange]:
+        """This rank's rows of every table it owns rows of, as its shard file's header lists them."""
         index = {id(t): i for i, t in enumerate(self._opt_tables)}
-        layout = []
+        ranges = []
         for name, t in self._named_tables().items():
             i = index.get(id(t))
             prefix = f"table.{i}."
             fields = sorted(k[len(prefix) :] for k in opt_tensors if i is not None and k.startswith(prefix))
-            files = [(shard_file(r), t.bounds[r], t.bounds[r + 1]) for r in range(t.world)]
-            layout.append(TableShards(name, t.num_rows, t.dim, [f for f in files if f[2] > f[1]], i, fields))
-        return layout
+            if t.hi > t.lo:
+                ranges.append(TableRange(name, t.num_rows, t.dim, t.lo, t.hi, i, tuple(fields)))
+        return ranges
+
+    def _shard_identity(self) -> ShardIdentity:
+        """What this step's shard files record of the run (and a resume expects of them)."""
+        assert self.model.config.engram is not None
+        layout = layout_fingerprint(Layout(self.model.config.engram))
+        return ShardIdentity(self.run_id, self.step, self.world, layout, table_optimizer_name(self.table_opt))
 
     def _any_failed(self, error: BaseException | None) -> bool:
         """One all-reduce (every rank calls it): whether `error` is set on any rank."""
@@ -340,22 +353,19 @@ class DistributedTrainer(Trainer):
 
     def _save_sharded_checkpoint(self) -> Path:
         """Each owner rank writes its rows of every table (and of their optimizer state) to
-        tables-rank-R.safetensors in the shared temporary folder; rank 0 then writes the rest and
-        renames the folder into place. No rank holds more than its own rows."""
+        engram-shards/rank-RRRRR.safetensors in the shared temporary folder; rank 0 then writes the
+        rest and renames the folder into place. No rank holds more than its own rows."""
         assert self.out_dir is not None
         model_tensors, opt_tensors, groups = Trainer._checkpoint_tensors(self)  # tables: this rank's rows
-        layout = self._table_layout(opt_tensors)
-        tables = self._named_tables()
+        ranges = self._table_ranges(opt_tensors)
         mine: dict[str, torch.Tensor] = {}
-        for entry in layout:
-            weight = model_tensors.pop(f"{entry.name}.weight")  # (hi - lo, dim) this rank's rows
-            t = tables[entry.name]
-            if t.hi > t.lo:
-                mine[f"{entry.name}.weight"] = weight
-                for key, dest in entry.tensors.items():
-                    if dest.startswith("table."):
-                        assert opt_tensors[dest].shape[0] == t.hi - t.lo, dest  # per-row state only
-                        mine[key] = opt_tensors[dest]
+        for name in self._named_tables():
+            weight = model_tensors.pop(f"{name}.weight")  # (hi - lo, dim) this rank's rows
+            r = next((r for r in ranges if r.name == name), None)
+            if r is not None:
+                mine[r.weight_key] = weight
+                for f in r.fields:
+                    mine[r.field_key(f)] = opt_tensors[f"table.{r.index}.{f}"]  # (hi - lo, ...) per-row state
         opt_tensors = {k: v for k, v in opt_tensors.items() if not k.startswith("table.")}
         tmp = self.out_dir / "checkpoints" / f".tmp-step-{self.step:07d}-sharded"
         error: BaseException | None = None
@@ -367,8 +377,8 @@ class DistributedTrainer(Trainer):
         self._agree(error, "create the checkpoint's temporary folder")  # the folder exists for all
         try:
             if mine:
-                save_shard(tmp, self.rank, mine, layout_metadata(self.model.config))
-        except OSError as e:
+                write_shard(tmp, self._shard_identity(), self.rank, ranges, mine)
+        except (OSError, ValueError) as e:
             error = e
         self._agree(error, "write its table shard")  # every shard file is in the folder
         path = self.out_dir / "checkpoints" / f"step-{self.step:07d}"
@@ -376,7 +386,12 @@ class DistributedTrainer(Trainer):
             if self.rank == 0:
                 model_tensors = {k: v.cpu().contiguous() for k, v in model_tensors.items()}
                 opt_tensors = {k: v.cpu().contiguous() for k, v in opt_tensors.items()}
-                extra = {SHARDS_KEY: [e.to_json() for e in layout]}
+                entry = {
+                    "run": self.run_id,
+                    "world": self.world,
+                    "optimizer": table_optimizer_name(self.table_opt),
+                }
+                extra = {SHARDS_KEY: entry} if self.tables else None
                 path = self._write_checkpoint(model_tensors, opt_tensors, groups, tmp=tmp, extra_state=extra)
         except OSError as e:
             error = e
@@ -389,28 +404,33 @@ class DistributedTrainer(Trainer):
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """A sharded checkpoint: only this rank's rows of each table (and of its optimizer state) are
         read; a run resumed from one keeps writing sharded checkpoints."""
-        if SHARDS_KEY not in state:
+        entry = shards_of_state(state)
+        if entry is None:
             return super()._read_checkpoint(path, state)
         tables = self._named_tables()
-        saved = {e["name"]: (e["num_rows"], e["dim"]) for e in state[SHARDS_KEY]}
         mine = {n: (t.num_rows, t.dim) for n, t in tables.items()}
-        if saved != mine:
-            raise ValueError(
-                f"{path} holds tables {saved} (name: (rows, dim)), this model {mine}: was it written for "
-                "another config? Resume with that run's config"
-            )
-        self.sharded_checkpoints = True
         ranges = {n: (t.lo, t.hi) for n, t in tables.items()}
-        return read_checkpoint(path, state, ranges, dtypes=self._model_dtypes())
+        out = read_checkpoint(path, state, ranges, dtypes=self._model_dtypes(), tables=mine)
+        self.sharded_checkpoints = True
+        self.run_id = str(entry["run"])  # the resumed run goes on as the run that wrote the checkpoint
+        return out
+
+    def resume_from(self, path: str | Path) -> None:
+        """Trainer.resume_from on every rank: each checks the files it reads, then the ranks agree (one
+        all-gather) before any goes on, so a checkpoint refused on one rank is the same ValueError on
+        every rank (not a lost peer in the next collective on the others)."""
+        with (
+            self._failures(lambda: f"resuming from {path}"),
+            agreed(self.group, lambda: f"resuming from {path}"),
+        ):
+            super().resume_from(path)
 
     def _agree_intact(self, error: BaseException | None) -> BaseException | None:
-        """A checkpoint is intact only if every rank read its part of it: one all-reduce, so every rank
-        skips the same checkpoints (a damaged shard file is seen only by the ranks that read it)."""
-        if self._any_failed(error) and error is None:
-            return ValueError(
-                "another rank found its part of this checkpoint damaged; see that rank's output"
-            )
-        return error
+        """A checkpoint is intact only if every rank read its part of it: one all-gather, so every rank
+        skips the same checkpoints, for the same reason (a damaged shard file is seen only by the ranks
+        that read it)."""
+        with self._failures(lambda: "agreeing whether a checkpoint is intact"):
+            return agreed_error(error, self.group)
 
     def _restore_tensors(
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
