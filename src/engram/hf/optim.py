@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from engram.checkpoint.shard_format import SHARDED_STATE_KEY
 from engram.hf.attach import get_attachment
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
 from engram.model.sinkhorn import SparseSinkhorn
@@ -49,6 +50,9 @@ class EngramOptimizer(torch.optim.Optimizer):
             raise ValueError("nothing to optimize: no parameter requires a gradient")
         super().__init__(groups, {})
         self.pending: dict[torch.Tensor, torch.Tensor] = {}
+        # A loaded table part whose rows are in a sharded checkpoint's shard files while this model's
+        # tables are whole (one process, or replicated): engram.distributed.load_table_shards reads them.
+        self.table_restore: dict[str, Any] | None = None
         self._handles: list[Any] = []
         if tables is not None:
             for group in tables.param_groups:
@@ -78,6 +82,12 @@ class EngramOptimizer(torch.optim.Optimizer):
 
     def _step_tables(self) -> None:
         assert self.tables is not None
+        if self.table_restore is not None:
+            raise RuntimeError(
+                "this run resumed from a checkpoint of row-sharded Engram tables, but their rows and optimizer "
+                "state were not read back: pass callbacks=[engram.distributed.EngramShardsCallback()] to the "
+                "Trainer (or call engram.distributed.load_table_shards(model, checkpoint folder))"
+            )
         params = [p for g in self.tables.param_groups for p in g["params"]]
         sync = getattr(self.attachment, "table_sync", None)
         if sync is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -128,11 +138,24 @@ class EngramOptimizer(torch.optim.Optimizer):
             check = getattr(sync, "check_table_state_dict", None)
         else:
             check = getattr(self.tables, "check_state_dict", None)  # ours have it; any other, unchecked
-        if self.tables is not None and check is not None:
+        # rows in shard files, this model's tables whole (one process, or replicated): only the groups load
+        # now; load_table_shards reads the rows and their state (engram.distributed.EngramShardsCallback)
+        deferred = (
+            load_tables is None
+            and isinstance(state_dict["tables"], dict)
+            and SHARDED_STATE_KEY in state_dict["tables"]
+        )
+        if deferred:
+            check = getattr(self.tables, "check_state_dict", None)
+            if check is not None:
+                check({"state": {}, "param_groups": state_dict["tables"].get("param_groups")})
+        elif self.tables is not None and check is not None:
             check(state_dict["tables"])
         if self.dense is not None:
             self.dense.load_state_dict(state_dict["dense"])
-        if self.tables is not None:
+        if deferred:
+            self.table_restore = state_dict["tables"]
+        elif self.tables is not None:
             (load_tables or self.tables.load_state_dict)(state_dict["tables"])
         # the loads replaced the optimizers' group dicts: ours must be theirs, or an LR scheduler stepping
         # this optimizer would set learning rates nobody reads
