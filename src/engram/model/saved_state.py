@@ -107,6 +107,8 @@ def saved_param_states(
 def first_bad_row(x: torch.Tensor, nonnegative: bool = False) -> int | None:
     """The first index along dim 0 of `x` holding NaN or Inf (or, with `nonnegative`, a value < 0);
     None if there is none. Scanned in chunks: no temporary the size of `x`. # sync point on CUDA"""
+    if x.numel() == 0:  # a table owner's empty shard (engram.distributed: a rank without rows)
+        return None
     if x.dim() == 0:
         x = x.reshape(1)
     flat = x.reshape(x.shape[0], -1)
