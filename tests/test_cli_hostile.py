@@ -22,45 +22,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from cli_setup import load_commands, refused, train_tiny_run
 from engram.cli import main
 
 NESTED = "[" * 100_000  # a JSON document too deep for Python's parser (RecursionError)
-
-
-def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:
-    """Run `engram argv`; assert exit 2 and one error line holding every needle; return that line.
-
-    argparse prints its usage lines first; a list of problems (`  - ...` lines) may follow the line."""
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse: usage, then the error line
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, f"exit {code}, stderr:\n{err}"
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    (at,) = [i for i, ln in enumerate(lines) if ln.startswith(f"engram {argv[0]}: error: ")]
-    assert all(ln.startswith(("usage:", " ")) for ln in lines[:at]), err
-    assert all(ln.startswith("  - ") for ln in lines[at + 1 :]), f"more than one message line:\n{err}"
-    message = "\n".join(lines[at:])
-    for needle in needles:
-        assert needle in message, f"{needle!r} not in {message!r}"
-    return message
 
 
 # ------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     """A finished 3-step run (with Engram, rows 32 wide so --offload can quantise them)."""
-    from engram.apps.train import Trainer, build_model, prepare_data
-    from training_setup import tiny_cfg
-
-    cfg = tiny_cfg(corpus, steps=3, eval_every=0, engram_kw={"head_dim": 32})
-    data = prepare_data(cfg)
-    out = tmp_path_factory.mktemp("hostile") / "run"
-    Trainer(cfg, data, build_model(cfg, data), out_dir=out).run()
-    (out / "train_config.json").write_text(json.dumps(cfg.to_dict()))
-    return out
+    return train_tiny_run(corpus, tmp_path_factory.mktemp("hostile") / "run")
 
 
 @pytest.fixture
@@ -79,19 +51,11 @@ def tiny_tokenizer(trained) -> str:
 
 
 # ------------------------------------------------------------------------------------------- damaged checkpoints
-def _load_commands(out: Path) -> list[list[str]]:
-    return [
-        ["eval", "--checkpoint", str(out)],
-        ["generate", "--checkpoint", str(out), "--prompt", "And", "--tokens", "2"],
-        ["train", "--config", str(out / "train_config.json"), "--out", str(out), "--resume", "--no-progress"],
-    ]
-
-
 @pytest.mark.parametrize("cmd", [0, 1, 2], ids=["eval", "generate", "train-resume"])
 def test_garbage_model_file(run, capsys, cmd):
     out, ckpt = run
     (ckpt / "model.safetensors").write_bytes(b"\x00\x01not safetensors at all" * 10)
-    refused(capsys, _load_commands(out)[cmd], "model.safetensors")
+    refused(capsys, load_commands(out)[cmd], "model.safetensors")
 
 
 @pytest.mark.parametrize("cmd", [0, 1, 2], ids=["eval", "generate", "train-resume"])
@@ -100,7 +64,7 @@ def test_state_without_step(run, capsys, cmd):
     state = json.loads((ckpt / "state.json").read_text())
     del state["step"]
     (ckpt / "state.json").write_text(json.dumps(state))
-    refused(capsys, _load_commands(out)[cmd], "state.json", "step")
+    refused(capsys, load_commands(out)[cmd], "state.json", "step")
 
 
 @pytest.mark.parametrize(
@@ -114,7 +78,7 @@ def test_state_step_out_of_range(run, capsys, cmd, step):
     state = json.loads((ckpt / "state.json").read_text())
     state["step"] = step
     (ckpt / "state.json").write_text(json.dumps(state))
-    refused(capsys, _load_commands(out)[cmd], "state.json", f"step {step!r}", "train_config.steps=3")
+    refused(capsys, load_commands(out)[cmd], "state.json", f"step {step!r}", "train_config.steps=3")
 
 
 LM_EDITS = {
@@ -135,7 +99,7 @@ def test_state_lm_config_edited(run, capsys, cmd, edit):
     for key, value in edit.items():
         lm[key] = lm[key] | value if isinstance(value, dict) else value
     (ckpt / "state.json").write_text(json.dumps(state))
-    refused(capsys, _load_commands(out)[cmd], str(ckpt), "lm_config" if cmd == 2 else "")
+    refused(capsys, load_commands(out)[cmd], str(ckpt), "lm_config" if cmd == 2 else "")
 
 
 @pytest.mark.parametrize("kind", ["garbage", "other", "size", "fifo"])
@@ -159,14 +123,14 @@ def test_resume_reads_the_checkpoints_tokenizer(run, capsys, kind):
     else:
         tok.unlink()
         os.mkfifo(tok)  # opening it would block for good
-    refused(capsys, _load_commands(out)[2], str(ckpt), "tokenizer.json")
+    refused(capsys, load_commands(out)[2], str(ckpt), "tokenizer.json")
 
 
 @pytest.mark.parametrize("cmd", [0, 1, 2], ids=["eval", "generate", "train-resume"])
 def test_state_too_deep(run, capsys, cmd):
     out, ckpt = run
     (ckpt / "state.json").write_text(NESTED)
-    refused(capsys, _load_commands(out)[cmd], "state.json")
+    refused(capsys, load_commands(out)[cmd], "state.json")
 
 
 @pytest.mark.parametrize("cmd", [0, 1, 2], ids=["eval", "generate", "train-resume"])
@@ -176,7 +140,7 @@ def test_size_mismatch(run, capsys, cmd):
     name = next(k for k in tensors if k.endswith("tok_emb.weight") or "emb" in k)
     tensors[name] = tensors[name][:-1].clone()  # one row short
     save_file(tensors, str(ckpt / "model.safetensors"))
-    refused(capsys, _load_commands(out)[cmd], "model.safetensors")
+    refused(capsys, load_commands(out)[cmd], "model.safetensors")
 
 
 def test_safetensors_header_too_deep(run, capsys):

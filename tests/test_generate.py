@@ -9,7 +9,7 @@ import torch
 
 import training_setup
 from engram.addressing.hashing import NgramHasher
-from engram.apps.generate import generate, load_generator
+from engram.apps.generate import MIN_TEMPERATURE, generate, load_generator
 from engram.apps.train import Trainer, build_model, prepare_data
 from engram.model.lm import EngramLM
 
@@ -121,10 +121,22 @@ def test_generate_errors(model, hasher, data):
         (dict(max_new_tokens=4, temperature=float("nan")), "temperature=nan"),
         (dict(max_new_tokens=4, top_k=0), "top_k=0"),
         (dict(max_new_tokens=4, batch_size=0), "batch_size=0"),
+        # a tiny temperature overflows logits / T (1e-30: every finite logit gap is infinite)
+        (
+            dict(max_new_tokens=4, temperature=1e-30),
+            r"temperature=1e-30 must be 0 or a finite number >= 0\.001",
+        ),
+        (
+            dict(max_new_tokens=4, top_k=100_000_000),
+            "top_k=100000000 is more than the model's vocabulary of 512",
+        ),
     ]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             generate(model, ids, hasher, **kw)
+    # the bounds themselves are taken: the smallest temperature, k = the whole vocabulary
+    low = generate(model, ids, hasher, max_new_tokens=4, temperature=MIN_TEMPERATURE, top_k=512)
+    assert low.new_ids.shape == (1, 4)
     with pytest.raises(ValueError, match="non-empty"):
         generate(model, [], hasher, max_new_tokens=4)
     with pytest.raises(ValueError, match="512"):  # an id outside the vocabulary, named
@@ -205,6 +217,14 @@ def test_cli_human_and_baseline(main, runs, capsys):
         (["--checkpoint", "{missing}", "--prompt", "x"], "no such folder"),
         (["--prompt", ""], "--prompt is empty"),
         (["--prompt", "x", "--temperature", "-1"], "temperature=-1.0"),
+        (
+            ["--prompt", "x", "--temperature", "1e-30"],
+            "temperature=1e-30 must be 0 or a finite number >= 0.001",
+        ),
+        (
+            ["--prompt", "x", "--top-k", "100000000"],
+            "top_k=100000000 is more than the model's vocabulary of 512",
+        ),
         (["--checkpoint", "{baseline}", "--prompt", "x", "--mask-engram"], "no Engram modules to mask"),
         (["--checkpoint", "{baseline}", "--prompt", "x", "--offload", "host"], "has none; drop --offload"),
         (["--prompt", "x", "--cache-rows", "8"], "add --offload host|ssd"),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from engram.apps.data import load_corpus, split_documents
+from engram.apps.evaluation import MAX_LOSS, perplexity
 from engram.apps.train import (
     DEFAULT_ENGRAM,
     TableOptimizer,
@@ -369,6 +371,52 @@ def test_v41_recipe_sinkhorn_for_tables_embedding_and_head(corpus, data, tie):
     assert own.embed_opt.param_groups[0]["lr"] == 0.5
     with pytest.raises(ValueError, match="embedding_lr=0"):
         cfg.replace(embedding_lr=0.0)
+
+
+def test_sinkhorn_embedding_beside_adam_tables(corpus, data):
+    """The Sinkhorn embedding is an optimizer of its own: with SparseRowAdam tables it trains too."""
+    cfg = tiny_cfg(corpus, steps=8, eval_every=0, embedding_optimizer="sinkhorn")
+    t = Trainer(cfg, data, build_model(cfg, data))
+    assert isinstance(t.embed_opt, SparseSinkhorn) and not isinstance(t.table_opt, SparseSinkhorn)
+    before = t.evaluate()["loss"]
+    t.run()
+    assert t.evaluate()["loss"] < before
+
+
+def test_diverged_loss_stops_the_run(corpus, data, tmp_path, capsys):
+    """embedding_lr 1e10 ended in OverflowError (math.exp of the held-out loss, 5e10 nats): the run stops
+    at the first step whose loss has no finite perplexity, naming the step and the learning rates, before
+    any checkpoint of it; through the command line, one line and exit 2."""
+    from engram.cli import main
+
+    cfg = tiny_cfg(
+        corpus,
+        steps=6,
+        eval_every=3,
+        table_optimizer="sinkhorn",
+        embedding_optimizer="sinkhorn",
+        embedding_lr=1e10,
+    )
+    t = Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match=r"diverged at step 2 of 6 .*embedding_lr=1e\+10 \(sinkhorn\)"):
+        t.run()
+    assert t.history == [{"step": 1, "train_loss": t.history[0]["train_loss"]}]
+    assert latest_checkpoint(tmp_path / "run") is None
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    argv = ["train", "--config", str(conf), "--out", str(tmp_path / "cli"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("engram train: error: the training loss diverged at step 2") and "Traceback" not in err
+    )
+
+
+def test_perplexity_of_a_diverged_loss():
+    """A mean loss past log(float64 max) has perplexity inf (math.exp raised OverflowError)."""
+    assert perplexity(2.0) == pytest.approx(7.389056)
+    assert perplexity(5e10) == math.inf and perplexity(MAX_LOSS + 1e-9) == math.inf
+    assert math.isnan(perplexity(math.nan))
 
 
 def test_old_flat_config_is_refused(corpus, data, tmp_path):

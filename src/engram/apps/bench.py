@@ -16,7 +16,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["SUITE", "describe_suite", "device_copy_gb_per_s", "format_rows", "load_benchmark", "run_suite"]
+__all__ = [
+    "SUITE",
+    "check_names",
+    "describe_suite",
+    "device_copy_gb_per_s",
+    "format_rows",
+    "load_benchmark",
+    "run_suite",
+]
 
 # name -> (module of engram.benchmarks, run() arguments, --quick arguments)
 SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -53,7 +61,8 @@ _THROUGHPUT = (
 )
 
 
-def _check_names(names: list[str]) -> None:
+def check_names(names: list[str]) -> None:
+    """Refuse names that are not keys of SUITE (ValueError naming them and the known ones)."""
     unknown = [n for n in names if n not in SUITE]
     if unknown:
         raise ValueError(f"unknown benchmark(s) {unknown}; known: {', '.join(SUITE)}")
@@ -62,7 +71,7 @@ def _check_names(names: list[str]) -> None:
 def load_benchmark(name: str, folder: str | Path | None = None) -> ModuleType:
     """The module of benchmark `name` (a key of SUITE): `engram.benchmarks.<module>`, or with
     `folder` the file `<folder>/<module>.py` (e.g. an edited copy of the suite)."""
-    _check_names([name])
+    check_names([name])
     module = SUITE[name][0]
     if folder is None:
         return importlib.import_module(f"engram.benchmarks.{module}")
@@ -77,11 +86,15 @@ def load_benchmark(name: str, folder: str | Path | None = None) -> ModuleType:
     return loaded
 
 
-def describe_suite(folder: str | Path | None = None) -> list[dict[str, Any]]:
-    """Per benchmark: its name, module, file and the first line of its docstring; importing each
-    module checks it loads (`error` names why one does not, e.g. a missing optional dependency)."""
+def describe_suite(folder: str | Path | None = None, names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Per benchmark (`names`, keys of SUITE; None: all): its name, module, file and the first line of
+    its docstring; importing each module checks it loads (`error` names why one does not, e.g. a
+    missing optional dependency)."""
+    check_names(names or [])
     out = []
     for name, (module, _, _) in SUITE.items():
+        if names is not None and name not in names:
+            continue
         d: dict[str, Any] = {"name": name, "module": module}
         try:
             m = load_benchmark(name, folder)
@@ -100,7 +113,7 @@ def run_suite(
     """Run the named benchmarks (keys of SUITE; from `folder`'s files if given); returns their rows,
     each tagged with `bench`. A benchmark that cannot import or run here (no CUDA, no numba) gives one
     `skipped` row."""
-    _check_names(names)
+    check_names(names)
     rows: list[dict[str, Any]] = []
     for name in names:
         _, args, quick_args = SUITE[name]

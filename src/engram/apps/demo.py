@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engram.apps.data import KJV_HELD_OUT
+from engram.apps.evaluation import perplexity
 from engram.apps.train import TRAIN_PRESETS, DataBundle, TrainConfig, Trainer, build_model, prepare_data
 
 __all__ = ["DEMO_CONFIG", "run_demo"]
@@ -307,7 +308,7 @@ def run_demo(
         summary[kind] = {
             "loss_mean": statistics.fmean(ls),
             "loss_spread": _spread(ls),
-            "ppl_mean": math.exp(statistics.fmean(ls)),
+            "ppl_mean": perplexity(statistics.fmean(ls)),
             "tokens_per_s": statistics.fmean(r[kind]["tokens_per_s"] for r in runs),
             "params": runs[0][kind]["params"],
         }

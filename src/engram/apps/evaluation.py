@@ -6,6 +6,7 @@ Design: docs/training.md.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,16 @@ import torch.nn.functional as F
 from engram.apps.data import TokenStream
 from engram.model.lm import EngramLM
 
-__all__ = ["eval_summary", "evaluate", "score_windows", "window_rows"]
+__all__ = ["MAX_LOSS", "eval_summary", "evaluate", "perplexity", "score_windows", "window_rows"]
+
+# The largest mean loss (nats/token) whose perplexity float64 holds: log(1.8e308) = 709.78. Past it
+# the model gives the true tokens a probability below any float64: training has diverged.
+MAX_LOSS = math.log(sys.float_info.max)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss); inf for a loss past MAX_LOSS (a diverged model), NaN for NaN."""
+    return math.inf if loss > MAX_LOSS else math.exp(loss)
 
 
 def window_rows(rows: torch.Tensor | None, starts: np.ndarray, seq_len: int) -> torch.Tensor | None:
@@ -85,4 +95,4 @@ def eval_summary(stream: TokenStream, loss_sum: torch.Tensor, count: torch.Tenso
     """evaluate()'s result from per-category loss sums and token counts (float64)."""
     total = float(loss_sum.sum() / count.sum())
     per_cat = {c: float(loss_sum[j] / count[j]) for j, c in enumerate(stream.categories) if count[j] > 0}
-    return {"loss": total, "ppl": math.exp(total), "tokens": int(count.sum()), "per_category": per_cat}
+    return {"loss": total, "ppl": perplexity(total), "tokens": int(count.sum()), "per_category": per_cat}

@@ -20,11 +20,17 @@ from engram.addressing.stream import HashStream
 from engram.model.lm import EngramLM
 
 __all__ = [
+    "MIN_TEMPERATURE",
     "Generation",
     "check_options",
     "generate",
     "load_generator",
 ]
+
+
+# The smallest sampling temperature taken (0 aside: greedy). Below it sampling is greedy in all but name
+# (a logit gap of 0.1 is a factor exp(100)), and logits / temperature overflow float32 long before 1e-38.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -53,11 +59,11 @@ def check_options(tokens: int, temperature: float, top_k: int | None, batch_size
         isinstance(temperature, bool)
         or not isinstance(temperature, int | float)
         or not math.isfinite(temperature)
-        or temperature < 0
+        or not (temperature == 0 or temperature >= MIN_TEMPERATURE)
     ):
         raise ValueError(
-            f"temperature={temperature!r} must be a finite number >= 0 (--temperature T; 0 or --greedy: "
-            "always the likeliest token)"
+            f"temperature={temperature!r} must be 0 or a finite number >= {MIN_TEMPERATURE:g} (--temperature "
+            "T; 0 or --greedy: always the likeliest token, which a smaller T amounts to)"
         )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(
@@ -72,7 +78,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: to
     if gen is None:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
+    if top_k is not None and top_k < logits.shape[-1]:  # top_k == V: the whole vocabulary
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1) the k-th largest
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(1)
@@ -106,6 +112,11 @@ def generate(
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"prompt_ids must be a non-empty 1-D sequence of token ids, got shape {ids.shape}")
     ids = check_token_ids(ids, c.vocab_size)  # raises naming the bad id and its position
+    if top_k is not None and top_k > c.vocab_size:
+        raise ValueError(
+            f"top_k={top_k} is more than the model's vocabulary of {c.vocab_size} tokens: give at most "
+            f"{c.vocab_size} (--top-k K; leave it out to sample from the whole vocabulary)"
+        )
     if model.needs_rows:
         if hasher is None:
             raise ValueError(

@@ -9,6 +9,7 @@ through here; writing checkpoints is the Trainer's (engram.apps.train). Design: 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ from engram.model.lm import EngramLM, LMConfig
 __all__ = [
     "DAMAGE",
     "check_layout",
+    "check_run_tokenizer",
     "checkpoint_dirs",
     "checkpoint_tokenizer",
     "config_diffs",
@@ -175,6 +177,13 @@ def read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig, LMConfig]:
     naming the file."""
     file = member_file(ckpt, "state.json", "the checkpoint's")  # a regular file inside the folder
     state = read_json(file)
+    bad = _first_non_finite(state)  # JSON has no NaN or Infinity, and engram writes none
+    if bad is not None:
+        where, value = bad
+        raise ValueError(
+            f"{file}: {where} is {value} (not a finite number; engram never writes one): the checkpoint is "
+            "damaged: use another one or retrain"
+        )
     missing = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
     if missing:
         raise ValueError(
@@ -203,6 +212,29 @@ def read_state(ckpt: Path) -> tuple[dict[str, Any], TrainConfig, LMConfig]:
         ) from None
     check_layout(ckpt, lm_cfg)
     return state, cfg, lm_cfg
+
+
+def _first_non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
+    """(where, value) of the first NaN or infinite number in a JSON value (`history[2].train_loss`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "the value", value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _first_non_finite(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}".lstrip("."))
+        if found is not None:
+            return found
+    return None
+
+
+def check_run_tokenizer(ckpt: Path, saved: Tokenizer | None, tokenizer: Tokenizer, source: str) -> None:
+    """Refuse a checkpoint whose tokenizer.json (`saved`: `checkpoint_tokenizer`'s, which refuses a
+    damaged one) is not `tokenizer`, the one the run's training config rebuilds (`source`: that config's
+    tokenizer); ValueError naming the file. `train --resume` and `engram eval` score with the rebuilt one."""
+    if saved is not None and saved.to_str() != tokenizer.to_str():
+        raise ValueError(
+            f"{ckpt / 'tokenizer.json'}: not the tokenizer of this run (its training config's {source!r} "
+            "rebuilds another); the checkpoint is damaged: use another checkpoint"
+        )
 
 
 def layout_metadata(lm_cfg: LMConfig) -> dict[str, str]:

@@ -323,7 +323,7 @@ def _plan_optimizers(base: TrainConfig, quick: bool) -> list[tuple[str, TrainCon
     Part 2 (x None), the tables at the grid centres: V4.1's recipe (Sinkhorn for the table, the token
     embedding and the LM head, the latter at three lrs) against AdamW everywhere (the dense Adam
     table: the same runs as part 1's)."""
-    ref = base.replace(engram=_engram(base), embedding_optimizer=EmbeddingOptimizer.ADAMW)
+    ref = base.replace(engram=_engram(base), embedding_optimizer=EmbeddingOptimizer.ADAMW, embedding_lr=None)
     out: list[tuple[str, TrainConfig, float | None, str]] = []
     for opt in OPTIMIZER_LR_CENTRES:
         for lr in optimizer_lrs(base, opt, quick):

@@ -24,10 +24,11 @@ from tokenizers import Tokenizer
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
-from engram.apps.evaluation import evaluate, window_rows
+from engram.apps.evaluation import MAX_LOSS, evaluate, window_rows
 from engram.apps.rows import identity_compression, stream_rows
 from engram.apps.run_checkpoint import (
     DAMAGE,
+    check_run_tokenizer,
     checkpoint_dirs,
     checkpoint_tokenizer,
     config_diffs,
@@ -298,6 +299,7 @@ class Trainer:
             t0 = time.perf_counter()
             loss = self.train_step()
             self.train_seconds += time.perf_counter() - t0
+            self._check_loss(loss)  # before the step is recorded or checkpointed
             record: dict[str, Any] = {"step": self.step, "train_loss": loss}
             if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
                 record["held_out_loss"] = self.evaluate(c.eval_tokens)["loss"]
@@ -310,6 +312,22 @@ class Trainer:
                 self.save_checkpoint()
         if self.out_dir is not None and until is not None and self._saved_step != self.step:
             self.save_checkpoint()  # a run stopped early (--until) can be resumed from here
+
+    def _check_loss(self, loss: float) -> None:
+        """Stop a run whose training loss diverged (NaN, inf, or past MAX_LOSS: no finite perplexity)
+        with a ValueError naming the step and the learning rates; the loss is the same on every rank."""
+        if not loss > MAX_LOSS and math.isfinite(loss):
+            return
+        c = self.cfg
+        rates = [f"lr={c.lr:g}", f"table_lr={c.table_lr:g} ({c.table_optimizer.value})"]
+        if self.embed_opt is not None:
+            rates.append(f"embedding_lr={self._embedding_lr:g} (sinkhorn)")
+        raise ValueError(
+            f"the training loss diverged at step {self.step} of {c.steps} (loss {loss:g} nats/token: "
+            f"{'not a number' if math.isnan(loss) else 'no finite perplexity'}); an update is too large "
+            f"for this model: lower the learning rates ({', '.join(rates)}; --embedding-lr, or the "
+            "config's lr / table_lr). No checkpoint of this step was written"
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -452,12 +470,8 @@ class Trainer:
                 f"{path / 'state.json'}: its lm_config does not describe the model its training config "
                 f"builds ({'; '.join(diffs)}); the checkpoint is damaged: resume from another checkpoint"
             )
-        tok = checkpoint_tokenizer(path, lm_cfg.vocab_size)
-        if tok is not None and tok.to_str() != self.data.tokenizer.to_str():
-            raise ValueError(
-                f"{path / 'tokenizer.json'}: not the tokenizer of this run (its training config's "
-                f"{self.cfg.tokenizer!r}); the checkpoint is damaged: resume from another checkpoint"
-            )
+        saved = checkpoint_tokenizer(path, lm_cfg.vocab_size)
+        check_run_tokenizer(path, saved, self.data.tokenizer, self.cfg.tokenizer)
 
     def _agree_intact(self, error: BaseException | None) -> BaseException | None:
         """The outcome of reading one checkpoint, agreed by every process (here: just this one's)."""

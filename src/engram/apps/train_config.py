@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -138,8 +139,27 @@ class TrainConfig:
                 raise ValueError(
                     f"{name}={value!r}: use one of {', '.join(repr(o.value) for o in kind)}"
                 ) from None
-        if self.embedding_lr is not None and not self.embedding_lr > 0:
-            raise ValueError(f"embedding_lr={self.embedding_lr!r} must be > 0 (or null: the dense lr)")
+        for name in ("lr", "table_lr") + (("embedding_lr",) if self.embedding_lr is not None else ()):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:  # NaN too
+                raise ValueError(
+                    f"{name}={value!r} must be a finite number > 0"
+                    + (" (or null: the dense lr)" if name == "embedding_lr" else "")
+                )
+        if self.embedding_lr is not None and self.embedding_optimizer is not EmbeddingOptimizer.SINKHORN:
+            raise ValueError(
+                f"embedding_lr={self.embedding_lr!r} is the Sinkhorn embedding's learning rate, but "
+                f"embedding_optimizer={self.embedding_optimizer.value!r} would ignore it: set "
+                "embedding_optimizer='sinkhorn' (--embedding-optimizer sinkhorn), or drop embedding_lr"
+            )
+        for name, hi in (("min_lr_ratio", 1.0), ("weight_decay", math.inf), ("grad_clip", math.inf),
+                         ("moe_aux_coef", math.inf)):  # fmt: skip
+            value = getattr(self, name)
+            if not (0 <= value <= hi and math.isfinite(value)):  # NaN too
+                raise ValueError(
+                    f"{name}={value!r} must be a finite number from 0"
+                    + (f" to {hi:g}" if hi < math.inf else "")
+                )
         if self.engram_mode not in ENGRAM_MODES:
             raise ValueError(f"engram_mode={self.engram_mode!r}: use one of {ENGRAM_MODES}")
         for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):
@@ -150,8 +170,6 @@ class TrainConfig:
                 f"moe_experts={self.moe_experts}, moe_top_k={self.moe_top_k}: give 0 experts (dense) or "
                 "1 <= moe_top_k <= moe_experts"
             )
-        if self.moe_aux_coef < 0:
-            raise ValueError(f"moe_aux_coef={self.moe_aux_coef} must be >= 0")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
         e = self.engram

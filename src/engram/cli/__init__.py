@@ -5,15 +5,17 @@ package adds its commands (`register(subparsers)`) and calls plain library funct
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
 (demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory), `study`; `options`
 holds what they share.
-Library modules hold no argparse. A command's ValueError, TypeError or OSError (a path refused),
-a JSON file too deep to parse or an allocation that fails reaches the user as one line,
-`engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs) still show one. A
-table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`.
+Library modules hold no argparse. A command's ValueError, OSError (a path refused), TypeError of our
+own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
+line, `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs: a TypeError the
+interpreter raised inside our code, a RuntimeError) keep their traceback, with a note asking for a
+report. A table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dis
 import sys
 import warnings
 from collections.abc import Sequence
@@ -62,9 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `engram ... | head`: the reader left; not an error
         sys.stderr.close()
         return 0
-    except (ValueError, TypeError, OSError, RecursionError, MemoryError, RuntimeError) as e:
+    except Exception as e:
         message = _refusal(e)
-        if message is None:  # a RuntimeError that is not an allocation failure: a bug, show it
+        if message is None:  # not a refusal of the input: a bug, shown with its traceback
+            e.add_note(
+                f"engram {args.command}: internal error (a bug in engram, not in your input); please "
+                "report it with the command line and this traceback"
+            )
             raise
         print(f"engram {args.command}: error: {message}", file=sys.stderr)
         return 2
@@ -83,7 +89,9 @@ _OS_FIXES: dict[type[OSError], str] = {
 def _refusal(e: BaseException) -> str | None:
     """The one line a command's exception becomes; None: not a refusal of its input (a bug: re-raise).
 
-    A ValueError / TypeError / OSError of our own already names the value and the fix. The system's
+    A ValueError / OSError of our own already names the value and the fix; so does a TypeError that one
+    of engram's checks raised (`_raised_by_engram`), while one the interpreter or a library raised
+    inside our code (an operand of the wrong type, a call with a wrong argument) is a bug. The system's
     OSErrors name the path; RecursionError is a JSON file nested too deep for Python's parser;
     MemoryError and torch's allocation failures are a size asked for that does not fit.
     """
@@ -94,6 +102,26 @@ def _refusal(e: BaseException) -> str | None:
         return "input nested too deeply to read (a damaged JSON file?); check the files given"
     if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "allocate" in str(e)):
         return f"out of memory ({type(e).__name__}): a size asked for does not fit; ask for less"
-    if isinstance(e, RuntimeError):
-        return None
-    return str(e)
+    if isinstance(e, ValueError | OSError) or (isinstance(e, TypeError) and _raised_by_engram(e)):
+        return str(e)
+    return None  # a RuntimeError, an interpreter's TypeError, a KeyError, ...: a bug
+
+
+_RAISE = dis.opmap["RAISE_VARARGS"]
+
+
+def _raised_by_engram(e: BaseException) -> bool:
+    """Whether `e` comes from a `raise` statement in an engram module: an argument check, whose message
+    was written for the user. The frame it started in is the traceback's innermost one; its current
+    instruction is RAISE_VARARGS for a `raise` statement and another one (BINARY_OP, CALL,
+    BINARY_SUBSCR, ...) where the interpreter or a library raised it."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    if module != "engram" and not module.startswith("engram."):
+        return False
+    code = tb.tb_frame.f_code.co_code
+    return 0 <= tb.tb_lasti < len(code) and code[tb.tb_lasti] == _RAISE

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from typing import Any
 
-from engram.apps.generate import check_options, generate, load_generator
+from engram.apps.generate import MIN_TEMPERATURE, check_options, generate, load_generator
 from engram.cli.options import (
     add_verify_option,
     human_bytes,
@@ -50,9 +50,16 @@ def register(sub: Any) -> None:
         default=64,
         help=f"tokens to generate (default 64, at most {MAX_NEW_TOKENS:,})",
     )
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy")
     p.add_argument(
-        "--top-k", type=positive_int, help="sample among the k likeliest tokens only (default: all)"
+        "--temperature",
+        type=float,
+        default=1.0,
+        help=f"sampling temperature, 0 (greedy) or at least {MIN_TEMPERATURE:g} (default 1)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=positive_int,
+        help="sample among the k likeliest tokens only, k at most the vocabulary size (default: all)",
     )
     p.add_argument("--seed", type=seed, default=0, help="sampling seed (default 0: runs repeat exactly)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences sampled from the same prompt")

@@ -85,6 +85,13 @@ def _train_config(args: argparse.Namespace) -> Any:
             overrides[key] = getattr(args, key)
     if args.no_engram:
         overrides["engram"] = None  # the baseline backbone
+    embedding = overrides.get("embedding_optimizer", cfg.embedding_optimizer)
+    if args.embedding_lr is not None and embedding != "sinkhorn":
+        raise ValueError(
+            f"--embedding-lr {args.embedding_lr:g} is the Sinkhorn embedding's learning rate, but the "
+            f"embedding optimizer is {str(embedding)!r} (AdamW, at the config's lr), which would ignore it: "
+            "add --embedding-optimizer sinkhorn, or drop --embedding-lr"
+        )
     return cfg.replace(**overrides) if overrides else cfg
 
 
@@ -234,13 +241,17 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engram.apps.train import evaluate, load_trained_model, prepare_data
+    from engram.apps.run_checkpoint import check_run_tokenizer
+    from engram.apps.train import checkpoint_tokenizer, evaluate, load_trained_model, prepare_data
 
     set_threads(args)
     cfg, model, state = load_trained_model(args.checkpoint, verify=args.verify)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
+    # the saved tokenizer (a damaged one refused first), then the one the data is scored with: the same
+    saved = checkpoint_tokenizer(state["path"], model.config.vocab_size)
     data = prepare_data(cfg)
+    check_run_tokenizer(Path(state["path"]), saved, data.tokenizer, cfg.tokenizer)
     rows = data.held_rows if model.needs_rows else None
     scales = [("engram", 1.0), ("engram masked", 0.0)] if args.mask_engram else [("model", 1.0)]
     results = {name: evaluate(model, data.held_out, rows, cfg.seq_len, engram_scale=s) for name, s in scales}
@@ -310,13 +321,15 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument(
         "--embedding-optimizer",
         choices=EMBEDDING_OPTIMIZERS,
-        help="the token embedding's and LM head's optimizer: AdamW with the backbone, or 'sinkhorn' (V4.1's "
-        "recipe, with --table-optimizer sinkhorn) (default: the config's, 'adamw')",
+        help="the token embedding's and LM head's optimizer: AdamW with the backbone, or 'sinkhorn', the "
+        "Sinkhorn-balanced update, an optimizer of its own beside any --table-optimizer (V4.1's recipe is "
+        "both: add --table-optimizer sinkhorn) (default: the config's, 'adamw')",
     )
     p.add_argument(
         "--embedding-lr",
         type=positive_float,
-        help="with --embedding-optimizer sinkhorn: its base learning rate (default: the config's lr)",
+        help="with --embedding-optimizer sinkhorn (refused without it): its base learning rate (default: "
+        "the config's lr)",
     )
     p.add_argument(
         "--distributed",
