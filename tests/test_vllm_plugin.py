@@ -229,21 +229,65 @@ def test_fp8_modes_refuse_a_float_part_and_missing_row_files(float_folder, tmp_p
 
 
 # ------------------------------------------------------------------------------------ the registry
+def model_config(folder, impl="auto", **changes):
+    """What the registry reads of vLLM's ModelConfig (a stand-in: vLLM is not needed here)."""
+    hf = SimpleNamespace(**{**SHAPE, "num_hidden_layers": SHAPE["num_layers"], **changes})
+    return SimpleNamespace(
+        model=str(folder),
+        model_impl=impl,
+        hf_text_config=hf,
+        tokenizer=str(folder),
+        enable_prompt_embeds=False,
+    )
+
+
 def test_a_folder_with_a_part_resolves_to_our_class(float_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "check_vllm_version", lambda version=None: None)
-    cfg = SimpleNamespace(model=str(float_folder), model_impl="auto")
+    cfg = model_config(float_folder)
     assert registry.engram_architectures(["LlamaForCausalLM"], cfg) == ["EngramLlamaForCausalLM"]
     assert registry.engram_architectures("Qwen2ForCausalLM", cfg) == ["EngramQwen2ForCausalLM"]
+    assert registry.engram_architectures(["EngramLlamaForCausalLM"], cfg) == ["EngramLlamaForCausalLM"]
     plain = vllm_setup.build_folder(tmp_path / "plain", engram=False)
-    same = SimpleNamespace(model=str(plain), model_impl="auto")
-    assert registry.engram_architectures(["LlamaForCausalLM"], same) == ["LlamaForCausalLM"]
+    assert registry.engram_architectures(["LlamaForCausalLM"], model_config(plain)) == ["LlamaForCausalLM"]
     assert registry.engram_architectures(["X"], SimpleNamespace(model="org/hub-name")) == ["X"]
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*is not one engram-lm's vLLM plugin serves"):
         registry.engram_architectures(["GPT2LMHeadModel"], cfg)
     with pytest.raises(ValueError, match=r"model_impl='transformers' .* without Engram"):
-        registry.engram_architectures(
-            ["LlamaForCausalLM"], SimpleNamespace(model=str(float_folder), model_impl="transformers")
-        )
+        registry.engram_architectures(["LlamaForCausalLM"], model_config(float_folder, "transformers"))
+
+
+def test_the_registry_checks_the_folder_before_any_worker(float_folder, tmp_path, monkeypatch):
+    """Where vLLM resolves the architecture (the user's process): the part against the backbone, the
+    options against the part, prompt embeddings; a folder named explicitly without a part."""
+    monkeypatch.setattr(registry, "check_vllm_version", lambda version=None: None)
+    arch = ["LlamaForCausalLM"]
+    with pytest.raises(PartError, match=r"hidden size 256, but the backbone .* has hidden size 384"):
+        registry.engram_architectures(arch, model_config(float_folder, hidden_size=384))
+    opts = {"vllm_engram": {"tables": "host"}}
+    with pytest.raises(ValueError, match=r"tables='host' serves FP8 tables, but .* stores float tables"):
+        registry.engram_architectures(arch, model_config(float_folder, **opts))
+    with pytest.raises(ValueError, match=r"unknown keys \['x'\]"):
+        registry.engram_architectures(arch, model_config(float_folder, vllm_engram={"x": 1}))
+    embeds = model_config(float_folder)
+    embeds.enable_prompt_embeds = True
+    with pytest.raises(ValueError, match=r"enable_prompt_embeds=True\) cannot be served"):
+        registry.engram_architectures(arch, embeds)
+    plain = vllm_setup.build_folder(tmp_path / "plain", engram=False)
+    with pytest.raises(FileNotFoundError, match=r"has no Engram part"):
+        registry.engram_architectures(["EngramLlamaForCausalLM"], model_config(plain))
+    assert registry.served_part(model_config(float_folder)).config.layer_ids == (1,)
+
+
+def test_the_registry_check_stays_light(float_folder):
+    """The check runs in every vLLM process before its CPU platform's module scan: no numba loaded."""
+    hf = dict(hidden_size=vllm_setup.HIDDEN, num_hidden_layers=2, vocab_size=vllm_setup.VOCAB)
+    code = (
+        "import sys; from types import SimpleNamespace as N; from engram.vllm import registry; "
+        f"registry.served_part(N(model={str(float_folder)!r}, tokenizer=None, hf_text_config=N(**{hf!r}))); "
+        "print(sorted(m for m in ('numba', 'llvmlite', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_vllm_version_is_checked():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,9 +75,15 @@ def serve(tmp: Path, folder: Path, requests: list[dict], runs: int = 1, **llm) -
 
 
 def refused(tmp: Path, folder: Path, **llm) -> str:
+    """The output of a start-up refused in the process the user started, before any engine or worker
+    starts, within seconds of `LLM(...)` (importing vLLM, before it, takes longer)."""
     p = launch(tmp, folder, [{"prompt": [5, 6, 7], "max_tokens": 2}], **llm)
+    out = p.stdout + p.stderr
     assert p.returncode != 0, "vLLM served a folder it should have refused"
-    return p.stdout + p.stderr
+    assert "EngineCore" not in out and "Engine core initialization failed" not in out, out[-3000:]
+    took = re.search(r"LLM\(\) refused after ([0-9.]+) s", out)
+    assert took and float(took[1]) < 30, out[-3000:]
+    return out
 
 
 def prompts(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -102,12 +109,29 @@ def llama(tmp_path_factory):
     return folder, requests, want
 
 
-def test_greedy_equals_hf_with_chunked_prefill_prefix_caching_and_preemption(llama, tmp_path):
+BAD = [  # requests refused at input processing, each alone: (prompt, what the refusal says)
+    (
+        [5, 6, vllm_setup.VOCAB + 7, 8],
+        f"token id {vllm_setup.VOCAB + 7} at position 2 of the prompt is outside",
+    ),
+    ([-1, 5, 6], "token id -1 at position 0 of the prompt is outside"),
+    ([5] * 200, "maximum context length is 192 tokens"),
+]
+
+
+def test_greedy_equals_hf_compiled_with_chunked_prefill_prefix_caching_preemption_and_bad_requests(
+    llama, tmp_path
+):
+    """vLLM's default mode (compiled: Engram one opaque op in the graph), a scheduler that chunks,
+    caches and preempts, and bad requests arriving among the good ones: each refused alone, the engine
+    serves the rest."""
     folder, requests, want = llama
+    bad = [{"prompt": p, "max_tokens": N, "arrive": a} for (p, _), a in zip(BAD, (0, 3, 9), strict=True)]
     got = serve(
         tmp_path,
         folder,
-        requests,
+        requests + bad,
+        enforce_eager=False,
         max_num_seqs=4,
         max_num_batched_tokens=48,  # chunked prefill: the long prompts take several steps
         enable_prefix_caching=True,
@@ -115,8 +139,11 @@ def test_greedy_equals_hf_with_chunked_prefill_prefix_caching_and_preemption(lla
         num_gpu_blocks_override=7,  # 11 blocks of 32 for the first four requests: preemption
     )
     run = got["runs"][0]
-    assert run["tokens"] == want
-    assert max(run["cached"][4:]) >= 64, run["cached"]  # the shared prefix came from the cache
+    assert run["tokens"][: len(want)] == want
+    assert run["refused"][: len(want)] == [None] * len(want)
+    for (_, says), refusal in zip(BAD, run["refused"][len(want) :], strict=True):
+        assert refusal is not None and says in refusal, refusal
+    assert max(run["cached"][4 : len(want)]) >= 64, run["cached"]  # the shared prefix came from the cache
     preempted = sum(v for k, v in got["metrics"].items() if "preempt" in k and isinstance(v, int | float))
     assert preempted > 0, got["metrics"]
     assert got["engram"]["lookback_reads"] > 0  # look-backs came from KV-cache slots
@@ -230,6 +257,11 @@ def test_architecture_not_covered_is_refused(tmp_path):
     folder = vllm_setup.build_folder(tmp_path / "gpt2", "gpt2")
     out = refused(tmp_path, folder)
     assert "GPT2LMHeadModel" in out and "not one engram-lm's vLLM plugin serves" in out
+
+
+def test_prompt_embeddings_are_refused_at_start_up(llama, tmp_path):
+    out = refused(tmp_path, llama[0], enable_prompt_embeds=True)
+    assert "enable_prompt_embeds=True) cannot be served" in out
 
 
 def test_transformers_backend_is_refused(tmp_path):

@@ -3,7 +3,8 @@
 job.json: {"folder", "llm": LLM kwargs, "requests": [{"prompt": [ids], "max_tokens", "arrive": step,
 "seed": int or null, "temperature": float}], "runs": 1 or more, "out": path}. Requests whose
 "arrive" is 0 are submitted together; the others are added to the running engine after that many
-engine steps (staggered arrivals). Writes {"runs": [{"tokens": [[...] per request], "cached": [...]}],
+engine steps (staggered arrivals); a request refused at input processing gets tokens None and its
+error in "refused". Writes {"runs": [{"tokens": [[...] per request], "cached": [...], "refused": [...]}],
 "metrics": {...}, "engram": engram_stats of the worker, "startup_s", "generate_s"}.
 """
 
@@ -22,9 +23,10 @@ def run_once(llm, requests):  # type: ignore[no-untyped-def]
     engine = llm.llm_engine
     order = sorted(range(len(requests)), key=lambda i: requests[i].get("arrive", 0))
     done: dict[int, object] = {}
+    refused: dict[int, str] = {}
     steps, k = 0, 0
     tag = f"{time.monotonic_ns()}"
-    while len(done) < len(requests):
+    while len(done) + len(refused) < len(requests):
         while k < len(order) and requests[order[k]].get("arrive", 0) <= steps:
             i = order[k]
             r = requests[i]
@@ -35,7 +37,10 @@ def run_once(llm, requests):  # type: ignore[no-untyped-def]
                 detokenize=False,
                 seed=r.get("seed"),
             )
-            engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=r["prompt"]), params)
+            try:
+                engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=r["prompt"]), params)
+            except Exception as e:  # refused at input processing: that request alone
+                refused[i] = f"{type(e).__name__}: {e}"
             k += 1
         for out in engine.step():
             if out.finished:
@@ -43,10 +48,11 @@ def run_once(llm, requests):  # type: ignore[no-untyped-def]
         steps += 1
         if steps > 100_000:
             raise RuntimeError("the engine did not finish")
-    outs = [done[i] for i in range(len(requests))]
+    outs = [done.get(i) for i in range(len(requests))]
     return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "cached": [int(o.num_cached_tokens or 0) for o in outs],
+        "tokens": [None if o is None else list(o.outputs[0].token_ids) for o in outs],
+        "cached": [None if o is None else int(o.num_cached_tokens or 0) for o in outs],
+        "refused": [refused.get(i) for i in range(len(requests))],
         "steps": steps,
     }
 
@@ -57,7 +63,11 @@ def main(path: str) -> None:
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=job["folder"], **job["llm"])
+    try:
+        llm = LLM(model=job["folder"], **job["llm"])
+    except Exception as e:  # a refusal: how long it took (vLLM's import excluded), then the error
+        print(f"vllm_job: LLM() refused after {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        raise SystemExit(f"{type(e).__name__}: {e}") from None
     startup = time.perf_counter() - t0
     t1 = time.perf_counter()
     runs = [run_once(llm, job["requests"]) for _ in range(int(job.get("runs", 1)))]

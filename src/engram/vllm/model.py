@@ -2,26 +2,23 @@
 
 `EngramLlamaForCausalLM` (and the Mistral, Qwen2 and Qwen3 twins) is vLLM's model class with three
 additions, made by `EngramServing`:
-- at build time, the served folder's Engram part is read and checked (`engram.vllm.folder`), and its
-  modules are loaded by our loader with tables where the options say (`engram.vllm.tables`); they
-  sit under `engram.layers.<layer id>`, the names `engram.hf` gives them;
-- at every forward, the step's rows are computed once (`engram.vllm.slots.SlotTokens`, from the
-  attention metadata of the forward context: slot mapping, block tables), prefetching starts, and a
-  pre-hook on each Engram layer adds Engram's output to the residual stream entering it. vLLM keeps
-  that stream split (`hidden_states + residual`); the hook joins it and hands the layer
-  `(Engram(h), None)`, which its input norm treats exactly as the fused add + norm;
+- at build time, the served folder's Engram part (read and checked by the registry, `served_part`) is
+  loaded by our loader with tables where the options say (`engram.vllm.tables`); the modules sit
+  under `engram.layers.<layer id>`, the names `engram.hf` gives them;
+- at every forward, before vLLM's compiled decoder stack runs, the step's rows are computed on the
+  host (`engram.vllm.slots.SlotTokens`, from the attention metadata of the forward context: slot
+  mapping, block tables) and prefetching starts; inside the stack a pre-hook on each Engram layer
+  calls one opaque op (`engram.vllm.entrance`) that adds Engram's output to the residual stream
+  entering it. Eager (`enforce_eager=True`) and compiled modes run the same op;
 - `load_weights` gives vLLM's loader the backbone's weights and keeps the `engram.*` ones that HF's
   `save_pretrained` also wrote out of it (ours come from the part).
-Eager mode only (`enforce_eager=True`): the row hashing runs on the host each step. V4.1 variant,
-one process (no tensor or pipeline parallelism yet); requests given as token ids (not embeddings).
+V4.1 variant, one process (no tensor or pipeline parallelism yet); requests given as token ids.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,10 +31,12 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from engram.addressing.hashing import NgramHasher
-from engram.vllm.folder import EngramPart, read_part
-from engram.vllm.registry import check_vllm_version
+from engram.vllm.entrance import Entrance, Served, Step, register_splitting_op
+from engram.vllm.folder import EngramPart
+from engram.vllm.options import OPTIONS_KEY, serve_options
+from engram.vllm.registry import check_vllm_version, served_part
 from engram.vllm.slots import SlotTokens
-from engram.vllm.tables import OPTIONS_KEY, load_tables, prefetch, serve_options, table_stats
+from engram.vllm.tables import load_tables, prefetch, table_stats
 
 __all__ = [
     "EngramLlamaForCausalLM",
@@ -47,8 +46,6 @@ __all__ = [
     "EngramServing",
 ]
 
-_LAYER_ARGS = ("positions", "hidden_states", "residual")  # every covered decoder layer's forward
-
 
 class _Engrams(nn.Module):
     """`engram.layers.<id>`: the served modules, under the names engram.hf's attachment uses."""
@@ -56,32 +53,6 @@ class _Engrams(nn.Module):
     def __init__(self, modules: dict[int, nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleDict({str(k): v for k, v in modules.items()})
-
-
-class _Step(threading.local):
-    rows: torch.Tensor | None = None  # [tokens, n_layers, heads] of the forward in progress
-
-
-class _Entrance:
-    """Pre-hook of an Engram decoder layer: (positions, h, residual) -> (positions, Engram(h + r), None)."""
-
-    def __init__(self, step: _Step, module: nn.Module, layer_id: int, index: int) -> None:
-        self.step, self.module, self.layer_id, self.index = step, module, layer_id, index
-
-    def __call__(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        call = dict(zip(_LAYER_ARGS, args, strict=False))
-        call.update({k: kwargs.pop(k) for k in _LAYER_ARGS if k in kwargs})
-        rows = self.step.rows
-        if rows is None:
-            raise RuntimeError(
-                f"Engram layer {self.layer_id} ran without rows: the model's forward computes them; call it, "
-                "not its decoder layers"
-            )
-        hidden, residual = call["hidden_states"], call["residual"]
-        h = hidden if residual is None else hidden + residual
-        t = h.shape[0]
-        new = self.module(h[None, :, None, :], rows[None, :t, self.index], None)[0, :, 0]
-        return (call["positions"], new, None, *args[3:]), kwargs
 
 
 def check_interface(base: type[nn.Module]) -> None:
@@ -102,22 +73,19 @@ class EngramServing:
         check_vllm_version()
         base = next(b for b in type(self).__mro__[1:] if b is not EngramServing and issubclass(b, nn.Module))
         check_interface(base)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        hf = mc.hf_text_config
         if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
             raise ValueError(
                 f"engram-lm's vLLM plugin serves one process (tensor_parallel_size=1, pipeline_parallel_size=1); "
                 f"got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}"
             )
-        tok = mc.tokenizer if isinstance(mc.tokenizer, str) and Path(mc.tokenizer).is_dir() else None
-        part = read_part(
-            mc.model,
-            hidden_size=int(hf.hidden_size),
-            num_layers=int(hf.num_hidden_layers),
-            vocab_size=int(hf.vocab_size),
-            tokenizer_dir=tok,
-        )
+        part = served_part(mc)  # checked in the user's process already (the registry): cached or re-read
+        hf = mc.hf_text_config
+        register_splitting_op(vllm_config.compilation_config)  # before vLLM's model builds its compiler
+        if isinstance(vllm_config.additional_config, dict):  # in vLLM's compile-cache key: a graph
+            # compiled for a part at other layers is never loaded for this one
+            vllm_config.additional_config["engram_layers"] = list(part.config.layer_ids)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         self.engram_part: EngramPart = part
         self.engram_options = serve_options(getattr(hf, OPTIONS_KEY, None))
         self.engram_dtype = mc.dtype
@@ -127,17 +95,20 @@ class EngramServing:
         self.__dict__["_engram_modules"] = modules  # {layer id: Engram}: the same modules, by int id
         self.engram_hasher = NgramHasher(part.config, part.compression)
         self.engram_slots = SlotTokens(self.engram_hasher, int(vllm_config.cache_config.block_size))
-        self.engram_step = _Step()
+        self.engram_step = Step()
         self._engram_cache_config = vllm_config.cache_config  # the forward context has no vllm_config
         layers = self.model.layers  # type: ignore[attr-defined]
         self.__dict__["_engram_attn"] = layers[0].self_attn.attn  # a reference, not a submodule
         self._engram_kv = None  # the KV tensor the slot store was sized for
-        self._engram_hooks = [
-            layers[lid].register_forward_pre_hook(
-                _Entrance(self.engram_step, modules[lid], lid, part.config.layer_index(lid)), with_kwargs=True
-            )
-            for lid in part.config.layer_ids
-        ]
+        # each Engram layer where the op finds it (vLLM's own layers register the same way)
+        context = vllm_config.compilation_config.static_forward_context
+        self._engram_hooks = []
+        for lid in part.config.layer_ids:
+            name = f"{prefix}engram.layers.{lid}"
+            if name in context:
+                raise ValueError(f"duplicate layer name {name!r} in vLLM's forward context")
+            context[name] = Served(name, modules[lid], self.engram_step, lid, part.config.layer_index(lid))
+            self._engram_hooks.append(layers[lid].register_forward_pre_hook(Entrance(name), with_kwargs=True))
 
     # ------------------------------------------------------------------ rows
     def _engram_metadata(self) -> Any:
@@ -189,6 +160,15 @@ class EngramServing:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)  # type: ignore[misc]
         finally:
             self.engram_step.rows = None
+
+    def compute_logits(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's logits, ids past the part's vocabulary never sampled: Engram cannot hash them (a backbone
+        may pad its vocabulary beyond its tokenizer's), and the next step would have to refuse them."""
+        logits = super().compute_logits(hidden_states, *args, **kwargs)  # type: ignore[misc]
+        vocab = self.engram_part.config.vocab_size
+        if logits is not None and logits.shape[-1] > vocab:
+            logits[..., vocab:] = float("-inf")
+        return logits
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -7,11 +7,15 @@ family the plugin covers, lazily (`"engram.vllm.model:Class"`: nothing heavy is 
 worker builds the model), and wraps the registry's two resolution methods so that a served folder
 whose `engram/` holds an Engram part resolves to our class even though its config.json names HF's
 (`model.save_pretrained` writes `LlamaForCausalLM`): `vllm serve <folder>` serves Engram with no
-flag. This module imports nothing heavy at import time (no numba: see `has_engram_part`). Such a folder with an architecture we do not cover, with `model_impl='transformers'`, or under
-a vLLM whose model interface we were not written for, is refused there, at start-up, naming the value
-and the fix: never a model that serves without its Engram. `hf_overrides={"architectures":
-["EngramLlamaForCausalLM"]}` names our class explicitly (a folder without a part is then refused
-when the model is built).
+flag. There, in the process the user started and before any worker, the folder is checked
+(`served_part`: the part against the backbone, the options against the part; prompt embeddings
+refused), so a refusal reaches the user first and within seconds. Such a folder with an architecture
+we do not cover, with `model_impl='transformers'`, or under a vLLM whose model interface we were not
+written for, is refused there too, naming the value and the fix: never a model that serves without
+its Engram. `hf_overrides={"architectures": ["EngramLlamaForCausalLM"]}` names our class explicitly.
+`register()` also has vLLM's input processing refuse, per request, a prompt Engram cannot serve
+(`check_prompt`: a token id outside the vocabulary), so no bad request reaches the engine's step.
+This module imports nothing heavy at import time (no numba: see `has_engram_part`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM", "check_vllm_version", "engram_architectures", "register"]
+__all__ = [
+    "ARCHITECTURES",
+    "SUPPORTED_VLLM",
+    "check_vllm_version",
+    "engram_architectures",
+    "register",
+    "served_part",
+]
 
 # HF architecture name -> ours; the vLLM model each one subclasses is in engram.vllm.model
 ARCHITECTURES = {
@@ -31,6 +42,7 @@ ARCHITECTURES = {
 }
 SUPPORTED_VLLM = "0.32"  # the release series whose model interface the plugin is written against
 _HOOKED = "_engram_resolution_hooked"
+_CHECKED: dict[tuple[Any, ...], Any] = {}  # served_part's answers in this process (vLLM asks several times)
 
 
 def check_vllm_version(version: str | None = None) -> None:
@@ -59,6 +71,35 @@ def has_engram_part(folder: Any) -> bool:
     return (Path(folder) / PART_FOLDER / CONFIG_FILE).is_file()
 
 
+def served_part(model_config: Any) -> Any:
+    """The Engram part (`engram.vllm.folder.EngramPart`) of the folder `model_config` serves, read and
+    checked against the backbone its config names (hidden size, layers, vocabulary, the tokenizer's
+    fingerprint), and the `vllm_engram` options against the part. Raises naming the value and the fix.
+    Cheap and light (no numba): the registry calls it where vLLM resolves the architecture, in the
+    process the user started, so a refusal comes first and within seconds, not from a worker."""
+    from engram.checkpoint.v41 import CONFIG_FILE
+    from engram.hf.io import PART_FOLDER
+    from engram.vllm.folder import read_part
+    from engram.vllm.options import OPTIONS_KEY, check_options, serve_options
+
+    hf = model_config.hf_text_config
+    tok = model_config.tokenizer
+    tok = tok if isinstance(tok, str) and Path(tok).is_dir() else None
+    folder = model_config.model
+    marker = Path(folder) / PART_FOLDER / CONFIG_FILE
+    stamp = marker.stat().st_mtime_ns if marker.is_file() else None
+    shape = (int(hf.hidden_size), int(hf.num_hidden_layers), int(hf.vocab_size))
+    options = getattr(hf, OPTIONS_KEY, None)
+    key = (str(folder), stamp, shape, tok, repr(options))
+    if key not in _CHECKED:
+        part = read_part(
+            folder, hidden_size=shape[0], num_layers=shape[1], vocab_size=shape[2], tokenizer_dir=tok
+        )
+        check_options(part, serve_options(options))
+        _CHECKED[key] = part
+    return _CHECKED[key]
+
+
 def engram_architectures(architectures: str | list[str], model_config: Any) -> list[str]:
     """The architectures vLLM should resolve for `model_config`: ours for a folder with an Engram part
     (refusing what would serve it without Engram), else `architectures` unchanged."""
@@ -66,7 +107,7 @@ def engram_architectures(architectures: str | list[str], model_config: Any) -> l
     folder = getattr(model_config, "model", None)
     ours = set(ARCHITECTURES.values())
     if any(a in ours for a in archs):
-        check_vllm_version()
+        _check_served(model_config)
         return archs
     if not has_engram_part(folder):
         return archs
@@ -83,8 +124,65 @@ def engram_architectures(architectures: str | list[str], model_config: Any) -> l
             f"{folder} holds an Engram part, but model_impl={impl!r} picks vLLM's Transformers backend, which "
             "would serve it without Engram: leave model_impl at 'auto' (or 'vllm')"
         )
-    check_vllm_version()
+    _check_served(model_config)
     return covered
+
+
+def _check_served(model_config: Any) -> None:
+    """What must hold before a worker builds our model: the vLLM release, options the plugin serves, the
+    folder's part."""
+    check_vllm_version()
+    if getattr(model_config, "enable_prompt_embeds", False):
+        raise ValueError(
+            f"{model_config.model} is served with Engram, which hashes token ids: prompts given as embeddings "
+            "(enable_prompt_embeds=True) cannot be served; leave enable_prompt_embeds off and send token ids "
+            "or text"
+        )
+    served_part(model_config)
+
+
+def check_prompt(model_config: Any, prompt_input: Any) -> None:
+    """Refuse, for this request alone, a prompt a model served with Engram cannot serve: embeddings, or a
+    token id outside the part's vocabulary (and the backbone's). vLLM checks ids against its tokenizer
+    only when it has one (not with skip_tokenizer_init); an id that reached the step would fail inside it
+    and take every other request with it."""
+    from vllm.exceptions import VLLMValidationError
+
+    if getattr(model_config, "_architecture", None) not in ARCHITECTURES.values():
+        return
+    if prompt_input.get("type") == "embeds" or prompt_input.get("prompt_token_ids") is None:
+        raise VLLMValidationError(
+            f"{model_config.model} is served with Engram, which hashes token ids: send token ids or text, "
+            "not prompt embeddings",
+            parameter="prompt_embeds",
+        )
+    ids = prompt_input["prompt_token_ids"]
+    vocab = min(int(served_part(model_config).config.vocab_size), int(model_config.hf_text_config.vocab_size))
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+        raise VLLMValidationError(
+            f"token id {bad} at position {i} of the prompt is outside the vocabulary [0, {vocab}) of "
+            f"{model_config.model} (its Engram part and backbone): send ids its tokenizer gives",
+            parameter="prompt_token_ids",
+            value=bad,
+        )
+
+
+def _guard_inputs() -> None:
+    """Have vLLM's input processing (in the front-end process, per request) call `check_prompt` first."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor, _HOOKED, False):
+        return
+    validate = InputProcessor._validate_model_input
+
+    def _validate_model_input(self: Any, prompt_input: Any, prompt_type: str) -> None:
+        if prompt_type == "decoder":
+            check_prompt(self.model_config, prompt_input)
+        validate(self, prompt_input, prompt_type)
+
+    InputProcessor._validate_model_input = _validate_model_input  # type: ignore[method-assign]
+    setattr(InputProcessor, _HOOKED, True)
 
 
 def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,3 +207,4 @@ def register() -> None:
         cls.inspect_model_cls = _wrap(cls.inspect_model_cls)
         cls.resolve_model_cls = _wrap(cls.resolve_model_cls)
         setattr(cls, _HOOKED, True)
+    _guard_inputs()

@@ -1,0 +1,77 @@
+"""The served model's Engram options (`hf_overrides={"vllm_engram": {...}}` in vLLM), read and checked
+against the part they serve: where the tables live (`TableMode`, the table of `engram.vllm.tables`)
+and the hot-row cache's share of each table. Light (no numba, no vLLM): the registry checks them in
+the process the user started, before any worker, and the model again where it builds the tables.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engram.checkpoint.convert import row_file_path
+from engram.vllm.folder import EngramPart
+
+__all__ = ["OPTIONS_KEY", "ServeOptions", "TableMode", "check_options", "serve_options"]
+
+OPTIONS_KEY = "vllm_engram"  # the served model config's attribute holding the options (a dict)
+
+
+class TableMode(enum.StrEnum):
+    MEMORY = "memory"
+    HOST = "host"
+    MMAP = "mmap"
+    ROWFILE = "rowfile"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    tables: TableMode = TableMode.MEMORY
+    cache_fraction: float = 0.05  # hot-row cache of mmap / rowfile tables, a fraction of each table's rows
+
+
+def serve_options(value: Any) -> ServeOptions:
+    """The options in `value` (None, or a dict with `tables` and `cache_fraction`), checked."""
+    if value is None:
+        return ServeOptions()
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{OPTIONS_KEY} must be a dict like {{'tables': 'rowfile', 'cache_fraction': 0.05}}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    unknown = sorted(set(value) - {"tables", "cache_fraction"})
+    if unknown:
+        raise ValueError(f"{OPTIONS_KEY} has unknown keys {unknown}; it takes 'tables' and 'cache_fraction'")
+    tables = value.get("tables", TableMode.MEMORY)
+    try:
+        mode = TableMode(tables)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in TableMode)
+        raise ValueError(f"{OPTIONS_KEY}['tables']={tables!r}: use one of {choices}") from None
+    frac = value.get("cache_fraction", ServeOptions.cache_fraction)
+    if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1 or math.isnan(frac):
+        raise ValueError(
+            f"{OPTIONS_KEY}['cache_fraction']={frac!r} must be a number in (0, 1] (the hot-row cache's share "
+            "of each table's rows)"
+        )
+    return ServeOptions(mode, float(frac))
+
+
+def check_options(part: EngramPart, options: ServeOptions) -> None:
+    """Refuse an FP8 mode for a float part and `rowfile` without the row files, naming the fix."""
+    mode = options.tables
+    if mode is not TableMode.MEMORY and not part.fp8:
+        raise ValueError(
+            f"tables={mode.value!r} serves FP8 tables, but {part.part} stores float tables: write an FP8 part "
+            "with engram.hf.export_fp8(model, folder) (lossy: e4m3 values, ue8m0 scales), or serve "
+            "tables='memory'"
+        )
+    if mode is TableMode.ROWFILE:
+        missing = [lid for lid in part.config.layer_ids if not row_file_path(part.part, lid).is_file()]
+        if missing:
+            raise ValueError(
+                f"tables='rowfile' reads {[str(row_file_path(part.part, lid)) for lid in missing]}, which are "
+                f"missing: write them with engram.checkpoint.convert.write_row_files({str(part.part)!r})"
+            )
