@@ -23,7 +23,7 @@ from typing import Any
 
 import engram
 from engram.checkpoint.integrity import UnscannedTableWarning
-from engram.cli import addressing, bench, checkpoint, generate, study, systems
+from engram.cli import addressing, bench, checkpoint, generate, serve, study, systems
 from engram.cli.train import add_training_commands
 
 __all__ = ["build_parser", "main"]
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     systems.register(sub)
     study.register(sub)
+    serve.register(sub)
     return parser
 
 

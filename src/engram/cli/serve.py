@@ -1,0 +1,79 @@
+"""`engram serve FOLDER`: serve a folder written by engram.hf with vLLM's OpenAI-compatible server.
+
+The settings (dtype, KV cache, window) are `engram.vllm.server.plan_server`'s, printed before the
+server starts with the reason for each. engram serve's own options come before FOLDER; everything
+after FOLDER goes to vLLM's server unchanged (and wins over the settings chosen). Needs
+vLLM in this Python (the plugin's environment): without it, one line saying so, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Any
+
+from engram.cli.options import input_folder
+from engram.vllm.server import DTYPES, plan_server, vllm_missing
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add serve to the `engram` subparsers."""
+    p = sub.add_parser(
+        "serve",
+        help="serve an engram.hf folder with vLLM's OpenAI-compatible server (settings that fit this machine)",
+        description="Start vLLM's OpenAI-compatible server (python -m vllm.entrypoints.openai.api_server) for "
+        "FOLDER with settings chosen for it and this machine, printed first. Options of engram serve come "
+        "before FOLDER; arguments after FOLDER go to vLLM's server unchanged, e.g. engram serve --port 8001 "
+        "served --max-num-seqs 16.",
+    )
+    p.add_argument(
+        "folder", type=input_folder, help="the folder: model.save_pretrained + engram.hf.save_engram"
+    )
+    p.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
+    p.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="float32 (default: greedy tokens equal HF's)"
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="GiB of KV cache on the CPU (default: $VLLM_CPU_KVCACHE_SPACE, else a quarter of the free memory)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the settings and the command; start nothing")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM server arguments, passed unchanged")
+    p.set_defaults(func=cmd_serve)
+
+
+OWN = ("--kv-cache-gib", "--dry-run")  # engram serve's options that vLLM's server does not take
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    extra = list(args.vllm_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    own = [a for a in extra if a.split("=")[0] in OWN]
+    if own:
+        raise ValueError(
+            f"{own[0]} comes after FOLDER, where arguments go to vLLM's server: put engram serve's own options "
+            f"({', '.join(OWN)}) before FOLDER"
+        )
+    missing = None if args.dry_run else vllm_missing()
+    if missing is not None:
+        raise ValueError(missing)
+    plan = plan_server(
+        args.folder, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, port=args.port, extra=extra
+    )
+    for note in plan.notes:
+        print(f"engram serve: {note}", file=sys.stderr)
+    shown = " ".join([*(f"{k}={v}" for k, v in plan.env.items()), "python", *plan.argv[1:]])
+    print(f"engram serve: {shown}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    server = subprocess.Popen(plan.argv, env={**os.environ, **plan.env})
+    try:
+        return server.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the server too (same process group): let it finish
+        return server.wait()
