@@ -9,12 +9,17 @@ without it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -225,6 +230,63 @@ def test_fp8_tables_from_the_systems_layer(fp8_folder, tables, tmp_path):
         assert stats["device"]["hits"] > 0 and stats["device"]["misses"] > 0  # the hot-row cache worked
     if tables in ("host", "mmap"):
         assert stats["prefetch_hits"] > 0  # the forward's prefetch served the layer's gather
+
+
+# ------------------------------------------------------------------------------------ engram serve
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_engram_serve_serves_over_http_and_survives_bad_requests(llama, tmp_path):
+    """The README's one command: `engram serve` starts vLLM's OpenAI server with its settings printed;
+    greedy completions equal HF's; bad requests among good ones get 400 naming the fault, the others
+    complete, and the server goes on serving."""
+    folder, requests, want = llama
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "server.log").open("w")
+    cmd = [sys.executable, "-m", "engram", "serve", "--port", str(port), "--kv-cache-gib", "1", str(folder)]
+    cmd += ["--host", "127.0.0.1", "--skip-tokenizer-init", "--max-model-len", "192", "--block-size", "32"]
+    cmd += ["--enforce-eager", "--max-num-seqs", "4", "--seed", "0"]  # compiled mode: the LLM test above
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-5000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        body = dict(model=str(folder), max_tokens=N, temperature=0, ignore_eos=True, return_token_ids=True)
+        bodies = [{**body, "prompt": r["prompt"]} for r in requests[:4]]
+        bodies += [{**body, "prompt": p} for p, _ in BAD]
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: _post(f"{url}/v1/completions", b), bodies))
+        got = [a[1]["choices"][0]["token_ids"] if a[0] == 200 else a for a in answers[:4]]
+        assert got == want[:4]
+        # the server's request schema refuses a negative id itself (its pydantic check, ge=0)
+        says = [BAD[0][1], "greater_than_equal", BAD[2][1]]
+        for (code, answer), text in zip(answers[4:], says, strict=True):
+            assert code == 400 and text in json.dumps(answer), (code, answer)
+        code, again = _post(f"{url}/v1/completions", bodies[0])  # still serving
+        assert code == 200 and again["choices"][0]["token_ids"] == want[0]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    out = (tmp_path / "server.log").read_text()
+    assert "engram serve: --dtype float32 (greedy tokens equal HF's float32 generate())" in out
+    assert "engram serve: VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache, from --kv-cache-gib)" in out
 
 
 # ---------------------------------------------------------------------------------------- refusals

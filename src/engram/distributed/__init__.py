@@ -4,7 +4,8 @@ The only package that imports torch.distributed: the model code (`engram.model.m
 `engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
 (sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
-into an error naming the rank and the step), `launch` (one rank from torchrun's environment), `train`
+into an error naming the rank and the step), `wrappers` (whether DDP / FSDP holds a model already,
+or took a parameter over), `launch` (one rank from torchrun's environment), `train`
 (the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
 HF models under DDP, accelerate and the Trainer), `hf_checkpoint` (their sharded tables' checkpoints
 and Engram part), `hf_fsdp` (the HF backbone under FSDP2,
@@ -17,9 +18,11 @@ Design: docs/distributed.md.
 from engram.distributed.guard import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     RankError,
+    bounded_group,
     describe,
     disagreements,
     named_failures,
+    tensor_digest,
 )
 from engram.distributed.hf import (
     SHARDED_STATE_KEY,
@@ -79,6 +82,7 @@ __all__ = [
     "TableInit",
     "TableSync",
     "all_reduce_grads",
+    "bounded_group",
     "build_distributed_model",
     "build_sharded_model",
     "check_owners",
@@ -104,6 +108,7 @@ __all__ = [
     "split_sharded_params",
     "sync_table_grads",
     "table_owners",
+    "tensor_digest",
 ]
 
 

@@ -1,21 +1,38 @@
-"""What keeps a distributed run from hanging: ranks check that they agree before they act, and a
-collective that fails or waits too long becomes an error naming the rank and the step. Knows nothing
-of what the trainer computes. Design: docs/distributed.md.
+"""What keeps a distributed run from hanging: ranks check that they agree before they act (on
+values, or on a tensor's digest), and a collective that fails or waits too long becomes an error
+naming the rank and the step (`bounded_group`: a group whose collectives give up after a set time).
+Knows nothing of what the trainer computes. Design: docs/distributed.md.
 """
 
 from __future__ import annotations
 
+import datetime
+import math
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT", "RankError", "describe", "disagreements", "named_failures"]
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DIGEST_CHUNK_BYTES",
+    "RankError",
+    "bounded_group",
+    "check_timeout",
+    "describe",
+    "disagreements",
+    "named_failures",
+    "tensor_digest",
+]
 
 # Long enough for rank 0 to write a checkpoint at this project's scale while the others wait in a
 # barrier, short enough that a stuck job ends within minutes instead of torch's 30 (gloo) or 10 (NCCL).
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+# What tensor_digest reads at a time: the most it copies (to the host, or to make a chunk contiguous).
+DIGEST_CHUNK_BYTES = 64 << 20
 
 
 class RankError(RuntimeError):
@@ -32,6 +49,61 @@ def disagreements(values: dict[str, Any], group: dist.ProcessGroup | None = None
     names = sorted({k for v in gathered for k in v})
     per_name = {k: [v.get(k) for v in gathered] for k in names}
     return {k: vals for k, vals in per_name.items() if any(x != vals[0] for x in vals[1:])}
+
+
+def tensor_digest(t: torch.Tensor, chunk_bytes: int = DIGEST_CHUNK_BYTES) -> str:
+    """'float32 (530, 32) crc32 1a2b3c4d': dtype, shape and the CRC-32 of `t`'s bytes, read in chunks
+    of rows of at most `chunk_bytes` (a contiguous CPU tensor is read in place; another has one chunk
+    at a time copied). Equal values give the same digest on every rank, whatever its thread count: a
+    float sum would not (torch splits a sum over its threads, and the rounding follows the split)."""
+    t = t.detach()
+    flat = t.reshape(1, -1) if t.dim() < 2 else t.flatten(1)  # (rows, row elements)
+    row_bytes = max(1, flat.shape[1] * t.element_size())
+    step = max(1, chunk_bytes // row_bytes)
+    crc = 0
+    for a in range(0, flat.shape[0], step):
+        chunk = flat[a : a + step].to("cpu").contiguous()  # (<= step, row elements): a copy at most a chunk
+        crc = zlib.crc32(chunk.view(torch.uint8).numpy(), crc)  # bytes as they are: bf16 too
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} crc32 {crc:08x}"
+
+
+def check_timeout(timeout: Any, where: str) -> float | None:
+    """`timeout` as seconds (None: no bound of our own); ValueError naming `where` unless it is None
+    or a finite number > 0."""
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(
+            f"{where}: timeout={timeout!r} must be a number of seconds > 0 (or None: the process group's own "
+            f"timeout, torch's default 30 minutes); the default is {DEFAULT_COLLECTIVE_TIMEOUT:g}"
+        )
+    return float(timeout)
+
+
+def bounded_group(group: dist.ProcessGroup | None, timeout: float | None) -> dist.ProcessGroup | None:
+    """A process group over `group`'s ranks (default: every rank), same backend and rank numbers, whose
+    collectives fail after `timeout` seconds instead of the process group's own timeout (None: `group`
+    itself). Created by every rank of `group` (a collective of those ranks only)."""
+    if timeout is None:
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    bounded = dist.new_group(
+        ranks=sorted(ranks),
+        timeout=datetime.timedelta(seconds=timeout),
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )
+    if dist.get_rank(bounded) != dist.get_rank(group):  # a group whose ranks are not in global order
+        raise ValueError(
+            f"the process group's ranks {ranks} are not in increasing order, so a group bounded in time "
+            "cannot keep its rank numbers: pass timeout=None (the group's own timeout)"
+        )
+    return bounded
 
 
 def describe(diff: dict[str, list[Any]], limit: int = 60) -> str:

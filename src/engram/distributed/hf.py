@@ -14,13 +14,21 @@ The model's `EngramOptimizer` (`engram.hf.build_optimizer`, built after this cal
 the table gradients before its table step, and a sharded mode builds the table optimizer (Sinkhorn's
 row and column sums then run over every rank's rows). Without a mode an `EngramOptimizer` refuses to
 step on more than one process, since each rank would silently train its own table. Knows the
-attachment and the process group, nothing of the wrappers beyond DDP's ignore list.
+attachment and the process group, nothing of the wrappers beyond DDP's ignore list and how to
+tell that one holds the model already (`wrappers`).
+
+Every exchange of the tables runs on a process group of the same ranks whose collectives give up after
+`prepare_data_parallel(..., timeout=...)` seconds (default 300): a rank left waiting (a sharded
+forward run on some ranks only, a step taken on some) raises `RankError` naming the cause and the fix
+instead of waiting out the process group's timeout (30 minutes by default).
 """
 
 from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,10 +36,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from engram.distributed.guard import describe, disagreements
+from engram.distributed.guard import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    RankError,
+    bounded_group,
+    check_timeout,
+    describe,
+    disagreements,
+    tensor_digest,
+)
 from engram.distributed.parallelize import table_owners
 from engram.distributed.sharded_table import ShardedTable, prefetch_tables, release_tables, sync_table_grads
 from engram.distributed.sinkhorn import ShardedSinkhorn
+from engram.distributed.wrappers import taken_over, wrapper_of
 from engram.hf.attach import EngramAttachment, get_attachment
 from engram.model.sinkhorn import SparseSinkhorn
 from engram.model.table import TrainableTable
@@ -54,21 +71,100 @@ class TableSync(enum.StrEnum):
     SHARDED = "sharded"  # each rank owns 1/N of the rows and their optimizer state; rows exchanged
 
 
+_FORWARD = (
+    "A forward of a model whose Engram tables are row-sharded (TableSync.SHARDED) is a collective: every "
+    "rank of the group must run it, at the same point, each with its own batch; a rank that runs it alone "
+    "(generation or evaluation on rank 0 only) waits for the others and fails after {bound}. To run the "
+    "model on some ranks only, prepare it with mode=TableSync.REPLICATED, or save its Engram part "
+    "(engram.distributed.save_engram, on every rank) and run it in one process (engram.hf.load_engram)"
+)
+_STEP = (
+    "The table step (EngramOptimizer.step) exchanges the tables' gradients, a collective: every rank of the "
+    "group must take it at the same point, or the ranks that do wait for the others and fail after {bound}"
+)
+_SLOW = "; if every rank does run it and one is only slow, raise prepare_data_parallel(..., timeout=...)"
+
+
+@contextmanager
+def _collective(
+    group: dist.ProcessGroup | None, timeout: float | None, what: str, why: str
+) -> Iterator[None]:
+    """A RuntimeError of the block's collectives (a timeout, a lost peer) as RankError naming this rank,
+    `what` failed, and `why` (the cause and the fix, with the time bound)."""
+    try:
+        yield
+    except RankError:
+        raise
+    except RuntimeError as e:
+        bound = (
+            f"prepare_data_parallel's timeout ({timeout:g} s)"
+            if timeout is not None
+            else "the process group's timeout (prepare_data_parallel(timeout=None))"
+        )
+        raise RankError(
+            f"rank {dist.get_rank(group)}: {what} failed ({e}). {why.format(bound=bound)}{_SLOW}"
+        ) from e
+
+
+class _TablesKept:
+    """Refuse a forward (and a table step) once a wrapper has taken the tables over: FSDP1 built without
+    them in `ignored_states` flattens them into its own parameter (the first step would then crash deep
+    in the table exchange, or train nothing). A few attribute reads per table: no sync."""
+
+    def __init__(self, att: EngramAttachment) -> None:
+        self.tables = [(lid, m.table, m.table.weight) for lid, m in att.layers.items() if _trains(m.table)]
+
+    def __call__(self, *_: Any) -> None:
+        for lid, table, weight in self.tables:
+            by = taken_over(table, "weight", weight)
+            if by is not None:
+                raise ValueError(
+                    f"layer {lid}'s Engram table was taken over by {by}, which was built without the tables "
+                    "among its ignored parameters, so Engram cannot keep them one table: build it with "
+                    "FullyShardedDataParallel(model, ignored_states=model.engram.tables(), ...) after "
+                    "prepare_data_parallel (or use engram.distributed.fully_shard_backbone for FSDP2)"
+                )
+
+
+def _trains(table: nn.Module) -> bool:
+    return isinstance(getattr(table, "weight", None), nn.Parameter)  # (an FP8 table has no weight)
+
+
 class ReplicatedTableSync:
     """The ranks' sparse row gradients of each table, averaged over the group (as DDP averages the
     dense ones): an all-gather of the row counts, then of the padded rows and values (n_rows x dim per
-    rank, nothing dense of the table). Every rank gets the same gradient, rows in the same order."""
+    rank, nothing dense of the table). Every rank gets the same gradient, rows in the same order.
+    `exchange`: the group those all-gathers run on (`group`'s ranks, collectives bounded by `timeout`
+    seconds; default `group`)."""
 
     mode = TableSync.REPLICATED
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        exchange: dist.ProcessGroup | None = None,
+        timeout: float | None = None,
+        kept: Any = None,
+    ) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
+        self.exchange = group if exchange is None else exchange
+        self.timeout, self.kept = timeout, kept
+
+    def table_optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
+        """The table optimizer `cls` over the whole tables (refused once a wrapper took them over)."""
+        assert self.kept is not None, "a ReplicatedTableSync made by prepare_data_parallel"
+        self.kept()
+        return cls([w for _, _, w in self.kept.tables], **kwargs)
 
     def __call__(self, params: list[torch.Tensor], pending: dict[torch.Tensor, torch.Tensor]) -> dict:
+        if self.kept is not None:
+            self.kept()
         out = {}
-        for p in params:  # the optimizer's order: the same on every rank
-            out[p] = self._average(p, pending.get(p))
+        with _collective(self.exchange, self.timeout, "the Engram tables' gradient exchange", _STEP):
+            for p in params:  # the optimizer's order: the same on every rank
+                out[p] = self._average(p, pending.get(p))
         return out
 
     def _average(self, p: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
@@ -80,7 +176,7 @@ class ReplicatedTableSync:
             rows, vals = grad.indices()[0], grad.values()
         count = torch.tensor([rows.numel()], dtype=torch.int64, device=p.device)
         counts = [torch.empty_like(count) for _ in range(self.world)]
-        dist.all_gather(counts, count, group=self.group)
+        dist.all_gather(counts, count, group=self.exchange)
         sizes = [int(c) for c in counts]
         most = max(sizes)
         pad = most - rows.numel()
@@ -88,8 +184,8 @@ class ReplicatedTableSync:
         vals_p = torch.cat([vals, vals.new_zeros(pad, vals.shape[1])])
         all_rows = [torch.empty_like(rows_p) for _ in range(self.world)]
         all_vals = [torch.empty_like(vals_p) for _ in range(self.world)]
-        dist.all_gather(all_rows, rows_p, group=self.group)
-        dist.all_gather(all_vals, vals_p, group=self.group)
+        dist.all_gather(all_rows, rows_p, group=self.exchange)
+        dist.all_gather(all_vals, vals_p, group=self.exchange)
         idx = torch.cat([r[:n] for r, n in zip(all_rows, sizes, strict=True)])
         val = torch.cat([v[:n] for v, n in zip(all_vals, sizes, strict=True)])
         # rows from the ranks' own gradients, inside the table: no invariant check (torch's default)
@@ -102,14 +198,22 @@ class ShardedTableSync:
     exchange for every Engram layer (`prefetch`, called by the attachment's hook once the call's rows
     are known), the row gradients returned to the owners (`flush`: at the next forward or before the
     table step, so gradient accumulation sums micro-batches) and divided by the world size (DDP's
-    average). Every rank of the group runs the same forwards and steps (as DDP requires)."""
+    average). Every rank of the group runs the same forwards and steps (as DDP requires): the exchanges
+    run on the tables' group (`group`'s ranks, collectives bounded by `timeout` seconds)."""
 
     mode = TableSync.SHARDED
 
     def __init__(
-        self, tables: list[ShardedTable], index: list[int], group: dist.ProcessGroup | None = None
+        self,
+        tables: list[ShardedTable],
+        index: list[int],
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float | None = None,
+        kept: Any = None,
     ) -> None:
         self.tables, self.index, self.group = tables, index, group  # index: each table's layer in the rows
+        self.timeout, self.kept = timeout, kept
         self.world = dist.get_world_size(group)
         self.grads: dict[torch.Tensor, torch.Tensor] = {}  # owned rows' gradients, summed over flushes
         self.optimizer: torch.optim.Optimizer | None = None  # the table optimizer (table_optimizer builds it)
@@ -127,8 +231,13 @@ class ShardedTableSync:
 
     def prefetch(self, rows: torch.Tensor) -> None:
         """rows (B, T, layers, heads) of this forward: each table's rows fetched from their owners."""
-        self.flush()
-        prefetch_tables([(t, rows[:, :, i]) for t, i in zip(self.tables, self.index, strict=True)])
+        if self.kept is not None:
+            self.kept()
+        with _collective(
+            self.tables[0].group, self.timeout, "Engram's row exchange in this forward", _FORWARD
+        ):
+            self.flush()
+            prefetch_tables([(t, rows[:, :, i]) for t, i in zip(self.tables, self.index, strict=True)])
 
     def flush(self) -> None:
         """Return the pending blocks' row gradients to their owners (a collective when a prefetch was
@@ -140,7 +249,7 @@ class ShardedTableSync:
             return
         has_grad = float(any(t._block.grad is not None for t in pending))
         flag = torch.tensor([has_grad], dtype=torch.float64, device=pending[0].weight.device)  # the backend's
-        dist.all_reduce(flag, group=self.group)
+        dist.all_reduce(flag, group=pending[0].group)  # the tables' group: bounded in time
         if float(flag) == 0:
             release_tables(pending)
             return
@@ -158,7 +267,10 @@ class ShardedTableSync:
                 "state were not read back: pass callbacks=[engram.distributed.EngramShardsCallback()] to the "
                 "Trainer (or call engram.distributed.load_table_shards with the checkpoint folder)"
             )
-        self.flush()
+        if self.kept is not None:
+            self.kept()
+        with _collective(self.tables[0].group, self.timeout, "the Engram tables' gradient exchange", _STEP):
+            self.flush()
         out, self.grads = {p: g / self.world for p, g in self.grads.items()}, {}
         self.steps += 1  # on every rank at every table step (a rank without rows too)
         return out
@@ -173,6 +285,8 @@ class ShardedTableSync:
 
     def table_optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
         """The table optimizer `cls` over the shards (V4.1's Sinkhorn update: `ShardedSinkhorn`)."""
+        if self.kept is not None:
+            self.kept()
         if issubclass(cls, SparseSinkhorn):
             self.optimizer = ShardedSinkhorn(self.tables, **kwargs)
         else:
@@ -227,32 +341,43 @@ def _drop_sharded_tables(module: nn.Module, state_dict: dict, prefix: str, local
             state_dict.pop(f"{prefix}layers.{lid}.table.weight", None)
 
 
-def _table_checksums(att: EngramAttachment) -> dict[str, tuple[float, float]]:
+def _table_digests(att: EngramAttachment) -> dict[str, str]:
+    """Each table's dtype, shape and CRC-32 of its values, read 64 MB at a time (`tensor_digest`: no
+    copy of the table, and the same on ranks with different thread counts, as float sums are not)."""
     out = {}
     for lid, m in att.layers.items():
         w = getattr(m.table, "weight", None)  # (an FP8 table, which does not train, has none)
-        if not isinstance(w, torch.Tensor):
-            continue
-        w = w.detach()
-        out[f"layer {lid}'s initial table (sum, sum of squares)"] = (
-            float(w.double().sum()),
-            float(w.double().square().sum()),
-        )
+        if isinstance(w, torch.Tensor):
+            out[f"layer {lid}'s initial table"] = tensor_digest(w)
     return out
 
 
-def _check_ranks_agree(att: EngramAttachment, mode: TableSync, owners: tuple[int, ...] | None, group) -> None:
-    """Every rank attached the same Engram (config, layers, table values) and asked for the same mode:
-    else a ValueError on every rank naming the ranks' values."""
+def _check_ranks_agree(
+    model: nn.Module, att: EngramAttachment, mode: TableSync, owners: tuple[int, ...] | None, group
+) -> None:
+    """No rank's model is wrapped yet, and every rank attached the same Engram (config, layers, table
+    values) and asked for the same mode: else a ValueError on every rank naming the ranks' values."""
+    wrapper = wrapper_of(model)
     values: dict[str, object] = {
         "Engram config": att.config.to_dict(),
         "mode": mode.value,
         "table owners": owners,
         "a table optimizer built before prepare_data_parallel": getattr(att, "optimizer_hooks", None)
         is not None,
+        "the wrapper holding the model already": wrapper,
     }
-    values.update(_table_checksums(att))
+    if wrapper is None:  # (a wrapper may have flattened the tables: nothing to compare)
+        values.update(_table_digests(att))
     diff = disagreements(values, group)
+    if wrapper is not None and not diff:
+        raise ValueError(
+            f"the model is held by {wrapper} already, which has taken the Engram tables into its own gradient "
+            "reduction: call engram.distributed.prepare_data_parallel(model) on the bare model first, then wrap "
+            "it (DistributedDataParallel(model), the Trainer or accelerate; FullyShardedDataParallel(model, "
+            "ignored_states=model.engram.tables()); or engram.distributed.fully_shard_backbone(model) for "
+            "FSDP2), then build the optimizer (engram.hf.build_optimizer). Rebuild the wrapper: the one made "
+            "first keeps the tables"
+        )
     if diff:
         raise ValueError(
             f"the ranks disagree before data-parallel training: {describe(diff)}. Every rank must attach the "
@@ -267,13 +392,17 @@ def prepare_data_parallel(
     group: dist.ProcessGroup | None = None,
     *,
     table_ranks: int | None = None,
+    timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> TableSync:
     """Ready `model` (with Engram attached) for DDP / accelerate / the HF Trainer on `group` (default:
     the default group); call it on every rank before the model is wrapped and before
     `engram.hf.build_optimizer`. `mode` None: SHARDED on more than one rank (table memory / N, one
     row exchange per forward), REPLICATED on one. `table_ranks` N (sharded only): ranks 0..N-1 own
-    the rows, the others hold none. Checks that every rank attached the same Engram (config and
-    initial tables) first: a disagreement is a ValueError on every rank. Returns the mode."""
+    the rows, the others hold none. `timeout`: seconds an exchange of the tables (a sharded forward,
+    a table step) waits for the other ranks before it raises RankError naming the cause (None: the
+    process group's own timeout). Checks that every rank attached the same Engram (config and
+    initial tables) and that no wrapper holds the model yet first: else a ValueError on every rank.
+    Returns the mode."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "prepare_data_parallel needs torch.distributed: launch with torchrun (or accelerate launch) and "
@@ -284,6 +413,7 @@ def prepare_data_parallel(
             "the model is already wrapped in DistributedDataParallel, which has bucketed its Engram tables: "
             "call prepare_data_parallel(model) on the bare model, then wrap it"
         )
+    timeout = check_timeout(timeout, "prepare_data_parallel")
     world = dist.get_world_size(group)
     try:
         chosen = TableSync(
@@ -299,12 +429,13 @@ def prepare_data_parallel(
         raise ValueError(
             f"prepare_data_parallel was called on this model already (mode {att.table_sync.mode.value!r})"
         )
-    _check_ranks_agree(att, chosen, owners, group)
+    _check_ranks_agree(model, att, chosen, owners, group)
     if getattr(att, "optimizer_hooks", None) is not None:
         raise ValueError(
             "build_optimizer was called before prepare_data_parallel: the optimizer holds the whole tables. "
             "Call prepare_data_parallel(model) first, then engram.hf.build_optimizer(model, ...)"
         )
+    exchange = bounded_group(group, timeout)  # the tables' collectives: bounded in time
     if chosen is TableSync.SHARDED:
         tables = []
         for m in att.layers.values():
@@ -314,17 +445,21 @@ def prepare_data_parallel(
                     "sharded: use mode='replicated' for a model that does not train its tables"
                 )
             w = m.table.weight
-            t = ShardedTable.from_full(w, group=group, owners=owners)
+            t = ShardedTable.from_full(w, group=exchange, owners=owners)
             t.weight.requires_grad_(w.requires_grad)
             m.table = t  # the full table is freed once nothing else holds it
             tables.append(t)
         index = [att.config.layer_index(int(lid)) for lid in att.layers]
-        att.table_sync = ShardedTableSync(tables, index, group)
+        kept = _TablesKept(att)
+        att.table_sync = ShardedTableSync(tables, index, group, timeout=timeout, kept=kept)
         # A rank's state_dict() (what HF's save_pretrained and the Trainer write, on rank 0 only) holds
         # no table: one rank's rows under the table's name would be read back as the whole table.
         att.register_state_dict_post_hook(_drop_sharded_tables)
     else:
-        att.table_sync = ReplicatedTableSync(group)
+        kept = _TablesKept(att)
+        att.table_sync = ReplicatedTableSync(group, exchange=exchange, timeout=timeout, kept=kept)
+    for m in att.layers.values():  # a forward refused once a wrapper has taken a table over
+        m.register_forward_pre_hook(kept)
     table_ids = {id(p) for p in att.tables()}
     names = [n for n, p in model.named_parameters() if id(p) in table_ids]
     sharded = {id(m.table) for m in att.layers.values() if isinstance(m.table, ShardedTable)}
