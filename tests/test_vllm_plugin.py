@@ -278,6 +278,25 @@ def test_the_registry_checks_the_folder_before_any_worker(float_folder, tmp_path
     assert registry.served_part(model_config(float_folder)).config.layer_ids == (1,)
 
 
+def test_truncated_files_are_refused_at_start_up(fp8_folder, tmp_path, monkeypatch):
+    """A part whose FP8 file or row file was cut short: refused where the architecture resolves."""
+    import os
+    import shutil
+
+    monkeypatch.setattr(registry, "check_vllm_version", lambda version=None: None)
+    arch = ["LlamaForCausalLM"]
+    rowfile = {"vllm_engram": {"tables": "rowfile"}}
+    for name, opts, says in (
+        ("model-00001-of-00001.safetensors", {}, r"not a readable safetensors file .* truncated or damaged"),
+        ("engram_layer1.rows", rowfile, r"engram_layer1.rows: the row file is \d+ bytes but its header"),
+    ):
+        cut = tmp_path / name / "model"
+        shutil.copytree(fp8_folder, cut)
+        os.truncate(cut / "engram" / name, (cut / "engram" / name).stat().st_size - 1000)
+        with pytest.raises(ValueError, match=says):
+            registry.engram_architectures(arch, model_config(cut, **opts))
+
+
 def test_the_registry_check_stays_light(float_folder):
     """The check runs in every vLLM process before its CPU platform's module scan: no numba loaded."""
     hf = dict(hidden_size=vllm_setup.HIDDEN, num_hidden_layers=2, vocab_size=vllm_setup.VOCAB)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engram.checkpoint.convert import row_file_path
+from engram.checkpoint.convert import open_row_file, row_file_path
 from engram.vllm.folder import EngramPart
 
 __all__ = ["OPTIONS_KEY", "ServeOptions", "TableMode", "check_options", "serve_options"]
@@ -60,7 +60,8 @@ def serve_options(value: Any) -> ServeOptions:
 
 
 def check_options(part: EngramPart, options: ServeOptions) -> None:
-    """Refuse an FP8 mode for a float part and `rowfile` without the row files, naming the fix."""
+    """Refuse an FP8 mode for a float part and `rowfile` without its row files or with one that does not
+    open (truncated, written for another part: `open_row_file` checks the header), naming the fix."""
     mode = options.tables
     if mode is not TableMode.MEMORY and not part.fp8:
         raise ValueError(
@@ -75,3 +76,5 @@ def check_options(part: EngramPart, options: ServeOptions) -> None:
                 f"tables='rowfile' reads {[str(row_file_path(part.part, lid)) for lid in missing]}, which are "
                 f"missing: write them with engram.checkpoint.convert.write_row_files({str(part.part)!r})"
             )
+        for lid in part.config.layer_ids:
+            open_row_file(part.part, lid).close()
