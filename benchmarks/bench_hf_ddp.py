@@ -19,8 +19,11 @@ steps (after 2 warm-up steps), measured on rank 0. The ratio is a mode's time ov
 
 Memory per rank: the table's weight and its optimizer state on this rank, in bytes per table
 parameter (whole table), and what DDP buckets (its parameters minus the ones it ignores): the table
-never enters a bucket, and after a step its `.grad` is None (no dense zero gradient). Every rank
-uses one torch thread.
+never enters a bucket, and after a step its `.grad` is None (no dense zero gradient). Resident
+memory per rank, not only tensor bytes (Linux): the resident set before `prepare_data_parallel` and
+its peak during the call (VmHWM, reset just before it through /proc/self/clear_refs), and each
+process's peak over the whole run (the three models live side by side). `--steps 0` measures the
+set-up only. Every rank uses one torch thread.
 """
 
 from __future__ import annotations
@@ -42,6 +45,26 @@ from engram.config import EngramConfig
 
 VOCAB = 8192
 MODES = ("plain", "sharded", "replicated")
+
+
+def _memory_mb(field: str) -> float:
+    """VmRSS (resident now) or VmHWM (its peak) of this process, in MB (NaN off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return float("nan")
+
+
+def _reset_peak() -> tuple[bool, float]:
+    """Make VmHWM the current resident set (Linux >= 4.0): (whether that was allowed, the peak it had)."""
+    before = _memory_mb("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True, before
+    except OSError:
+        return False, before
 
 
 def _model(args: argparse.Namespace, engram: bool) -> torch.nn.Module:
@@ -116,11 +139,16 @@ def _worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace
         timeout=datetime.timedelta(seconds=300),
     )
     try:
-        runs = {}
+        runs, peaks = {}, []  # peaks: VmHWM before each reset (the process's peak is the largest)
         for mode in MODES:
             model = _model(args, engram=mode != "plain")
+            memory = {}
             if mode != "plain":
+                memory["rss_mb"] = _memory_mb("VmRSS")
+                reset, peak = _reset_peak()
+                peaks.append(peak)
                 prepare_data_parallel(model, mode)
+                memory["prepare_peak_mb"] = _memory_mb("VmHWM") if reset else float("nan")
             ddp = DistributedDataParallel(model)
             if mode == "plain":
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -132,7 +160,9 @@ def _worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace
                 for n, p in model.named_parameters()
                 if n not in ignored and p.requires_grad
             )
-            runs[mode] = {"model": model, "ddp": ddp, "opt": opt, "times": [], "bucketed": bucketed}
+            runs[mode] = {
+                "model": model, "ddp": ddp, "opt": opt, "times": [], "bucketed": bucketed, "memory": memory
+            }  # fmt: skip
         gen = torch.Generator().manual_seed(100 + rank)
         for i in range(args.steps + 2):
             batch = torch.randint(2, VOCAB, (args.batch, args.seq), generator=gen)
@@ -146,9 +176,10 @@ def _worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace
                 dist.barrier()
                 if i >= 2:
                     r["times"].append(time.perf_counter() - t0)
-        res = {}
+        res = {"peak_rss_mb": max([_memory_mb("VmHWM"), *peaks])}
         for mode, r in runs.items():
-            entry = {"step_s": statistics.median(r["times"]), "bucketed_bytes": r["bucketed"]}
+            times = r["times"] or [float("nan")]
+            entry = {"step_s": statistics.median(times), "bucketed_bytes": r["bucketed"], **r["memory"]}
             if mode != "plain":
                 full, wb, sb = _table_bytes(r["model"], r["opt"])
                 entry.update(
@@ -172,7 +203,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--table-rows", type=int, default=400_000)
     ap.add_argument("--table-optimizer", default="adam", choices=("adam", "adagrad", "sinkhorn"))
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per mode (0: measure the set-up only)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(args.world, str(Path(d) / "init"), d, args), nprocs=args.world)
@@ -201,6 +232,12 @@ def main() -> None:
         )
     t = ranks[0]["sharded"]["table_params"]
     print(f"table: {t:,} parameters ({t * 4 / 2**20:.1f} MB fp32); target: sharded step <= 1.3x plain")
+    print("resident memory per rank (MB): before prepare_data_parallel -> its peak during the call")
+    for mode in MODES[1:]:
+        per = " / ".join(f"{r[mode]['rss_mb']:.0f} -> {r[mode]['prepare_peak_mb']:.0f}" for r in ranks)
+        print(f"  {mode:<11} {per}")
+    peaks = " / ".join(f"{r['peak_rss_mb']:.0f}" for r in ranks)
+    print(f"process peak over the run (MB per rank): {peaks}")
 
 
 if __name__ == "__main__":
