@@ -327,3 +327,38 @@ def test_entry_point_and_a_light_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+@pytest.mark.parametrize("kind", ["float", "fp8"])
+def test_tensor_parallel_shards_sum_to_the_table(kind):
+    """Each TP rank holds its share of the rows; the all-reduce of the ranks' gathers is the table's."""
+    from engram.model.table import TrainableTable
+    from engram.vllm.tensor_parallel import TensorParallelTable, shard_rows, shard_tables
+
+    torch.manual_seed(0)
+    full = TrainableTable(1001, 32)
+    if kind == "fp8":
+        full = FP8Table.from_float(full.weight.detach())
+    rows = torch.randint(0, 1001, (1, 50, 4))
+    rows[0, :3, 0] = torch.tensor([0, 499, 1000])  # both ends of each share
+    want = full.gather(rows, torch.float32)
+    world = 3
+    parts = []
+    for rank in range(world):
+        module = SimpleNamespace(table=full)
+        shard_tables({1: module}, rank, world, lambda x: parts.append(x) or x)
+        t = module.table
+        assert isinstance(t, TensorParallelTable) and (t.lo, t.hi) == shard_rows(1001, rank, world)
+        assert t.shard.num_rows == t.hi - t.lo and t.num_rows == 1001
+        t.gather(rows, torch.float32)
+    assert torch.equal(sum(parts), want)
+    from engram.model.table import EngramTable
+
+    class Tiered(EngramTable):  # any table not held in memory (TieredTable, LevelTable, ...)
+        num_rows, dim = 10, 32
+
+    with pytest.raises(
+        ValueError, match=r"shards tables served from memory .* not Tiered: serve with tables="
+    ):
+        shard_tables({1: SimpleNamespace(table=Tiered())}, 0, 2, lambda x: x)

