@@ -13,9 +13,12 @@ them one table across the ranks:
 The model's `EngramOptimizer` (`engram.hf.build_optimizer`, built after this call) asks the mode for
 the table gradients before its table step, and a sharded mode builds the table optimizer (Sinkhorn's
 row and column sums then run over every rank's rows). Without a mode an `EngramOptimizer` refuses to
-step on more than one process, since each rank would silently train its own table. Knows the
-attachment and the process group, nothing of the wrappers beyond DDP's ignore list and how to
-tell that one holds the model already (`wrappers`).
+step on more than one process, since each rank would silently train its own table. FSDP1
+(`FullyShardedDataParallel`) built after this call with `ignored_states=model.engram.tables()` works
+as DDP does (FSDP2: `hf_fsdp.fully_shard_backbone`); a wrapper built before it, or FSDP1 without the
+tables ignored, is refused by name. Knows the attachment and the process group, nothing of the
+wrappers beyond DDP's ignore list and how to tell that one holds the model or took a table over
+(`wrappers`).
 
 Every exchange of the tables runs on a process group of the same ranks whose collectives give up after
 `prepare_data_parallel(..., timeout=...)` seconds (default 300): a rank left waiting (a sharded

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from engram.distributed.guard import DEFAULT_COLLECTIVE_TIMEOUT
 from engram.distributed.hf import TableSync, prepare_data_parallel
 from engram.hf.attach import find_decoder_layers, get_attachment
 
@@ -86,6 +87,7 @@ def fully_shard_backbone(
     mesh: Any = None,
     mode: TableSync | str | None = None,
     table_ranks: int | None = None,
+    timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
     decoder_layers: str | Sequence[nn.Module] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
@@ -93,10 +95,10 @@ def fully_shard_backbone(
     kept out and synchronised by Engram; returns `model` (now an FSDPModule).
 
     `mesh`: a 1-D DeviceMesh over the data-parallel ranks (default: every rank of the default group,
-    on this machine's accelerator, else the CPU). `mode`, `table_ranks`: as for
+    on this machine's accelerator, else the CPU). `mode`, `table_ranks`, `timeout`: as for
     `prepare_data_parallel`, which this calls on the mesh's group (unless the model was prepared
-    already: then its mode is kept). `decoder_layers`: as for `add_engram` (default: found on the
-    model). `fsdp_kwargs` go to every `fully_shard` call (`reshard_after_forward`, `mp_policy`,
+    already: then its mode and timeout are kept). `decoder_layers`: as for `add_engram` (default:
+    found on the model). `fsdp_kwargs` go to every `fully_shard` call (`reshard_after_forward`, `mp_policy`,
     `offload_policy`; `ignored_params`: ignored as well as the tables). Call
     `torch.distributed.init_process_group` first, move the model to its device first (fully_shard
     leaves ignored parameters where they are), and build the optimizer after this call.
@@ -130,7 +132,7 @@ def fully_shard_backbone(
             "does not move the parameters it ignores: move the model to its device before sharding it"
         )
     if att.table_sync is None:
-        prepare_data_parallel(model, mode, group=mesh.get_group(), table_ranks=table_ranks)
+        prepare_data_parallel(model, mode, group=mesh.get_group(), table_ranks=table_ranks, timeout=timeout)
     elif mode is not None and TableSync(mode) is not att.table_sync.mode:
         raise ValueError(
             f"the model was prepared with mode {att.table_sync.mode.value!r} already, not {TableSync(mode).value!r}"
