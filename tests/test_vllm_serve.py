@@ -261,6 +261,30 @@ def test_tensor_parallel_two_ranks_each_hold_half_the_rows(llama, tmp_path):
     assert [r["table_bytes"] for r in ranks] == [rows // 2 * 128, (rows - rows // 2) * 128]
 
 
+def test_ngram_speculative_decoding(llama, tmp_path):
+    """vLLM's n-gram (prompt-lookup) drafts: draft tokens are written to their KV-cache slots and hashed
+    like any token; a rejected draft's slot is rewritten by the token that replaces it before any later
+    step reads it, so greedy tokens equal HF's. Repetitive prompts make the drafts get proposed and
+    accepted."""
+    folder, requests, want = llama
+    a = requests[1]["prompt"]  # a prompt, its greedy continuation, the prompt again: the drafts proposed
+    reps = [a + want[1] + a, [11, 12, 13] * 9 + [14]]  # after its end are what the model then says
+    want_reps = vllm_setup.greedy(vllm_setup.reference(folder), reps, N)
+    more = [{"prompt": p, "max_tokens": N, "arrive": 0} for p in reps]
+    got = serve(
+        tmp_path,
+        folder,
+        requests[:4] + more,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+    )
+    assert got["runs"][0]["tokens"] == want[:4] + want_reps
+    m = got["metrics"]
+    drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, m  # drafts accepted and drafts rejected
+
+
 # ------------------------------------------------------------------------------------ engram serve
 def _post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})

@@ -76,7 +76,8 @@ def main(path: str) -> None:
     metrics = {}
     try:
         for m in llm.get_metrics():
-            if any(s in m.name for s in ("preempt", "prefix_cache", "generation_tokens", "prompt_tokens")):
+            names = ("preempt", "prefix_cache", "generation_tokens", "prompt_tokens", "spec_decode")
+            if any(s in m.name for s in names):
                 metrics[m.name] = getattr(m, "value", None)
     except Exception as e:  # metrics off (disable_log_stats): not needed by every job
         metrics["error"] = str(e)
