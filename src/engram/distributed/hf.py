@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from engram.checkpoint.shard_format import SHARDED_STATE_KEY  # the tables' rows are in shard files
 from engram.distributed.guard import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     RankError,
@@ -63,8 +64,6 @@ __all__ = [
     "TableSync",
     "prepare_data_parallel",
 ]
-
-SHARDED_STATE_KEY = "engram_sharded_tables"  # in an optimizer state: the tables' rows are in shard files
 
 
 class TableSync(enum.StrEnum):
