@@ -94,3 +94,31 @@ def test_engram_serve_refusals_are_one_line(folder, tmp_path, capsys, monkeypatc
     assert main(["serve", str(plain)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engram serve: error: ") and "has no Engram part" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["file", "empty folder", "broken link"])
+def test_an_engram_entry_that_is_no_part_is_refused_not_served_as_the_backbone(tmp_path, kind, monkeypatch):
+    """An `engram` beside HF's files that is not a readable part (a file, a folder without its config, a
+    dangling link) must be refused by name: were it taken for no part, vLLM would serve the backbone
+    alone and the user would get answers without Engram."""
+    from types import SimpleNamespace
+
+    from engram.vllm import registry
+    from engram.vllm.registry import engram_architectures, has_engram_part
+
+    monkeypatch.setattr(registry, "check_vllm_version", lambda: None)  # runs without vLLM too
+
+    plain = vllm_setup.build_folder(tmp_path / "model", engram=False)
+    assert not has_engram_part(plain)
+    entry = plain / "engram"
+    if kind == "file":
+        entry.write_text("not a part")
+    elif kind == "empty folder":
+        entry.mkdir()
+    else:
+        entry.symlink_to(tmp_path / "gone")
+    assert has_engram_part(plain)
+    hf = SimpleNamespace(hidden_size=64, num_hidden_layers=2, vocab_size=512)
+    cfg = SimpleNamespace(model=str(plain), hf_text_config=hf, tokenizer=str(plain), model_impl="auto")
+    with pytest.raises((ValueError, OSError, PartError), match="engram"):
+        engram_architectures(["LlamaForCausalLM"], cfg)

@@ -20,6 +20,7 @@ This module imports nothing heavy at import time (no numba: see `has_engram_part
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ def check_vllm_version(version: str | None = None) -> None:
 
 
 def has_engram_part(folder: Any) -> bool:
-    """Whether `folder` (vLLM's `model`) is a local folder with an Engram part beside HF's files."""
+    """Whether `folder` (vLLM's `model`) is a local folder with an Engram part beside HF's files: an entry
+    named `engram` of any kind (a file, a broken link, a folder without its config.json) counts, so that
+    reading the part refuses it by name instead of vLLM serving the backbone without Engram."""
     if not isinstance(folder, str | Path):
         return False
     # imported here: the entry point runs in vLLM's workers before their CPU platform scans every loaded
@@ -68,7 +71,8 @@ def has_engram_part(folder: Any) -> bool:
     from engram.checkpoint.v41 import CONFIG_FILE
     from engram.hf.io import PART_FOLDER
 
-    return (Path(folder) / PART_FOLDER / CONFIG_FILE).is_file()
+    part = Path(folder) / PART_FOLDER
+    return (part / CONFIG_FILE).is_file() or (Path(folder).is_dir() and os.path.lexists(part))
 
 
 def served_part(model_config: Any) -> Any:
