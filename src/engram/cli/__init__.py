@@ -24,6 +24,7 @@ from typing import Any
 import engram
 from engram.checkpoint.integrity import UnscannedTableWarning
 from engram.cli import addressing, bench, checkpoint, generate, serve, study, systems
+from engram.cli.hf import register as register_hf
 from engram.cli.train import add_training_commands
 
 __all__ = ["build_parser", "main"]
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     systems.register(sub)
     study.register(sub)
     serve.register(sub)
+    register_hf(sub)
     return parser
 
 

@@ -1,0 +1,737 @@
+"""Engram on a Hugging Face causal-LM folder without writing Python: what `engram hf-train` and
+`engram hf-eval` run (the commands live in `engram.cli.hf`).
+
+Holds the corpus reader (a text file or JSONL with a "text" field, cut into blocks of `seq_len`
+tokens, the last `held_out` fraction of blocks held out), the checks that run before anything heavy
+(folder, tokenizer, layers, table memory, OUT), `train_folder` (load, attach with `engram.hf.add_engram`,
+train with the HF `Trainer`: backbone frozen, LoRA via peft or full; checkpoints and resume; write one
+folder atomically) and `evaluate_folder` (held-out loss of a folder, with or without its Engram part).
+Everything Engram-specific is `engram.hf`'s (attach, collator, optimizer, save / load): no second
+implementation here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.apps.input_files import input_file, path_kind
+
+__all__ = [
+    "HELD_OUT",
+    "RUN_FILE",
+    "Corpus",
+    "HFTrainSettings",
+    "TrainMode",
+    "check_folder",
+    "check_table_memory",
+    "default_layers",
+    "default_table_rows",
+    "evaluate_folder",
+    "held_out_loss",
+    "partial_folder",
+    "read_corpus",
+    "split_blocks",
+    "table_bytes",
+    "train_folder",
+]
+
+HELD_OUT = 0.05  # the last 5% of the corpus's blocks: never trained on
+RUN_FILE = "engram_train.json"  # in OUT: the settings and results of the run (the card's numbers)
+CARD_FILE = "README.md"  # in OUT: the model card
+_SETTINGS_FILE = "settings.json"  # in the partial folder: what --resume must match
+_ENGRAM_STATE = "engram_state.safetensors"  # in a LoRA run's checkpoints: peft saves the adapters only
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+_ORDERS = 2  # n-gram orders 2 and 3 (max_ngram_size 3)
+
+
+class TrainMode(enum.Enum):
+    FROZEN = "frozen"  # the backbone frozen: Engram alone trains
+    LORA = "lora"  # LoRA adapters (peft) on the backbone's linear layers, merged into OUT's weights
+    FULL = "full"  # every parameter
+
+
+@dataclass(frozen=True)
+class HFTrainSettings:
+    """One `engram hf-train` run. `layers` / `table_rows` None: the defaults of the model's depth and size."""
+
+    folder: str
+    corpus: str
+    out: str
+    layers: tuple[int, ...] | None = None
+    table_rows: int | None = None
+    heads: int = 4
+    head_dim: int | None = None  # None: 32 below hidden size 256, else 64
+    mode: TrainMode = TrainMode.FROZEN
+    lora_rank: int = 8
+    engram: bool = True
+    steps: int | None = None
+    tokens: int | None = None
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 1e-4
+    table_lr: float = 1e-2
+    seed: int = 0
+    checkpoint_every: int = 0
+    held_out: float = HELD_OUT
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.tokens is not None:
+            raise ValueError("give --steps or --tokens, not both")
+        if not self.engram and self.mode is TrainMode.FROZEN:
+            raise ValueError(
+                "--no-engram with --mode frozen trains nothing: give --mode lora or --mode full for a baseline"
+            )
+        if not self.engram and (self.layers is not None or self.table_rows is not None):
+            raise ValueError("--layers and --table-rows describe Engram: drop them with --no-engram")
+        if not 0 <= self.held_out < 1:
+            raise ValueError(f"--held-out {self.held_out}: give a fraction in [0, 1), e.g. 0.05")
+
+    @property
+    def num_steps(self) -> int:
+        if self.tokens is not None:
+            return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
+        return 200 if self.steps is None else self.steps
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mode"] = self.mode.value
+        d["layers"] = None if self.layers is None else list(self.layers)
+        return d
+
+
+# ------------------------------------------------------------------------------------------- corpus
+@dataclass(frozen=True)
+class Corpus:
+    """A corpus cut into token blocks: `train` and `held` ([n, seq_len] int64), the last blocks held out."""
+
+    path: str
+    train: torch.Tensor
+    held: torch.Tensor
+    tokens: int  # of the whole corpus
+
+
+def read_documents(path: str | os.PathLike[str]) -> list[str]:
+    """The documents of a corpus file: a JSONL file (suffix .jsonl): each line's "text"; any other file:
+    its whole text as one document. Refuses a missing, empty, binary or non-UTF-8 file, and a JSONL
+    line that is not an object with a string "text", naming the line."""
+    p = input_file(path, "a corpus (a UTF-8 text file, or JSONL with a 'text' field)")
+    data = p.read_bytes()
+    nul = data.find(b"\0", 0, 1 << 20)
+    if nul >= 0:
+        raise ValueError(
+            f"{path} looks binary (a NUL byte at offset {nul}): give a UTF-8 text file or JSONL with a "
+            "'text' field"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {e.start}): give a UTF-8 text file or JSONL with a 'text' field"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty (no text): give a corpus with text in it")
+    if p.suffix.lower() != ".jsonl":
+        return [text]
+    docs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); give one JSON object a line") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise ValueError(
+                f"{path}, line {n}: expected an object with a string 'text' field, got "
+                f"{type(rec).__name__}{' without text' if isinstance(rec, dict) else ''}; fix the line, "
+                "or give a plain text file (any suffix but .jsonl)"
+            )
+        if rec["text"].strip():
+            docs.append(rec["text"])
+    if not docs:
+        raise ValueError(f"{path} holds no text (every 'text' field is empty): give a corpus with text in it")
+    return docs
+
+
+def split_blocks(ids: Sequence[int], seq_len: int, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held): the id stream cut into blocks of `seq_len` (the tail dropped); the last
+    round(held_out * blocks) blocks (at least 1 when held_out > 0) are held out."""
+    n = len(ids) // seq_len
+    blocks = torch.tensor(list(ids[: n * seq_len]), dtype=torch.int64).view(n, seq_len)
+    n_held = 0 if held_out == 0 or n == 0 else max(1, round(held_out * n))
+    return blocks[: n - n_held], blocks[n - n_held :]
+
+
+def read_corpus(path: str, tokenizer: Any, seq_len: int, held_out: float) -> Corpus:
+    """Read, tokenize (documents joined by the tokenizer's EOS when it has one) and split a corpus."""
+    docs = read_documents(path)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids: list[int] = []
+    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        if eos is not None:
+            ids.append(eos)
+    train, held = split_blocks(ids, seq_len, held_out)
+    return Corpus(str(path), train, held, len(ids))
+
+
+# ------------------------------------------------------------------------------------------- checks
+def check_folder(folder: str | os.PathLike[str]) -> Any:
+    """The HF config of a causal-LM folder, after checking it holds config.json and a tokenizer;
+    nothing heavy is read (no weights)."""
+    d = Path(folder)
+    kind = path_kind(d)
+    if kind is None:
+        raise FileNotFoundError(
+            f"{folder}: no such folder; give an HF model folder (config.json, weights, tokenizer)"
+        )
+    if kind != "a folder":
+        raise ValueError(f"{folder} is {kind}: give an HF model folder (config.json, weights, tokenizer)")
+    if path_kind(d / "config.json") != "a file":
+        raise ValueError(
+            f"{folder} has no config.json, so it is not an HF model folder: give the folder "
+            "model.save_pretrained() wrote"
+        )
+    if not any(path_kind(d / f) == "a file" for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save the model's tokenizer "
+            f"into it (tokenizer.save_pretrained({str(folder)!r}))"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(d))
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(
+            f"{folder}/config.json cannot be read by transformers ({e}); give an HF model folder"
+        ) from None
+
+
+def model_depth(config: Any) -> tuple[int, int]:
+    """(decoder layers, hidden size) of an HF config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = next(
+        (getattr(text, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, k)), None
+    )
+    hidden = next((getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(text, k)), None)
+    if not isinstance(depth, int) or not isinstance(hidden, int):
+        raise ValueError(
+            f"cannot read the depth and width of {type(config).__name__}: not a decoder-only LM?"
+        )
+    return depth, hidden
+
+
+def default_layers(depth: int) -> tuple[int, ...]:
+    """Engram early and in the middle, as V4.1 (layers 1 and 14 of 30 or more): one layer below 8 layers."""
+    if depth < 2:
+        return (0,)
+    return (1,) if depth < 8 else (1, depth // 2 - 1)
+
+
+def check_layers(layers: Sequence[int], depth: int, folder: str) -> tuple[int, ...]:
+    bad = [i for i in layers if not 0 <= i < depth]
+    if bad:
+        raise ValueError(
+            f"--layers {','.join(map(str, layers))}: {bad} out of range: {folder} has {depth} decoder layers "
+            f"(ids 0..{depth - 1}); give ids in that range, e.g. --layers {','.join(map(str, default_layers(depth)))}"
+        )
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"--layers {','.join(map(str, layers))} names a layer twice; give each once")
+    return tuple(sorted(layers))
+
+
+def default_head_dim(hidden: int) -> int:
+    return 32 if hidden < 256 else 64
+
+
+def default_table_rows(backbone_params: int, n_layers: int, head_dim: int) -> int:
+    """Rows per layer so that the tables hold about half as many parameters as the backbone (at least
+    4096 rows a layer): Engram's memory grows with the model it serves."""
+    return max(4096, backbone_params // (2 * n_layers * head_dim))
+
+
+def table_bytes(rows: int, n_layers: int, head_dim: int) -> int:
+    """Bytes the tables take while training: float32 weights and SparseRowAdam's state (a float32
+    momentum per value, a second moment and a step per row)."""
+    return n_layers * rows * (8 * head_dim + 8)
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_table_memory(rows: int, n_layers: int, head_dim: int, available: int | None = None) -> None:
+    """Refuse tables that would not fit in the memory available now (estimated before any allocation)."""
+    need = table_bytes(rows, n_layers, head_dim)
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        fit = max(1, available // (2 * n_layers * (8 * head_dim + 8)))
+        raise ValueError(
+            f"--table-rows {rows:,}: {n_layers} table(s) of {rows:,} rows x {head_dim} need about "
+            f"{need / 1e9:.3g} GB to train (float32 weights + Adam state), but this machine has "
+            f"{available / 1e9:.3g} GB available: give --table-rows {fit:,} or fewer"
+        )
+
+
+def partial_folder(out: str | os.PathLike[str]) -> Path:
+    """Where a run writes before OUT exists: checkpoints, then OUT's files, renamed to OUT at the end."""
+    o = Path(out)
+    return o.parent / f".{o.name}.engram-partial"
+
+
+def check_out(out: str | os.PathLike[str]) -> None:
+    o = Path(out)
+    kind = path_kind(o)
+    if kind is None:
+        return
+    if kind != "a folder":
+        raise ValueError(f"--out {out} is {kind}: give a new folder")
+    if any(o.iterdir()):
+        raise ValueError(f"--out {out} exists and is not empty: give a new folder (or remove this one)")
+
+
+# ------------------------------------------------------------------------------------------- models
+def load_tokenizer(folder: str) -> Any:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
+    return tok
+
+
+def load_model(folder: str) -> nn.Module:
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{folder}: transformers cannot load it as a causal LM ({e})") from None
+
+
+def engram_config(
+    model: nn.Module,
+    compression: Any,
+    layers: tuple[int, ...],
+    rows: int,
+    heads: int,
+    head_dim: int,
+    pad: int,
+) -> Any:
+    """The EngramConfig of a run: orders 2-3, `heads` heads a order, about `rows` rows a layer."""
+    from engram.config import EngramConfig
+    from engram.hf.attach import model_hidden_size
+
+    base = max(2, math.ceil(rows / (_ORDERS * heads)))
+    return EngramConfig(
+        name="hf-train",
+        layer_ids=layers,
+        max_ngram_size=_ORDERS + 1,
+        n_heads=heads,
+        engram_vocab_size=(base,) * _ORDERS,
+        vocab_size=compression.vocab_size,
+        compressed_vocab_size=compression.size,
+        pad_token_id=pad,
+        tokenizer=None,
+        head_dim=head_dim,
+        hidden_size=model_hidden_size(model),
+        hc_mult=1,
+    )
+
+
+def lora_targets(model: nn.Module) -> str:
+    """peft's target_modules: every nn.Linear of the backbone's decoder layers (not Engram's, not the
+    LM head), as one regular expression over module names."""
+    from engram.hf import find_decoder_layers
+
+    inside = {id(m) for layer in find_decoder_layers(model) for m in layer.modules()}
+    names = {
+        n.rpartition(".")[2]
+        for n, m in model.named_modules()
+        if id(m) in inside and type(m).__name__ in ("Linear", "Conv1D")  # Conv1D: GPT-2's linear layers
+    }
+    if not names:
+        raise ValueError(f"{type(model).__name__}: found no linear layers in its decoder layers for LoRA")
+    return rf"^(?!engram\.).*\.({'|'.join(sorted(names))})$"
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
+    """Mean next-token cross-entropy (nats/token) over `blocks` [n, T], and its perplexity."""
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, blocks.shape[0], batch_size):
+        ids = blocks[i : i + batch_size].to(device)
+        logits = model(input_ids=ids).logits[:, :-1].double()
+        total += float(
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        )
+        count += ids[:, 1:].numel()
+    model.train(was)
+    if count == 0:
+        raise ValueError("no held-out tokens to evaluate: give a larger corpus or a larger --held-out")
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+# ------------------------------------------------------------------------------------------- training
+@dataclass
+class _Log:
+    losses: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _callbacks(progress: bool, log: _Log, save_engram_state: bool) -> list[Any]:
+    import transformers
+    from tqdm.auto import tqdm
+
+    class Progress(transformers.TrainerCallback):
+        """A tqdm bar on stderr (the training loss beside it); the losses kept for the card."""
+
+        bar: Any = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.bar = tqdm(
+                total=state.max_steps,
+                initial=state.global_step,
+                desc="hf-train",
+                unit="step",
+                disable=not progress,
+                file=sys.stderr,
+                mininterval=0.5 if sys.stderr.isatty() else 10,
+            )
+
+        def on_step_end(self, args, state, control, **kw):
+            self.bar.update(state.global_step - self.bar.n)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                log.losses.append((state.global_step, float(logs["loss"])))
+                self.bar.set_postfix(loss=f"{logs['loss']:.3f}")
+
+        def on_train_end(self, args, state, control, **kw):
+            self.bar.close()
+
+    class EngramState(transformers.TrainerCallback):
+        """peft's checkpoints hold the adapters only: the Engram part goes beside them."""
+
+        def on_save(self, args, state, control, model=None, **kw):
+            from safetensors.torch import save_file
+
+            from engram.hf.attach import get_attachment
+
+            att = get_attachment(model)
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            tmp = ckpt / (_ENGRAM_STATE + ".tmp")
+            save_file({k: v.detach().contiguous() for k, v in att.state_dict().items()}, str(tmp))
+            os.replace(tmp, ckpt / _ENGRAM_STATE)
+
+    return [Progress(), *([EngramState()] if save_engram_state else [])]
+
+
+def _latest_checkpoint(folder: Path, need: str | None) -> Path | None:
+    """The newest complete checkpoint-N in `folder` (trainer_state.json written last; `need` too)."""
+    found = []
+    for p in folder.glob("checkpoint-*") if folder.is_dir() else []:
+        step = p.name.partition("-")[2]
+        if step.isdigit() and (p / "trainer_state.json").is_file() and (need is None or (p / need).is_file()):
+            found.append((int(step), p))
+    return max(found)[1] if found else None
+
+
+def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    ids = torch.stack([torch.as_tensor(f["input_ids"]) for f in features])
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def train_folder(
+    s: HFTrainSettings,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> dict[str, Any]:
+    """Run `engram hf-train`: every check first, then load, attach, train, write `s.out`; the summary."""
+    import transformers
+
+    # ---- the checks that read nothing heavy
+    check_out(s.out)
+    work = partial_folder(s.out)
+    if path_kind(work) is not None and not resume:
+        raise ValueError(
+            f"{work} holds an earlier run for {s.out} (interrupted?): pass --resume to continue it, or remove it"
+        )
+    if resume and path_kind(work) is not None and path_kind(work / _SETTINGS_FILE) == "a file":
+        saved = json.loads((work / _SETTINGS_FILE).read_text())
+        diff = sorted(k for k, v in s.to_dict().items() if saved.get(k) != v)
+        if diff:
+            raise ValueError(
+                f"--resume: the run in {work} was started with other settings ({', '.join(diff)}: "
+                f"{', '.join(f'{saved.get(k)!r}' for k in diff)}): give the same options, or remove {work}"
+            )
+    read_documents(s.corpus)  # empty / binary / not UTF-8: refused before the model is read
+    hf_config = check_folder(s.folder)
+    depth, hidden = model_depth(hf_config)
+    head_dim = s.head_dim or default_head_dim(hidden)
+    layers = check_layers(s.layers, depth, s.folder) if s.layers is not None else default_layers(depth)
+    if s.engram and s.table_rows is not None:
+        check_table_memory(s.table_rows, len(layers), head_dim)
+    tok = load_tokenizer(s.folder)
+    corpus = read_corpus(s.corpus, tok, s.seq_len, s.held_out)
+    if corpus.train.shape[0] < s.batch_size:
+        raise ValueError(
+            f"{s.corpus} is smaller than one batch: {corpus.tokens:,} tokens give {corpus.train.shape[0]} "
+            f"training block(s) of {s.seq_len} (after holding out {corpus.held.shape[0]}), a batch needs "
+            f"{s.batch_size}: give more text, or a smaller --batch-size / --seq-len"
+        )
+    # ---- load and attach
+    torch.manual_seed(s.seed)
+    model = load_model(s.folder)
+    backbone_params = sum(p.numel() for p in model.parameters())
+    rows = s.table_rows or default_table_rows(backbone_params, len(layers), head_dim)
+    cfg = None
+    if s.engram:
+        check_table_memory(rows, len(layers), head_dim)
+        from engram.addressing.compression import TokenizerCompression
+        from engram.hf import add_engram
+
+        compression = TokenizerCompression.from_tokenizer(tok)
+        cfg = engram_config(model, compression, layers, rows, s.heads, head_dim, tok.pad_token_id)
+        add_engram(model, cfg, compression=compression)  # zero-init: the model's outputs unchanged at step 0
+    start_loss = held_out_loss(model, corpus.held, s.batch_size) if corpus.held.shape[0] else None
+    train_model: nn.Module = model
+    if s.mode is TrainMode.LORA:
+        import peft
+
+        lcfg = peft.LoraConfig(
+            r=s.lora_rank, lora_alpha=2 * s.lora_rank, lora_dropout=0.0, target_modules=lora_targets(model)
+        )
+        train_model = peft.get_peft_model(model, lcfg)
+    optimizers: tuple[Any, Any] = (None, None)
+    if s.engram:
+        from engram.hf import EngramCollator, build_optimizer
+
+        opt = build_optimizer(
+            train_model, lr=s.lr, table_lr=s.table_lr, freeze_backbone=s.mode is not TrainMode.FULL
+        )
+        optimizers = (opt, None)
+        collate: Any = EngramCollator(model, pad_token_id=tok.pad_token_id)
+    else:
+        collate = _collate
+
+    # ---- train
+    work.mkdir(parents=True, exist_ok=True)
+    (work / _SETTINGS_FILE).write_text(json.dumps(s.to_dict(), indent=1) + "\n")
+    ckpts = work / "checkpoints"
+    steps = s.num_steps
+    args = transformers.TrainingArguments(
+        output_dir=str(ckpts),
+        max_steps=steps,
+        per_device_train_batch_size=s.batch_size,
+        learning_rate=s.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 20),
+        seed=s.seed,
+        data_seed=s.seed,
+        dataloader_drop_last=True,
+        logging_strategy="steps",
+        logging_steps=1,
+        save_strategy="steps" if s.checkpoint_every else "no",
+        save_steps=s.checkpoint_every or 500,
+        save_only_model=False,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+    log = _Log()
+    lora_engram = s.engram and s.mode is TrainMode.LORA
+    trainer = transformers.Trainer(
+        model=train_model,
+        args=args,
+        train_dataset=[{"input_ids": b} for b in corpus.train],
+        data_collator=collate,
+        optimizers=optimizers,
+        callbacks=_callbacks(progress, log, lora_engram),
+    )
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    ckpt = _latest_checkpoint(ckpts, _ENGRAM_STATE if lora_engram else None) if resume else None
+    if ckpt is not None:
+        if lora_engram:
+            from safetensors.torch import load_file
+
+            from engram.hf.attach import get_attachment
+
+            get_attachment(model).load_state_dict(load_file(str(ckpt / _ENGRAM_STATE)))
+        say(f"resuming from {ckpt}")
+    trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+
+    # ---- write OUT: HF's files (LoRA merged), the Engram part, the tokenizer, the card
+    if s.mode is TrainMode.LORA:
+        model = train_model.merge_and_unload()  # type: ignore[operator]
+    model.eval()
+    end_loss = held_out_loss(model, corpus.held, s.batch_size) if corpus.held.shape[0] else None
+    stage = work / "out"
+    if stage.exists():
+        shutil.rmtree(stage)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("engram.")}
+    model.save_pretrained(str(stage), state_dict=state)
+    tok.save_pretrained(str(stage))
+    if s.engram:
+        from engram.hf import save_engram
+
+        save_engram(model, stage)
+    tokens = trainer.state.global_step * s.batch_size * s.seq_len
+    summary = {
+        "out": str(s.out),
+        "backbone": {
+            "folder": str(s.folder),
+            "class": type(model).__name__,
+            "layers": depth,
+            "hidden_size": hidden,
+            "parameters": backbone_params,
+        },
+        "engram": None
+        if cfg is None
+        else {
+            "layers": list(cfg.layer_ids),
+            "rows_per_layer": rows,
+            "heads": s.heads,
+            "head_dim": head_dim,
+            "orders": list(cfg.orders),
+            "table_parameters": sum(p.numel() for p in model.engram.tables()),
+            "parameters": sum(p.numel() for p in model.engram.parameters()),
+        },
+        "mode": s.mode.value,
+        "lora_rank": s.lora_rank if s.mode is TrainMode.LORA else None,
+        "steps": trainer.state.global_step,
+        "tokens": tokens,
+        "final_train_loss": log.losses[-1][1] if log.losses else None,
+        "held_out_before": start_loss,
+        "held_out": end_loss,
+        "settings": s.to_dict(),
+    }
+    (stage / RUN_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+    (stage / CARD_FILE).write_text(_card(summary))
+    out = Path(s.out)
+    if out.is_dir():
+        out.rmdir()  # empty (checked): the rename below replaces it
+    os.replace(stage, out)
+    shutil.rmtree(work)
+    return summary
+
+
+def _card(r: dict[str, Any]) -> str:
+    s, b, e = r["settings"], r["backbone"], r["engram"]
+    mode = {
+        "frozen": "backbone frozen (Engram alone trained)",
+        "lora": f"LoRA rank {r['lora_rank']} on the decoder layers' linear layers, merged into the weights",
+        "full": "every parameter trained",
+    }[r["mode"]]
+    lines = [
+        f"# {Path(r['out']).name}",
+        "",
+        f"`{b['class']}` from `{b['folder']}` ({b['layers']} layers, hidden {b['hidden_size']}, "
+        f"{b['parameters']:,} parameters), continued by `engram hf-train` on `{s['corpus']}`.",
+        "",
+    ]
+    if e is None:
+        lines.append("- Engram: none (`--no-engram`: the baseline)")
+    else:
+        lines.append(
+            f"- Engram attached at decoder layer(s) {e['layers']}: {e['rows_per_layer']:,} table rows a layer "
+            f"(n-gram orders {e['orders']}, {e['heads']} hash heads, rows {e['head_dim']} wide), "
+            f"{e['table_parameters']:,} table parameters, {e['parameters']:,} in all; the value projection "
+            "started at zero (the model unchanged at step 0). The part is in `engram/`."
+        )
+    held = r["held_out"]
+    lines += [
+        f"- Training: {mode}; {r['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens = {r['tokens']:,} "
+        f"tokens; lr {s['lr']:g}" + (f", table lr {s['table_lr']:g}" if e else "") + f", seed {s['seed']}.",
+        f"- Final training loss: {r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "",
+        (
+            f"- Held-out loss (last {s['held_out']:.0%} of the corpus): {held['loss']:.4f} nats/token "
+            f"(perplexity {held['perplexity']:.2f}) over {held['tokens']:,} tokens; before training "
+            f"{r['held_out_before']['loss']:.4f}."
+        )
+        if held
+        else "",
+        "",
+        "Load it:",
+        "",
+        "```python",
+        "import transformers",
+        "from engram.hf import load_engram",
+        f'model = transformers.AutoModelForCausalLM.from_pretrained("{Path(r["out"]).name}")',
+    ]
+    if e is not None:
+        lines.append(f'model = load_engram(model, "{Path(r["out"]).name}")')
+    lines += [
+        "```",
+        "",
+        f"`engram hf-eval {Path(r['out']).name} --corpus {s['corpus']}` measures it again.",
+        "",
+    ]
+    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+# ------------------------------------------------------------------------------------------- eval
+def evaluate_folder(
+    folder: str,
+    corpus: str,
+    *,
+    seq_len: int | None = None,
+    held_out: float | None = None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
+    """Held-out loss of an HF folder (with its Engram part when it has `engram/`) on a corpus: the same
+    split as `hf-train` (its `seq_len` and `held_out` read from the folder's engram_train.json when
+    not given; else 128 and 5%). `held_out=0`: the whole corpus."""
+    read_documents(corpus)
+    check_folder(folder)
+    run_file = Path(folder) / RUN_FILE
+    saved = json.loads(run_file.read_text())["settings"] if path_kind(run_file) == "a file" else {}
+    seq_len = seq_len or saved.get("seq_len", 128)
+    held_out = saved.get("held_out", HELD_OUT) if held_out is None else held_out
+    tok = load_tokenizer(folder)
+    c = read_corpus(corpus, tok, seq_len, held_out)
+    blocks = c.held if held_out > 0 else c.train
+    if blocks.shape[0] == 0:
+        raise ValueError(
+            f"{corpus} gives no block of {seq_len} tokens to evaluate ({c.tokens:,} tokens): give more text "
+            "or a smaller --seq-len"
+        )
+    model = load_model(folder)
+    has_engram = path_kind(Path(folder) / "engram") == "a folder"
+    if has_engram:
+        from engram.hf import load_engram
+
+        load_engram(model, folder, tokenizer=tok)
+    result = held_out_loss(model, blocks, batch_size)
+    return {
+        "folder": str(folder),
+        "engram": has_engram,
+        "corpus": str(corpus),
+        "seq_len": seq_len,
+        "held_out": held_out,
+        **result,
+    }

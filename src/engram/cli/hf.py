@@ -1,0 +1,175 @@
+"""The commands on Hugging Face model folders: `hf-train` (attach Engram, train with the HF Trainer,
+write one folder) and `hf-eval` (held-out loss of a folder); the work is `engram.apps.hf_train`'s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from engram.cli.options import (
+    input_file,
+    input_folder,
+    non_negative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    row_count,
+    seed,
+    set_threads,
+    threads,
+)
+
+__all__ = ["register"]
+
+MODES = ("frozen", "lora", "full")  # engram.apps.hf_train.TrainMode's values (apps imported only to run)
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """argparse type of --layers: decoder layer ids, comma-separated ('1,14')."""
+    try:
+        ids = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of layer ids; write e.g. 1 or 1,14 (decoder layers, from 0)"
+        ) from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer ids start at 0; write e.g. 1 or 1,14")
+    return ids
+
+
+def fraction(text: str) -> float:
+    """argparse type of --held-out: a fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction such as 0.05") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is out of range; give a fraction in [0, 1), e.g. 0.05")
+    return value
+
+
+def cmd_hf_train(args: argparse.Namespace) -> int:
+    from engram.apps.hf_train import HFTrainSettings, TrainMode, train_folder
+
+    set_threads(args)
+    s = HFTrainSettings(
+        folder=args.folder,
+        corpus=args.corpus,
+        out=args.out,
+        layers=args.layers,
+        table_rows=args.table_rows,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        mode=TrainMode(args.mode),
+        lora_rank=args.lora_rank,
+        engram=not args.no_engram,
+        steps=args.steps,
+        tokens=args.tokens,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        table_lr=args.table_lr,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        held_out=args.held_out,
+    )
+    if args.lora_rank != 8 and s.mode is not TrainMode.LORA:
+        raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
+    if args.no_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # its loading / writing bars too
+    r = train_folder(s, resume=args.resume, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        held = r["held_out"]
+        tail = f"; held-out loss {held['loss']:.4f} (perplexity {held['perplexity']:.2f})" if held else ""
+        print(f"{r['out']}: {r['steps']} steps, {r['tokens']:,} tokens, mode {r['mode']}{tail}")
+    return 0
+
+
+def cmd_hf_eval(args: argparse.Namespace) -> int:
+    from engram.apps.hf_train import evaluate_folder
+
+    set_threads(args)
+    r = evaluate_folder(
+        args.folder, args.corpus, seq_len=args.seq_len, held_out=args.held_out, batch_size=args.batch_size
+    )
+    if args.json:
+        print(json.dumps(r))
+    else:
+        part = "with its Engram part" if r["engram"] else "without Engram"
+        print(
+            f"{r['folder']} ({part}): loss {r['loss']:.4f} nats/token (perplexity {r['perplexity']:.2f}) over "
+            f"{r['tokens']:,} held-out tokens of {r['corpus']}"
+        )
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "folder", type=input_folder, help="an HF causal-LM folder (config.json, weights, tokenizer)"
+    )
+    p.add_argument(
+        "--corpus",
+        type=input_file,
+        required=True,
+        help='a UTF-8 text file, or JSONL (.jsonl) with a "text" field',
+    )
+    p.add_argument("--threads", type=threads, help="torch threads (default: the idle cores)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "hf-train",
+        help="attach Engram to an HF model folder, train it on a corpus (HF Trainer), write one folder",
+    )
+    _common(p)
+    p.add_argument("--out", type=output_folder, required=True, help="the folder to write (new or empty)")
+    p.add_argument(
+        "--layers", type=layer_list, help="decoder layers for Engram, e.g. 1,14 (default: from depth)"
+    )
+    p.add_argument(
+        "--table-rows", type=row_count, help="table rows per layer, e.g. 500K (default: from size)"
+    )
+    p.add_argument("--heads", type=positive_int, default=4, help="hash heads per n-gram order (default 4)")
+    p.add_argument(
+        "--head-dim", type=positive_int, help="width of a table row (default 32, 64 from hidden 256)"
+    )
+    p.add_argument(
+        "--mode", choices=MODES, default="frozen", help="what trains besides Engram (default frozen)"
+    )
+    p.add_argument("--lora-rank", type=positive_int, default=8, help="LoRA rank with --mode lora (default 8)")
+    p.add_argument("--no-engram", action="store_true", help="no Engram: a LoRA or full fine-tuning baseline")
+    p.add_argument("--steps", type=positive_int, help="training steps (default 200)")
+    p.add_argument("--tokens", type=row_count, help="training tokens instead of --steps (e.g. 2M)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--table-lr", type=positive_float, default=1e-2, help="table learning rate (default 1e-2)")
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument(
+        "--held-out", type=fraction, default=0.05, help="fraction of the corpus held out, from its end (0.05)"
+    )
+    p.add_argument(
+        "--checkpoint-every", type=non_negative_int, default=0, help="steps between checkpoints (0: none)"
+    )
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run for --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_hf_train)
+
+    p = sub.add_parser(
+        "hf-eval", help="held-out loss of an HF model folder (with its Engram part if it has one)"
+    )
+    _common(p)
+    p.add_argument(
+        "--held-out", type=fraction, help="fraction held out (default: the folder's run's, else 0.05; 0: all)"
+    )
+    p.add_argument(
+        "--seq-len", type=positive_int, help="block length (default: the folder's run's, else 128)"
+    )
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.set_defaults(func=cmd_hf_eval)

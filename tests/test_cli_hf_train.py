@@ -1,0 +1,186 @@
+"""`engram hf-train` / `engram hf-eval` (engram.cli.hf, engram.apps.hf_train) on a tiny random Llama
+HF folder built here (hidden 32, 3 layers, the ~300-id BPE of tests/hf_setup.py) and the first verses
+of the King James Bible: every mode trains and its loss drops, a resumed run equals an uninterrupted
+one, `hf-eval` of OUT equals the run's own evaluation, bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_setup as S
+from engram.apps import hf_train as H
+from engram.apps.corpus import kjv_path
+from engram.cli import main
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+VERSES = 160  # Genesis 1-6: ~5.4K tokens of the test BPE, 42 blocks of 128
+FAST = ["--batch-size", "4", "--seq-len", "32", "--table-rows", "4096", "--no-progress", "--threads", "2"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A tiny random LlamaForCausalLM with its tokenizer, saved as an HF folder."""
+    d = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    S.llama(layers=3, seed=1).save_pretrained(d)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=S.tokenizer(), eos_token="<eos>", pad_token="<eos>"
+    )
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "genesis.jsonl"
+    with kjv_path().open(encoding="utf-8") as f:
+        lines = [next(f) for _ in range(VERSES)]
+    p.write_text("".join(lines), encoding="utf-8")
+    return p
+
+
+def run(*argv: str) -> int:
+    return main([str(a) for a in argv])
+
+
+def train(folder: Path, corpus: Path, out: Path, *extra: str, capsys=None) -> dict:
+    assert run("hf-train", folder, "--corpus", corpus, "--out", out, "--json", *FAST, *extra) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    r = train(folder, corpus, out, "--steps", "8", capsys=capsys)
+    assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
+    assert r["engram"]["layers"] == [1] and r["tokens"] == 8 * 4 * 32
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["README.md", "config.json", "engram", "engram_train.json", "generation_config.json",
+         "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    )  # fmt: skip
+    assert not H.partial_folder(out).exists()
+    card = (out / "README.md").read_text()
+    assert "layer(s) [1]" in card and "backbone frozen" in card and "Held-out loss" in card
+    # the backbone is unchanged: only Engram trained
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out)
+    for (n, a), b in zip(plain.state_dict().items(), saved.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+    assert run("hf-eval", out, "--corpus", corpus, "--json", "--threads", "2") == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["engram"] and e["tokens"] == r["held_out"]["tokens"]
+    assert e["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-6)
+    # the backbone alone: the loss before training (zero-init Engram left the model unchanged)
+    assert run("hf-eval", folder, "--corpus", corpus, "--json", "--seq-len", "32") == 0
+    b = json.loads(capsys.readouterr().out)
+    assert not b["engram"] and b["loss"] == pytest.approx(r["held_out_before"]["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_lora_and_full_train(folder, corpus, tmp_path, capsys, mode):
+    r = train(folder, corpus, tmp_path / "out", "--steps", "6", "--mode", mode, "--lr", "3e-3", capsys=capsys)
+    assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    changed = [n for n in plain if not torch.equal(plain[n], saved[n])]
+    assert any("q_proj" in n for n in changed)  # LoRA merged into the weights / full training
+    assert ("embed_tokens.weight" in str(changed)) == (mode == "full")
+
+
+def test_no_engram_baseline(folder, corpus, tmp_path, capsys):
+    r = train(folder, corpus, tmp_path / "out", "--steps", "4", "--mode", "lora", "--no-engram",
+              "--lr", "3e-3", capsys=capsys)  # fmt: skip
+    assert r["engram"] is None and not (tmp_path / "out" / "engram").exists()
+    assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
+
+
+@pytest.mark.parametrize("mode", ["frozen", "lora"])
+def test_resume_equals_uninterrupted(folder, corpus, tmp_path, capsys, monkeypatch, mode):
+    args = ("--steps", "6", "--checkpoint-every", "2", "--mode", mode, "--lr", "3e-3")
+    whole = train(folder, corpus, tmp_path / "whole", *args, capsys=capsys)
+
+    step = transformers.Trainer.training_step
+
+    def interrupt(self, *a, **kw):
+        if self.state.global_step == 3:  # after checkpoint-2, before checkpoint-4
+            raise KeyboardInterrupt
+        return step(self, *a, **kw)
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args)
+    monkeypatch.undo()
+    assert not (tmp_path / "cut").exists()
+    assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume", capsys=capsys)
+    assert resumed["steps"] == whole["steps"] == 6
+    assert resumed["held_out"]["loss"] == pytest.approx(whole["held_out"]["loss"], abs=1e-5)
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut").state_dict()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-5, msg=n)
+
+
+def _refused(capsys, *argv) -> str:
+    assert run(*argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    base = ("hf-train", folder, "--out", out, *FAST)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    assert "is empty" in _refused(capsys, *base, "--corpus", empty)
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(b"abc\0def" * 10)
+    assert "looks binary" in _refused(capsys, *base, "--corpus", binary)
+    small = tmp_path / "small.txt"
+    small.write_text("In the beginning God created the heaven and the earth.\n")
+    assert "smaller than one batch" in _refused(capsys, *base, "--corpus", small)
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "a"}\n{"txt": "b"}\n')
+    assert "line 2" in _refused(capsys, *base, "--corpus", bad_json)
+    no_tok = tmp_path / "no-tokenizer"
+    S.llama(layers=3).save_pretrained(no_tok)
+    assert "has no tokenizer" in _refused(capsys, "hf-train", no_tok, "--corpus", corpus, "--out", out, *FAST)
+    err = _refused(capsys, *base, "--corpus", corpus, "--layers", "1,3")
+    assert "3 decoder layers (ids 0..2)" in err
+    err = _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", out, "--table-rows", "100T")
+    assert "--table-rows" in err and "GB available" in err and "or fewer" in err
+    (out / "x").parent.mkdir()
+    (out / "x").write_text("x")
+    assert "not empty" in _refused(capsys, *base, "--corpus", corpus)
+    assert "--no-engram with --mode frozen" in _refused(
+        capsys, "hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o2", "--no-engram"
+    )
+    assert not H.partial_folder(out).exists() and not H.partial_folder(tmp_path / "o2").exists()
+    assert "has no config.json" in _refused(capsys, "hf-eval", tmp_path, "--corpus", corpus)
+
+
+def test_table_memory_is_estimated_before_allocating():
+    assert H.table_bytes(1000, 2, 64) == 2 * 1000 * (8 * 64 + 8)
+    H.check_table_memory(1000, 2, 64, available=H.table_bytes(1000, 2, 64))
+    with pytest.raises(ValueError, match="give --table-rows 500 or fewer"):
+        H.check_table_memory(1001, 2, 64, available=H.table_bytes(1000, 2, 64))
+
+
+def test_defaults_follow_the_model():
+    assert H.default_layers(30) == (1, 14) and H.default_layers(3) == (1,) and H.default_layers(1) == (0,)
+    assert H.default_table_rows(135_000_000, 2, 64) == 527_343
+    assert H.default_table_rows(30_000, 1, 32) == 4096
+
+
+def test_split_is_deterministic_and_holds_out_the_end():
+    train, held = H.split_blocks(list(range(100)), 10, 0.2)
+    assert train.shape == (8, 10) and held.shape == (2, 10) and held[0, 0] == 80
+    assert H.split_blocks(list(range(100)), 10, 0.0)[1].shape == (0, 10)
+    assert os.fspath(H.partial_folder("a/b")) == os.path.join("a", ".b.engram-partial")
