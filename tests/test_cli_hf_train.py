@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 VERSES = 160  # Genesis 1-6: ~5.4K tokens of the test BPE, 42 blocks of 128
-FAST = ["--batch-size", "4", "--seq-len", "32", "--table-rows", "4096", "--no-progress", "--threads", "2"]
+FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +49,36 @@ def run(*argv: str) -> int:
     return main([str(a) for a in argv])
 
 
-def train(folder: Path, corpus: Path, out: Path, *extra: str, capsys=None) -> dict:
-    assert run("hf-train", folder, "--corpus", corpus, "--out", out, "--json", *FAST, *extra) == 0
-    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+def train(folder: Path, corpus: Path, out: Path, *extra: str) -> dict:
+    """Run hf-train; the run's summary (OUT/engram_train.json, what --json prints)."""
+    assert run("hf-train", folder, "--corpus", corpus, "--out", out, *FAST, *extra) == 0
+    return json.loads((out / H.RUN_FILE).read_text())
 
 
-def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus, tmp_path, capsys):
-    out = tmp_path / "out"
-    r = train(folder, corpus, out, "--steps", "8", capsys=capsys)
+RESUMABLE = ("--steps", "5", "--checkpoint-every", "2", "--lr", "3e-3")
+
+
+@pytest.fixture(scope="module")
+def whole(folder, corpus, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """mode -> (OUT, summary) of an uninterrupted run with checkpoints (frozen, lora), made on first use."""
+    done: dict[str, tuple[Path, dict]] = {}
+
+    class Lazy(dict):
+        def __missing__(self, mode):
+            out = tmp_path_factory.mktemp(mode) / "out"
+            done[mode] = (out, train(folder, corpus, out, *RESUMABLE, "--mode", mode))
+            self[mode] = done[mode]
+            return done[mode]
+
+    return Lazy()
+
+
+def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus, whole, capsys):
+    out, r = whole["frozen"]
     assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
-    assert r["engram"]["layers"] == [1] and r["tokens"] == 8 * 4 * 32
+    assert (
+        r["engram"]["layers"] == [1] and r["tokens"] == 5 * 4 * 32 and r["engram"]["rows_per_layer"] == 4096
+    )
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["README.md", "config.json", "engram", "engram_train.json", "generation_config.json",
          "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -71,6 +91,7 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     saved = transformers.AutoModelForCausalLM.from_pretrained(out)
     for (n, a), b in zip(plain.state_dict().items(), saved.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
+    capsys.readouterr()
     assert run("hf-eval", out, "--corpus", corpus, "--json", "--threads", "2") == 0
     e = json.loads(capsys.readouterr().out)
     assert e["engram"] and e["tokens"] == r["held_out"]["tokens"]
@@ -81,29 +102,38 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     assert not b["engram"] and b["loss"] == pytest.approx(r["held_out_before"]["loss"], abs=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_lora_and_full_train(folder, corpus, tmp_path, capsys, mode):
-    r = train(folder, corpus, tmp_path / "out", "--steps", "6", "--mode", mode, "--lr", "3e-3", capsys=capsys)
-    assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
+def _changed(folder: Path, out: Path) -> list[str]:
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
-    changed = [n for n in plain if not torch.equal(plain[n], saved[n])]
-    assert any("q_proj" in n for n in changed)  # LoRA merged into the weights / full training
-    assert ("embed_tokens.weight" in str(changed)) == (mode == "full")
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    return [n for n in plain if not torch.equal(plain[n], saved[n])]
 
 
-def test_no_engram_baseline(folder, corpus, tmp_path, capsys):
-    r = train(folder, corpus, tmp_path / "out", "--steps", "4", "--mode", "lora", "--no-engram",
-              "--lr", "3e-3", capsys=capsys)  # fmt: skip
+def test_lora_trains_and_is_merged(folder, whole):
+    out, r = whole["lora"]
+    assert r["held_out"]["loss"] < r["held_out_before"]["loss"] and r["lora_rank"] == 8
+    changed = _changed(folder, out)
+    assert any("q_proj" in n for n in changed) and not any("embed" in n for n in changed)
+    assert (out / "engram").is_dir() and not (out / "adapter_config.json").exists()
+
+
+def test_full_trains_every_parameter(folder, corpus, tmp_path):
+    r = train(folder, corpus, tmp_path / "out", "--steps", "3", "--mode", "full", "--lr", "3e-3")
+    assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
+    assert "model.embed_tokens.weight" in _changed(folder, tmp_path / "out")
+
+
+def test_no_engram_baseline(folder, corpus, tmp_path):
+    r = train(
+        folder, corpus, tmp_path / "out", "--steps", "3", "--mode", "lora", "--no-engram", "--lr", "3e-3"
+    )
     assert r["engram"] is None and not (tmp_path / "out" / "engram").exists()
     assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
 
 
 @pytest.mark.parametrize("mode", ["frozen", "lora"])
-def test_resume_equals_uninterrupted(folder, corpus, tmp_path, capsys, monkeypatch, mode):
-    args = ("--steps", "6", "--checkpoint-every", "2", "--mode", mode, "--lr", "3e-3")
-    whole = train(folder, corpus, tmp_path / "whole", *args, capsys=capsys)
-
+def test_resume_equals_uninterrupted(folder, corpus, whole, tmp_path, capsys, monkeypatch, mode):
+    args = (*RESUMABLE, "--mode", mode)
+    out, r = whole[mode]
     step = transformers.Trainer.training_step
 
     def interrupt(self, *a, **kw):
@@ -116,12 +146,13 @@ def test_resume_equals_uninterrupted(folder, corpus, tmp_path, capsys, monkeypat
         run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args)
     monkeypatch.undo()
     assert not (tmp_path / "cut").exists()
+    capsys.readouterr()
     assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args) == 2
     assert "pass --resume" in capsys.readouterr().err
-    resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume", capsys=capsys)
-    assert resumed["steps"] == whole["steps"] == 6
-    assert resumed["held_out"]["loss"] == pytest.approx(whole["held_out"]["loss"], abs=1e-5)
-    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
+    resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume")
+    assert resumed["steps"] == r["steps"] == 5
+    assert resumed["held_out"]["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-5)
+    a = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut").state_dict()
     for n in a:
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-5, msg=n)
