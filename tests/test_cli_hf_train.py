@@ -149,6 +149,9 @@ def test_resume_equals_uninterrupted(folder, corpus, whole, tmp_path, capsys, mo
     capsys.readouterr()
     assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args) == 2
     assert "pass --resume" in capsys.readouterr().err
+    other = ("--steps", "5", "--checkpoint-every", "2", "--lr", "1e-3", "--mode", mode, "--resume")
+    assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *other) == 2
+    assert "other settings (lr: 0.003)" in capsys.readouterr().err
     resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume")
     assert resumed["steps"] == r["steps"] == 5
     assert resumed["held_out"]["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-5)
@@ -190,6 +193,7 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     (out / "x").parent.mkdir()
     (out / "x").write_text("x")
     assert "not empty" in _refused(capsys, *base, "--corpus", corpus)
+    assert "applies to --mode lora" in _refused(capsys, *base, "--corpus", corpus, "--lora-rank", "4")
     assert "--no-engram with --mode frozen" in _refused(
         capsys, "hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o2", "--no-engram"
     )

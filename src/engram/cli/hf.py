@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from engram.cli.options import (
+    SIZE_HELP,
     input_file,
     input_folder,
     non_negative_int,
@@ -62,7 +63,7 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
         heads=args.heads,
         head_dim=args.head_dim,
         mode=TrainMode(args.mode),
-        lora_rank=args.lora_rank,
+        lora_rank=8 if args.lora_rank is None else args.lora_rank,
         engram=not args.no_engram,
         steps=args.steps,
         tokens=args.tokens,
@@ -74,7 +75,7 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         held_out=args.held_out,
     )
-    if args.lora_rank != 8 and s.mode is not TrainMode.LORA:
+    if args.lora_rank is not None and s.mode is not TrainMode.LORA:
         raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
     if args.no_progress:
         import transformers
@@ -133,7 +134,9 @@ def register(sub: Any) -> None:
         "--layers", type=layer_list, help="decoder layers for Engram, e.g. 1,14 (default: from depth)"
     )
     p.add_argument(
-        "--table-rows", type=row_count, help="table rows per layer, e.g. 500K (default: from size)"
+        "--table-rows",
+        type=row_count,
+        help=f"table rows per layer, e.g. 500K (default: half the backbone's parameters; {SIZE_HELP})",
     )
     p.add_argument("--heads", type=positive_int, default=4, help="hash heads per n-gram order (default 4)")
     p.add_argument(
@@ -142,7 +145,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--mode", choices=MODES, default="frozen", help="what trains besides Engram (default frozen)"
     )
-    p.add_argument("--lora-rank", type=positive_int, default=8, help="LoRA rank with --mode lora (default 8)")
+    p.add_argument("--lora-rank", type=positive_int, help="LoRA rank with --mode lora (default 8)")
     p.add_argument("--no-engram", action="store_true", help="no Engram: a LoRA or full fine-tuning baseline")
     p.add_argument("--steps", type=positive_int, help="training steps (default 200)")
     p.add_argument("--tokens", type=row_count, help="training tokens instead of --steps (e.g. 2M)")
