@@ -20,7 +20,7 @@ from engram.cli import main
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-VERSES = 160  # Genesis 1-6: ~5.4K tokens of the test BPE, 42 blocks of 128
+VERSES = 160  # Genesis 1-6: 14.1K tokens of the test BPE, 440 blocks of 32, the last 22 held out
 FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "2"]
 
 
@@ -94,12 +94,17 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     capsys.readouterr()
     assert run("hf-eval", out, "--corpus", corpus, "--json", "--threads", "2") == 0
     e = json.loads(capsys.readouterr().out)
-    assert e["engram"] and e["tokens"] == r["held_out"]["tokens"]
+    assert (
+        e["engram"] and e["tokens"] == r["held_out"]["tokens"] and e["blocks"] == 22
+    )  # 5% of 440 blocks of 32
     assert e["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-6)
     # the backbone alone: the loss before training (zero-init Engram left the model unchanged)
     assert run("hf-eval", folder, "--corpus", corpus, "--json", "--seq-len", "32") == 0
     b = json.loads(capsys.readouterr().out)
     assert not b["engram"] and b["loss"] == pytest.approx(r["held_out_before"]["loss"], abs=1e-6)
+    assert run("hf-eval", folder, "--corpus", corpus, "--json", "--seq-len", "32", "--held-out", "0",
+               "--max-blocks", "3") == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["tokens"] == 3 * 31  # the corpus's first 3 blocks
 
 
 def _changed(folder: Path, out: Path) -> list[str]:

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import nn
 from engram.apps.input_files import input_file, path_kind
 
 __all__ = [
+    "EVAL_BLOCKS",
     "HELD_OUT",
     "RUN_FILE",
     "Corpus",
@@ -48,6 +50,7 @@ __all__ = [
 ]
 
 HELD_OUT = 0.05  # the last 5% of the corpus's blocks: never trained on
+EVAL_BLOCKS = 64  # held-out blocks evaluated before and after training (8K tokens at 128): bounded cost
 RUN_FILE = "engram_train.json"  # in OUT: the settings and results of the run (the card's numbers)
 CARD_FILE = "README.md"  # in OUT: the model card
 _SETTINGS_FILE = "settings.json"  # in the partial folder: what --resume must match
@@ -85,6 +88,7 @@ class HFTrainSettings:
     seed: int = 0
     checkpoint_every: int = 0
     held_out: float = HELD_OUT
+    eval_blocks: int = EVAL_BLOCKS  # the held-out blocks evaluated, from the first (0: all)
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.tokens is not None:
@@ -518,7 +522,8 @@ def train_folder(
         compression = TokenizerCompression.from_tokenizer(tok)
         cfg = engram_config(model, compression, layers, rows, s.heads, head_dim, tok.pad_token_id)
         add_engram(model, cfg, compression=compression)  # zero-init: the model's outputs unchanged at step 0
-    start_loss = held_out_loss(model, corpus.held, s.batch_size) if corpus.held.shape[0] else None
+    held = corpus.held[: s.eval_blocks or None]
+    start_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] else None
     train_model: nn.Module = model
     if s.mode is TrainMode.LORA:
         import peft
@@ -559,6 +564,7 @@ def train_folder(
         save_strategy="steps" if s.checkpoint_every else "no",
         save_steps=s.checkpoint_every or 500,
         save_only_model=False,
+        save_total_limit=2,  # a checkpoint holds the tables and their Adam state: keep the newest two
         report_to=[],
         disable_tqdm=True,
         dataloader_pin_memory=torch.cuda.is_available(),
@@ -583,13 +589,15 @@ def train_folder(
 
             get_attachment(model).load_state_dict(load_file(str(ckpt / _ENGRAM_STATE)))
         say(f"resuming from {ckpt}")
+    t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+    seconds = time.perf_counter() - t0
 
     # ---- write OUT: HF's files (LoRA merged), the Engram part, the tokenizer, the card
     if s.mode is TrainMode.LORA:
         model = train_model.merge_and_unload()  # type: ignore[operator]
     model.eval()
-    end_loss = held_out_loss(model, corpus.held, s.batch_size) if corpus.held.shape[0] else None
+    end_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] else None
     stage = work / "out"
     if stage.exists():
         shutil.rmtree(stage)
@@ -625,6 +633,7 @@ def train_folder(
         "lora_rank": s.lora_rank if s.mode is TrainMode.LORA else None,
         "steps": trainer.state.global_step,
         "tokens": tokens,
+        "train_seconds": round(seconds, 3),  # this process's (a resumed run: since the resume)
         "final_train_loss": log.losses[-1][1] if log.losses else None,
         "held_out_before": start_loss,
         "held_out": end_loss,
@@ -666,8 +675,10 @@ def _card(r: dict[str, Any]) -> str:
     held = r["held_out"]
     lines += [
         f"- Training: {mode}; {r['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens = {r['tokens']:,} "
-        f"tokens; lr {s['lr']:g}" + (f", table lr {s['table_lr']:g}" if e else "") + f", seed {s['seed']}.",
-        f"- Final training loss: {r['final_train_loss']:.4f}" if r["final_train_loss"] is not None else "",
+        f"tokens ({r['tokens'] / max(r['train_seconds'], 1e-9):.0f} tokens/s); lr {s['lr']:g}"
+        + (f", table lr {s['table_lr']:g}" if e else "")
+        + f", seed {s['seed']}.",
+        f"- Final training loss: {r['final_train_loss']:.4f}." if r["final_train_loss"] is not None else "",
         (
             f"- Held-out loss (last {s['held_out']:.0%} of the corpus): {held['loss']:.4f} nats/token "
             f"(perplexity {held['perplexity']:.2f}) over {held['tokens']:,} tokens; before training "
@@ -701,20 +712,23 @@ def evaluate_folder(
     *,
     seq_len: int | None = None,
     held_out: float | None = None,
+    max_blocks: int | None = None,
     batch_size: int = 8,
 ) -> dict[str, Any]:
-    """Held-out loss of an HF folder (with its Engram part when it has `engram/`) on a corpus: the same
-    split as `hf-train` (its `seq_len` and `held_out` read from the folder's engram_train.json when
-    not given; else 128 and 5%). `held_out=0`: the whole corpus."""
+    """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
+    the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
+    engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
+    `max_blocks=0`: every block."""
     read_documents(corpus)
     check_folder(folder)
     run_file = Path(folder) / RUN_FILE
     saved = json.loads(run_file.read_text())["settings"] if path_kind(run_file) == "a file" else {}
     seq_len = seq_len or saved.get("seq_len", 128)
     held_out = saved.get("held_out", HELD_OUT) if held_out is None else held_out
+    max_blocks = saved.get("eval_blocks", EVAL_BLOCKS) if max_blocks is None else max_blocks
     tok = load_tokenizer(folder)
     c = read_corpus(corpus, tok, seq_len, held_out)
-    blocks = c.held if held_out > 0 else c.train
+    blocks = (c.held if held_out > 0 else c.train)[: max_blocks or None]
     if blocks.shape[0] == 0:
         raise ValueError(
             f"{corpus} gives no block of {seq_len} tokens to evaluate ({c.tokens:,} tokens): give more text "
@@ -733,5 +747,6 @@ def evaluate_folder(
         "corpus": str(corpus),
         "seq_len": seq_len,
         "held_out": held_out,
+        "blocks": blocks.shape[0],
         **result,
     }

@@ -74,6 +74,7 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         held_out=args.held_out,
+        eval_blocks=args.eval_blocks,
     )
     if args.lora_rank is not None and s.mode is not TrainMode.LORA:
         raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
@@ -96,7 +97,12 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
 
     set_threads(args)
     r = evaluate_folder(
-        args.folder, args.corpus, seq_len=args.seq_len, held_out=args.held_out, batch_size=args.batch_size
+        args.folder,
+        args.corpus,
+        seq_len=args.seq_len,
+        held_out=args.held_out,
+        max_blocks=args.max_blocks,
+        batch_size=args.batch_size,
     )
     if args.json:
         print(json.dumps(r))
@@ -160,6 +166,12 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--checkpoint-every", type=non_negative_int, default=0, help="steps between checkpoints (0: none)"
     )
+    p.add_argument(
+        "--eval-blocks",
+        type=non_negative_int,
+        default=64,
+        help="held-out blocks evaluated before and after training (default 64; 0: all)",
+    )
     p.add_argument("--resume", action="store_true", help="continue the interrupted run for --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_hf_train)
@@ -173,6 +185,11 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--seq-len", type=positive_int, help="block length (default: the folder's run's, else 128)"
+    )
+    p.add_argument(
+        "--max-blocks",
+        type=non_negative_int,
+        help="blocks evaluated (default: the folder's run's, else 64; 0: all)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.set_defaults(func=cmd_hf_eval)
