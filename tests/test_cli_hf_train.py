@@ -191,6 +191,10 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     no_tok = tmp_path / "no-tokenizer"
     S.llama(layers=3).save_pretrained(no_tok)
     assert "has no tokenizer" in _refused(capsys, "hf-train", no_tok, "--corpus", corpus, "--out", out, *FAST)
+    (no_tok / "tokenizer.json").write_text("{damaged")
+    assert "its tokenizer cannot be read" in _refused(capsys, "hf-eval", no_tok, "--corpus", corpus)
+    (no_tok / "model.safetensors").unlink()
+    assert "has no weights" in _refused(capsys, "hf-eval", no_tok, "--corpus", corpus)
     err = _refused(capsys, *base, "--corpus", corpus, "--layers", "1,3")
     assert "3 decoder layers (ids 0..2)" in err
     err = _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", out, "--table-rows", "100T")

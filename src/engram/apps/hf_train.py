@@ -56,6 +56,12 @@ CARD_FILE = "README.md"  # in OUT: the model card
 _SETTINGS_FILE = "settings.json"  # in the partial folder: what --resume must match
 _ENGRAM_STATE = "engram_state.safetensors"  # in a LoRA run's checkpoints: peft saves the adapters only
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 _ORDERS = 2  # n-gram orders 2 and 3 (max_ngram_size 3)
 
 
@@ -213,6 +219,11 @@ def check_folder(folder: str | os.PathLike[str]) -> Any:
             f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save the model's tokenizer "
             f"into it (tokenizer.save_pretrained({str(folder)!r}))"
         )
+    if not any(path_kind(d / f) == "a file" for f in _WEIGHT_FILES):
+        raise ValueError(
+            f"{folder} has no weights (none of {', '.join(_WEIGHT_FILES)}): save the model into it "
+            f"(model.save_pretrained({str(folder)!r}))"
+        )
     import transformers
 
     try:
@@ -317,7 +328,13 @@ def check_out(out: str | os.PathLike[str]) -> None:
 def load_tokenizer(folder: str) -> Any:
     import transformers
 
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
+        raise ValueError(
+            f"{folder}: its tokenizer cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+            "save the model's tokenizer into it again (tokenizer.save_pretrained(folder))"
+        ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
     return tok
@@ -328,8 +345,11 @@ def load_model(folder: str) -> nn.Module:
 
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"{folder}: transformers cannot load it as a causal LM ({e})") from None
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(
+            f"{folder}: transformers cannot load it as a causal LM ({str(e).splitlines()[0]}): give a folder "
+            "AutoModelForCausalLM.from_pretrained reads"
+        ) from None
 
 
 def engram_config(
