@@ -3,7 +3,7 @@
 `main(argv)` parses and runs one command; `build_parser()` registers them all. Each module of the
 package adds its commands (`register(subparsers)`) and calls plain library functions:
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
-(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory), `study`; `options`
+(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory), `study`, `gguf` (hf-from-gguf); `options`
 holds what they share.
 Library modules hold no argparse. A command's ValueError, OSError (a path refused), TypeError of our
 own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
@@ -23,7 +23,7 @@ from typing import Any
 
 import engram
 from engram.checkpoint.integrity import UnscannedTableWarning
-from engram.cli import addressing, bench, checkpoint, generate, serve, study, systems
+from engram.cli import addressing, bench, checkpoint, generate, gguf, serve, study, systems
 from engram.cli.hf import register as register_hf
 from engram.cli.train import add_training_commands
 
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     study.register(sub)
     serve.register(sub)
     register_hf(sub)
+    gguf.register(sub)
     return parser
 
 

@@ -3,7 +3,8 @@
 `add_engram` attaches Engram modules to decoder layers of a decoder-only model; `EngramCollator`
 hashes rows in the data pipeline; `build_optimizer` gives the tables sparse row optimizers and the
 rest AdamW (usable with the HF `Trainer`); `save_engram` / `load_engram` / `export_fp8` write and
-read the Engram part alone. Design and usage: notes/README-hf.md.
+read the Engram part alone; `gguf_to_folder` turns a GGUF file into a plain HF folder. Design and
+usage: notes/README-hf.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engram.hf.attach import (
     remove_engram,
 )
 from engram.hf.collator import EngramCollator
+from engram.hf.gguf import gguf_to_folder, smollm2_gguf_path
 from engram.hf.io import export_fp8, load_engram, save_engram
 from engram.hf.optim import EngramOptimizer, build_optimizer
 
@@ -30,7 +32,9 @@ __all__ = [
     "export_fp8",
     "find_decoder_layers",
     "get_attachment",
+    "gguf_to_folder",
     "load_engram",
     "remove_engram",
     "save_engram",
+    "smollm2_gguf_path",
 ]
