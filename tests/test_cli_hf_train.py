@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 VERSES = 160  # Genesis 1-6: 14.1K tokens of the test BPE, 440 blocks of 32, the last 22 held out
-FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "2"]
+FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     for (n, a), b in zip(plain.state_dict().items(), saved.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
     capsys.readouterr()
-    assert run("hf-eval", out, "--corpus", corpus, "--json", "--threads", "2") == 0
+    assert run("hf-eval", out, "--corpus", corpus, "--json", "--threads", "1") == 0
     e = json.loads(capsys.readouterr().out)
     assert (
         e["engram"] and e["tokens"] == r["held_out"]["tokens"] and e["blocks"] == 22
@@ -158,6 +158,10 @@ def test_resume_equals_uninterrupted(folder, corpus, whole, tmp_path, capsys, mo
     assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *other) == 2
     assert "other settings (lr: 0.003)" in capsys.readouterr().err
     resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume")
+    assert (
+        f"resuming from {H.partial_folder(tmp_path / 'cut')}/checkpoints/checkpoint-2"
+        in capsys.readouterr().err
+    )
     assert resumed["steps"] == r["steps"] == 5
     assert resumed["held_out"]["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-5)
     a = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
