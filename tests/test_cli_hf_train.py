@@ -79,6 +79,7 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     assert (
         r["engram"]["layers"] == [1] and r["tokens"] == 5 * 4 * 32 and r["engram"]["rows_per_layer"] == 4096
     )
+    assert r["engram"]["boundaries"] == "eos" and "restart after EOS" in (out / "README.md").read_text()
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["README.md", "config.json", "engram", "engram_train.json", "generation_config.json",
          "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -122,15 +123,16 @@ def test_lora_trains_and_is_merged(folder, whole):
 
 
 def test_full_trains_every_parameter(folder, corpus, tmp_path):
-    r = train(folder, corpus, tmp_path / "out", "--steps", "3", "--mode", "full", "--lr", "3e-3")
+    r = train(folder, corpus, tmp_path / "out", "--tokens", "384", "--mode", "full", "--lr", "3e-3")
+    assert r["steps"] == 3 and r["tokens"] == 384  # --tokens: steps of 4 x 32
     assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
     assert "model.embed_tokens.weight" in _changed(folder, tmp_path / "out")
 
 
-def test_no_engram_baseline(folder, corpus, tmp_path):
-    r = train(
-        folder, corpus, tmp_path / "out", "--steps", "3", "--mode", "lora", "--no-engram", "--lr", "3e-3"
-    )
+def test_no_engram_baseline_on_plain_text(folder, corpus, tmp_path):
+    text = tmp_path / "genesis.txt"
+    text.write_text("\n".join(json.loads(line)["text"] for line in corpus.read_text().splitlines()))
+    r = train(folder, text, tmp_path / "out", "--steps", "3", "--mode", "lora", "--no-engram", "--lr", "3e-3")
     assert r["engram"] is None and not (tmp_path / "out" / "engram").exists()
     assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
 

@@ -541,7 +541,12 @@ def train_folder(
 
         compression = TokenizerCompression.from_tokenizer(tok)
         cfg = engram_config(model, compression, layers, rows, s.heads, head_dim, tok.pad_token_id)
-        add_engram(model, cfg, compression=compression)  # zero-init: the model's outputs unchanged at step 0
+        # zero-init: the model's outputs unchanged at step 0; documents are packed with EOS between them,
+        # so n-gram windows restart after it (recorded with the part: load_engram and vLLM do the same)
+        eos = tok.eos_token_id
+        add_engram(
+            model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
+        )
     held = corpus.held[: s.eval_blocks or None]
     start_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] else None
     train_model: nn.Module = model
@@ -609,6 +614,8 @@ def train_folder(
 
             get_attachment(model).load_state_dict(load_file(str(ckpt / _ENGRAM_STATE)))
         say(f"resuming from {ckpt}")
+    elif resume:
+        say(f"no checkpoint in {ckpts} to resume: training from the start")
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     seconds = time.perf_counter() - t0
@@ -646,6 +653,7 @@ def train_folder(
             "heads": s.heads,
             "head_dim": head_dim,
             "orders": list(cfg.orders),
+            "boundaries": model.engram.rows.boundaries,
             "table_parameters": sum(p.numel() for p in model.engram.tables()),
             "parameters": sum(p.numel() for p in model.engram.parameters()),
         },
@@ -690,7 +698,13 @@ def _card(r: dict[str, Any]) -> str:
             f"- Engram attached at decoder layer(s) {e['layers']}: {e['rows_per_layer']:,} table rows a layer "
             f"(n-gram orders {e['orders']}, {e['heads']} hash heads, rows {e['head_dim']} wide), "
             f"{e['table_parameters']:,} table parameters, {e['parameters']:,} in all; the value projection "
-            "started at zero (the model unchanged at step 0). The part is in `engram/`."
+            "started at zero (the model unchanged at step 0)"
+            + (
+                "; n-gram windows restart after EOS (documents are packed)"
+                if e["boundaries"] == "eos"
+                else ""
+            )
+            + ". The part is in `engram/`."
         )
     held = r["held_out"]
     lines += [
