@@ -216,6 +216,12 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     assert "has no config.json" in _refused(capsys, "hf-eval", tmp_path, "--corpus", corpus)
 
 
+def test_several_processes_refused(folder, corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o", *FAST)
+    assert "runs in one process, but WORLD_SIZE=2" in err and not H.partial_folder(tmp_path / "o").exists()
+
+
 def test_table_memory_is_estimated_before_allocating():
     assert H.table_bytes(1000, 2, 64) == 2 * 1000 * (8 * 64 + 8)
     H.check_table_memory(1000, 2, 64, available=H.table_bytes(1000, 2, 64))

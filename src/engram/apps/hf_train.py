@@ -499,6 +499,12 @@ def train_folder(
     import transformers
 
     # ---- the checks that read nothing heavy
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() not in ("", "0", "1"):
+        raise ValueError(
+            f"engram hf-train runs in one process, but WORLD_SIZE={world} (a torchrun launch?): run it without "
+            "torchrun; on several processes use engram.distributed with the HF Trainer (docs/distributed.md)"
+        )
     check_out(s.out)
     work = partial_folder(s.out)
     if path_kind(work) is not None and not resume:
