@@ -216,12 +216,26 @@ def test_missing_packages_named_with_the_extra(tiny, tmp_path, monkeypatch, caps
 
 # -------------------------------------------------------------------------------------------------- the CLI
 def test_cli_converts(tiny, tmp_path, capsys):
+    """--no-progress silences transformers' GGUF dequantisation bar too (a tqdm its logging switch misses)."""
     assert main(["hf-from-gguf", str(tiny), str(tmp_path / "out"), "--no-progress", "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
+    got = capsys.readouterr()
+    d = json.loads(got.out)
     assert d["architecture"] == "llama" and d["quant_types"] == ["F32"] and d["bytes"] > 0
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    assert main(["hf-from-gguf", str(tiny), str(tmp_path / "out2"), "--no-progress"]) == 0
-    assert "llama model" in capsys.readouterr().out
+    assert "de-quantizing" not in got.err
+    assert main(["hf-from-gguf", str(tiny), str(tmp_path / "out2")]) == 0
+    got = capsys.readouterr()
+    assert "llama model" in got.out and "de-quantizing" in got.err
+
+
+def test_out_folder_mode_follows_the_umask(tiny, tmp_path):
+    """OUT is made like any folder (0o777 less the umask), not private like a temporary folder (0o700)."""
+    old = os.umask(0o022)
+    try:
+        gguf_to_folder(tiny, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
 
 
 def test_cli_refusals_are_one_line(tiny, tmp_path, capsys):

