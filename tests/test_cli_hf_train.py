@@ -196,6 +196,7 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     assert "line 2" in _refused(capsys, *base, "--corpus", bad_json)
     no_tok = tmp_path / "no-tokenizer"
     S.llama(layers=3).save_pretrained(no_tok)
+    capsys.readouterr()  # transformers' progress bar
     assert "has no tokenizer" in _refused(capsys, "hf-train", no_tok, "--corpus", corpus, "--out", out, *FAST)
     (no_tok / "tokenizer.json").write_text("{damaged")
     assert "its tokenizer cannot be read" in _refused(capsys, "hf-eval", no_tok, "--corpus", corpus)

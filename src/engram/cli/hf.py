@@ -78,11 +78,16 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
     )
     if args.lora_rank is not None and s.mode is not TrainMode.LORA:
         raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
-    if args.no_progress:
-        import transformers
+    import transformers.utils.logging as hf_logging
 
-        transformers.utils.logging.disable_progress_bar()  # its loading / writing bars too
-    r = train_folder(s, resume=args.resume, progress=not args.no_progress)
+    bars = hf_logging.is_progress_bar_enabled()
+    if args.no_progress:
+        hf_logging.disable_progress_bar()  # transformers' loading / writing bars too
+    try:
+        r = train_folder(s, resume=args.resume, progress=not args.no_progress)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if args.json:
         print(json.dumps(r))
     else:
