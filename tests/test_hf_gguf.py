@@ -140,6 +140,9 @@ def test_out_folder_refused_unless_empty_or_overwrite(tiny, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="not a folder"):
         gguf_to_folder(tiny, tmp_path / "file")
+    with pytest.raises(ValueError, match="inside OUT"):  # --overwrite would have deleted the GGUF file
+        gguf_to_folder(tiny, tiny.parent, overwrite=True)
+    assert tiny.is_file()
 
 
 def test_nothing_written_when_it_fails_midway(tiny, tmp_path, monkeypatch):

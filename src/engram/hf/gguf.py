@@ -265,6 +265,11 @@ def gguf_to_folder(
     path = Path(gguf_path).absolute()
     out = Path(out_folder).absolute()
     _check_out_folder(out, overwrite)
+    if path.resolve().is_relative_to(out.resolve()):
+        raise ValueError(
+            f"{path} is inside OUT {out}, which the conversion replaces (the file would be deleted); give an "
+            "OUT folder that does not hold the GGUF file"
+        )
     reader = _reader(path)
     quant_types = _check_quant_types(path, reader)
     arch, model_type = _check_architecture(path, reader)
