@@ -184,9 +184,12 @@ def split_blocks(ids: Sequence[int], seq_len: int, held_out: float) -> tuple[tor
     return blocks[: n - n_held], blocks[n - n_held :]
 
 
-def read_corpus(path: str, tokenizer: Any, seq_len: int, held_out: float) -> Corpus:
-    """Read, tokenize (documents joined by the tokenizer's EOS when it has one) and split a corpus."""
-    docs = read_documents(path)
+def read_corpus(
+    path: str, tokenizer: Any, seq_len: int, held_out: float, docs: list[str] | None = None
+) -> Corpus:
+    """Read (or take `docs`, its `read_documents`), tokenize (documents joined by the tokenizer's EOS when
+    it has one) and split a corpus."""
+    docs = read_documents(path) if docs is None else docs
     eos = getattr(tokenizer, "eos_token_id", None)
     ids: list[int] = []
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
@@ -519,7 +522,7 @@ def train_folder(
                 f"--resume: the run in {work} was started with other settings ({', '.join(diff)}: "
                 f"{', '.join(f'{saved.get(k)!r}' for k in diff)}): give the same options, or remove {work}"
             )
-    read_documents(s.corpus)  # empty / binary / not UTF-8: refused before the model is read
+    docs = read_documents(s.corpus)  # empty / binary / not UTF-8: refused before the model is read
     hf_config = check_folder(s.folder)
     depth, hidden = model_depth(hf_config)
     head_dim = s.head_dim or default_head_dim(hidden)
@@ -527,7 +530,7 @@ def train_folder(
     if s.engram and s.table_rows is not None:
         check_table_memory(s.table_rows, len(layers), head_dim)
     tok = load_tokenizer(s.folder)
-    corpus = read_corpus(s.corpus, tok, s.seq_len, s.held_out)
+    corpus = read_corpus(s.corpus, tok, s.seq_len, s.held_out, docs)
     if corpus.train.shape[0] < s.batch_size:
         raise ValueError(
             f"{s.corpus} is smaller than one batch: {corpus.tokens:,} tokens give {corpus.train.shape[0]} "
@@ -759,7 +762,7 @@ def evaluate_folder(
     the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
     engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
     `max_blocks=0`: every block."""
-    read_documents(corpus)
+    docs = read_documents(corpus)
     check_folder(folder)
     run_file = Path(folder) / RUN_FILE
     saved = json.loads(run_file.read_text())["settings"] if path_kind(run_file) == "a file" else {}
@@ -767,7 +770,7 @@ def evaluate_folder(
     held_out = saved.get("held_out", HELD_OUT) if held_out is None else held_out
     max_blocks = saved.get("eval_blocks", EVAL_BLOCKS) if max_blocks is None else max_blocks
     tok = load_tokenizer(folder)
-    c = read_corpus(corpus, tok, seq_len, held_out)
+    c = read_corpus(corpus, tok, seq_len, held_out, docs)
     blocks = (c.held if held_out > 0 else c.train)[: max_blocks or None]
     if blocks.shape[0] == 0:
         raise ValueError(
