@@ -1,7 +1,8 @@
-"""`engram hf-train` / `engram hf-eval` (engram.cli.hf, engram.apps.hf_train) on a tiny random Llama
-HF folder built here (hidden 32, 3 layers, the ~300-id BPE of tests/hf_setup.py) and the first verses
-of the King James Bible: every mode trains and its loss drops, a resumed run equals an uninterrupted
-one, `hf-eval` of OUT equals the run's own evaluation, bad input exits 2 with one line."""
+"""`engram hf-train` / `engram hf-eval` (engram.cli.hf; engram.apps.hf_train, hf_folder, hf_corpus) on
+a tiny random Llama HF folder built here (hidden 32, 3 layers, the ~300-id BPE of tests/hf_setup.py)
+and the first verses of the King James Bible: every mode trains and its loss drops, a resumed run
+equals an uninterrupted one, `hf-eval` of OUT equals the run's own evaluation, bad input exits 2 with
+one line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import hf_setup as S
+from engram.apps import hf_corpus, hf_folder
 from engram.apps import hf_train as H
 from engram.apps.corpus import kjv_path
 from engram.cli import main
@@ -52,7 +54,7 @@ def run(*argv: str) -> int:
 def train(folder: Path, corpus: Path, out: Path, *extra: str) -> dict:
     """Run hf-train; the run's summary (OUT/engram_train.json, what --json prints)."""
     assert run("hf-train", folder, "--corpus", corpus, "--out", out, *FAST, *extra) == 0
-    return json.loads((out / H.RUN_FILE).read_text())
+    return json.loads((out / hf_folder.RUN_FILE).read_text())
 
 
 RESUMABLE = ("--steps", "5", "--checkpoint-every", "2", "--lr", "3e-3")
@@ -240,7 +242,7 @@ def test_defaults_follow_the_model():
 
 
 def test_split_is_deterministic_and_holds_out_the_end():
-    train, held = H.split_blocks(list(range(100)), 10, 0.2)
+    train, held = hf_corpus.split_blocks(list(range(100)), 10, 0.2)
     assert train.shape == (8, 10) and held.shape == (2, 10) and held[0, 0] == 80
-    assert H.split_blocks(list(range(100)), 10, 0.0)[1].shape == (0, 10)
+    assert hf_corpus.split_blocks(list(range(100)), 10, 0.0)[1].shape == (0, 10)
     assert os.fspath(H.partial_folder("a/b")) == os.path.join("a", ".b.engram-partial")

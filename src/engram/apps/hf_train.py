@@ -1,13 +1,13 @@
-"""Engram on a Hugging Face causal-LM folder without writing Python: what `engram hf-train` and
-`engram hf-eval` run (the commands live in `engram.cli.hf`).
+"""`engram hf-train`: Engram on a Hugging Face causal-LM folder without writing Python (the command
+lives in `engram.cli.hf`; the corpus is `engram.apps.hf_corpus`'s, the folder checks, loading and
+held-out loss `engram.apps.hf_folder`'s).
 
-Holds the corpus reader (a text file or JSONL with a "text" field, cut into blocks of `seq_len`
-tokens, the last `held_out` fraction of blocks held out), the checks that run before anything heavy
-(folder, tokenizer, layers, table memory, OUT), `train_folder` (load, attach with `engram.hf.add_engram`,
-train with the HF `Trainer`: backbone frozen, LoRA via peft or full; checkpoints and resume; write one
-folder atomically) and `evaluate_folder` (held-out loss of a folder, with or without its Engram part).
-Everything Engram-specific is `engram.hf`'s (attach, collator, optimizer, save / load): no second
-implementation here.
+Holds the run's settings and defaults (layers from the model's depth, table rows from its size), the
+checks before anything heavy (table memory estimated before allocating, OUT, a run to resume), and
+`train_folder`: load, attach with `engram.hf.add_engram` (zero-init), train with the HF `Trainer`
+(backbone frozen, LoRA via peft or full; checkpoints and resume), write one folder atomically (HF's
+files with LoRA merged, the Engram part, the tokenizer, a model card). Everything Engram-specific is
+`engram.hf`'s (attach, collator, optimizer, save / load): no second implementation here.
 """
 
 from __future__ import annotations
@@ -27,41 +27,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from engram.apps.input_files import input_file, path_kind
+from engram.apps.hf_corpus import HELD_OUT, read_corpus, read_documents
+from engram.apps.hf_folder import (
+    EVAL_BLOCKS,
+    RUN_FILE,
+    check_folder,
+    held_out_loss,
+    load_model,
+    load_tokenizer,
+    model_depth,
+)
+from engram.apps.input_files import path_kind
 
 __all__ = [
-    "EVAL_BLOCKS",
-    "HELD_OUT",
-    "RUN_FILE",
-    "Corpus",
+    "CARD_FILE",
     "HFTrainSettings",
     "TrainMode",
-    "check_folder",
+    "check_layers",
+    "check_out",
     "check_table_memory",
     "default_layers",
     "default_table_rows",
-    "evaluate_folder",
-    "held_out_loss",
     "partial_folder",
-    "read_corpus",
-    "split_blocks",
     "table_bytes",
     "train_folder",
 ]
 
-HELD_OUT = 0.05  # the last 5% of the corpus's blocks: never trained on
-EVAL_BLOCKS = 64  # held-out blocks evaluated before and after training (8K tokens at 128): bounded cost
-RUN_FILE = "engram_train.json"  # in OUT: the settings and results of the run (the card's numbers)
 CARD_FILE = "README.md"  # in OUT: the model card
 _SETTINGS_FILE = "settings.json"  # in the partial folder: what --resume must match
 _ENGRAM_STATE = "engram_state.safetensors"  # in a LoRA run's checkpoints: peft saves the adapters only
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
-_WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 _ORDERS = 2  # n-gram orders 2 and 3 (max_ngram_size 3)
 
 
@@ -101,7 +95,8 @@ class HFTrainSettings:
             raise ValueError("give --steps or --tokens, not both")
         if not self.engram and self.mode is TrainMode.FROZEN:
             raise ValueError(
-                "--no-engram with --mode frozen trains nothing: give --mode lora or --mode full for a baseline"
+                "--no-engram with --mode frozen trains nothing: give --mode lora or --mode full for a "
+                "baseline"
             )
         if not self.engram and (self.layers is not None or self.table_rows is not None):
             raise ValueError("--layers and --table-rows describe Engram: drop them with --no-engram")
@@ -121,136 +116,7 @@ class HFTrainSettings:
         return d
 
 
-# ------------------------------------------------------------------------------------------- corpus
-@dataclass(frozen=True)
-class Corpus:
-    """A corpus cut into token blocks: `train` and `held` ([n, seq_len] int64), the last blocks held out."""
-
-    path: str
-    train: torch.Tensor
-    held: torch.Tensor
-    tokens: int  # of the whole corpus
-
-
-def read_documents(path: str | os.PathLike[str]) -> list[str]:
-    """The documents of a corpus file: a JSONL file (suffix .jsonl): each line's "text"; any other file:
-    its whole text as one document. Refuses a missing, empty, binary or non-UTF-8 file, and a JSONL
-    line that is not an object with a string "text", naming the line."""
-    p = input_file(path, "a corpus (a UTF-8 text file, or JSONL with a 'text' field)")
-    data = p.read_bytes()
-    nul = data.find(b"\0", 0, 1 << 20)
-    if nul >= 0:
-        raise ValueError(
-            f"{path} looks binary (a NUL byte at offset {nul}): give a UTF-8 text file or JSONL with a "
-            "'text' field"
-        )
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path} is not UTF-8 text (byte {e.start}): give a UTF-8 text file or JSONL with a 'text' field"
-        ) from None
-    if not text.strip():
-        raise ValueError(f"{path} is empty (no text): give a corpus with text in it")
-    if p.suffix.lower() != ".jsonl":
-        return [text]
-    docs = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); give one JSON object a line") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise ValueError(
-                f"{path}, line {n}: expected an object with a string 'text' field, got "
-                f"{type(rec).__name__}{' without text' if isinstance(rec, dict) else ''}; fix the line, "
-                "or give a plain text file (any suffix but .jsonl)"
-            )
-        if rec["text"].strip():
-            docs.append(rec["text"])
-    if not docs:
-        raise ValueError(f"{path} holds no text (every 'text' field is empty): give a corpus with text in it")
-    return docs
-
-
-def split_blocks(ids: Sequence[int], seq_len: int, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held): the id stream cut into blocks of `seq_len` (the tail dropped); the last
-    round(held_out * blocks) blocks (at least 1 when held_out > 0) are held out."""
-    n = len(ids) // seq_len
-    blocks = torch.tensor(list(ids[: n * seq_len]), dtype=torch.int64).view(n, seq_len)
-    n_held = 0 if held_out == 0 or n == 0 else max(1, round(held_out * n))
-    return blocks[: n - n_held], blocks[n - n_held :]
-
-
-def read_corpus(
-    path: str, tokenizer: Any, seq_len: int, held_out: float, docs: list[str] | None = None
-) -> Corpus:
-    """Read (or take `docs`, its `read_documents`), tokenize (documents joined by the tokenizer's EOS when
-    it has one) and split a corpus."""
-    docs = read_documents(path) if docs is None else docs
-    eos = getattr(tokenizer, "eos_token_id", None)
-    ids: list[int] = []
-    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        if eos is not None:
-            ids.append(eos)
-    train, held = split_blocks(ids, seq_len, held_out)
-    return Corpus(str(path), train, held, len(ids))
-
-
 # ------------------------------------------------------------------------------------------- checks
-def check_folder(folder: str | os.PathLike[str]) -> Any:
-    """The HF config of a causal-LM folder, after checking it holds config.json and a tokenizer;
-    nothing heavy is read (no weights)."""
-    d = Path(folder)
-    kind = path_kind(d)
-    if kind is None:
-        raise FileNotFoundError(
-            f"{folder}: no such folder; give an HF model folder (config.json, weights, tokenizer)"
-        )
-    if kind != "a folder":
-        raise ValueError(f"{folder} is {kind}: give an HF model folder (config.json, weights, tokenizer)")
-    if path_kind(d / "config.json") != "a file":
-        raise ValueError(
-            f"{folder} has no config.json, so it is not an HF model folder: give the folder "
-            "model.save_pretrained() wrote"
-        )
-    if not any(path_kind(d / f) == "a file" for f in _TOKENIZER_FILES):
-        raise ValueError(
-            f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save the model's tokenizer "
-            f"into it (tokenizer.save_pretrained({str(folder)!r}))"
-        )
-    if not any(path_kind(d / f) == "a file" for f in _WEIGHT_FILES):
-        raise ValueError(
-            f"{folder} has no weights (none of {', '.join(_WEIGHT_FILES)}): save the model into it "
-            f"(model.save_pretrained({str(folder)!r}))"
-        )
-    import transformers
-
-    try:
-        return transformers.AutoConfig.from_pretrained(str(d))
-    except (ValueError, OSError, KeyError) as e:
-        raise ValueError(
-            f"{folder}/config.json cannot be read by transformers ({e}); give an HF model folder"
-        ) from None
-
-
-def model_depth(config: Any) -> tuple[int, int]:
-    """(decoder layers, hidden size) of an HF config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    depth = next(
-        (getattr(text, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, k)), None
-    )
-    hidden = next((getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(text, k)), None)
-    if not isinstance(depth, int) or not isinstance(hidden, int):
-        raise ValueError(
-            f"cannot read the depth and width of {type(config).__name__}: not a decoder-only LM?"
-        )
-    return depth, hidden
-
-
 def default_layers(depth: int) -> tuple[int, ...]:
     """Engram early and in the middle, as V4.1 (layers 1 and 14 of 30 or more): one layer below 8 layers."""
     if depth < 2:
@@ -263,7 +129,8 @@ def check_layers(layers: Sequence[int], depth: int, folder: str) -> tuple[int, .
     if bad:
         raise ValueError(
             f"--layers {','.join(map(str, layers))}: {bad} out of range: {folder} has {depth} decoder layers "
-            f"(ids 0..{depth - 1}); give ids in that range, e.g. --layers {','.join(map(str, default_layers(depth)))}"
+            f"(ids 0..{depth - 1}); give ids in that range, e.g. --layers "
+            f"{','.join(map(str, default_layers(depth)))}"
         )
     if len(set(layers)) != len(layers):
         raise ValueError(f"--layers {','.join(map(str, layers))} names a layer twice; give each once")
@@ -328,33 +195,6 @@ def check_out(out: str | os.PathLike[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- models
-def load_tokenizer(folder: str) -> Any:
-    import transformers
-
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
-        raise ValueError(
-            f"{folder}: its tokenizer cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
-            "save the model's tokenizer into it again (tokenizer.save_pretrained(folder))"
-        ) from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
-    return tok
-
-
-def load_model(folder: str) -> nn.Module:
-    import transformers
-
-    try:
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(
-            f"{folder}: transformers cannot load it as a causal LM ({str(e).splitlines()[0]}): give a folder "
-            "AutoModelForCausalLM.from_pretrained reads"
-        ) from None
-
-
 def engram_config(
     model: nn.Module,
     compression: Any,
@@ -399,27 +239,6 @@ def lora_targets(model: nn.Module) -> str:
     if not names:
         raise ValueError(f"{type(model).__name__}: found no linear layers in its decoder layers for LoRA")
     return rf"^(?!engram\.).*\.({'|'.join(sorted(names))})$"
-
-
-@torch.no_grad()
-def held_out_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
-    """Mean next-token cross-entropy (nats/token) over `blocks` [n, T], and its perplexity."""
-    was = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for i in range(0, blocks.shape[0], batch_size):
-        ids = blocks[i : i + batch_size].to(device)
-        logits = model(input_ids=ids).logits[:, :-1].double()
-        total += float(
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-        )
-        count += ids[:, 1:].numel()
-    model.train(was)
-    if count == 0:
-        raise ValueError("no held-out tokens to evaluate: give a larger corpus or a larger --held-out")
-    loss = total / count
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -505,14 +324,16 @@ def train_folder(
     world = os.environ.get("WORLD_SIZE", "1")
     if world.strip() not in ("", "0", "1"):
         raise ValueError(
-            f"engram hf-train runs in one process, but WORLD_SIZE={world} (a torchrun launch?): run it without "
+            f"engram hf-train runs in one process, but WORLD_SIZE={world} (a torchrun launch?): run it "
+            "without "
             "torchrun; on several processes use engram.distributed with the HF Trainer (docs/distributed.md)"
         )
     check_out(s.out)
     work = partial_folder(s.out)
     if path_kind(work) is not None and not resume:
         raise ValueError(
-            f"{work} holds an earlier run for {s.out} (interrupted?): pass --resume to continue it, or remove it"
+            f"{work} holds an earlier run for {s.out} (interrupted?): pass --resume to continue it, or "
+            "remove it"
         )
     if resume and path_kind(work) is not None and path_kind(work / _SETTINGS_FILE) == "a file":
         saved = json.loads((work / _SETTINGS_FILE).read_text())
@@ -704,7 +525,8 @@ def _card(r: dict[str, Any]) -> str:
         lines.append("- Engram: none (`--no-engram`: the baseline)")
     else:
         lines.append(
-            f"- Engram attached at decoder layer(s) {e['layers']}: {e['rows_per_layer']:,} table rows a layer "
+            f"- Engram attached at decoder layer(s) {e['layers']}: {e['rows_per_layer']:,} table rows "
+            "a layer "
             f"(n-gram orders {e['orders']}, {e['heads']} hash heads, rows {e['head_dim']} wide), "
             f"{e['table_parameters']:,} table parameters, {e['parameters']:,} in all; the value projection "
             "started at zero (the model unchanged at step 0)"
@@ -717,7 +539,8 @@ def _card(r: dict[str, Any]) -> str:
         )
     held = r["held_out"]
     lines += [
-        f"- Training: {mode}; {r['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens = {r['tokens']:,} "
+        f"- Training: {mode}; {r['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens = "
+        f"{r['tokens']:,} "
         f"tokens ({r['tokens'] / max(r['train_seconds'], 1e-9):.0f} tokens/s); lr {s['lr']:g}"
         + (f", table lr {s['table_lr']:g}" if e else "")
         + f", seed {s['seed']}.",
@@ -746,50 +569,3 @@ def _card(r: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(line for line in lines if line is not None) + "\n"
-
-
-# ------------------------------------------------------------------------------------------- eval
-def evaluate_folder(
-    folder: str,
-    corpus: str,
-    *,
-    seq_len: int | None = None,
-    held_out: float | None = None,
-    max_blocks: int | None = None,
-    batch_size: int = 8,
-) -> dict[str, Any]:
-    """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
-    the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
-    engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
-    `max_blocks=0`: every block."""
-    docs = read_documents(corpus)
-    check_folder(folder)
-    run_file = Path(folder) / RUN_FILE
-    saved = json.loads(run_file.read_text())["settings"] if path_kind(run_file) == "a file" else {}
-    seq_len = seq_len or saved.get("seq_len", 128)
-    held_out = saved.get("held_out", HELD_OUT) if held_out is None else held_out
-    max_blocks = saved.get("eval_blocks", EVAL_BLOCKS) if max_blocks is None else max_blocks
-    tok = load_tokenizer(folder)
-    c = read_corpus(corpus, tok, seq_len, held_out, docs)
-    blocks = (c.held if held_out > 0 else c.train)[: max_blocks or None]
-    if blocks.shape[0] == 0:
-        raise ValueError(
-            f"{corpus} gives no block of {seq_len} tokens to evaluate ({c.tokens:,} tokens): give more text "
-            "or a smaller --seq-len"
-        )
-    model = load_model(folder)
-    has_engram = path_kind(Path(folder) / "engram") == "a folder"
-    if has_engram:
-        from engram.hf import load_engram
-
-        load_engram(model, folder, tokenizer=tok)
-    result = held_out_loss(model, blocks, batch_size)
-    return {
-        "folder": str(folder),
-        "engram": has_engram,
-        "corpus": str(corpus),
-        "seq_len": seq_len,
-        "held_out": held_out,
-        "blocks": blocks.shape[0],
-        **result,
-    }

@@ -1,5 +1,6 @@
 """The commands on Hugging Face model folders: `hf-train` (attach Engram, train with the HF Trainer,
-write one folder) and `hf-eval` (held-out loss of a folder); the work is `engram.apps.hf_train`'s."""
+write one folder: `engram.apps.hf_train`) and `hf-eval` (held-out loss of a folder:
+`engram.apps.hf_folder`)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
 
 
 def cmd_hf_eval(args: argparse.Namespace) -> int:
-    from engram.apps.hf_train import evaluate_folder
+    from engram.apps.hf_folder import evaluate_folder
 
     set_threads(args)
     r = evaluate_folder(
@@ -114,7 +115,8 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
     else:
         part = "with its Engram part" if r["engram"] else "without Engram"
         print(
-            f"{r['folder']} ({part}): loss {r['loss']:.4f} nats/token (perplexity {r['perplexity']:.2f}) over "
+            f"{r['folder']} ({part}): loss {r['loss']:.4f} nats/token (perplexity {r['perplexity']:.2f}) "
+            "over "
             f"{r['tokens']:,} held-out tokens of {r['corpus']}"
         )
     return 0
