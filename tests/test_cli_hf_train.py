@@ -228,6 +228,20 @@ def test_several_processes_refused(folder, corpus, tmp_path, capsys, monkeypatch
     assert "runs in one process, but WORLD_SIZE=2" in err and not H.partial_folder(tmp_path / "o").exists()
 
 
+def test_settings_are_checked():
+    ok = {"folder": "f", "corpus": "c", "out": "o"}
+    assert H.HFTrainSettings(**ok, mode="lora").mode is H.TrainMode.LORA
+    for bad, match in (
+        ({"mode": "half"}, "mode='half': give one of"),
+        ({"batch_size": 0}, "--batch-size 0: give a whole number >= 1"),
+        ({"steps": 2, "tokens": 100}, "--steps or --tokens, not both"),
+        ({"lr": float("nan")}, "--lr nan: give a finite number > 0"),
+        ({"eval_blocks": -1}, "--eval-blocks -1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            H.HFTrainSettings(**ok, **bad)
+
+
 def test_table_memory_is_estimated_before_allocating():
     assert H.table_bytes(1000, 2, 64) == 2 * 1000 * (8 * 64 + 8)
     H.check_table_memory(1000, 2, 64, available=H.table_bytes(1000, 2, 64))

@@ -91,6 +91,22 @@ class HFTrainSettings:
     eval_blocks: int = EVAL_BLOCKS  # the held-out blocks evaluated, from the first (0: all)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mode, TrainMode):
+            if self.mode not in {m.value for m in TrainMode}:
+                raise ValueError(f"mode={self.mode!r}: give one of {[m.value for m in TrainMode]}")
+            object.__setattr__(self, "mode", TrainMode(self.mode))
+        for name in ("heads", "lora_rank", "batch_size", "seq_len", "steps", "tokens", "table_rows"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= 1")
+        for name in ("checkpoint_every", "eval_blocks", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= 0")
+        for name in ("lr", "table_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a finite number > 0")
         if self.steps is not None and self.tokens is not None:
             raise ValueError("give --steps or --tokens, not both")
         if not self.engram and self.mode is TrainMode.FROZEN:
