@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -402,7 +403,11 @@ def train_folder(
         lcfg = peft.LoraConfig(
             r=s.lora_rank, lora_alpha=2 * s.lora_rank, lora_dropout=0.0, target_modules=lora_targets(model)
         )
-        train_model = peft.get_peft_model(model, lcfg)
+        with (
+            warnings.catch_warnings()
+        ):  # peft 0.21 reads a property transformers 5 deprecated: not the user's
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+            train_model = peft.get_peft_model(model, lcfg)
     optimizers: tuple[Any, Any] = (None, None)
     if s.engram:
         from engram.hf import EngramCollator, build_optimizer
