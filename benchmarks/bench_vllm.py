@@ -72,7 +72,9 @@ QUICK = {"prompt_tokens": 64, "new_tokens": 32, "repeats": 1, "table_rows": 50_0
 
 
 # ---------------------------------------------------------------------------------------------- model
-def _folders(root: Path, hidden: int, layers: int, table_rows: int, engram_layers: tuple[int, ...]) -> dict:
+def write_folders(
+    root: Path, hidden: int, layers: int, table_rows: int, engram_layers: tuple[int, ...]
+) -> dict:
     """Write the backbone, float-Engram and FP8-Engram folders under `root`; returns their paths and sizes."""
     import transformers as tf
 
@@ -131,7 +133,7 @@ def _folders(root: Path, hidden: int, layers: int, table_rows: int, engram_layer
     return out
 
 
-def _prompt_sets(n_sets: int, requests: int, prompt_tokens: int, root: Path) -> tuple[list, str]:
+def prompt_sets(n_sets: int, requests: int, prompt_tokens: int, root: Path) -> tuple[list, str]:
     """`n_sets` sets of `requests` prompts of `prompt_tokens` ids each (all distinct windows)."""
     need = n_sets * requests * prompt_tokens
     try:
@@ -236,10 +238,10 @@ def measure(
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-vllm-") as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        f = _folders(root, hidden, layers, table_rows, tuple(engram_layers))
+        f = write_folders(root, hidden, layers, table_rows, tuple(engram_layers))
         say(f"folders written in {time.perf_counter() - t0:.1f} s")
         n_sets = 1 + repeats + (1 if profile else 0)  # warm-up, timed rounds, profile call
-        sets, source = _prompt_sets(n_sets, requests, prompt_tokens, root)
+        sets, source = prompt_sets(n_sets, requests, prompt_tokens, root)
         block = 32
         llm_kw = dict(
             skip_tokenizer_init=True,
