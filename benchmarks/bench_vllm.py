@@ -370,35 +370,18 @@ def measure(
     dev_rate = statistics.mean(v["device"]["hit_rate"] for v in row_stats.values())
     shape = f"Llama {hidden}x{layers}, {requests} requests x {new_tokens} new tokens"
     rows = [
-        {
-            "variant": f"vLLM Engram / vLLM without Engram, {shape}",
-            "output_tokens_per_s": tps["engram"],
-            "baseline_tokens_per_s": tps["plain"],
-            "baseline": "vLLM serving the backbone alone",
-            "ratio": med["engram"] / med["plain"],
-            "ratio_best": tps["engram"] / tps["plain"],
-            "target": 0.90,
-        },
-        {
-            "variant": f"vLLM Engram / HF generate() of Engram, {shape}",
-            "output_tokens_per_s": tps["engram"],
-            "baseline_tokens_per_s": tps["hf"],
-            "baseline": f"HF generate(), batch {requests}",
-            "ratio": med["engram"] / med["hf"],
-            "ratio_best": tps["engram"] / tps["hf"],
-            "target": None,
-        },
-        {
-            "variant": f"vLLM Engram FP8 row file + {cache_fraction:.0%} cache / FP8 in memory, {shape}",
-            "output_tokens_per_s": tps["fp8-rowfile"],
-            "baseline_tokens_per_s": tps["fp8-memory"],
-            "baseline": "the same FP8 tables in memory",
-            "ratio": med["fp8-rowfile"] / med["fp8-memory"],
-            "ratio_best": tps["fp8-rowfile"] / tps["fp8-memory"],
-            "target": None,
-            "hit_rate": dev_rate,
-            "tokens_equal": fp8_equal,
-        },
+        ratio_row(f"vLLM Engram / vLLM without Engram, {shape}", "engram", "plain", tps, med, 0.90)
+        | {"baseline": "vLLM serving the backbone alone"},
+        ratio_row(f"vLLM Engram / HF generate() of Engram, {shape}", "engram", "hf", tps, med)
+        | {"baseline": f"HF generate(), batch {requests}"},
+        ratio_row(
+            f"vLLM Engram FP8 row file + {cache_fraction:.0%} cache / FP8 in memory, {shape}",
+            "fp8-rowfile",
+            "fp8-memory",
+            tps,
+            med,
+        )
+        | {"baseline": "the same FP8 tables in memory", "hit_rate": dev_rate, "tokens_equal": fp8_equal},
     ]
     res.update(
         rows=rows,
@@ -432,6 +415,26 @@ def measure(
         info=info,
     )
     return res
+
+
+def ratio_row(
+    variant: str,
+    run: str,
+    base: str,
+    best: dict[str, float],
+    med: dict[str, float],
+    target: float | None = None,
+) -> dict[str, Any]:
+    """A row of `engram bench`: run `run` against `base`, tokens/s of the best round and the ratio of
+    the medians (`ratio`) beside that of the best rounds (`ratio_best`)."""
+    return {
+        "variant": variant,
+        "output_tokens_per_s": best[run],
+        "baseline_tokens_per_s": best[base],
+        "ratio": med[run] / med[base],
+        "ratio_best": best[run] / best[base],
+        "target": target,
+    }
 
 
 def run(**kwargs: Any) -> list[dict]:

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from engram.benchmarks import bench_vllm
+
 RUNS = {  # name -> (folder, tensor_parallel_size, VLLM_CPU_OMP_THREADS_BIND)
     "plain-tp1": ("plain", 1, "0-1"),
     "engram-tp1": ("float", 1, "0-1"),
@@ -72,7 +74,6 @@ def measure(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engram.benchmarks import bench_vllm
     from engram.benchmarks import bench_vllm_tp as by_name  # pickled by name for vLLM's processes
     from engram.vllm import engram_stats
 
@@ -137,24 +138,12 @@ def measure(
     rank_bytes = {k: [s["table_bytes"] for s in per_rank] for k, per_rank in stats.items()}
     shape = f"Llama {hidden}x{layers}, {requests} requests x {new_tokens} new tokens"
     rows = [
-        {
-            "variant": f"vLLM Engram TP 2 / TP 1, {shape}",
-            "output_tokens_per_s": best["engram-tp2"],
-            "baseline_tokens_per_s": best["engram-tp1"],
-            "baseline": "the same Engram model at TP 1",
-            "ratio": med["engram-tp2"] / med["engram-tp1"],
-            "ratio_best": best["engram-tp2"] / best["engram-tp1"],
-            "target": None,
-        },
-        {
-            "variant": f"vLLM Engram / backbone alone at TP 2, {shape}",
-            "output_tokens_per_s": best["engram-tp2"],
-            "baseline_tokens_per_s": best["plain-tp2"],
-            "baseline": "the backbone alone at TP 2",
-            "ratio": med["engram-tp2"] / med["plain-tp2"],
-            "ratio_best": best["engram-tp2"] / best["plain-tp2"],
-            "target": 0.90,
-        },
+        bench_vllm.ratio_row(f"vLLM Engram TP 2 / TP 1, {shape}", "engram-tp2", "engram-tp1", best, med)
+        | {"baseline": "the same Engram model at TP 1"},
+        bench_vllm.ratio_row(
+            f"vLLM Engram / backbone alone at TP 2, {shape}", "engram-tp2", "plain-tp2", best, med, 0.90
+        )
+        | {"baseline": "the backbone alone at TP 2"},
     ]
     return {
         "rows": rows,
