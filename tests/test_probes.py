@@ -93,3 +93,12 @@ def test_cloze_bad_input():
         P.cloze_phrases([1], [1], 1)
     empty = P.cloze_items([1, 2, 3], [(7, 8)], context=1)
     assert len(empty) == 0 and P.cloze_accuracy(PlusOne(), empty)["accuracy"] is None
+
+
+def test_predictions_and_loss_in_one_pass():
+    blocks = torch.tensor([[1, 2, 3, 9], [4, 5, 6, 7]])
+    pred, loss = P.greedy_predictions_and_loss(PlusOne(), blocks, batch_size=1)
+    assert pred.tolist() == [[2, 3, 4], [5, 6, 7]]
+    logits = PlusOne()(blocks).logits[:, :-1]
+    want = torch.nn.functional.cross_entropy(logits.detach().flatten(0, 1), blocks[:, 1:].flatten())
+    assert loss["loss"] == pytest.approx(float(want)) and loss["tokens"] == 6

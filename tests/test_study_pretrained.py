@@ -85,6 +85,31 @@ def test_rerun_reuses_records_and_evaluates_a_run_killed_before_its_record(
     assert [s["mean"] for s in again["summary"]] == pytest.approx([s["mean"] for s in r["summary"]])
 
 
+def test_a_run_killed_during_training_resumes_its_partial_folder(folder, tmp_path, monkeypatch):
+    """kill -9 in training leaves train_folder's partial folder: the next study resumes it."""
+    from engram.apps.hf_train import partial_folder
+
+    real = SP.train_folder
+    calls: list[bool] = []
+
+    def killed(s, *, resume, **kw):
+        calls.append(resume)
+        if len(calls) == 1:  # the first run dies after its partial folder was made
+            partial_folder(s.out).mkdir(parents=True)
+            raise KeyboardInterrupt
+        return real(s, resume=resume, **kw)
+
+    monkeypatch.setattr(SP, "train_folder", killed)
+    plan = SP.pretrained_plan(quick=True)
+    with pytest.raises(KeyboardInterrupt):
+        SP.run_pretrained(tmp_path, model=str(folder), seeds=(0,), progress=False, plan=plan)
+    assert list((tmp_path / "runs").glob("*.json")) == [] and calls == [False]
+    r = SP.run_pretrained(tmp_path, model=str(folder), seeds=(0,), progress=False, plan=plan)
+    assert calls[1] is True  # the same run, resumed
+    assert not any(p.name.endswith(".engram-partial") for p in (tmp_path / "runs").iterdir())
+    assert len(r["summary"]) == 4
+
+
 def test_cli_refusals(folder, tmp_path, capsys):
     def refused(*argv: str) -> str:
         assert main(["study", *argv, "--out", str(tmp_path), "--no-progress"]) == 2

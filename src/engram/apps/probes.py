@@ -10,6 +10,7 @@ Token ids in, numbers out: any model whose forward takes `input_ids` and returns
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ __all__ = [
     "cloze_items",
     "cloze_phrases",
     "greedy_predictions",
+    "greedy_predictions_and_loss",
     "ngram_set",
     "seen_mask",
     "split_accuracy",
@@ -99,17 +101,34 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@torch.no_grad()
 def greedy_predictions(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
     """[B, T-1]: the model's argmax next token at every position but the last of each block."""
+    return greedy_predictions_and_loss(model, blocks, batch_size)[0]
+
+
+@torch.no_grad()
+def greedy_predictions_and_loss(
+    model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 8
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`greedy_predictions` and, from the same forward passes, the mean next-token cross-entropy of
+    `blocks[:, 1:]` (nats/token), its perplexity and the tokens counted."""
     was = model.training
     model.eval()
-    out = []
+    out, total, count = [], 0.0, 0
     for i in range(0, blocks.shape[0], batch_size):
         ids = blocks[i : i + batch_size].to(_device(model))
-        out.append(model(input_ids=ids).logits[:, :-1].argmax(-1).cpu())
+        logits = model(input_ids=ids).logits[:, :-1]
+        out.append(logits.argmax(-1).cpu())
+        total += float(
+            torch.nn.functional.cross_entropy(
+                logits.double().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum"
+            )
+        )
+        count += ids[:, 1:].numel()
     model.train(was)
-    return torch.cat(out) if out else torch.zeros((0, max(0, blocks.shape[1] - 1)), dtype=torch.int64)
+    pred = torch.cat(out) if out else torch.zeros((0, max(0, blocks.shape[1] - 1)), dtype=torch.int64)
+    loss = total / count if count else math.nan
+    return pred, {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
 
 
 def cloze_phrases(

@@ -34,7 +34,6 @@ from engram.apps.hf_corpus import split_blocks
 from engram.apps.hf_folder import (
     RUN_FILE,
     check_folder,
-    held_out_loss,
     load_model,
     load_tokenizer,
     model_depth,
@@ -54,7 +53,7 @@ from engram.apps.probes import (
     cloze_accuracy,
     cloze_items,
     cloze_phrases,
-    greedy_predictions,
+    greedy_predictions_and_loss,
     ngram_set,
     seen_mask,
     split_accuracy,
@@ -98,7 +97,7 @@ _BY_NAME = {a.name: a for a in ARMS}
 class PretrainedPlan:
     """The study's settings (every trained arm: `steps` x `batch_size` x `seq_len` tokens)."""
 
-    steps: int = 40
+    steps: int = 32
     batch_size: int = 8
     seq_len: int = 128
     lora_lr: float = 5e-4
@@ -108,7 +107,7 @@ class PretrainedPlan:
     lora_rank: int = 8
     heads: int = 4
     full: bool = True  # the full fine-tuning arm
-    pilot_steps: int = 20
+    pilot_steps: int = 16
     pilot_factors: tuple[float, ...] = (0.25, 1.0)  # table rows: the default's multiples (default layers)
     eval_blocks: int = 32  # held-out blocks of seq_len evaluated (loss, next-token accuracy)
     ngram: int = 4  # the memory probe's n-gram: Engram's longest key (3 tokens) and the target
@@ -213,13 +212,15 @@ def _fingerprint(*paths: Path) -> str:
 
 
 def pilot_grid(depth: int, rows: int, plan: PretrainedPlan) -> list[tuple[tuple[int, ...], int]]:
-    """(layers, rows per layer) the pilot tries: the default layers at each of the plan's row factors,
-    then one early layer alone at the default rows (distinct entries, in this order)."""
+    """(layers, rows per layer) the pilot tries: the default layers (`hf_train.default_layers`) at each of
+    the plan's row factors, then one more placement at the default rows: an early layer alone (layer 1,
+    or layer 0 where that is the default)."""
     layers = default_layers(depth)
     grid = [(layers, max(64, round(rows * f))) for f in plan.pilot_factors]
-    grid.append(((min(1, depth - 1),), rows))
-    if depth > 2:
-        grid.append(((0,), rows))
+    for other in ((min(1, depth - 1),), (0,)):
+        if other != layers:
+            grid.append((other, rows))
+            break
     out: list[tuple[tuple[int, ...], int]] = []
     for g in grid:
         if g not in out:
@@ -282,8 +283,8 @@ def _evaluate(folder: str, h: _Held, batch_size: int) -> dict[str, Any]:
         from engram.hf import load_engram
 
         load_engram(model, folder, tokenizer=load_tokenizer(folder))
-    loss = held_out_loss(model, h.blocks, batch_size)
-    acc = split_accuracy(greedy_predictions(model, h.blocks, batch_size), h.blocks, h.mask)
+    pred, loss = greedy_predictions_and_loss(model, h.blocks, batch_size)
+    acc = split_accuracy(pred, h.blocks, h.mask)
     return {"held_out": loss, "next_token": acc, "cloze": cloze_accuracy(model, h.items, batch_size)}
 
 
