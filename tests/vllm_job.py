@@ -1,7 +1,7 @@
 """One vLLM run of the plugin's tests, in a process of its own: `python tests/vllm_job.py job.json`.
 
 job.json: {"folder", "llm": LLM kwargs, "requests": [{"prompt": [ids], "max_tokens", "arrive": step,
-"seed": int or null, "temperature": float}], "runs": 1 or more, "out": path}. Requests whose
+"seed": int or null, "temperature": float, "ignore_eos": bool (default true)}], "runs": 1 or more, "out": path}. Requests whose
 "arrive" is 0 are submitted together; the others are added to the running engine after that many
 engine steps (staggered arrivals); a request refused at input processing gets tokens None and its
 error in "refused". Writes {"runs": [{"tokens": [[...] per request], "cached": [...], "refused": [...]}],
@@ -34,7 +34,7 @@ def run_once(llm, requests):  # type: ignore[no-untyped-def]
             params = SamplingParams(
                 temperature=float(r.get("temperature", 0.0)),
                 max_tokens=int(r["max_tokens"]),
-                ignore_eos=True,
+                ignore_eos=bool(r.get("ignore_eos", True)),
                 detokenize=False,
                 seed=r.get("seed"),
             )
