@@ -119,6 +119,11 @@ def test_cli_refusals(folder, tmp_path, capsys):
 
     assert "no such folder" in refused("pretrained", "--quick", "--model", str(tmp_path / "none"))
     assert "drop --model" in refused("memory", "--quick", "--model", str(folder))
+    small = tmp_path / "small.txt"
+    small.write_text("In the beginning God created the heaven and the earth.\n" * 3)
+    assert "give a larger corpus" in refused(
+        "pretrained", "--quick", "--model", str(folder), "--corpus", str(small)
+    )
     assert "drop --size" in refused("pretrained", "--quick", "--size", "tiny", "--model", str(folder))
 
 
