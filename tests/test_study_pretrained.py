@@ -78,7 +78,9 @@ def test_rerun_reuses_records_and_evaluates_a_run_killed_before_its_record(
     monkeypatch.setattr(SP, "train_folder", lambda *a, **kw: pytest.fail("trained again"))
     argv = ["study", "pretrained", "--quick", "--model", str(folder), "--out", str(out)]
     assert main([*argv, "--no-progress", "--threads", "1", "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)[0]
+    cap = capsys.readouterr()
+    got = json.loads(cap.out)[0]
+    assert "Loading weights" not in cap.err  # --no-progress: transformers' bars off too
     assert got["study"] == "pretrained" and got["findings"]
     again = json.loads((out / "pretrained" / "results.json").read_text())
     assert again["new_runs"] == 1 and again["seeds"] == [0, 1]  # the CLI's default: 2 seeds

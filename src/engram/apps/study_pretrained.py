@@ -455,6 +455,46 @@ def run_pretrained(
     plan: PretrainedPlan | None = None,
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
 ) -> dict[str, Any]:
+    """Run (or take from `<out_dir>/runs/`) the pilot and every arm x seed; write `<out_dir>/pretrained/`.
+    `progress` False: no bar, transformers' loading bars too."""
+    import transformers.utils.logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        return _study(
+            out_dir,
+            model=model,
+            corpus=corpus,
+            seeds=seeds,
+            quick=quick,
+            steps=steps,
+            threads=threads,
+            progress=progress,
+            command=command,
+            plan=plan,
+            say=say,
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _study(
+    out_dir: str | Path = "reports/study",
+    *,
+    model: str | None = None,
+    corpus: str | None = None,
+    seeds: tuple[int, ...] = (0, 1),
+    quick: bool = False,
+    steps: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    command: str = "engram study pretrained",
+    plan: PretrainedPlan | None = None,
+    say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+) -> dict[str, Any]:
     """Run (or take from `<out_dir>/runs/`) the pilot and every arm x seed; write `<out_dir>/pretrained/`."""
     if not seeds or min(seeds) < 0:
         raise ValueError(f"seeds {list(seeds)}: give one or more seeds >= 0")
