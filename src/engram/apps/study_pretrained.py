@@ -102,9 +102,8 @@ class PretrainedPlan:
     seq_len: int = 128
     lora_lr: float = 5e-4
     full_lr: float = 3e-5
-    engram_lr: float = (
-        5e-4  # Engram alone: its dense parameters (value projection, gate; LoRA + Engram: lora_lr)
-    )
+    # Engram alone: its dense part (value projection, gate); LoRA + Engram trains both at lora_lr
+    engram_lr: float = 5e-4
     table_lr: float = 1e-2
     lora_rank: int = 8
     heads: int = 4
