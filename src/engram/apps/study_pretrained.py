@@ -361,10 +361,11 @@ def _run(
             held_out=0.0,
             eval_blocks=0,
         )
+    # paths aside (OUT, the model, the corpus file): `ctx.fp` holds the model's and the corpus's contents
     d = (
         {}
         if settings is None
-        else {k: v for k, v in settings.to_dict().items() if k not in ("out", "folder")}
+        else {k: v for k, v in settings.to_dict().items() if k not in ("out", "folder", "corpus")}
     )
     probe = {k: v for k, v in asdict(p).items() if k.startswith(("cloze", "ngram", "eval", "held", "seq"))}
     blob = json.dumps(
