@@ -48,6 +48,8 @@ def test_quick_study_runs_every_arm_at_equal_tokens(study):
         assert len(by[name]["losses"]) == 2 and by[name]["seconds_per_token"] > 0
     assert by["LoRA"]["cost_vs_lora"] == 1.0
     assert by["no training"]["tokens"] == 0 and by["no training"]["spread"] == 0.0
+    assert by["no training"]["seeds"] == [0, 1]  # one record, paired with every seed
+    assert all("one seed" not in f for f in r["findings"])
     assert by["LoRA"]["added_params"] == 0 and by["LoRA"]["trained_params"] > 0
     assert by["Engram"]["added_params"] > 0 and by["Engram"]["added_bytes"] > by["Engram"]["added_params"]
     assert (

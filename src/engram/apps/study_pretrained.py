@@ -375,7 +375,7 @@ def _run(
     runs = ctx.out / "runs"
     rec = _read(runs / f"{key}.json")
     if rec is not None:
-        return {**rec, "cached": True}
+        return {**rec, "seed": seed, "cached": True}  # "no training": one record for every seed
     summary: dict[str, Any] | None = None
     run_dir = runs / key
     if settings is not None:
