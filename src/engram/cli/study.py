@@ -50,7 +50,7 @@ def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
             )
         )
     else:
-        from engram.apps.study_pretrained import table_lines
+        from engram.apps.study_pretrained_report import table_lines
 
         print("\n".join(table_lines(results)))
         print("\n".join(f"- {f}" for f in results["findings"]))
