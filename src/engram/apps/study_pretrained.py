@@ -458,101 +458,71 @@ def run_pretrained(
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        return _study(
-            out_dir,
-            model=model,
-            corpus=corpus,
-            seeds=seeds,
-            quick=quick,
-            steps=steps,
-            threads=threads,
-            progress=progress,
-            command=command,
-            plan=plan,
-            say=say,
-        )
+        if not seeds or min(seeds) < 0:
+            raise ValueError(f"seeds {list(seeds)}: give one or more seeds >= 0")
+        plan = plan or pretrained_plan(quick, steps)
+        if threads:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        out = Path(out_dir)
+        train, held, corpus_info = write_corpus(out, corpus, plan)
+        folder = base_folder(out, model, progress)
+        depth, hidden = model_depth(check_folder(folder))
+        fp = _fingerprint(Path(folder), train, held)
+        ctx = _Ctx(out, folder, train, plan, fp, _held(folder, train, held, plan), progress, say)
+        backbone = sum(p.numel() for p in load_model(folder).parameters())
+        rows0 = default_table_rows(backbone, len(default_layers(depth)), default_head_dim(hidden))
+        # ---- the pilot: Engram alone, the first seed, shorter
+        pilot = []
+        for layers, rows in pilot_grid(depth, rows0, plan):
+            rec = _run(ctx, _BY_NAME["Engram"], seeds[0], layers, rows, plan.pilot_steps)
+            pilot.append({"layers": list(layers), "rows": rows, "held_out_loss": rec["held_out"]["loss"]})
+        best = min(pilot, key=lambda r: r["held_out_loss"])
+        layers, rows = tuple(best["layers"]), best["rows"]
+        # ---- the arms
+        arms = [a for a in ARMS if a.mode is not TrainMode.FULL or plan.full]
+        recs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
+        for seed in seeds:
+            for a in arms:
+                recs[a.name].append(_run(ctx, a, seed, layers, rows, plan.steps))
+        lora_params = lora_parameters(folder, plan.lora_rank)
+        summary = []
+        for a in arms:
+            s = _arm_summary(a, recs[a.name], lora_params)
+            if s["trained_params"] == -1:
+                s["trained_params"] = backbone
+            summary.append(s)
+        lora_spt = next(s["seconds_per_token"] for s in summary if s["variant"] == "LoRA")
+        for s in summary:
+            spt = s["seconds_per_token"]
+            s["cost_vs_lora"] = None if spt is None or not lora_spt else spt / lora_spt
+        results = {
+            "study": STUDY,
+            "command": command,
+            "model": folder,
+            "model_layers": depth,
+            "model_hidden": hidden,
+            "backbone_params": backbone,
+            **corpus_info,
+            "train_tokens": ctx.held.train_tokens,
+            "held_out_tokens": ctx.held.held_tokens,
+            "eval_tokens": int(ctx.held.blocks[:, 1:].numel()),
+            "cloze_items": len(ctx.held.items),
+            "cloze_phrases": len(ctx.held.phrases),
+            "plan": asdict(plan),
+            "tokens_per_run": plan.tokens(),
+            "seeds": list(seeds),
+            "quick": quick,
+            "pilot": pilot,
+            "chosen": {"layers": list(layers), "rows": rows},
+            "summary": summary,
+            "runs": [{k: v for k, v in r.items() if k != "settings"} for a in arms for r in recs[a.name]],
+            "new_runs": ctx.fresh,
+            "wall_seconds": time.perf_counter() - t0,
+        }
+        results["findings"] = findings(summary)
+        write_report(results, out / STUDY)
+        return results
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _study(
-    out_dir: str | Path = "reports/study",
-    *,
-    model: str | None = None,
-    corpus: str | None = None,
-    seeds: tuple[int, ...] = (0, 1),
-    quick: bool = False,
-    steps: int | None = None,
-    threads: int | None = None,
-    progress: bool = True,
-    command: str = "engram study pretrained",
-    plan: PretrainedPlan | None = None,
-    say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-) -> dict[str, Any]:
-    """Run (or take from `<out_dir>/runs/`) the pilot and every arm x seed; write `<out_dir>/pretrained/`."""
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"seeds {list(seeds)}: give one or more seeds >= 0")
-    plan = plan or pretrained_plan(quick, steps)
-    if threads:
-        torch.set_num_threads(threads)
-    t0 = time.perf_counter()
-    out = Path(out_dir)
-    train, held, corpus_info = write_corpus(out, corpus, plan)
-    folder = base_folder(out, model, progress)
-    depth, hidden = model_depth(check_folder(folder))
-    fp = _fingerprint(Path(folder), train, held)
-    ctx = _Ctx(out, folder, train, plan, fp, _held(folder, train, held, plan), progress, say)
-    backbone = sum(p.numel() for p in load_model(folder).parameters())
-    rows0 = default_table_rows(backbone, len(default_layers(depth)), default_head_dim(hidden))
-    # ---- the pilot: Engram alone, the first seed, shorter
-    pilot = []
-    for layers, rows in pilot_grid(depth, rows0, plan):
-        rec = _run(ctx, _BY_NAME["Engram"], seeds[0], layers, rows, plan.pilot_steps)
-        pilot.append({"layers": list(layers), "rows": rows, "held_out_loss": rec["held_out"]["loss"]})
-    best = min(pilot, key=lambda r: r["held_out_loss"])
-    layers, rows = tuple(best["layers"]), best["rows"]
-    # ---- the arms
-    arms = [a for a in ARMS if a.mode is not TrainMode.FULL or plan.full]
-    recs: dict[str, list[dict[str, Any]]] = {a.name: [] for a in arms}
-    for seed in seeds:
-        for a in arms:
-            recs[a.name].append(_run(ctx, a, seed, layers, rows, plan.steps))
-    lora_params = lora_parameters(folder, plan.lora_rank)
-    summary = []
-    for a in arms:
-        s = _arm_summary(a, recs[a.name], lora_params)
-        if s["trained_params"] == -1:
-            s["trained_params"] = backbone
-        summary.append(s)
-    lora_spt = next(s["seconds_per_token"] for s in summary if s["variant"] == "LoRA")
-    for s in summary:
-        spt = s["seconds_per_token"]
-        s["cost_vs_lora"] = None if spt is None or not lora_spt else spt / lora_spt
-    results = {
-        "study": STUDY,
-        "command": command,
-        "model": folder,
-        "model_layers": depth,
-        "model_hidden": hidden,
-        "backbone_params": backbone,
-        **corpus_info,
-        "train_tokens": ctx.held.train_tokens,
-        "held_out_tokens": ctx.held.held_tokens,
-        "eval_tokens": int(ctx.held.blocks[:, 1:].numel()),
-        "cloze_items": len(ctx.held.items),
-        "cloze_phrases": len(ctx.held.phrases),
-        "plan": asdict(plan),
-        "tokens_per_run": plan.tokens(),
-        "seeds": list(seeds),
-        "quick": quick,
-        "pilot": pilot,
-        "chosen": {"layers": list(layers), "rows": rows},
-        "summary": summary,
-        "runs": [{k: v for k, v in r.items() if k != "settings"} for a in arms for r in recs[a.name]],
-        "new_runs": ctx.fresh,
-        "wall_seconds": time.perf_counter() - t0,
-    }
-    results["findings"] = findings(summary)
-    write_report(results, out / STUDY)
-    return results
