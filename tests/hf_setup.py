@@ -86,6 +86,17 @@ def llama(layers: int = 3, hidden: int = HIDDEN, seed: int = 0, **kw):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def save_folder(d, layers: int = 3, seed: int = 1):
+    """A tiny random Llama (`llama`) saved as an HF folder `d` with its tokenizer (`tokenizer`, eos and
+    pad `<eos>`): what the folder commands (hf-train, hf-eval, study pretrained) take; returns `d`."""
+    llama(layers=layers, seed=seed).save_pretrained(d)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer(), eos_token="<eos>", pad_token="<eos>"
+    )
+    tok.save_pretrained(d)
+    return d
+
+
 def encode(*texts: str) -> list[list[int]]:
     return [e.ids for e in tokenizer().encode_batch(list(texts))]
 

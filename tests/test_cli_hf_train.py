@@ -30,12 +30,7 @@ FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "1
 def folder(tmp_path_factory) -> Path:
     """A tiny random LlamaForCausalLM with its tokenizer, saved as an HF folder."""
     d = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    S.llama(layers=3, seed=1).save_pretrained(d)
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=S.tokenizer(), eos_token="<eos>", pad_token="<eos>"
-    )
-    tok.save_pretrained(d)
-    return d
+    return S.save_folder(d, layers=3, seed=1)
 
 
 @pytest.fixture(scope="module")

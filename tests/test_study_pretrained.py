@@ -22,12 +22,7 @@ pytest.importorskip("peft")
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    S.llama(layers=3, seed=1).save_pretrained(d)
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=S.tokenizer(), eos_token="<eos>", pad_token="<eos>"
-    )
-    tok.save_pretrained(d)
-    return d
+    return S.save_folder(d, layers=3, seed=1)
 
 
 @pytest.fixture(scope="module")
