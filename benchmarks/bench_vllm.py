@@ -198,6 +198,30 @@ def _read_timers(model: Any) -> dict[str, float]:
 
 
 # -------------------------------------------------------------------------------------------- measure
+def vllm_environment() -> None:
+    """The environment the vLLM benchmarks run vLLM in (set where the caller has not set it)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per run (CPU)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # llm.apply_model(engram_stats)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def llm_kwargs(requests: int, prompt_tokens: int, new_tokens: int, eager: bool) -> dict[str, Any]:
+    """`LLM(...)` arguments of the vLLM benchmarks: float32 (HF's tokens), blocks of 32, every request
+    at once and every prefill in one step."""
+    block = 32  # vLLM's CPU backend takes multiples of 32
+    return dict(
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=eager,
+        block_size=block,
+        seed=0,
+        max_model_len=block * math.ceil((prompt_tokens + new_tokens + 1) / block),
+        max_num_seqs=max(16, requests),
+        max_num_batched_tokens=max(2048, requests * prompt_tokens),
+    )
+
+
 def measure(
     requests: int = 16,
     prompt_tokens: int = 128,
@@ -216,10 +240,7 @@ def measure(
 ) -> dict[str, Any]:
     """Everything the benchmark measures (see the module docstring); `run` returns its rows."""
     say = log or (lambda msg: None)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per run (CPU)
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # llm.apply_model(engram_stats)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    vllm_environment()
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -242,17 +263,7 @@ def measure(
         say(f"folders written in {time.perf_counter() - t0:.1f} s")
         n_sets = 1 + repeats + (1 if profile else 0)  # warm-up, timed rounds, profile call
         sets, source = prompt_sets(n_sets, requests, prompt_tokens, root)
-        block = 32
-        llm_kw = dict(
-            skip_tokenizer_init=True,
-            dtype="float32",
-            enforce_eager=eager,
-            block_size=block,  # vLLM's CPU backend takes multiples of 32
-            seed=0,
-            max_model_len=block * math.ceil((prompt_tokens + new_tokens + 1) / block),
-            max_num_seqs=max(16, requests),
-            max_num_batched_tokens=max(2048, requests * prompt_tokens),  # every prefill in one step
-        )
+        llm_kw = llm_kwargs(requests, prompt_tokens, new_tokens, eager)
         serve = {
             "plain": (f["plain"], None),
             "engram": (f["float"], None),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -66,10 +65,7 @@ def measure(
     log: Any = None,
 ) -> dict[str, Any]:
     say = log or (lambda msg: None)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    bench_vllm.vllm_environment()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -81,17 +77,7 @@ def measure(
         root = Path(tmp)
         f = bench_vllm.write_folders(root, hidden, layers, table_rows, (1,))
         sets, source = bench_vllm.prompt_sets(1 + repeats, requests, prompt_tokens, root)
-        block = 32
-        llm_kw = dict(
-            skip_tokenizer_init=True,
-            dtype="float32",
-            enforce_eager=eager,
-            block_size=block,
-            seed=0,
-            max_model_len=block * math.ceil((prompt_tokens + new_tokens + 1) / block),
-            max_num_seqs=max(16, requests),
-            max_num_batched_tokens=max(2048, requests * prompt_tokens),
-        )
+        llm_kw = bench_vllm.llm_kwargs(requests, prompt_tokens, new_tokens, eager)
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
         llms: dict[str, Any] = {}
         startup: dict[str, float] = {}
