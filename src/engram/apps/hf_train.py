@@ -2,17 +2,17 @@
 lives in `engram.cli.hf`; the corpus is `engram.apps.hf_corpus`'s, the folder checks, loading and
 held-out loss `engram.apps.hf_folder`'s).
 
-Holds the run's settings and defaults (layers from the model's depth, table rows from its size), the
-checks before anything heavy (table memory estimated before allocating, OUT, a run to resume), and
-`train_folder`: load, attach with `engram.hf.add_engram` (zero-init), train with the HF `Trainer`
-(backbone frozen, LoRA via peft or full; checkpoints and resume), write one folder atomically (HF's
-files with LoRA merged, the Engram part, the tokenizer, a model card). Everything Engram-specific is
-`engram.hf`'s (attach, collator, optimizer, save / load): no second implementation here.
+Holds `train_folder`: the checks before anything heavy (`engram.apps.hf_train_settings`: the run's
+settings, defaults from the model, table memory, OUT, a run to resume), then load, attach with
+`engram.hf.add_engram` (zero-init), train with the HF `Trainer` (backbone frozen, LoRA via peft or
+full; checkpoints and resume), and write one folder atomically (HF's files with LoRA merged, the
+Engram part, the tokenizer; the summary and card: `engram.apps.hf_train_out`). Everything
+Engram-specific is `engram.hf`'s (attach, collator, optimizer, save / load): no second implementation
+here.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 import os
@@ -20,195 +20,57 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from engram.apps.hf_corpus import HELD_OUT, read_corpus, read_documents
+from engram.apps.hf_corpus import read_corpus, read_documents
 from engram.apps.hf_folder import (
-    EVAL_BLOCKS,
-    RUN_FILE,
     check_folder,
     held_out_loss,
     load_model,
     load_tokenizer,
     model_depth,
 )
+from engram.apps.hf_train_out import CARD_FILE, write_out
+from engram.apps.hf_train_settings import (
+    HFTrainSettings,
+    TrainMode,
+    check_layers,
+    check_out,
+    check_table_memory,
+    default_head_dim,
+    default_layers,
+    default_table_rows,
+    partial_folder,
+    table_bytes,
+)
 from engram.apps.input_files import path_kind
 
-__all__ = [
+__all__ = [  # the settings and checks re-exported: `engram.apps.hf_train` is the command's one import
     "CARD_FILE",
     "HFTrainSettings",
     "TrainMode",
     "check_layers",
     "check_out",
     "check_table_memory",
+    "default_head_dim",
     "default_layers",
     "default_table_rows",
+    "engram_config",
+    "lora_targets",
     "partial_folder",
     "table_bytes",
     "train_folder",
 ]
 
-CARD_FILE = "README.md"  # in OUT: the model card
 _SETTINGS_FILE = "settings.json"  # in the partial folder: what --resume must match
 _ENGRAM_STATE = "engram_state.safetensors"  # in a LoRA run's checkpoints: peft saves the adapters only
 _ORDERS = 2  # n-gram orders 2 and 3 (max_ngram_size 3)
-
-
-class TrainMode(enum.Enum):
-    FROZEN = "frozen"  # the backbone frozen: Engram alone trains
-    LORA = "lora"  # LoRA adapters (peft) on the backbone's linear layers, merged into OUT's weights
-    FULL = "full"  # every parameter
-
-
-@dataclass(frozen=True)
-class HFTrainSettings:
-    """One `engram hf-train` run. `layers` / `table_rows` None: the defaults of the model's depth and size."""
-
-    folder: str
-    corpus: str
-    out: str
-    layers: tuple[int, ...] | None = None
-    table_rows: int | None = None
-    heads: int = 4
-    head_dim: int | None = None  # None: 32 below hidden size 256, else 64
-    mode: TrainMode = TrainMode.FROZEN
-    lora_rank: int = 8
-    engram: bool = True
-    steps: int | None = None
-    tokens: int | None = None
-    batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 1e-4
-    table_lr: float = 1e-2
-    seed: int = 0
-    checkpoint_every: int = 0
-    held_out: float = HELD_OUT
-    eval_blocks: int = EVAL_BLOCKS  # the held-out blocks evaluated, from the first (0: all)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.mode, TrainMode):
-            if self.mode not in {m.value for m in TrainMode}:
-                raise ValueError(f"mode={self.mode!r}: give one of {[m.value for m in TrainMode]}")
-            object.__setattr__(self, "mode", TrainMode(self.mode))
-        for name in ("heads", "lora_rank", "batch_size", "seq_len", "steps", "tokens", "table_rows"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= 1")
-        for name in ("checkpoint_every", "eval_blocks", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= 0")
-        for name in ("lr", "table_lr"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a finite number > 0")
-        if self.steps is not None and self.tokens is not None:
-            raise ValueError("give --steps or --tokens, not both")
-        if not self.engram and self.mode is TrainMode.FROZEN:
-            raise ValueError(
-                "--no-engram with --mode frozen trains nothing: give --mode lora or --mode full for a "
-                "baseline"
-            )
-        if not self.engram and (self.layers is not None or self.table_rows is not None):
-            raise ValueError("--layers and --table-rows describe Engram: drop them with --no-engram")
-        if not 0 <= self.held_out < 1:
-            raise ValueError(f"--held-out {self.held_out}: give a fraction in [0, 1), e.g. 0.05")
-
-    @property
-    def num_steps(self) -> int:
-        if self.tokens is not None:
-            return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
-        return 200 if self.steps is None else self.steps
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["mode"] = self.mode.value
-        d["layers"] = None if self.layers is None else list(self.layers)
-        return d
-
-
-# ------------------------------------------------------------------------------------------- checks
-def default_layers(depth: int) -> tuple[int, ...]:
-    """Engram early and in the middle, as V4.1 (layers 1 and 14 of 30 or more): one layer below 8 layers."""
-    if depth < 2:
-        return (0,)
-    return (1,) if depth < 8 else (1, depth // 2 - 1)
-
-
-def check_layers(layers: Sequence[int], depth: int, folder: str) -> tuple[int, ...]:
-    bad = [i for i in layers if not 0 <= i < depth]
-    if bad:
-        raise ValueError(
-            f"--layers {','.join(map(str, layers))}: {bad} out of range: {folder} has {depth} decoder layers "
-            f"(ids 0..{depth - 1}); give ids in that range, e.g. --layers "
-            f"{','.join(map(str, default_layers(depth)))}"
-        )
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"--layers {','.join(map(str, layers))} names a layer twice; give each once")
-    return tuple(sorted(layers))
-
-
-def default_head_dim(hidden: int) -> int:
-    return 32 if hidden < 256 else 64
-
-
-def default_table_rows(backbone_params: int, n_layers: int, head_dim: int) -> int:
-    """Rows per layer so that the tables hold about half as many parameters as the backbone (at least
-    4096 rows a layer): Engram's memory grows with the model it serves."""
-    return max(4096, backbone_params // (2 * n_layers * head_dim))
-
-
-def table_bytes(rows: int, n_layers: int, head_dim: int) -> int:
-    """Bytes the tables take while training: float32 weights and SparseRowAdam's state (a float32
-    momentum per value, a second moment and a step per row)."""
-    return n_layers * rows * (8 * head_dim + 8)
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def check_table_memory(rows: int, n_layers: int, head_dim: int, available: int | None = None) -> None:
-    """Refuse tables that would not fit in the memory available now (estimated before any allocation)."""
-    need = table_bytes(rows, n_layers, head_dim)
-    available = available_memory() if available is None else available
-    if available is not None and need > available:
-        fit = max(1, available // (2 * n_layers * (8 * head_dim + 8)))
-        raise ValueError(
-            f"--table-rows {rows:,}: {n_layers} table(s) of {rows:,} rows x {head_dim} need about "
-            f"{need / 1e9:.3g} GB to train (float32 weights + Adam state), but this machine has "
-            f"{available / 1e9:.3g} GB available: give --table-rows {fit:,} or fewer"
-        )
-
-
-def partial_folder(out: str | os.PathLike[str]) -> Path:
-    """Where a run writes before OUT exists: checkpoints, then OUT's files, renamed to OUT at the end."""
-    o = Path(out)
-    return o.parent / f".{o.name}.engram-partial"
-
-
-def check_out(out: str | os.PathLike[str]) -> None:
-    o = Path(out)
-    kind = path_kind(o)
-    if kind is None:
-        return
-    if kind != "a folder":
-        raise ValueError(f"--out {out} is {kind}: give a new folder")
-    if any(o.iterdir()):
-        raise ValueError(f"--out {out} exists and is not empty: give a new folder (or remove this one)")
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -518,75 +380,5 @@ def train_folder(
         "held_out": end_loss,
         "settings": s.to_dict(),
     }
-    (stage / RUN_FILE).write_text(json.dumps(summary, indent=1) + "\n")
-    (stage / CARD_FILE).write_text(_card(summary))
-    out = Path(s.out)
-    if out.is_dir():
-        out.rmdir()  # empty (checked): the rename below replaces it
-    os.replace(stage, out)
-    shutil.rmtree(work)
+    write_out(stage, s.out, summary, work)
     return summary
-
-
-def _card(r: dict[str, Any]) -> str:
-    s, b, e = r["settings"], r["backbone"], r["engram"]
-    mode = {
-        "frozen": "backbone frozen (Engram alone trained)",
-        "lora": f"LoRA rank {r['lora_rank']} on the decoder layers' linear layers, merged into the weights",
-        "full": "every parameter trained",
-    }[r["mode"]]
-    lines = [
-        f"# {Path(r['out']).name}",
-        "",
-        f"`{b['class']}` from `{b['folder']}` ({b['layers']} layers, hidden {b['hidden_size']}, "
-        f"{b['parameters']:,} parameters), continued by `engram hf-train` on `{s['corpus']}`.",
-        "",
-    ]
-    if e is None:
-        lines.append("- Engram: none (`--no-engram`: the baseline)")
-    else:
-        lines.append(
-            f"- Engram attached at decoder layer(s) {e['layers']}: {e['rows_per_layer']:,} table rows "
-            "a layer "
-            f"(n-gram orders {e['orders']}, {e['heads']} hash heads, rows {e['head_dim']} wide), "
-            f"{e['table_parameters']:,} table parameters, {e['parameters']:,} in all; the value projection "
-            "started at zero (the model unchanged at step 0)"
-            + (
-                "; n-gram windows restart after EOS (documents are packed)"
-                if e["boundaries"] == "eos"
-                else ""
-            )
-            + ". The part is in `engram/`."
-        )
-    held = r["held_out"]
-    lines += [
-        f"- Training: {mode}; {r['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens = "
-        f"{r['tokens']:,} "
-        f"tokens ({r['tokens'] / max(r['train_seconds'], 1e-9):.0f} tokens/s); lr {s['lr']:g}"
-        + (f", table lr {s['table_lr']:g}" if e else "")
-        + f", seed {s['seed']}.",
-        f"- Final training loss: {r['final_train_loss']:.4f}." if r["final_train_loss"] is not None else "",
-        (
-            f"- Held-out loss (last {s['held_out']:.0%} of the corpus): {held['loss']:.4f} nats/token "
-            f"(perplexity {held['perplexity']:.2f}) over {held['tokens']:,} tokens; before training "
-            f"{r['held_out_before']['loss']:.4f}."
-        )
-        if held
-        else "",
-        "",
-        "Load it:",
-        "",
-        "```python",
-        "import transformers",
-        "from engram.hf import load_engram",
-        f'model = transformers.AutoModelForCausalLM.from_pretrained("{Path(r["out"]).name}")',
-    ]
-    if e is not None:
-        lines.append(f'model = load_engram(model, "{Path(r["out"]).name}")')
-    lines += [
-        "```",
-        "",
-        f"`engram hf-eval {Path(r['out']).name} --corpus {s['corpus']}` measures it again.",
-        "",
-    ]
-    return "\n".join(line for line in lines if line is not None) + "\n"
