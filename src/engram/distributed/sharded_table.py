@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engram.distributed.exchange_stats import record_grads, record_prefetch
 from engram.model.table import EngramTable
 from engram.storage import hugepages
 from engram.storage.fp8 import check_rows
@@ -391,6 +392,7 @@ def prefetch_tables(pairs: list[tuple[ShardedTable, torch.Tensor]]) -> None:
     dist.all_to_all_single(got, out, send_splits, recv_splits, group=group)
     values = torch.empty_like(got).index_copy_(0, order, got)  # back to the tables' concatenated order
     exchange = _Exchange(tables, order, send_splits, recv_splits, served)
+    record_prefetch(exchange, pairs)  # the counters of exchange_stats()
     track = torch.is_grad_enabled()
     for t, u, block in zip(tables, ids, values.split([len(u) for u in ids]), strict=True):
         t._ids, t._exchange = u, exchange
@@ -418,6 +420,7 @@ def sync_table_grads(tables: list[ShardedTable]) -> None:
         grads = torch.cat([b.grad if b.grad is not None else torch.zeros_like(b) for b in blocks])  # (U, dim)
         recv = torch.empty(sum(ex.recv_splits), first.dim, dtype=grads.dtype, device=grads.device)  # (R, dim)
         dist.all_to_all_single(recv, grads[ex.order], ex.recv_splits, ex.send_splits, group=first.group)
+        record_grads(ex, grads)
         acc = torch.float32 if grads.dtype == torch.bfloat16 else grads.dtype  # sum bf16 rows in fp32
         for t, (pos, local) in zip(ex.tables, ex.served, strict=True):
             rows, inverse = torch.unique(local, return_inverse=True)  # (V,) sorted distinct, (n_t,)
