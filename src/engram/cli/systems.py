@@ -1,5 +1,6 @@
-"""`engram profile`, `engram cache-sim` and `engram plan-memory`: row profiles, cache policies against
-Belady's optimum on a real text, and the memory a table needs.
+"""`engram profile`, `engram cache-sim`, `engram plan memory` (also `plan-memory`) and `engram plan train`:
+row profiles, cache policies against Belady's optimum on a real text, the memory a table needs to
+serve, and (`engram.cli.plan_train`) what training it row-sharded costs per rank.
 
 Texts are tokenised and hashed with the config's layout. By default the profile (the pinned
 policies' rows, and every cache's starting contents) is counted on the King James Bible's training
@@ -33,6 +34,7 @@ from engram.cli.options import (
     row_count,
     text_from_args,
 )
+from engram.cli.plan_train import add_plan_train
 from engram.storage.fp8 import fp8_row_bytes
 from engram.systems.cache_sim import CacheSimReport, plot_hit_rates, simulate_cache
 from engram.systems.planner import PCIE_GBPS, SSD_GBPS, SSD_READ_BYTES, plan_memory
@@ -51,7 +53,7 @@ CORPORA = ("kjv", "kjv-train", "kjv-held-out")
 
 
 def register(sub: Any) -> None:
-    """Add profile, cache-sim and plan-memory to the `engram` subparsers."""
+    """Add profile, cache-sim, plan-memory and plan (memory, train) to the `engram` subparsers."""
     p = sub.add_parser("profile", help="count how often a text uses each Engram row (for pinned caches)")
     add_config_options(p)
     add_text_options(p, "count")
@@ -79,9 +81,21 @@ def register(sub: Any) -> None:
     p.add_argument("--plot", type=output_file, help="write hit rate vs cache size per policy to this PNG")
     p.set_defaults(func=cmd_cache_sim)
 
-    p = sub.add_parser(
-        "plan-memory", help="rows per level (HBM, DRAM, SSD), hit rates, link traffic, bottleneck"
-    )
+    _plan_memory_options(sub.add_parser("plan-memory", help=PLAN_MEMORY_HELP + " (also: engram plan memory)"))
+    plan = sub.add_parser("plan", help="plan hardware: serving memory (plan memory), training (plan train)")
+    what = plan.add_subparsers(dest="plan", metavar="WHAT", required=True)
+    _plan_memory_options(what.add_parser("memory", help=PLAN_MEMORY_HELP))
+    add_plan_train(what.add_parser("train", help=PLAN_TRAIN_HELP))
+
+
+PLAN_MEMORY_HELP = "serving: rows per level (HBM, DRAM, SSD), hit rates, link traffic, bottleneck"
+PLAN_TRAIN_HELP = (
+    "training row-sharded tables: memory per rank (rows, optimizer state, staged rows, gradients), "
+    "the row all-to-all's bytes and time per step"
+)
+
+
+def _plan_memory_options(p: argparse.ArgumentParser) -> None:
     _replay_options(p)
     p.add_argument(
         "--hbm", type=byte_size, required=True, help="device memory for the table cache, e.g. 16GiB"
