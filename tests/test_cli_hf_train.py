@@ -217,10 +217,37 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     assert "has no config.json" in _refused(capsys, "hf-eval", tmp_path, "--corpus", corpus)
 
 
-def test_several_processes_refused(folder, corpus, tmp_path, capsys, monkeypatch):
+def test_several_processes_need_distributed(folder, corpus, tmp_path, capsys, monkeypatch):
+    """Under torchrun without --distributed (N copies would train side by side), --distributed without
+    torchrun's environment, and the options across processes without --distributed: refused, naming the
+    fix (the launch command); nothing written. The 2-rank runs: tests/test_cli_hf_train_dist.py."""
+    base = ("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o", *FAST)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    err = _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o", *FAST)
-    assert "runs in one process, but WORLD_SIZE=2" in err and not H.partial_folder(tmp_path / "o").exists()
+    err = _refused(capsys, *base)
+    assert "runs in one process unless --distributed, but WORLD_SIZE=2" in err
+    assert "torchrun --nproc_per_node N -m engram hf-train" in err
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    err = _refused(capsys, *base, "--distributed")
+    assert "--distributed needs torchrun's environment, but RANK, WORLD_SIZE" in err and "hf-train" in err
+    assert "--table-sync sharded applies across processes: add --distributed" in _refused(
+        capsys, *base, "--table-sync", "sharded"
+    )
+    assert "--collective-timeout applies across processes" in _refused(
+        capsys, *base, "--collective-timeout", "9"
+    )
+    assert not H.partial_folder(tmp_path / "o").exists() and not (tmp_path / "o").exists()
+
+
+def test_global_batch_split_over_the_ranks():
+    from engram.apps.hf_train_ranks import Ranks
+
+    assert Ranks().per_rank_batch(5) == 5 and Ranks(1, 2, True).per_rank_batch(8) == 4
+    with pytest.raises(ValueError, match=r"--batch-size 5 is the global batch, .* 2 processes .* multiple "
+                       r"of 2 \(e.g. --batch-size 4\)$"):  # fmt: skip
+        Ranks(0, 2, True).per_rank_batch(5)
+    with pytest.raises(ValueError, match=r"--batch-size 3 .* \(e.g. --batch-size 4\), or start at most 3"):
+        Ranks(0, 4, True).per_rank_batch(3)
 
 
 def test_settings_are_checked():
@@ -232,6 +259,8 @@ def test_settings_are_checked():
         ({"steps": 2, "tokens": 100}, "--steps or --tokens, not both"),
         ({"lr": float("nan")}, "--lr nan: give a finite number > 0"),
         ({"eval_blocks": -1}, "--eval-blocks -1"),
+        ({"table_sync": "half"}, "--table-sync 'half': give one of sharded, replicated"),
+        ({"table_sync": "sharded", "engram": False, "mode": "lora"}, "--table-sync describes Engram"),
     ):
         with pytest.raises(ValueError, match=match):
             H.HFTrainSettings(**ok, **bad)

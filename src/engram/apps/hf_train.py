@@ -2,26 +2,26 @@
 lives in `engram.cli.hf`; the corpus is `engram.apps.hf_corpus`'s, the folder checks, loading and
 held-out loss `engram.apps.hf_folder`'s).
 
-Holds `train_folder`: the checks before anything heavy (`engram.apps.hf_train_settings`: the run's
-settings, defaults from the model, table memory, OUT, a run to resume), then load, attach with
+Holds `train_folder`: the checks before anything heavy (`hf_train_settings`: the run's settings,
+defaults from the model, table memory, OUT, a run to resume), then load, attach with
 `engram.hf.add_engram` (zero-init), train with the HF `Trainer` (backbone frozen, LoRA via peft or
-full; checkpoints and resume), and write one folder atomically (HF's files with LoRA merged, the
-Engram part, the tokenizer; the summary and card: `engram.apps.hf_train_out`). Everything
-Engram-specific is `engram.hf`'s (attach, collator, optimizer, save / load): no second implementation
-here.
+full; checkpoints and resume: `hf_train_callbacks`), and write one folder atomically (HF's files with
+LoRA merged, the Engram part, the tokenizer; the summary and card: `hf_train_out`). On the ranks of a
+torchrun launch (`hf_train_ranks`) the same run is data-parallel through `engram.distributed`'s public
+API: the tables row-sharded or replicated, checkpointed sharded, OUT written by rank 0. Everything
+Engram-specific is `engram.hf`'s and `engram.distributed`'s: no second implementation here.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,9 @@ from engram.apps.hf_folder import (
     load_tokenizer,
     model_depth,
 )
+from engram.apps.hf_train_callbacks import ENGRAM_STATE, TrainLog, latest_checkpoint, trainer_callbacks
 from engram.apps.hf_train_out import CARD_FILE, write_out
+from engram.apps.hf_train_ranks import LAUNCH, Ranks
 from engram.apps.hf_train_settings import (
     HFTrainSettings,
     TrainMode,
@@ -69,7 +71,6 @@ __all__ = [  # the settings and checks re-exported: `engram.apps.hf_train` is th
 ]
 
 _SETTINGS_FILE = "settings.json"  # in the partial folder: what --resume must match
-_ENGRAM_STATE = "engram_state.safetensors"  # in a LoRA run's checkpoints: peft saves the adapters only
 _ORDERS = 2  # n-gram orders 2 and 3 (max_ngram_size 3)
 
 
@@ -121,92 +122,39 @@ def lora_targets(model: nn.Module) -> str:
 
 
 # ------------------------------------------------------------------------------------------- training
-@dataclass
-class _Log:
-    losses: list[tuple[int, float]] = field(default_factory=list)
-
-
-def _callbacks(progress: bool, log: _Log, save_engram_state: bool) -> list[Any]:
-    import transformers
-    from tqdm.auto import tqdm
-
-    class Progress(transformers.TrainerCallback):
-        """A tqdm bar on stderr (the training loss beside it); the losses kept for the card."""
-
-        bar: Any = None
-
-        def on_train_begin(self, args, state, control, **kw):
-            self.bar = tqdm(
-                total=state.max_steps,
-                initial=state.global_step,
-                desc="hf-train",
-                unit="step",
-                disable=not progress,
-                file=sys.stderr,
-                mininterval=0.5 if sys.stderr.isatty() else 10,
-            )
-
-        def on_step_end(self, args, state, control, **kw):
-            self.bar.update(state.global_step - self.bar.n)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                log.losses.append((state.global_step, float(logs["loss"])))
-                self.bar.set_postfix(loss=f"{logs['loss']:.3f}")
-
-        def on_train_end(self, args, state, control, **kw):
-            self.bar.close()
-
-    class EngramState(transformers.TrainerCallback):
-        """peft's checkpoints hold the adapters only: the Engram part goes beside them."""
-
-        def on_save(self, args, state, control, model=None, **kw):
-            from safetensors.torch import save_file
-
-            from engram.hf.attach import get_attachment
-
-            att = get_attachment(model)
-            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            tmp = ckpt / (_ENGRAM_STATE + ".tmp")
-            save_file({k: v.detach().contiguous() for k, v in att.state_dict().items()}, str(tmp))
-            os.replace(tmp, ckpt / _ENGRAM_STATE)
-
-    return [Progress(), *([EngramState()] if save_engram_state else [])]
-
-
-def _latest_checkpoint(folder: Path, need: str | None) -> Path | None:
-    """The newest complete checkpoint-N in `folder` (trainer_state.json written last; `need` too)."""
-    found = []
-    for p in folder.glob("checkpoint-*") if folder.is_dir() else []:
-        step = p.name.partition("-")[2]
-        if step.isdigit() and (p / "trainer_state.json").is_file() and (need is None or (p / need).is_file()):
-            found.append((int(step), p))
-    return max(found)[1] if found else None
-
-
 def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     ids = torch.stack([torch.as_tensor(f["input_ids"]) for f in features])
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def train_folder(
-    s: HFTrainSettings,
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-) -> dict[str, Any]:
-    """Run `engram hf-train`: every check first, then load, attach, train, write `s.out`; the summary."""
-    import transformers
+@dataclass
+class _Run:
+    """What the checks and the loading found, for the training and the writing."""
 
-    # ---- the checks that read nothing heavy
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.strip() not in ("", "0", "1"):
-        raise ValueError(
-            f"engram hf-train runs in one process, but WORLD_SIZE={world} (a torchrun launch?): run it "
-            "without "
-            "torchrun; on several processes use engram.distributed with the HF Trainer (docs/distributed.md)"
-        )
+    work: Path
+    tok: Any
+    corpus: Any
+    held: torch.Tensor
+    model: nn.Module
+    train_model: nn.Module  # the model, or its peft wrapper
+    depth: int
+    hidden: int
+    head_dim: int
+    rows: int
+    backbone_params: int
+    cfg: Any  # the EngramConfig (None: --no-engram)
+    engram_params: tuple[int, int]  # (table parameters, all Engram parameters): whole tables, any rank
+    start_loss: dict[str, float] | None
+
+
+def _record(s: HFTrainSettings, ranks: Ranks) -> dict[str, Any]:
+    """What the partial folder records of a run, and a resume must match: the settings and the processes."""
+    return {**s.to_dict(), "processes": ranks.world}
+
+
+def _check_and_load(s: HFTrainSettings, ranks: Ranks, resume: bool) -> _Run:
+    """Every check (nothing heavy read before they pass), then the model loaded with Engram attached,
+    its held-out loss, LoRA's adapters: this process's own work, no collective."""
     check_out(s.out)
     work = partial_folder(s.out)
     if path_kind(work) is not None and not resume:
@@ -215,13 +163,17 @@ def train_folder(
             "remove it"
         )
     if resume and path_kind(work) is not None and path_kind(work / _SETTINGS_FILE) == "a file":
-        saved = json.loads((work / _SETTINGS_FILE).read_text())
-        diff = sorted(k for k, v in s.to_dict().items() if saved.get(k) != v)
+        saved = {"processes": 1, **json.loads((work / _SETTINGS_FILE).read_text())}
+        record = _record(s, ranks)
+        diff = sorted(k for k, v in record.items() if saved.get(k) != v)
         if diff:
             raise ValueError(
                 f"--resume: the run in {work} was started with other settings ({', '.join(diff)}: "
-                f"{', '.join(f'{saved.get(k)!r}' for k in diff)}): give the same options, or remove {work}"
+                f"{', '.join(f'{saved.get(k)!r}' for k in diff)}): give the same options"
+                + (" and processes" if "processes" in diff else "")
+                + f", or remove {work}"
             )
+    ranks.per_rank_batch(s.batch_size)
     docs = read_documents(s.corpus)  # empty / binary / not UTF-8: refused before the model is read
     hf_config = check_folder(s.folder)
     depth, hidden = model_depth(hf_config)
@@ -237,12 +189,13 @@ def train_folder(
             f"training block(s) of {s.seq_len} (after holding out {corpus.held.shape[0]}), a batch needs "
             f"{s.batch_size}: give more text, or a smaller --batch-size / --seq-len"
         )
-    # ---- load and attach
+    # ---- load and attach (every rank alike: the same seed, so the same initial tables)
     torch.manual_seed(s.seed)
     model = load_model(s.folder)
     backbone_params = sum(p.numel() for p in model.parameters())
     rows = s.table_rows or default_table_rows(backbone_params, len(layers), head_dim)
     cfg = None
+    engram_params = (0, 0)
     if s.engram:
         check_table_memory(rows, len(layers), head_dim)
         from engram.addressing.compression import TokenizerCompression
@@ -256,6 +209,10 @@ def train_folder(
         add_engram(
             model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
         )
+        engram_params = (
+            sum(p.numel() for p in model.engram.tables()),
+            sum(p.numel() for p in model.engram.parameters()),
+        )  # counted before the tables are sharded
     held = corpus.held[: s.eval_blocks or None]
     start_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] else None
     train_model: nn.Module = model
@@ -270,6 +227,52 @@ def train_folder(
         ):  # peft 0.21 reads a property transformers 5 deprecated: not the user's
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
             train_model = peft.get_peft_model(model, lcfg)
+    return _Run(
+        work, tok, corpus, held, model, train_model, depth, hidden, head_dim, rows, backbone_params, cfg,
+        engram_params, start_loss,
+    )  # fmt: skip
+
+
+def train_folder(
+    s: HFTrainSettings,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+    distributed: bool = False,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Run `engram hf-train`: every check first, then load, attach, train, write `s.out`; the summary.
+
+    `distributed`: this process is one rank of a torchrun launch whose default process group is started
+    (`engram.distributed.init_distributed`); every rank calls this with the same settings. The ranks
+    split the global batch (`s.batch_size`), keep the Engram tables one table through
+    `engram.distributed.prepare_data_parallel` (`s.table_sync`: row-sharded by default, or replicated;
+    the table exchanges bounded by `timeout` seconds, default 300), checkpoint them sharded
+    (`EngramShardsCallback`), and rank 0 alone writes OUT; a check that fails on any rank fails on
+    every rank (`RefusedOnEveryRank`). Returns the summary on every rank."""
+    import transformers
+
+    ranks = Ranks.of_run(distributed)
+    if s.table_sync is not None and not ranks.distributed:
+        raise ValueError(
+            f"--table-sync {s.table_sync} applies across processes: add --distributed ({LAUNCH})"
+        )
+    ranks.check_same({f"--{k.replace('_', '-')}": v for k, v in {**s.to_dict(), "resume": resume}.items()})
+    if not ranks.is_main:
+        say = _quiet
+    with ranks.agreed():
+        run = _check_and_load(s, ranks, resume)
+    model, train_model, work = run.model, run.train_model, run.work
+    sync = None
+    if s.engram and ranks.distributed:
+        from engram.distributed import DEFAULT_COLLECTIVE_TIMEOUT, prepare_data_parallel
+
+        # the ranks' Engram compared (config, initial tables' digests) and the tables kept out of DDP
+        sync = prepare_data_parallel(
+            train_model, s.table_sync, timeout=DEFAULT_COLLECTIVE_TIMEOUT if timeout is None else timeout
+        )
+    sharded = sync is not None and sync.value == "sharded"
     optimizers: tuple[Any, Any] = (None, None)
     if s.engram:
         from engram.hf import EngramCollator, build_optimizer
@@ -278,19 +281,22 @@ def train_folder(
             train_model, lr=s.lr, table_lr=s.table_lr, freeze_backbone=s.mode is not TrainMode.FULL
         )
         optimizers = (opt, None)
-        collate: Any = EngramCollator(model, pad_token_id=tok.pad_token_id)
+        collate: Any = EngramCollator(model, pad_token_id=run.tok.pad_token_id)
     else:
         collate = _collate
 
     # ---- train
-    work.mkdir(parents=True, exist_ok=True)
-    (work / _SETTINGS_FILE).write_text(json.dumps(s.to_dict(), indent=1) + "\n")
     ckpts = work / "checkpoints"
+    with ranks.agreed():
+        if ranks.is_main:
+            work.mkdir(parents=True, exist_ok=True)
+            (work / _SETTINGS_FILE).write_text(json.dumps(_record(s, ranks), indent=1) + "\n")
+    ckpt = ranks.from_main(latest_checkpoint(ckpts) if resume else None)  # one choice for every rank
     steps = s.num_steps
     args = transformers.TrainingArguments(
         output_dir=str(ckpts),
         max_steps=steps,
-        per_device_train_batch_size=s.batch_size,
+        per_device_train_batch_size=ranks.per_rank_batch(s.batch_size),
         learning_rate=s.lr,
         lr_scheduler_type="cosine",
         warmup_steps=max(1, steps // 20),
@@ -306,26 +312,34 @@ def train_folder(
         report_to=[],
         disable_tqdm=True,
         dataloader_pin_memory=torch.cuda.is_available(),
+        # across processes on gloo: the CPU, or accelerate sees no distributed launch and every rank
+        # would train a model of its own on the whole batch
+        use_cpu=ranks.on_cpu,
+        # frozen and LoRA train Engram's and the adapters' parameters, all used by every forward: DDP
+        # need not search the graph for unused ones (full: the architecture's own, so it searches)
+        ddp_find_unused_parameters=s.mode is TrainMode.FULL,
     )
-    log = _Log()
+    log = TrainLog()
     lora_engram = s.engram and s.mode is TrainMode.LORA
     trainer = transformers.Trainer(
         model=train_model,
         args=args,
-        train_dataset=[{"input_ids": b} for b in corpus.train],
+        train_dataset=[{"input_ids": b} for b in run.corpus.train],
         data_collator=collate,
         optimizers=optimizers,
-        callbacks=_callbacks(progress, log, lora_engram),
+        callbacks=trainer_callbacks(progress and ranks.is_main, log, lora_engram, sharded),
     )
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
-    ckpt = _latest_checkpoint(ckpts, _ENGRAM_STATE if lora_engram else None) if resume else None
+    if trainer.args.world_size != ranks.world:  # an internal invariant: the Trainer must see every rank
+        raise RuntimeError(f"the Trainer sees {trainer.args.world_size} process(es) of {ranks.world}")
     if ckpt is not None:
         if lora_engram:
             from safetensors.torch import load_file
 
             from engram.hf.attach import get_attachment
 
-            get_attachment(model).load_state_dict(load_file(str(ckpt / _ENGRAM_STATE)))
+            # row-sharded tables: their rows are in the checkpoint's shard files (EngramShardsCallback)
+            get_attachment(model).load_state_dict(load_file(str(ckpt / ENGRAM_STATE)), strict=not sharded)
         say(f"resuming from {ckpt}")
     elif resume:
         say(f"no checkpoint in {ckpts} to resume: training from the start")
@@ -333,52 +347,85 @@ def train_folder(
     trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     seconds = time.perf_counter() - t0
 
-    # ---- write OUT: HF's files (LoRA merged), the Engram part, the tokenizer, the card
+    # ---- write OUT (rank 0): HF's files (LoRA merged), the Engram part, the tokenizer, the card
     if s.mode is TrainMode.LORA:
         model = train_model.merge_and_unload()  # type: ignore[operator]
     model.eval()
-    end_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] else None
+    # every rank: a forward of row-sharded tables is a collective
+    end_loss = held_out_loss(model, run.held, s.batch_size) if run.held.shape[0] else None
     stage = work / "out"
-    if stage.exists():
-        shutil.rmtree(stage)
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("engram.")}
-    model.save_pretrained(str(stage), state_dict=state)
-    tok.save_pretrained(str(stage))
-    if s.engram:
-        from engram.hf import save_engram
+    with ranks.agreed():
+        if ranks.is_main:
+            if stage.exists():
+                shutil.rmtree(stage)
+            state = {k: v for k, v in model.state_dict().items() if not k.startswith("engram.")}
+            model.save_pretrained(str(stage), state_dict=state)
+            run.tok.save_pretrained(str(stage))
+            if s.engram and not sharded:
+                from engram.hf import save_engram
 
-        save_engram(model, stage)
-    tokens = trainer.state.global_step * s.batch_size * s.seq_len
-    summary = {
+                save_engram(model, stage)
+    if sharded:
+        from engram.distributed import save_engram as save_sharded_engram
+
+        with ranks.agreed():
+            try:
+                save_sharded_engram(model, stage)  # the tables gathered to rank 0, which writes the part
+            except RuntimeError as e:  # the others: rank 0 failed (its own error is the one agreed)
+                raise ValueError(str(e)) from e
+    summary = _summary(s, run, model, ranks, sync, trainer.state.global_step, seconds, log, end_loss)
+    with ranks.agreed():
+        if ranks.is_main:
+            write_out(stage, s.out, summary, work)
+    return summary
+
+
+def _quiet(message: str) -> None:
+    """`say` on the ranks other than 0: rank 0 speaks for the launch."""
+
+
+def _summary(
+    s: HFTrainSettings,
+    run: _Run,
+    model: nn.Module,
+    ranks: Ranks,
+    sync: Any,
+    steps: int,
+    seconds: float,
+    log: TrainLog,
+    end_loss: dict[str, float] | None,
+) -> dict[str, Any]:
+    cfg = run.cfg
+    return {
         "out": str(s.out),
         "backbone": {
             "folder": str(s.folder),
             "class": type(model).__name__,
-            "layers": depth,
-            "hidden_size": hidden,
-            "parameters": backbone_params,
+            "layers": run.depth,
+            "hidden_size": run.hidden,
+            "parameters": run.backbone_params,
         },
         "engram": None
         if cfg is None
         else {
             "layers": list(cfg.layer_ids),
-            "rows_per_layer": rows,
+            "rows_per_layer": run.rows,
             "heads": s.heads,
-            "head_dim": head_dim,
+            "head_dim": run.head_dim,
             "orders": list(cfg.orders),
             "boundaries": model.engram.rows.boundaries,
-            "table_parameters": sum(p.numel() for p in model.engram.tables()),
-            "parameters": sum(p.numel() for p in model.engram.parameters()),
+            "table_parameters": run.engram_params[0],
+            "parameters": run.engram_params[1],
         },
         "mode": s.mode.value,
         "lora_rank": s.lora_rank if s.mode is TrainMode.LORA else None,
-        "steps": trainer.state.global_step,
-        "tokens": tokens,
-        "train_seconds": round(seconds, 3),  # this process's (a resumed run: since the resume)
+        "processes": ranks.world,
+        "table_sync": None if sync is None else sync.value,  # across processes only
+        "steps": steps,
+        "tokens": steps * s.batch_size * s.seq_len,
+        "train_seconds": round(seconds, 3),  # rank 0's (a resumed run: since the resume)
         "final_train_loss": log.losses[-1][1] if log.losses else None,
-        "held_out_before": start_loss,
+        "held_out_before": run.start_loss,
         "held_out": end_loss,
         "settings": s.to_dict(),
     }
-    write_out(stage, s.out, summary, work)
-    return summary

@@ -68,7 +68,14 @@ def model_card(r: dict[str, Any]) -> str:
         f"{r['tokens']:,} "
         f"tokens ({r['tokens'] / max(r['train_seconds'], 1e-9):.0f} tokens/s); lr {s['lr']:g}"
         + (f", table lr {s['table_lr']:g}" if e else "")
-        + f", seed {s['seed']}.",
+        + f", seed {s['seed']}"
+        + (
+            f"; on {r['processes']} processes (the batch split over them, the tables {r['table_sync']})."
+            if r.get("processes", 1) > 1 and e
+            else f"; on {r['processes']} processes (the batch split over them)."
+            if r.get("processes", 1) > 1
+            else "."
+        ),
         f"- Final training loss: {r['final_train_loss']:.4f}." if r["final_train_loss"] is not None else "",
         (
             f"- Held-out loss (last {s['held_out']:.0%} of the corpus): {held['loss']:.4f} nats/token "

@@ -22,6 +22,7 @@ from engram.apps.hf_folder import EVAL_BLOCKS
 from engram.apps.input_files import path_kind
 
 __all__ = [
+    "TABLE_SYNCS",
     "HFTrainSettings",
     "TrainMode",
     "available_memory",
@@ -34,6 +35,10 @@ __all__ = [
     "partial_folder",
     "table_bytes",
 ]
+
+
+# engram.distributed.TableSync's values (imported only to run across processes)
+TABLE_SYNCS = ("sharded", "replicated")
 
 
 class TrainMode(enum.Enum):
@@ -66,6 +71,9 @@ class HFTrainSettings:
     checkpoint_every: int = 0
     held_out: float = HELD_OUT
     eval_blocks: int = EVAL_BLOCKS  # the held-out blocks evaluated, from the first (0: all)
+    # across processes (--distributed): how the tables stay one table, TABLE_SYNCS (None: row-sharded
+    # on more than one process, engram.distributed.prepare_data_parallel's default)
+    table_sync: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TrainMode):
@@ -93,6 +101,10 @@ class HFTrainSettings:
             )
         if not self.engram and (self.layers is not None or self.table_rows is not None):
             raise ValueError("--layers and --table-rows describe Engram: drop them with --no-engram")
+        if self.table_sync is not None and self.table_sync not in TABLE_SYNCS:
+            raise ValueError(f"--table-sync {self.table_sync!r}: give one of {', '.join(TABLE_SYNCS)}")
+        if not self.engram and self.table_sync is not None:
+            raise ValueError("--table-sync describes Engram's tables: drop it with --no-engram")
         if not 0 <= self.held_out < 1:
             raise ValueError(f"--held-out {self.held_out}: give a fraction in [0, 1), e.g. 0.05")
 

@@ -25,6 +25,7 @@ from engram.cli.options import (
 __all__ = ["register"]
 
 MODES = ("frozen", "lora", "full")  # engram.apps.hf_train.TrainMode's values (apps imported only to run)
+TABLE_SYNCS = ("sharded", "replicated")  # engram.apps.hf_train_settings.TABLE_SYNCS
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -52,7 +53,7 @@ def fraction(text: str) -> float:
 
 
 def cmd_hf_train(args: argparse.Namespace) -> int:
-    from engram.apps.hf_train import HFTrainSettings, TrainMode, train_folder
+    from engram.apps.hf_train import HFTrainSettings, TrainMode
 
     set_threads(args)
     s = HFTrainSettings(
@@ -76,26 +77,76 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         held_out=args.held_out,
         eval_blocks=args.eval_blocks,
+        table_sync=args.table_sync,
     )
     if args.lora_rank is not None and s.mode is not TrainMode.LORA:
         raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
+    if args.collective_timeout is not None and not args.distributed:
+        raise ValueError("--collective-timeout applies across processes: add --distributed (under torchrun)")
     import transformers.utils.logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     if args.no_progress:
         hf_logging.disable_progress_bar()  # transformers' loading / writing bars too
     try:
-        r = train_folder(s, resume=args.resume, progress=not args.no_progress)
+        code, r = _train_distributed(s, args) if args.distributed else (0, _train(s, args, distributed=False))
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    if r is None:  # a rank other than 0: rank 0 reports
+        return code
     if args.json:
         print(json.dumps(r))
     else:
         held = r["held_out"]
         tail = f"; held-out loss {held['loss']:.4f} (perplexity {held['perplexity']:.2f})" if held else ""
-        print(f"{r['out']}: {r['steps']} steps, {r['tokens']:,} tokens, mode {r['mode']}{tail}")
+        on = f" on {r['processes']} processes" if r["processes"] > 1 else ""
+        print(f"{r['out']}: {r['steps']} steps{on}, {r['tokens']:,} tokens, mode {r['mode']}{tail}")
     return 0
+
+
+def _train(s: Any, args: argparse.Namespace, *, distributed: bool) -> dict[str, Any]:
+    from engram.apps.hf_train import train_folder
+
+    return train_folder(
+        s,
+        resume=args.resume,
+        progress=not args.no_progress,
+        distributed=distributed,
+        timeout=args.collective_timeout,
+    )
+
+
+def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
+    """One rank of `torchrun ... -m engram hf-train ... --distributed`: the process group started here
+    (unless the caller started one) and ended here; (exit status, the summary on rank 0, None on the
+    others). A refusal every rank agreed on is printed by rank 0 alone: the others exit with 2 quietly."""
+    import os
+
+    import torch.distributed as dist
+
+    from engram.apps.hf_train_ranks import LAUNCH, RefusedOnEveryRank
+    from engram.distributed import TORCHRUN_VARS, init_distributed
+
+    started = not dist.is_initialized()
+    if started:
+        missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"--distributed needs torchrun's environment, but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set: launch with `{LAUNCH}`"
+            )
+        init_distributed(threads=args.threads, timeout=args.collective_timeout)
+    try:
+        r = _train(s, args, distributed=True)
+        return 0, (r if dist.get_rank() == 0 else None)
+    except RefusedOnEveryRank:
+        if dist.get_rank() == 0:
+            raise
+        return 2, None  # the same error, printed by rank 0
+    finally:
+        if started:
+            dist.destroy_process_group()
 
 
 def cmd_hf_eval(args: argparse.Namespace) -> int:
@@ -181,6 +232,25 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--resume", action="store_true", help="continue the interrupted run for --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one rank of a data-parallel run, --batch-size split over the ranks; launch with "
+        "`torchrun --nproc_per_node N -m engram hf-train ... --distributed` (gloo on CPU, NCCL on GPU)",
+    )
+    p.add_argument(
+        "--table-sync",
+        choices=TABLE_SYNCS,
+        help="with --distributed: 'sharded' (default) gives each rank 1/N of every table's rows and their "
+        "optimizer state; 'replicated' keeps every table whole on every rank",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=positive_float,
+        metavar="SECONDS",
+        help="with --distributed: a collective waiting longer than this for the other ranks ends the run "
+        "(default 300)",
+    )
     p.set_defaults(func=cmd_hf_train)
 
     p = sub.add_parser(

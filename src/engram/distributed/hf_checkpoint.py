@@ -57,8 +57,14 @@ def _row_state(opt: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]
 def _load_row_state(
     opt: torch.optim.Optimizer, state: dict[int, dict[str, torch.Tensor]], groups: list
 ) -> None:
+    held = opt.param_groups  # the group dicts the model's EngramOptimizer (and its LR scheduler) hold
     sd = {"state": state, "param_groups": groups}
     opt.load_row_state_dict(sd) if hasattr(opt, "load_row_state_dict") else opt.load_state_dict(sd)
+    # torch's load made new group dicts: keep the held ones, with the loaded values, or an LR scheduler
+    # stepping the model's optimizer would set learning rates this one no longer reads after a resume
+    for old, new in zip(held, opt.param_groups, strict=True):
+        old.update(new)
+    opt.param_groups = held
 
 
 def _table_names(model: nn.Module) -> list[str]:
