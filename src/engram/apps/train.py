@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
+from engram.addressing.layout import Layout
 from engram.apps.data import EOS, TokenStream, load_corpus, split_documents, train_bpe
 from engram.apps.evaluation import MAX_LOSS, evaluate, window_rows
 from engram.apps.rows import identity_compression, stream_rows
@@ -54,6 +55,8 @@ from engram.config import EngramConfig
 from engram.model.lm import EngramLM, LMConfig
 from engram.model.optim import DenseTableAdam, SparseRowAdagrad, SparseRowAdam, split_param_groups
 from engram.model.sinkhorn import SparseSinkhorn
+from engram.model.table import TrainableTable
+from engram.model.table_init import table_seed
 
 __all__ = [
     "DEFAULT_ENGRAM",
@@ -150,8 +153,13 @@ def build_model(cfg: TrainConfig, data: DataBundle, *, with_engram: bool | None 
         moe_hidden=cfg.moe_hidden,
     )
     torch.manual_seed(cfg.seed)  # the backbone draws first, so both models share its initial weights
-    model = EngramLM(lm_cfg)
-    return model
+
+    def table(e: EngramConfig, layer_id: int) -> TrainableTable:
+        # row r of layer l's table from (seed, l, r) only: what N ranks born sharded hold between them
+        rows = Layout(e).layer(layer_id).table_rows
+        return TrainableTable(rows, e.head_dim, seed=table_seed(cfg.seed, layer_id))
+
+    return EngramLM(lm_cfg, table_factory=table)
 
 
 # ---------------------------------------------------------------------------- training

@@ -341,7 +341,7 @@ def add_training_commands(sub: Any) -> None:
         "--table-init",
         choices=["copy", "chunked"],  # TableInit's values (engram.distributed is imported only to run)
         help="with --distributed: 'copy' (default) shards the single-process model's tables; 'chunked' "
-        "draws each rank's rows itself (no rank holds a full table; another initial table)",
+        "draws each rank's rows itself (no rank holds a full table; the same initial table)",
     )
     p.add_argument(
         "--table-ranks",

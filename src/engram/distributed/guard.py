@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,9 +20,12 @@ __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "DIGEST_CHUNK_BYTES",
     "RankError",
+    "all_values",
     "bounded_group",
     "check_timeout",
+    "chunks_digest",
     "describe",
+    "differing",
     "disagreements",
     "named_failures",
     "tensor_digest",
@@ -40,15 +43,38 @@ class RankError(RuntimeError):
     the message names the rank and the step."""
 
 
+def all_values(values: dict[str, Any], group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
+    """Every rank's `values` (picklable), in rank order: one all_gather_object. A collective: every
+    rank of `group` calls it, and every rank gets the same list."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, values, group=group)
+    return gathered
+
+
+def differing(gathered: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """The names whose values (compared with ==) differ between the ranks' dicts of `all_values`,
+    each with the list of every rank's value (None where a rank lacks the name)."""
+    names = sorted({k for v in gathered for k in v})
+    per_name = {k: [v.get(k) for v in gathered] for k in names}
+    return {k: vals for k, vals in per_name.items() if any(x != vals[0] for x in vals[1:])}
+
+
 def disagreements(values: dict[str, Any], group: dist.ProcessGroup | None = None) -> dict[str, list[Any]]:
     """Gather every rank's `values` (picklable, compared with ==) and return the names whose values
     differ between ranks, each with the list of every rank's value (None where a rank lacks the
     name). A collective: every rank of `group` calls it, and every rank gets the same answer."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, values, group=group)
-    names = sorted({k for v in gathered for k in v})
-    per_name = {k: [v.get(k) for v in gathered] for k in names}
-    return {k: vals for k, vals in per_name.items() if any(x != vals[0] for x in vals[1:])}
+    return differing(all_values(values, group))
+
+
+def chunks_digest(dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[torch.Tensor]) -> str:
+    """tensor_digest of the tensor of `dtype` and `shape` whose bytes are those of `chunks` in order
+    (each read in place when contiguous on the CPU, else copied): a table digested as it is drawn,
+    one chunk at a time, without ever being whole."""
+    crc = 0
+    for chunk in chunks:
+        c = chunk.detach().to("cpu").contiguous()  # a copy of at most one chunk
+        crc = zlib.crc32(c.reshape(-1).view(torch.uint8).numpy(), crc)  # bytes as they are: bf16 too
+    return f"{str(dtype).removeprefix('torch.')} {tuple(shape)} crc32 {crc:08x}"
 
 
 def tensor_digest(t: torch.Tensor, chunk_bytes: int = DIGEST_CHUNK_BYTES) -> str:
@@ -60,11 +86,8 @@ def tensor_digest(t: torch.Tensor, chunk_bytes: int = DIGEST_CHUNK_BYTES) -> str
     flat = t.reshape(1, -1) if t.dim() < 2 else t.flatten(1)  # (rows, row elements)
     row_bytes = max(1, flat.shape[1] * t.element_size())
     step = max(1, chunk_bytes // row_bytes)
-    crc = 0
-    for a in range(0, flat.shape[0], step):
-        chunk = flat[a : a + step].to("cpu").contiguous()  # (<= step, row elements): a copy at most a chunk
-        crc = zlib.crc32(chunk.view(torch.uint8).numpy(), crc)  # bytes as they are: bf16 too
-    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} crc32 {crc:08x}"
+    chunks = (flat[a : a + step] for a in range(0, flat.shape[0], step))  # (<= step, row elements)
+    return chunks_digest(t.dtype, tuple(t.shape), chunks)
 
 
 def check_timeout(timeout: Any, where: str) -> float | None:

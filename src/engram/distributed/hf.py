@@ -43,9 +43,12 @@ from engram.checkpoint.shard_format import SHARDED_STATE_KEY  # the tables' rows
 from engram.distributed.guard import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     RankError,
+    all_values,
     bounded_group,
     check_timeout,
+    chunks_digest,
     describe,
+    differing,
     disagreements,
     tensor_digest,
 )
@@ -56,6 +59,7 @@ from engram.distributed.wrappers import taken_over, wrapper_of
 from engram.hf.attach import EngramAttachment, get_attachment
 from engram.model.sinkhorn import SparseSinkhorn
 from engram.model.table import TrainableTable
+from engram.model.table_init import INIT_CHUNK_ROWS
 
 __all__ = [
     "SHARDED_STATE_KEY",
@@ -343,15 +347,56 @@ def _drop_sharded_tables(module: nn.Module, state_dict: dict, prefix: str, local
             state_dict.pop(f"{prefix}layers.{lid}.table.weight", None)
 
 
-def _table_digests(att: EngramAttachment) -> dict[str, str]:
-    """Each table's dtype, shape and CRC-32 of its values, read 64 MB at a time (`tensor_digest`: no
-    copy of the table, and the same on ranks with different thread counts, as float sums are not)."""
+# What a rank whose table holds its rows in memory (drawn, or loaded) says in the first round of the
+# agreement check: then every rank digests that table (a second round), a lazy one as it draws it.
+_HELD = "rows held in memory (compared by digest)"
+
+
+def _table_key(lid: str) -> str:
+    return f"layer {lid}'s initial table"
+
+
+def _table_recipes(att: EngramAttachment) -> dict[str, str]:
+    """Each trainable table as the first round compares it: a lazy table's recipe (`RowInit.describe`:
+    shape, dtype, std, seed, recipe; a few bytes, nothing drawn), else `_HELD`."""
     out = {}
     for lid, m in att.layers.items():
-        w = getattr(m.table, "weight", None)  # (an FP8 table, which does not train, has none)
-        if isinstance(w, torch.Tensor):
-            out[f"layer {lid}'s initial table"] = tensor_digest(w)
+        t = m.table
+        if isinstance(t, TrainableTable) and t.is_lazy:
+            assert t.recipe is not None
+            out[_table_key(lid)] = t.recipe.describe()
+        elif isinstance(getattr(t, "weight", None), torch.Tensor):  # (an FP8 table has none: no training)
+            out[_table_key(lid)] = _HELD
     return out
+
+
+def _table_digest(table: nn.Module) -> str:
+    """dtype, shape and CRC-32 of a table's values, read (or, for a lazy table, drawn) one chunk at a
+    time (`tensor_digest`, `chunks_digest`): never a copy of the table, and the same on ranks with
+    different thread counts, as float sums are not."""
+    if isinstance(table, TrainableTable) and table.is_lazy:
+        r = table.recipe
+        assert r is not None
+        chunks = (
+            r.rows(a, min(a + INIT_CHUNK_ROWS, r.num_rows)) for a in range(0, r.num_rows, INIT_CHUNK_ROWS)
+        )
+        return chunks_digest(r.dtype, (r.num_rows, r.dim), chunks)
+    return tensor_digest(table.weight)
+
+
+def _agreement(att: EngramAttachment, values: dict[str, object], group) -> dict[str, list[object]]:
+    """The names on which the ranks' `values` and tables differ. Ranks whose tables are all lazy agree
+    on their recipes (one all-gather of a few bytes); a table some rank holds in memory is digested on
+    every rank (a second all-gather, decided from the first, so every rank takes it or none does)."""
+    gathered = all_values({**values, **_table_recipes(att)}, group)
+    if differing([{k: v for k, v in g.items() if not k.endswith("initial table")} for g in gathered]):
+        return differing(gathered)  # (another config or mode already: the tables are not compared)
+    held = sorted({k for g in gathered for k, v in g.items() if v == _HELD})
+    if held:
+        mine = {_table_key(lid): m.table for lid, m in att.layers.items()}
+        digests = all_values({k: _table_digest(mine[k]) for k in held if k in mine}, group)
+        gathered = [{**g, **d} for g, d in zip(gathered, digests, strict=True)]
+    return differing(gathered)
 
 
 def _check_ranks_agree(
@@ -369,8 +414,9 @@ def _check_ranks_agree(
         "the wrapper holding the model already": wrapper,
     }
     if wrapper is None:  # (a wrapper may have flattened the tables: nothing to compare)
-        values.update(_table_digests(att))
-    diff = disagreements(values, group)
+        diff = _agreement(att, values, group)
+    else:
+        diff = disagreements(values, group)
     if wrapper is not None and not diff:
         raise ValueError(
             f"the model is held by {wrapper} already, which has taken the Engram tables into its own gradient "
@@ -384,7 +430,7 @@ def _check_ranks_agree(
         raise ValueError(
             f"the ranks disagree before data-parallel training: {describe(diff)}. Every rank must attach the "
             "same Engram (same config and tokenizer, tables from the same seed: torch.manual_seed before "
-            "add_engram) and call prepare_data_parallel with the same arguments"
+            "add_engram, or add_engram(..., seed=N)) and call prepare_data_parallel with the same arguments"
         )
 
 
@@ -446,10 +492,20 @@ def prepare_data_parallel(
                     f"layer {m.layer_id}'s table is a {type(m.table).__name__}; only trainable tables are "
                     "sharded: use mode='replicated' for a model that does not train its tables"
                 )
-            w = m.table.weight
-            t = ShardedTable.from_full(w, group=exchange, owners=owners)
-            t.weight.requires_grad_(w.requires_grad)
-            m.table = t  # the full table is freed once nothing else holds it
+            if (
+                m.table.is_lazy
+            ):  # born sharded: this rank draws its own rows only, the same rows one process draws
+                r = m.table.recipe
+                assert r is not None
+                t = ShardedTable(
+                    r.num_rows, r.dim, group=exchange, dtype=r.dtype, device=r.device, init_std=r.std,
+                    seed=r.seed, owners=owners,
+                )  # fmt: skip
+            else:
+                w = m.table.weight
+                t = ShardedTable.from_full(w, group=exchange, owners=owners)
+                t.weight.requires_grad_(w.requires_grad)
+            m.table = t  # a full table is freed once nothing else holds it
             tables.append(t)
         index = [att.config.layer_index(int(lid)) for lid in att.layers]
         kept = _TablesKept(att)
@@ -458,6 +514,9 @@ def prepare_data_parallel(
         # no table: one rank's rows under the table's name would be read back as the whole table.
         att.register_state_dict_post_hook(_drop_sharded_tables)
     else:
+        for m in att.layers.values():  # every rank holds every row: a lazy table is drawn whole
+            if isinstance(m.table, TrainableTable):
+                m.table.materialize()
         kept = _TablesKept(att)
         att.table_sync = ReplicatedTableSync(group, exchange=exchange, timeout=timeout, kept=kept)
     for m in att.layers.values():  # a forward refused once a wrapper has taken a table over

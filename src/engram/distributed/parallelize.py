@@ -18,6 +18,7 @@ from engram.distributed.sharded_table import ShardedTable, prefetch_tables
 from engram.model.lm import EngramLM, LMConfig
 from engram.model.module import Engram
 from engram.model.table import TrainableTable
+from engram.model.table_init import table_seed
 
 __all__ = [
     "TableInit",
@@ -51,10 +52,6 @@ def table_owners(table_ranks: int | None, world: int) -> tuple[int, ...]:
             "rank owns rows)"
         )
     return tuple(range(table_ranks))
-
-
-def _table_seed(seed: int, layer_id: int) -> int:
-    return seed + 10007 * layer_id  # one stream per layer (as the hash multipliers do)
 
 
 def shard_engram_tables(
@@ -95,7 +92,7 @@ def shard_engram_tables(
                 dtype=w.dtype,
                 device=w.device,
                 init_std=old.init_std,
-                seed=_table_seed(seed, module.layer_id),
+                seed=table_seed(seed, module.layer_id),
                 owners=owners,
             )
         module.table = new
@@ -114,18 +111,19 @@ def build_sharded_model(
     """An EngramLM of `config` whose Engram tables are CHUNKED ShardedTables from the start, their
     rows on `owners` (default: every rank; a non-owner never draws or holds a table row).
 
-    Built under torch.manual_seed(seed) with EngramLM's `table_factory`: the backbone draws first (so
-    it matches build_model's), then the Engram modules' dense weights (no full table is drawn in
-    between, so they differ from build_model's), zero-initialised as EngramLM does. Not the same
-    initial model as build_model, but the same on every rank and for every world size.
+    Built under torch.manual_seed(seed) with EngramLM's `table_factory`: the backbone draws first,
+    then the Engram modules' dense weights, zero-initialised as EngramLM does; the tables draw nothing
+    from torch's generator (row r of layer l's table is `chunked_normal`'s, from `table_seed(seed, l)`).
+    So it is the initial model of `engram.apps.train.build_model` (whose tables are those rows too),
+    bit for bit, on every rank and for every world size: one process reproduces what N ranks train.
     """
     if config.engram is None:
         raise ValueError("build_sharded_model needs an LMConfig with an engram config; use EngramLM(config)")
 
     def sharded(e: EngramConfig, layer_id: int) -> ShardedTable:
-        rows = Layout(e).layer(layer_id).num_embeddings
+        rows = Layout(e).layer(layer_id).table_rows  # padded as Engram's own table (Qwen4-Exp: to 128)
         return ShardedTable(
-            rows, e.head_dim, group=group, seed=_table_seed(seed, layer_id), device=device, owners=owners
+            rows, e.head_dim, group=group, seed=table_seed(seed, layer_id), device=device, owners=owners
         )
 
     torch.manual_seed(seed)

@@ -18,7 +18,7 @@ from torch import nn
 
 from engram.distributed.exchange_stats import record_grads, record_prefetch
 from engram.model.table import EngramTable
-from engram.storage import hugepages
+from engram.model.table_init import INIT_CHUNK_ROWS, chunked_normal  # (re-exported)
 from engram.storage.fp8 import check_rows
 
 __all__ = [
@@ -32,9 +32,6 @@ __all__ = [
     "shard_bounds",
     "sync_table_grads",
 ]
-
-# Rows per initialisation chunk: fixed, so a table's initial values do not depend on the world size.
-INIT_CHUNK_ROWS = 1 << 16
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -73,33 +70,6 @@ def shard_bounds(num_rows: int, world: int, owners: Iterable[int] | None = None)
             i += 1
         bounds.append(i * num_rows // n_own)  # rows of the owners up to and including rank r
     return bounds
-
-
-def chunked_normal(
-    lo: int,
-    hi: int,
-    dim: int,
-    *,
-    std: float = 0.02,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Rows [lo, hi) (hi - lo, dim) of a normal(0, std) table whose chunk c (rows c*INIT_CHUNK_ROWS ..)
-    is drawn whole (in fp32, on the CPU) from a generator seeded with (seed, c): any split of the
-    rows, and any table length, gives the same values. Cost: up to one extra chunk drawn per end."""
-    if not 0 <= lo <= hi or dim < 1:
-        raise ValueError(f"chunked_normal needs 0 <= lo <= hi and dim >= 1, got lo={lo}, hi={hi}, dim={dim}")
-    out = hugepages.empty((hi - lo, dim), dtype=dtype, device=device)
-    gen = torch.Generator()
-    for c in range(lo // INIT_CHUNK_ROWS, (hi - 1) // INIT_CHUNK_ROWS + 1 if hi > lo else 0):
-        c0 = c * INIT_CHUNK_ROWS
-        a, b = max(lo, c0), min(hi, c0 + INIT_CHUNK_ROWS)
-        gen.manual_seed(seed * 1_000_003 + c)  # one stream per chunk (distinct for < 1e6 chunks)
-        # Always the whole chunk: randn's vectorised sampler makes a shorter draw no prefix of a longer one.
-        chunk = torch.randn(INIT_CHUNK_ROWS, dim, generator=gen).mul_(std)  # (INIT_CHUNK_ROWS, dim)
-        out[a - lo : b - lo].copy_(chunk[a - c0 : b - c0])
-    return out
 
 
 class ShardedTable(EngramTable):

@@ -19,14 +19,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engram.addressing.compression import TokenizerCompression
 from engram.addressing.hashing import NgramHasher
+from engram.addressing.layout import Layout
 from engram.config import EngramConfig
 from engram.hf.hooks import install_hooks, remove_hooks
 from engram.hf.rows import RowSource
 from engram.model.module import Engram
+from engram.model.table import TrainableTable
+from engram.model.table_init import table_seed
 
 __all__ = [
     "DECODER_LAYER_PATHS",
@@ -245,6 +249,8 @@ def add_engram(
     eos_token_id: int | None = None,
     modules: dict[int, Engram] | None = None,
     dtype: torch.dtype | None = None,
+    seed: int | None = None,
+    lazy_tables: bool | None = None,
 ) -> nn.Module:
     """Attach Engram at decoder layers `layers` (default `config.layer_ids`) of a decoder-only HF model.
 
@@ -254,6 +260,15 @@ def add_engram(
     until it is trained. `tokenizer` (an HF tokenizer, a `tokenizers.Tokenizer`, a tokenizer.json
     path or 'deepseek-v4') builds the compression map; or pass `compression`. `modules`: ready Engram
     modules (used by `load_engram`). Everything is checked before the model is changed.
+
+    The tables' rows are row-addressed (`engram.model.table_init`): row r of layer l's table depends
+    on (seed, l, r) only, so N processes each drawing their own rows hold the table one process
+    draws. `seed`: an int, or None to draw one from torch's generator (torch.manual_seed before
+    add_engram then decides the tables, as it decides the other weights). `lazy_tables`: the tables
+    take no memory until first used (a forward, `model.engram.tables()`, a state_dict: then the whole
+    table is drawn), and `engram.distributed.prepare_data_parallel` draws only this rank's rows. None
+    (default): lazy when this process is one of several of a torch.distributed process group, else
+    drawn here (a lazy table is not among `model.parameters()` until it is drawn).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module (a transformers model), got {type(model).__name__}")
@@ -291,15 +306,29 @@ def add_engram(
         eos_token_id = eos[0] if isinstance(eos, list | tuple) and eos else eos
     config = boundary_config(config, boundaries, eos_token_id)
     hasher = build_hasher(config, tokenizer, compression)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 31):
+        raise ValueError(
+            f"seed={seed!r}: give an int in [0, 2**31), or None to draw one from torch's generator"
+        )
+    if lazy_tables not in (None, True, False):
+        raise TypeError(f"lazy_tables={lazy_tables!r}: give True, False or None (lazy under a process group)")
     p = _model_param(model)
     if dtype is None:
         dtype = engram_dtype(model)
     if modules is None:
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 31, ()))  # torch's generator decides, as for the other weights
+        lazy = _in_process_group() if lazy_tables is None else lazy_tables
+        layout = Layout(config)
         modules = {}
         for lid in config.layer_ids:
             lp = _model_param(decoder[lid])
             device = lp.device if lp is not None else (p.device if p is not None else None)
-            m = Engram(config, lid, dtype=dtype, device=device)
+            rows = layout.layer(lid).table_rows
+            table = TrainableTable(
+                rows, config.head_dim, dtype=dtype, device=device, seed=table_seed(seed, lid), lazy=lazy
+            )
+            m = Engram(config, lid, table=table, dtype=dtype, device=device)
             if zero_init:
                 _zero_value(m, config)
             modules[lid] = m
@@ -314,6 +343,12 @@ def add_engram(
     model.engram = att
     install_hooks(model, owner, att, decoder)
     return model
+
+
+def _in_process_group() -> bool:
+    """Whether this process is one of several of a torch.distributed job (its tables are then lazy:
+    prepare_data_parallel draws only this rank's rows)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def boundary_config(config: EngramConfig, boundaries: str | None, eos_token_id: int | None) -> EngramConfig:

@@ -9,15 +9,18 @@ and routes rows to them: dequantisation is `engram.storage.quant`'s, row gathers
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engram.checkpoint.files import open_tensors
+from engram.model.table_init import RowInit
 from engram.storage import hugepages, lookup, quant
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 from engram.storage.outpool import OutputPool
@@ -47,7 +50,17 @@ class TrainableTable(EngramTable):
 
     Repeated row ids in a batch are gathered once (torch.unique), which also makes the sparse
     gradient carry one entry per distinct row.
+
+    `seed` (`table_init.table_seed` of a model seed and the layer): the rows are
+    `table_init.chunked_normal`'s, so row r depends on (seed, r) only and N ranks each drawing their
+    own rows hold this table between them (None: `nn.init.normal_` from torch's generator). `lazy`
+    (with a seed): no memory until first used; `recipe` records how its rows are drawn (a `RowInit`, which
+    `.to()` / `.double()` update), and the first read of `weight` (a gather, a state_dict, an
+    optimizer built over it) draws the rows; a row-sharded table draws only its own
+    (`engram.distributed`). A lazy table is not among the module's parameters until then.
     """
+
+    recipe: RowInit | None
 
     def __init__(
         self,
@@ -57,15 +70,26 @@ class TrainableTable(EngramTable):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         init_std: float = 0.02,
+        seed: int | None = None,
+        lazy: bool = False,
     ) -> None:
         super().__init__()
         if num_rows < 1 or dim < 1:
             raise ValueError(f"a table needs num_rows >= 1 and dim >= 1, got {num_rows} x {dim}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise TypeError(f"a trainable table is fp32, bf16 (or fp64 for checks), got {dtype}")
+        if lazy and seed is None:
+            raise ValueError("a lazy table draws its rows when first used, from seed=... (pass one)")
         self.num_rows, self.dim = int(num_rows), int(dim)
+        self.init_std, self.seed = init_std, seed
+        self.recipe = None
+        if seed is not None:
+            where = torch.device("cpu") if device is None else torch.device(device)
+            self.recipe = RowInit(self.num_rows, self.dim, init_std, seed, dtype, where)
+            if not lazy:
+                self.materialize()
+            return
         self.weight = nn.Parameter(hugepages.empty((num_rows, dim), dtype=dtype, device=device))
-        self.init_std = init_std
         self.reset_parameters()
 
     @classmethod
@@ -78,11 +102,66 @@ class TrainableTable(EngramTable):
         EngramTable.__init__(table)
         table.num_rows, table.dim = int(weight.shape[0]), int(weight.shape[1])
         table.weight = nn.Parameter(weight.detach())
-        table.init_std = init_std
+        table.init_std, table.seed, table.recipe = init_std, None, None
         return table
 
+    @property
+    def is_lazy(self) -> bool:
+        """Whether the rows are still to be drawn (`recipe` kept, no `weight` yet)."""
+        return "weight" not in self._parameters
+
+    def materialize(self) -> nn.Parameter:
+        """The parameter, drawing the rows of a lazy table first (the whole table: one chunk of
+        temporaries beside it)."""
+        if self.is_lazy:
+            assert self.recipe is not None
+            self._set_weight(self.recipe.rows(0, self.num_rows))
+        return self._parameters["weight"]  # type: ignore[return-value]
+
+    def _set_weight(self, values: torch.Tensor) -> None:
+        self.__dict__["_setting"] = True  # register_parameter asks hasattr(self, "weight") first
+        try:
+            self.weight = nn.Parameter(values)
+        finally:
+            del self.__dict__["_setting"]
+
+    def __getattr__(self, name: str) -> Any:
+        d = self.__dict__
+        if name == "weight" and d.get("recipe") is not None and "_setting" not in d and self.is_lazy:
+            return self.materialize()  # first use of a lazy table
+        return super().__getattr__(name)
+
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.init_std)
+        if self.seed is None:
+            nn.init.normal_(self.weight, std=self.init_std)
+        elif not self.is_lazy:
+            assert self.recipe is not None
+            with torch.no_grad():
+                self.recipe.rows(0, self.num_rows, out=self.weight)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TrainableTable:
+        if self.is_lazy and self.recipe is not None:
+            # what `fn` (a parent's .to(device) / .double()) does to a weight: probed on an empty one
+            p = self.recipe
+            probe = fn(torch.empty((0, self.dim), dtype=p.dtype, device=p.device))
+            self.recipe = dataclasses.replace(p, dtype=probe.dtype, device=probe.device)
+        return super()._apply(fn, recurse)  # type: ignore[return-value]
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self.materialize()  # a state_dict is a use: it holds the rows
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
+        if self.is_lazy and self.recipe is not None and prefix + "weight" in state_dict:
+            p = self.recipe  # the rows come from the state: room for them, nothing drawn
+            self._set_weight(hugepages.empty((self.num_rows, self.dim), dtype=p.dtype, device=p.device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    def extra_repr(self) -> str:
+        lazy = f", lazy (seed {self.seed})" if self.is_lazy else ""
+        return f"num_rows={self.num_rows}, dim={self.dim}{lazy}"
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         check_rows(rows, self.num_rows)

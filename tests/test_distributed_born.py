@@ -1,0 +1,348 @@
+"""Tables born sharded, and ranks that agree on them without the table (issue 29, items 1-2).
+
+Row r of layer l's table depends on (seed, l, r) only (`engram.model.table_init`), so one process
+(`engram.hf.add_engram`, `engram.apps.train.build_model`) draws the very table N ranks hold between
+them. Under a process group `add_engram`'s tables are lazy and `prepare_data_parallel` draws only the
+rank's rows: 1, 2 and 3 ranks gathered equal the one-process table bit for bit, a rank's peak memory
+grows by its shard and a chunk, not by the table, and the ranks agree on the tables' recipes (a few
+bytes) without a digest; a table some rank holds in memory is digested chunk by chunk on every rank.
+One spawned job (3 gloo ranks; the rows of 1 and 2 ranks are those of table_ranks 1 and 2 there)
+runs every multi-process check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hf_setup as S
+from engram.distributed.guard import chunks_digest, tensor_digest
+from engram.hf import add_engram
+from engram.model.table import TrainableTable
+from engram.model.table_init import INIT_CHUNK_ROWS, RowInit, chunked_normal, table_seed
+
+WORLD = 3
+BIG_VOCAB = (500_000, 500_009)  # layer 1's table: 2,000,136 rows x 32 fp32 = 244 MiB whole
+TABLE = "engram.layers.1.table.weight"
+MB = 1 << 20  # (MiB, as /proc/self/status counts)
+
+
+def _model(seed: int | None = None, lazy: bool | None = None, big: bool = False) -> torch.nn.Module:
+    """A tiny Llama (seeded) with Engram at layer 1: the same call in every process."""
+    cfg = S.engram_config()
+    if big:
+        cfg = cfg.replace(engram_vocab_size=BIG_VOCAB)
+    return add_engram(S.llama(seed=3), cfg, compression=S.compression(), seed=seed, lazy_tables=lazy)
+
+
+def _can_reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_mb(field: str) -> float:
+    """VmRSS / VmHWM of this process, MB (Linux)."""
+    found = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert found is not None
+    return int(found.group(1)) / 1024
+
+
+# ---------------------------------------------------------------------------- one process
+def test_table_rows_depend_on_seed_and_row_only():
+    """A seeded table is chunked_normal's, whatever the split of its rows; a lazy one holds nothing
+    until first used (then the same rows, in the dtype a parent's .double() asked for); a state_dict
+    draws it, a loaded state is not drawn."""
+    n = 2 * INIT_CHUNK_ROWS + 100
+    t = TrainableTable(n, 4, seed=11)
+    want = t.weight.detach()
+    assert torch.equal(want, chunked_normal(0, n, 4, seed=11))
+    recipe = RowInit(n, 4, 0.02, 11)
+    parts = [recipe.rows(a, b) for a, b in ((0, 5), (5, INIT_CHUNK_ROWS + 3), (INIT_CHUNK_ROWS + 3, n))]
+    assert torch.equal(torch.cat(parts), want)
+    assert not torch.equal(TrainableTable(n, 4, seed=12).weight.detach(), want)
+
+    lazy = TrainableTable(n, 4, seed=11, lazy=True).double()
+    assert lazy.is_lazy and list(lazy.parameters()) == [] and "lazy (seed 11)" in repr(lazy)
+    assert lazy.recipe is not None and lazy.recipe.dtype == torch.float64
+    assert torch.equal(lazy.weight.detach(), want.double())  # first use
+    assert not lazy.is_lazy and [p.shape for p in lazy.parameters()] == [(n, 4)]
+    assert torch.equal(TrainableTable(n, 4, seed=11, lazy=True).state_dict()["weight"], want)
+    loaded = TrainableTable(n, 4, seed=11, lazy=True)
+    loaded.load_state_dict({"weight": torch.ones(n, 4)})
+    assert torch.equal(loaded.weight.detach(), torch.ones(n, 4))
+    with pytest.raises(ValueError, match="seed="):
+        TrainableTable(10, 4, lazy=True)
+    with pytest.raises(ValueError, match="magnitude below 2\\*\\*40"):
+        RowInit(10, 4, 0.02, 1 << 41)
+
+
+def test_add_engram_in_one_process_draws_the_row_addressed_table():
+    """One process: the table is drawn at add_engram (among the parameters), row-addressed from
+    (seed, layer); seed None takes one from torch's generator. lazy_tables=True draws it at the first
+    forward, the same table and the same logits."""
+    model = _model(seed=7)
+    table = model.engram.module(1).table
+    assert not table.is_lazy and any(p is table.weight for p in model.parameters())
+    assert torch.equal(table.weight.detach(), chunked_normal(0, table.num_rows, 32, seed=table_seed(7, 1)))
+    a, b = _model(), _model()  # S.llama seeds torch: the drawn seed is the same
+    assert torch.equal(a.engram.module(1).table.weight, b.engram.module(1).table.weight)
+
+    lazy = _model(seed=7, lazy=True)
+    assert lazy.engram.module(1).table.is_lazy and not any(
+        p.shape[0] == table.num_rows for p in lazy.parameters()
+    )
+    ids = S.batch(2, 10, seed=1)
+    logits = []
+    for m in (model, lazy):
+        with torch.no_grad():
+            m.engram.module(1).wkv.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(0))
+            logits.append(m(input_ids=ids).logits)
+    assert not lazy.engram.module(1).table.is_lazy
+    assert torch.equal(lazy.engram.module(1).table.weight, table.weight)
+    assert torch.equal(logits[0], logits[1])
+
+    for bad in (-1, 1 << 31, 1.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"seed={bad!r}")):
+            _model(seed=bad)
+    with pytest.raises(TypeError, match="lazy_tables='yes'"):
+        _model(lazy="yes")
+
+
+def test_digests_read_in_place_and_a_lazy_table_digests_as_drawn():
+    """tensor_digest reads a CPU table in place (no copy, float64 or other: peak RSS grows by less
+    than 8 MB for a 77 MB table); a lazy table's digest, drawn chunk by chunk, equals its drawn
+    table's."""
+    if not _can_reset_peak():
+        pytest.skip("needs /proc/self/clear_refs (Linux) to measure the peak")
+    t = TrainableTable(600_000, 32, seed=3)  # 73 MiB
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_mb("VmRSS")
+    want = tensor_digest(t.weight)
+    grew = _status_mb("VmHWM") - before
+    assert grew < 8, f"the digest grew the peak RSS by {grew:.1f} MB"
+    r = t.recipe
+    assert r is not None
+    lazy = chunks_digest(
+        r.dtype,
+        (r.num_rows, r.dim),
+        (r.rows(a, min(a + 1000, r.num_rows)) for a in range(0, r.num_rows, 1000)),
+    )
+    assert lazy == want
+
+
+# ---------------------------------------------------------------------------- the spawned job
+def _counted():
+    """Patch the agreement check's digests to count them (they still run)."""
+    import engram.distributed.hf as H
+
+    return (
+        mock.patch.object(H, "tensor_digest", wraps=H.tensor_digest),
+        mock.patch.object(H, "chunks_digest", wraps=H.chunks_digest),
+    )
+
+
+def _prepare_counting(model, *args, **kw) -> tuple[str | None, int]:
+    """prepare_data_parallel: (its error or None, how many tables this rank digested)."""
+    from engram.distributed import prepare_data_parallel
+
+    a, b = _counted()
+    with a as td, b as cd:
+        try:
+            prepare_data_parallel(model, *args, **kw)
+            err = None
+        except ValueError as e:
+            err = str(e)
+    return err, td.call_count + cd.call_count
+
+
+def _born_part(rank: int) -> dict:
+    """The rows of 1, 2 and 3 owner ranks (table_ranks 1, 2 and None on the 3 ranks: the split of 1,
+    2 and 3 ranks), born sharded, gathered whole on rank 0; and the dense weights."""
+    out = {}
+    for owners in (1, 2, 3):
+        model = _model()
+        lazy = model.engram.module(1).table.is_lazy
+        err, digests = _prepare_counting(model, "sharded", table_ranks=owners if owners < WORLD else None)
+        t = model.engram.table_sync.tables[0]
+        full = t.full_weight(0)
+        dense = model.state_dict() if rank == 0 else None  # (the sharded table is left out)
+        out[owners] = {
+            "lazy": lazy,
+            "error": err,
+            "digests": digests,
+            "rows": (t.lo, t.hi),
+            "full": full,
+            "dense": dense,
+        }
+    return out
+
+
+def _memory_part() -> dict:
+    """Peak RSS growth over add_engram + prepare_data_parallel of a 244 MiB table: born sharded (the
+    default under a process group), then drawn whole first (lazy_tables=False: the earlier way)."""
+    if not _can_reset_peak():
+        return {}
+    from engram.distributed import prepare_data_parallel
+
+    res = {}
+    for name, lazy in (("born", None), ("whole", False)):
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_mb("VmRSS")
+        model = _model(big=True, lazy=lazy)
+        prepare_data_parallel(model, "sharded", timeout=None)  # (no process group made: its buffers)
+        grew = _status_mb("VmHWM") - before
+        t = model.engram.table_sync.tables[0]
+        res[name] = {"grew": grew, "shard": t.weight.numel() * 4 / MB, "whole": t.num_rows * t.dim * 4 / MB}
+        del model, t
+    res["chunk"] = INIT_CHUNK_ROWS * 32 * 4 / MB
+    return res
+
+
+def _agreement_part(rank: int) -> dict:
+    """prepare_data_parallel on 3 ranks whose tables differ in seed (all lazy), are lazy on some and
+    drawn on rank 0 (equal), drawn and changed on rank 1, drawn on every rank."""
+    res = {}
+    res["seed"] = _prepare_counting(_model(seed=8 if rank == 2 else 7), "sharded")
+    model = _model(seed=7)
+    if rank == 0:
+        model.engram.tables()  # a use: rank 0 draws its whole table
+    res["mixed-equal"] = _prepare_counting(model, "sharded")
+    model = _model(seed=7)
+    if rank == 1:
+        with torch.no_grad():
+            model.engram.tables()[0][5] += 1
+    res["mixed-differ"] = _prepare_counting(model, "sharded")
+    res["held"] = _prepare_counting(_model(seed=7, lazy=False), "sharded")
+    return res
+
+
+def _train_part(lm_cfg, seed: int) -> dict:
+    """engram train --distributed --table-init chunked's model (build_sharded_model), gathered."""
+    from engram.distributed import build_sharded_model, sharded_tables
+
+    model = build_sharded_model(lm_cfg, seed=seed)
+    tables = [t.full_weight(0) for t in sharded_tables(model)]
+    dense = {k: v for k, v in model.state_dict().items() if not k.endswith("table.weight")}
+    return {"tables": tables, "dense": dense}
+
+
+def _worker(rank: int, init_file: str, out: str, lm_cfg, seed: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        import time
+
+        res, t0 = {}, time.perf_counter()
+        for name, part in (
+            ("born", lambda: _born_part(rank)),
+            ("agree", lambda: _agreement_part(rank)),
+            ("train", lambda: _train_part(lm_cfg, seed)),
+            ("memory", _memory_part),
+        ):
+            res[name] = part()
+            res.setdefault("seconds", {})[name] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        torch.save(res, f"{out}/rank-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def train_setup(corpus):
+    from engram.apps.train import build_model, prepare_data
+    from training_setup import dist_cfg
+
+    cfg = dist_cfg(corpus)
+    data = prepare_data(cfg)
+    return cfg, build_model(cfg, data)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, train_setup) -> list[dict]:
+    cfg, model = train_setup
+    d = tmp_path_factory.mktemp("born")
+    mp.spawn(_worker, args=(str(d / "init"), str(d), model.config, cfg.seed), nprocs=WORLD)
+    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_hf_tables_born_sharded_equal_one_process(runs):
+    """Rows on 1, 2 and 3 ranks: the tables are lazy at add_engram, each rank draws only its rows (no
+    digest in the agreement: the recipes agree), and the gathered table and rank 0's dense weights
+    equal one process's, bit for bit."""
+    one = _model().state_dict()
+    n = len(one[TABLE])
+    for w in (1, 2, 3):
+        parts = [runs[r]["born"][w] for r in range(WORLD)]
+        assert [p["rows"] for p in parts[:w]] == [(r * n // w, (r + 1) * n // w) for r in range(w)]
+        assert all(p["rows"][0] == p["rows"][1] for p in parts[w:])  # ranks past the owners: no row
+        for p in parts:
+            assert p["lazy"] and p["error"] is None and p["digests"] == 0
+        assert torch.equal(parts[0]["full"], one[TABLE])
+        dense = parts[0]["dense"]
+        assert TABLE not in dense and set(dense) == set(one) - {TABLE}
+        for k, v in dense.items():
+            assert torch.equal(v, one[k]), k
+
+
+def test_engram_train_born_sharded_equals_build_model(runs, train_setup):
+    """`engram train`'s one-process model (build_model) is the born-sharded model N ranks build
+    (build_sharded_model), tables and dense weights, bit for bit."""
+    _, model = train_setup
+    one = model.state_dict()
+    got = runs[0]["train"]
+    keys = sorted(k for k in one if k.endswith("table.weight"))
+    assert len(keys) == len(got["tables"]) == 2
+    for k, full in zip(keys, got["tables"], strict=True):
+        assert torch.equal(full, one[k]), k
+    assert set(got["dense"]) == set(one) - set(keys)
+    for k, v in got["dense"].items():
+        assert torch.equal(v, one[k]), k
+
+
+def test_ranks_agree_on_recipes_and_digest_only_held_tables(runs):
+    """Lazy tables of different seeds: refused on every rank naming both seeds, nothing digested.
+    A table drawn on rank 0 only, equal: accepted after one digest per rank (a lazy one as drawn).
+    Drawn and changed on rank 1: refused by digest. Drawn everywhere: accepted, digested."""
+    for rank, res in enumerate(runs):
+        err, n = res["agree"]["seed"]
+        assert err is not None and n == 0
+        assert "layer 1's initial table" in err and "seed 10014" in err and "seed 10015" in err, err
+        assert "add_engram(..., seed=N)" in err
+        assert res["agree"]["mixed-equal"] == (None, 1), rank
+        err, n = res["agree"]["mixed-differ"]
+        assert n == 1 and err is not None and "crc32" in err and "layer 1's initial table" in err
+        assert res["agree"]["held"] == (None, 1)
+
+
+def test_peak_memory_per_rank_is_its_shard_and_a_chunk(runs):
+    """3 ranks, a 244 MiB table: add_engram + prepare_data_parallel grow a rank's peak RSS by its shard
+    and a chunk (+ 24 MiB of the rest), where drawing it whole first grows it by more than the table."""
+    if not runs[0]["memory"]:
+        pytest.skip("needs /proc/self/clear_refs (Linux) to measure the peak")
+    for rank, res in enumerate(runs):
+        mem, secs = res["memory"], ", ".join(f"{k} {v:.1f} s" for k, v in res["seconds"].items())
+        born, whole = mem["born"], mem["whole"]
+        print(f"rank {rank}: born sharded +{born['grew']:.0f} MiB, drawn whole +{whole['grew']:.0f} MiB "
+              f"(shard {born['shard']:.0f}, table {born['whole']:.0f}, chunk {mem['chunk']:.0f} MiB); {secs}")  # fmt: skip
+    for res in runs:
+        mem = res["memory"]
+        born, whole = mem["born"], mem["whole"]
+        assert born["whole"] > 240 and born["shard"] < 90  # MiB
+        assert born["grew"] < born["shard"] + 2 * mem["chunk"] + 24, born
+        assert whole["grew"] > whole["whole"], whole
