@@ -4,12 +4,13 @@ tests/test_cli_hf_train.py).
 
 Two launches: the README's command itself (`torchrun --nproc_per_node 2 -m engram hf-train ...
 --distributed`: the process group started and ended by the CLI), and one of tests/hf_train_dist_job.py,
-which runs several hf-train runs in one process group (interrupted and resumed, frozen and LoRA, a
-rank given other options, a rank that fails alone). The 2-rank runs split the global batch of 4 over
-the ranks, with the tables row-sharded (the default), so OUT equals the one-process run's with batch 4:
-float32, the Engram weights to 1e-5 and the losses to 1e-6 (measured: 1.2e-7 frozen, 4.5e-6 LoRA;
-held-out loss 9e-10). A 2-rank run resumed from its sharded checkpoint equals the uninterrupted one
-(measured: bit-exact). Every launch has a timeout, so a rank that hangs fails the test."""
+which runs several hf-train runs in one process group (interrupted and resumed, frozen, LoRA and full,
+row-sharded and replicated tables, a rank given other options, a rank that fails alone). The 2-rank
+runs split the global batch of 4 over the ranks, so OUT equals the one-process run's with batch 4:
+float32, the weights to 1e-5 (full: 1e-4) and the held-out loss to 1e-6 (measured: 1.2e-7 frozen,
+4.5e-6 LoRA; held-out loss 9e-10). A 2-rank run resumed from its sharded checkpoint equals the
+uninterrupted one (measured: bit-exact). Every launch has a timeout, so a rank that hangs fails the
+test."""
 
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ def job(data) -> Path:
         {"name": "lora-whole", "argv": [*base, "--out", str(out / "lora-whole"), "--mode", "lora"]},
         {"name": "lora-cut", "argv": [*base, "--out", str(out / "lora"), "--mode", "lora"], "interrupt_at": 3},
         {"name": "lora-resume", "argv": [*base, "--out", str(out / "lora"), "--mode", "lora", "--resume"]},
+        {"name": "replicated", "argv": [*base, "--out", str(out / "replicated"), "--table-sync", "replicated"]},
+        {"name": "full", "argv": [*base, "--out", str(out / "full"), "--mode", "full"]},
         {"name": "left", "argv": [*base, "--out", str(out / "left")], "interrupt_at": 3},  # not resumed
         {"name": "other-lr", "argv": [*base, "--out", str(out / "other-lr")], "rank_argv": {"1": ["--lr", "1e-3"]}},
         {"name": "rank-1-fails", "argv": [*base, "--out", str(out / "rank-1-fails")], "fail_on_rank": 1},
@@ -170,6 +173,21 @@ def test_two_rank_resume_equals_uninterrupted(readme_run, job, data, mode):
     if mode == "lora":
         assert _outcome(job, "lora-whole")[0]["code"] == 0
         _assert_same_run(whole, _one_process(data, "one-lora", "--mode", "lora"), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "sync", "atol"),
+    [("replicated", "frozen", "replicated", 1e-5), ("full", "full", "sharded", 1e-4)],
+)
+def test_replicated_tables_and_full_mode_equal_one_process(job, data, name, mode, sync, atol):
+    """--table-sync replicated (every rank holds the whole tables, their row gradients averaged) and
+    --mode full (the backbone under DDP too) on 2 ranks: OUT equals one process's. Full: 1e-4, as Adam
+    divides a gradient near zero by its own size, so float32's other summation order on 2 ranks moves
+    such an element by up to lr x a fraction (measured: 1 of 16,384 of Engram's wkv by 4.7e-5)."""
+    assert [o["code"] for o in _outcome(job, name)] == [0, 0]
+    r = json.loads((job / name / hf_folder.RUN_FILE).read_text())
+    assert r["table_sync"] == sync and r["mode"] == mode
+    _assert_same_run(job / name, _one_process(data, f"one-{mode}", "--mode", mode), atol=atol)
 
 
 def test_resume_on_other_processes_refused(job, data, capsys):
