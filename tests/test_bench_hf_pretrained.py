@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import hf_setup as S
 
@@ -27,10 +28,18 @@ def test_main_on_a_tiny_folder(folder, capsys) -> None:
 def test_rows(folder) -> None:
     from engram.benchmarks import bench_hf_pretrained as bench
 
-    rows = bench.run(folder, batch=2, seq=16, repeats=1, prompt=8, new_tokens=3, lora=False, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rows = bench.run(
+            folder, batch=2, seq=16, repeats=1, prompt=8, new_tokens=3, lora=False, progress=False
+        )
+        assert torch.get_num_threads() == 2  # the run's one thread not left behind
+    finally:
+        torch.set_num_threads(threads)
     ratios = [r for r in rows if "ratio" in r]
     assert [r.get("target") for r in ratios] == [1.15, 1.10]  # no LoRA row
-    assert all(r["ratio"] > 0 and r["seconds"] > 0 for r in ratios)
+    assert all(r["ratio"] > 0 and r["seconds"] > 0 and r["cpu_ratio"] > 0 for r in ratios)
     mem = next(r for r in rows if r["op"] == "memory")
     n, b = mem["table_parameters"], mem["bytes"]
     assert b["tables"] == 4 * n  # float32 tables, counted tensor by tensor
