@@ -39,6 +39,7 @@ def worker(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    exchange_stats().count_served_distinct = True
     tables = [ShardedTable(n, dim, dtype=torch.bfloat16, seed=i) for i, n in enumerate(table_rows)]
     steps = []
     rank_tokens = rows.shape[1]

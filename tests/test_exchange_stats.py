@@ -62,6 +62,7 @@ def worker(rank: int, world: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))  # fmt: skip
     stats = exchange_stats()
+    stats.count_served_distinct = True
     res: dict = {}
     for owners in OWNERS[world]:
         for dtype in (torch.float32, torch.bfloat16):
@@ -84,6 +85,12 @@ def worker(rank: int, world: int, init_file: str, out: str) -> None:
                     release_tables(tables)
                 steps.append((stats - before).to_dict())
             res[(owners, str(dtype))] = steps
+    stats.count_served_distinct = False  # the one counter that costs a sort: off by default
+    before = stats.copy()
+    t = ShardedTable(SIZES[0], DIM)
+    prefetch_tables([(t, batch(world, rank, 0)[0])])
+    release_tables([t])
+    res["no_distinct"] = (stats - before).to_dict()
     stats.enabled = False  # a disabled counter counts nothing
     before = stats.copy()
     t = ShardedTable(SIZES[0], DIM)
@@ -161,7 +168,7 @@ def test_counters_equal_a_count_from_the_batches(runs, world):
 def test_counts_balance_across_ranks_and_repeats_are_removed(runs, world):
     """What one rank sends another receives; the exchange sends fewer rows than were looked up."""
     for case in runs[world][0]:
-        if case == "disabled":
+        if case in ("disabled", "no_distinct"):
             continue
         for step in range(STEPS):
             per = [runs[world][r][case][step] for r in range(world)]
@@ -179,6 +186,8 @@ def test_counts_balance_across_ranks_and_repeats_are_removed(runs, world):
 def test_disabled_counts_nothing(runs):
     for world in (2, 3):
         for r in runs[world]:
+            nd = r["no_distinct"]
+            assert nd["rows_served_distinct"] == 0 and nd["prefetches"] == 1 and nd["lookups"] > 0
             d = r["disabled"]
             assert d["prefetches"] == d["lookups"] == d["sent"]["total"] == d["grad_syncs"] == 0
 
@@ -192,3 +201,4 @@ def test_reset_copy_and_difference():
     s.reset()
     assert s == ExchangeStats(enabled=False)
     assert s.to_dict()["sent"]["total"] == 0 and exchange_stats() is exchange_stats()
+    assert not ExchangeStats().count_served_distinct  # off unless asked: it costs a sort a table

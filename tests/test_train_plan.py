@@ -66,6 +66,7 @@ def worker(rank: int, init_file: str, out: str, rows: torch.Tensor) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    exchange_stats().count_served_distinct = True
     res = {}
     for name in OPTIMIZERS:
         tables = [ShardedTable(n, CFG.head_dim, seed=i) for i, n in enumerate(Layout(CFG).table_rows)]

@@ -3,7 +3,7 @@
 `exchange_stats()` is this process's `ExchangeStats`, which the exchange itself updates: the rows it
 was asked for (every position and head: "lookups"), the distinct rows it sent per owner and table
 (what the exchange sends: repeats are removed per requesting rank), the rows it served as an owner
-(and how many of those were distinct per table across the requesting ranks), and the bytes this
+(and, with `count_served_distinct`, how many were distinct per table across the requesting ranks), and the bytes this
 rank put into and got out of each all-to-all (counts, ids, rows, gradients), all of them and those
 to or from other ranks only (the self slot of an all-to-all is a local copy). `undeduped` is the
 traffic the same lookups would make if every lookup were sent: the gain of removing repeats.
@@ -44,6 +44,7 @@ class Traffic:
         return Traffic(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
 
+_SWITCHES = ("enabled", "count_served_distinct")
 _TRAFFIC = ("sent", "sent_remote", "received", "received_remote", "undeduped", "undeduped_remote")
 
 
@@ -56,6 +57,9 @@ class ExchangeStats:
     """
 
     enabled: bool = True  # False: the exchange records nothing (its counting costs a few O(N) passes)
+    # rows_served_distinct costs one sort of the served rows per table and step (on a CPU about as
+    # much as the exchange's own sort of the rows asked): counted only when asked for
+    count_served_distinct: bool = False
     prefetches: int = 0  # prefetch_tables calls (one exchange each, however many tables)
     grad_syncs: int = 0  # exchanges whose gradients were sent back (sync_table_grads)
     lookups: int = 0  # rows asked for, every position and head: before removing repeats
@@ -64,7 +68,7 @@ class ExchangeStats:
     rows_requested_remote: int = 0  # of those, asked of another rank
     rows_served: int = 0  # rows this rank served as an owner (every requesting rank, itself included)
     rows_served_remote: int = 0  # of those, to another rank
-    rows_served_distinct: int = 0  # distinct per table among the served rows (repeats across ranks removed)
+    rows_served_distinct: int = 0  # distinct per table among the served rows (with count_served_distinct)
     sent: Traffic = field(default_factory=Traffic)  # bytes this rank put into the all-to-alls
     sent_remote: Traffic = field(default_factory=Traffic)  # of those, to other ranks
     received: Traffic = field(default_factory=Traffic)
@@ -75,9 +79,9 @@ class ExchangeStats:
     undeduped_remote: Traffic = field(default_factory=Traffic)
 
     def reset(self) -> None:
-        """Every counter back to zero (`enabled` kept)."""
+        """Every counter back to zero (the switches kept)."""
         for f in fields(self):
-            if f.name != "enabled":
+            if f.name not in _SWITCHES:
                 setattr(self, f.name, Traffic() if f.name in _TRAFFIC else 0)
 
     def copy(self) -> ExchangeStats:
@@ -88,7 +92,7 @@ class ExchangeStats:
         out = {}
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            out[f.name] = a if f.name == "enabled" else a - b
+            out[f.name] = a if f.name in _SWITCHES else a - b
         return ExchangeStats(**out)
 
     @property
@@ -136,7 +140,8 @@ def record_prefetch(exchange: Any, pairs: list[tuple[Any, torch.Tensor]]) -> Non
         lookups += flat.numel()
         if t.hi > t.lo and flat.numel():
             local += int(((flat >= t.lo) & (flat < t.hi)).sum())  # sync point on CUDA
-    distinct = sum(int(torch.unique(loc).numel()) for _, loc in exchange.served)
+    if s.count_served_distinct:
+        s.rows_served_distinct += sum(int(torch.unique(loc).numel()) for _, loc in exchange.served)
     asked, served = sum(send), sum(recv)
     asked_remote, served_remote = asked - send[rank], served - recv[rank]
     counts_b, counts_remote_b = world * n_tab * ID_BYTES, (world - 1) * n_tab * ID_BYTES
@@ -147,7 +152,6 @@ def record_prefetch(exchange: Any, pairs: list[tuple[Any, torch.Tensor]]) -> Non
     s.rows_requested_remote += asked_remote
     s.rows_served += served
     s.rows_served_remote += served_remote
-    s.rows_served_distinct += distinct
     s.sent += Traffic(counts_b, asked * ID_BYTES, served * row_b)
     s.sent_remote += Traffic(counts_remote_b, asked_remote * ID_BYTES, served_remote * row_b)
     s.received += Traffic(counts_b, served * ID_BYTES, asked * row_b)
