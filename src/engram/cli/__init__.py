@@ -3,8 +3,9 @@
 `main(argv)` parses and runs one command; `build_parser()` registers them all. Each module of the
 package adds its commands (`register(subparsers)`) and calls plain library functions:
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
-(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan-memory), `study`,
-`serve`, `gguf` (hf-from-gguf), `hf` (hf-train, hf-eval); `options` holds what they share.
+(demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan memory / plan-memory,
+plan train: `plan_train`), `study`, `serve`, `gguf` (hf-from-gguf), `hf` (hf-train, hf-eval);
+`options` holds what they share.
 Library modules hold no argparse. A command's ValueError, OSError (a path refused), TypeError of our
 own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
 line, `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs: a TypeError the

@@ -3,12 +3,14 @@
 `exchange_stats()` is this process's `ExchangeStats`, which the exchange itself updates: the rows it
 was asked for (every position and head: "lookups"), the distinct rows it sent per owner and table
 (what the exchange sends: repeats are removed per requesting rank), the rows it served as an owner
-(and, with `count_served_distinct`, how many were distinct per table across the requesting ranks), and the bytes this
-rank put into and got out of each all-to-all (counts, ids, rows, gradients), all of them and those
-to or from other ranks only (the self slot of an all-to-all is a local copy). `undeduped` is the
-traffic the same lookups would make if every lookup were sent: the gain of removing repeats.
-Counts since the last `reset()`; `copy()` / `-` give a step's share. Knows the exchange's splits and
-rows, nothing of the model. Design: docs/distributed.md.
+(and, with `count_served_distinct`, how many were distinct per table across the requesting ranks),
+and the bytes this rank put into and got out of each all-to-all (counts, ids, rows, gradients), all
+of them and those to or from other ranks only (the self slot of an all-to-all is a local copy).
+`undeduped` is the traffic the same lookups would make if every lookup were sent: the gain of
+removing repeats. Counts since the last `reset()`; `copy()` / `-` give a step's share. Cost: a pass
+over the rows asked and a few counts to the host (measured on one CPU rank, 2 x 98K lookups: 2.2 ms
+of a 1.6 s step). Knows the exchange's splits and rows, nothing of the model. Design:
+docs/distributed.md.
 """
 
 from __future__ import annotations
