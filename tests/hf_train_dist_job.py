@@ -4,7 +4,8 @@ runs, so that one launch runs them all.
 
 argv: OUT (a folder), RUNS (JSON: a list of {"name", "argv", and optionally "interrupt_at",
 "rank_argv", "fail_on_rank"}). Each run's outcome on each rank goes to OUT/<name>-rank-<R>.json:
-{"code": main's exit status, or "interrupted", "err": what it printed on stderr}. `interrupt_at` N:
+{"code": main's exit status, or "interrupted", "err": what it printed on stderr, "whole_tables": how many
+lazy tables (add_engram's under a process group) were drawn whole on this rank}. `interrupt_at` N:
 every rank raises KeyboardInterrupt before step N+1 (as a Ctrl-C of the launch would), after the
 checkpoints written so far. `rank_argv` {"R": [...]}: options added on rank R only. `fail_on_rank` R:
 reading the corpus fails on rank R only (a ValueError), as a file only that rank cannot read would.
@@ -43,6 +44,17 @@ def run(argv: list[str], interrupt_at: int | None, fail: bool) -> dict:
             raise KeyboardInterrupt
         return step(self, *a, **kw)
 
+    from engram.model.table import TrainableTable
+
+    materialize = TrainableTable.materialize
+    whole = []
+
+    def counted(table):
+        if table.is_lazy:
+            whole.append(table.num_rows)
+        return materialize(table)
+
+    TrainableTable.materialize = counted
     err = io.StringIO()
     try:
         if interrupt_at is not None:
@@ -56,7 +68,8 @@ def run(argv: list[str], interrupt_at: int | None, fail: bool) -> dict:
     finally:
         transformers.Trainer.training_step = step
         H.read_documents = read
-    return {"code": code, "err": err.getvalue()}
+        TrainableTable.materialize = materialize
+    return {"code": code, "err": err.getvalue(), "whole_tables": len(whole)}
 
 
 def main(argv: list[str]) -> int:

@@ -9,8 +9,9 @@ row-sharded and replicated tables, a rank given other options, a rank that fails
 runs split the global batch of 4 over the ranks, so OUT equals the one-process run's with batch 4:
 float32, the weights to 1e-5 (full: 1e-4) and the held-out loss to 1e-6 (measured: 1.2e-7 frozen,
 4.5e-6 LoRA; held-out loss 9e-10). A 2-rank run resumed from its sharded checkpoint equals the
-uninterrupted one (measured: bit-exact). Every launch has a timeout, so a rank that hangs fails the
-test."""
+uninterrupted one (measured: bit-exact). With row-sharded tables no rank draws a whole table (add_engram's
+tables are lazy under a process group; each rank draws its own rows). Every launch has a timeout, so a
+rank that hangs fails the test."""
 
 from __future__ import annotations
 
@@ -170,6 +171,7 @@ def test_two_rank_resume_equals_uninterrupted(readme_run, job, data, mode):
     assert resumed[1]["err"] == ""  # rank 0 speaks for the launch
     whole = readme_run[0] if mode == "frozen" else job / "lora-whole"
     _assert_same_run(job / mode, whole, atol=1e-6)
+    assert [o["whole_tables"] for o in cut + resumed] == [0] * 4  # each rank drew its own rows only
     if mode == "lora":
         assert _outcome(job, "lora-whole")[0]["code"] == 0
         _assert_same_run(whole, _one_process(data, "one-lora", "--mode", "lora"), atol=1e-5)
@@ -184,7 +186,10 @@ def test_replicated_tables_and_full_mode_equal_one_process(job, data, name, mode
     --mode full (the backbone under DDP too) on 2 ranks: OUT equals one process's. Full: 1e-4, as Adam
     divides a gradient near zero by its own size, so float32's other summation order on 2 ranks moves
     such an element by up to lr x a fraction (measured: 1 of 16,384 of Engram's wkv by 4.7e-5)."""
-    assert [o["code"] for o in _outcome(job, name)] == [0, 0]
+    outcome = _outcome(job, name)
+    assert [o["code"] for o in outcome] == [0, 0]
+    # add_engram's tables are lazy under a process group: drawn whole only where a rank holds them whole
+    assert [o["whole_tables"] for o in outcome] == ([1, 1] if sync == "replicated" else [0, 0])
     r = json.loads((job / name / hf_folder.RUN_FILE).read_text())
     assert r["table_sync"] == sync and r["mode"] == mode
     _assert_same_run(job / name, _one_process(data, f"one-{mode}", "--mode", mode), atol=atol)

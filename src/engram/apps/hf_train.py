@@ -147,6 +147,14 @@ class _Run:
     start_loss: dict[str, float] | None
 
 
+def _engram_parameters(model: nn.Module) -> tuple[int, int]:
+    """(the tables' parameters, all of Engram's): counted whole from the tables' shapes, without
+    drawing a lazy table's rows (add_engram under a process group) or reading a shard."""
+    tables = sum(m.table.num_rows * m.table.dim for m in model.engram.layers.values())
+    other = sum(p.numel() for n, p in model.engram.named_parameters() if not n.endswith(".table.weight"))
+    return tables, tables + other
+
+
 def _record(s: HFTrainSettings, ranks: Ranks) -> dict[str, Any]:
     """What the partial folder records of a run, and a resume must match: the settings and the processes."""
     return {**s.to_dict(), "processes": ranks.world}
@@ -209,12 +217,11 @@ def _check_and_load(s: HFTrainSettings, ranks: Ranks, resume: bool) -> _Run:
         add_engram(
             model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
         )
-        engram_params = (
-            sum(p.numel() for p in model.engram.tables()),
-            sum(p.numel() for p in model.engram.parameters()),
-        )  # counted before the tables are sharded
+        engram_params = _engram_parameters(model)
     held = corpus.held[: s.eval_blocks or None]
-    start_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] else None
+    # across processes, after prepare_data_parallel: a table still to be drawn (add_engram's lazy tables
+    # under a process group) is then drawn as the rank's shard only, never whole
+    start_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] and not ranks.distributed else None
     train_model: nn.Module = model
     if s.mode is TrainMode.LORA:
         import peft
@@ -273,6 +280,8 @@ def train_folder(
             train_model, s.table_sync, timeout=DEFAULT_COLLECTIVE_TIMEOUT if timeout is None else timeout
         )
     sharded = sync is not None and sync.value == "sharded"
+    if ranks.distributed and run.held.shape[0]:  # every rank: a forward of row-sharded tables is a collective
+        run.start_loss = held_out_loss(model, run.held, s.batch_size)
     optimizers: tuple[Any, Any] = (None, None)
     if s.engram:
         from engram.hf import EngramCollator, build_optimizer
