@@ -380,8 +380,10 @@ def train_folder(
         with ranks.agreed():
             try:
                 save_sharded_engram(model, stage)  # the tables gathered to rank 0, which writes the part
-            except RuntimeError as e:  # the others: rank 0 failed (its own error is the one agreed)
-                raise ValueError(str(e)) from e
+            except RuntimeError as e:
+                if ranks.is_main:
+                    raise
+                raise ValueError(str(e)) from e  # rank 0 failed to write: its own error is the one agreed
     summary = _summary(s, run, model, ranks, sync, trainer.state.global_step, seconds, log, end_loss)
     with ranks.agreed():
         if ranks.is_main:

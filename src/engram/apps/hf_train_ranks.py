@@ -92,8 +92,9 @@ class Ranks:
     def agreed(self) -> Iterator[None]:
         """Run the block's checks on every rank, then agree (one all-gather of the outcomes): when a
         check failed on any rank, every rank raises RefusedOnEveryRank with its message ("rank R of W:"
-        before it unless every rank failed alike). The block must hold no collective. One process: the
-        block's error passes unchanged."""
+        before it unless every rank failed alike). The block must hold no collective that a rank failing
+        earlier in it would skip (its peers would wait there). One process: the block's error passes
+        unchanged."""
         error: BaseException | None = None
         try:
             yield

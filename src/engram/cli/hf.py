@@ -241,8 +241,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--table-sync",
         choices=TABLE_SYNCS,
-        help="with --distributed: 'sharded' (default) gives each rank 1/N of every table's rows and their "
-        "optimizer state; 'replicated' keeps every table whole on every rank",
+        help="with --distributed: 'sharded' (the default on 2 or more ranks) gives each rank 1/N of every "
+        "table's rows and their optimizer state; 'replicated' keeps every table whole on every rank",
     )
     p.add_argument(
         "--collective-timeout",
