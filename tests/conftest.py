@@ -51,6 +51,27 @@ def corpus(tmp_path_factory) -> str:
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _dist_launches(request, tmp_path_factory):
+    """The multi-process jobs registered by the session's test modules (tests/dist_launch.py): their
+    torchrun launches start with the session's first test, in the background (one per world size)."""
+    from dist_launch import Launcher
+
+    owners = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    launcher = Launcher(owners)
+    if launcher:
+        launcher.start(tmp_path_factory.mktemp("dist-launch"), request.getfixturevalue("corpus"))
+    yield launcher
+    launcher.stop()
+
+
+@pytest.fixture(scope="session")
+def dist_launch(_dist_launches):
+    """`dist_launch(world)` -> the folder of the session's torchrun launch with `world` ranks, once it
+    ended: every rank's result of each job there (tests/dist_launch.py `results`)."""
+    return _dist_launches
+
+
 @pytest.fixture
 def mkfifo():
     """`mkfifo(path)` makes a named pipe. Code that opens one blocks until a writer comes (a signal does not

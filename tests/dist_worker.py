@@ -1,9 +1,7 @@
-"""Worker processes for tests/test_distributed.py (spawned with torch.multiprocessing, gloo on CPU).
-
-`worker(rank, world, init_file, out_dir, cfg_dict, prev_dir)` runs every distributed check of one
-world size and saves what the parent compares with single-process references to
-`out_dir/rank-{rank}.pt`; `prev_dir` is the out_dir of the world spawned before (W=2, for W=3),
-whose sharded checkpoint this world resumes.
+"""The multi-process jobs of tests/test_distributed.py (gloo on CPU): `job` runs every distributed
+check of one world size on each rank of the suite's launch of that size (tests/dist_launch.py) and
+returns what the parent compares with single-process references; its `prev` is the job of the world
+launched before (W=2, for W=3), whose sharded checkpoint this world resumes.
 The table checks run once per owner set of OWNERS[world] (None: every rank owns rows), keyed by it
 under "tables"; the training checks once, with the tables on rank 0 only as well at W=2.
 The inputs (tables, rows, coefficients) are pure functions of fixed seeds, so the parent rebuilds
@@ -400,10 +398,10 @@ class _Stalled(Exception):
 
 
 def _guard_part(cfg: Any, data: Any) -> dict[str, Any]:
-    """Ranks disagreeing on `until` or on the table init, refused on every rank before the first step;
+    """Ranks disagreeing on `until` or on the initial model, refused on every rank before the first step
+    (ranks with different table inits agree: their tables are born alike);
     a collective that times out (rank 1 leaves step 2 before its gradient exchange) ends rank 0 with
     an error naming the rank and the step."""
-    import datetime
     import time
 
     from engram.apps.train import build_model
@@ -419,8 +417,17 @@ def _guard_part(cfg: Any, data: Any) -> dict[str, Any]:
         res["until_error"] = str(e)
     res["until_steps"] = trainer.step  # no rank trained a step
     init = TableInit.COPY if rank == 0 else TableInit.CHUNKED
-    try:  # without the CLI's settings: the initial models differ
+    try:  # tables born from (seed, layer, row) either way: the same initial model, accepted
         DistributedTrainer(cfg, data, build_distributed_model(cfg, data, init=init))
+        res["mixed_init_error"] = None
+    except ValueError as e:
+        res["mixed_init_error"] = str(e)
+    model = build_distributed_model(cfg, data)
+    if rank == 1:  # an initial model that differs on one rank (a replicated weight moved)
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+    try:
+        DistributedTrainer(cfg, data, model)
         res["init_error"] = None
     except ValueError as e:
         res["init_error"] = str(e)
@@ -446,21 +453,20 @@ def _guard_part(cfg: Any, data: Any) -> dict[str, Any]:
     return res
 
 
-def worker(
-    rank: int, world: int, init_file: str, out_dir: str, cfg_dict: dict[str, Any], prev_dir: str | None
-) -> None:
-    torch.set_num_threads(1)  # 2 or 3 ranks share 2 cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),  # a hang fails the test instead of stalling it
-    )
-    try:
-        res = {"tables": {owners: _tables_part(rank, world, owners) for owners in OWNERS[world]}}
-        prev = None if prev_dir is None else Path(prev_dir)
-        res.update(_train_part(rank, world, Path(out_dir), cfg_dict, prev))
-        torch.save(res, Path(out_dir) / f"rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def job(ctx: Any, prev: str | None = None) -> dict[str, Any]:
+    """Every check of this world size on this rank of a tests/dist_launch.py launch, its files in
+    `ctx.root/dist-W`; `prev`: the job whose world's sharded checkpoint this one resumes."""
+    from training_setup import dist_cfg
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = Path(ctx.root) / folder(world)
+    out.mkdir(exist_ok=True)
+    res: dict[str, Any] = {"tables": {owners: _tables_part(rank, world, owners) for owners in OWNERS[world]}}
+    prev_dir = None if prev is None else Path(ctx.root) / prev
+    res.update(_train_part(rank, world, out, dist_cfg(ctx.corpus).to_dict(), prev_dir))
+    return res
+
+
+def folder(world: int) -> str:
+    """The job of `world` ranks: its name in the launch, and its folder there."""
+    return f"dist-{world}"

@@ -1,14 +1,13 @@
 """Training jobs for tests/test_distributed_hf_trainer.py: a float64 tiny Llama with Engram trained by
-the HF `Trainer` or by a manual `accelerate` loop, on every rank of a torchrun launch (gloo, CPU), or
-in one process (no process group) for the reference.
+the HF `Trainer` or by a manual `accelerate` loop, on every rank of a torchrun launch (gloo, CPU:
+tests/dist_launch.py, which calls `job` with a `Run`'s fields), or in one process (no process group)
+for the reference.
 
-    python -m torch.distributed.run --standalone --nproc_per_node W tests/hf_dist_job.py OUT SPEC
-
-SPEC is a JSON list of runs (`Run` fields); they run one after the other in the same process group
-(one launch pays the start-up once), and every rank saves `OUT/<name>-rank-<r>.pt`: its final
-`state_dict` (row-sharded tables gathered whole on rank 0, left out elsewhere), the micro-batches it
-trained on, what DDP ignored, and how accelerate saw the launch. A run that raises records the
-traceback instead (the same on every rank: the runs are deterministic).
+The runs of a world size run one after the other in the suite's launch of that size (one launch pays
+the start-up once), and every rank saves `<name>-rank-<r>.pt` there: its final `state_dict`
+(row-sharded tables gathered whole on rank 0, left out elsewhere), the micro-batches it trained on,
+what DDP ignored, and how accelerate saw the launch. A run that raises records the traceback instead
+(the same on every rank: the runs are deterministic).
 
 Every run has the same data: STEPS optimizer steps of `batch * accum` sequences of T tokens, in file
 order. A rank takes micro-batches of batch/W: the Trainer's and accelerate's sharded dataloader give
@@ -21,13 +20,6 @@ rank count only moves the last bits.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import faulthandler
-import json
-import os
-import signal
-import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -36,13 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_setup, when run as a script
 import hf_setup as S
 from engram.hf import EngramCollator, add_engram, build_optimizer, get_attachment
 
 STEPS, T = 3, 10
 LR, TABLE_LR = 1e-2, 5e-2
-EXIT_GRACE_S = 30  # after main(): the interpreter must be gone by then (else tracebacks dumped, exit 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,39 +259,13 @@ def train(run: Run, out: Path) -> dict[str, Any]:
     return res
 
 
-def _exit_report() -> None:
-    """At interpreter exit: the threads still alive (stderr), and a watchdog that dumps every thread's
-    traceback and exits 1 if the exit itself hangs (a thread joined at exit, an atexit hook)."""
-    alive = [
-        f"{t.name} (daemon={t.daemon})" for t in threading.enumerate() if t is not threading.main_thread()
-    ]
-    print(f"rank {os.environ.get('RANK')}: threads at exit: {alive}", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
-
-
-def main(argv: list[str]) -> int:
+def job(ctx: Any, **run: Any) -> dict[str, Any]:
+    """One `Run` (its fields as keyword arguments) on every rank of a tests/dist_launch.py launch, in
+    `ctx.root`: its result, or the traceback as "error" (the same on every rank)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    out, runs = Path(argv[0]), [Run(**r) for r in json.loads(argv[1])]
-    torch.set_num_threads(1)
     LlamaRMSNorm.forward = rms_norm_in_its_dtype  # this process only
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
-        for run in runs:
-            try:
-                res = train(run, out)
-            except Exception:
-                res = {"error": traceback.format_exc()}
-            torch.save(res, out / f"{run.name}-rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    faulthandler.enable()
-    faulthandler.register(signal.SIGTERM, chain=True)  # the test's timeout: every thread's traceback
-    code = main(sys.argv[1:])
-    _exit_report()
-    sys.exit(code)
+        return train(Run(**run), ctx.root)
+    except Exception:
+        return {"error": traceback.format_exc()}

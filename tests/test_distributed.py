@@ -1,9 +1,10 @@
 """engram.distributed against single-process references: 2 and 3 gloo ranks (3: uneven shards).
 
-Each world size is spawned once (module fixture `runs`); the worker (tests/dist_worker.py) saves
-what it saw and the tests compare it with TrainableTable / Trainer runs made here. The table checks
-run for every owner set of dist_worker.OWNERS (every rank, or dedicated table ranks) in that one
-spawn: `TABLE_CASES` parametrises them.
+Each world size runs once, a job of the suite's launch of that size (tests/dist_launch.py, module
+fixture `runs`); the job (tests/dist_worker.py) returns what it saw and the tests compare it with
+TrainableTable / Trainer runs made here. The table checks run for every owner set of
+dist_worker.OWNERS (every rank, or dedicated table ranks) in that one job: `TABLE_CASES`
+parametrises them.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import dist_launch as L
 from dist_worker import (
     ADAM_LR,
     ADAM_STEPS,
@@ -26,10 +27,10 @@ from dist_worker import (
     SINKHORN_LR,
     SINKHORN_STEPS,
     SIZES,
+    folder,
     sinkhorn_step_inputs,
     step_inputs,
     table_inputs,
-    worker,
 )
 from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shard_format import HEADER_KEY, SHARDS_FOLDER, shard_file
@@ -71,16 +72,15 @@ def single64(cfg, data):
     return {"history": t.history, "model": t.model}
 
 
+for _world in WORLDS:  # W=3 resumes W=2's sharded checkpoint
+    L.register(__name__, _world, folder(_world), "dist_worker:job", prev=folder(2) if _world == 3 else None)
+
+
 @pytest.fixture(scope="module")
-def runs(cfg, tmp_path_factory) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for world in WORLDS:
-        d = tmp_path_factory.mktemp(f"world{world}")
-        prev = str(out[WORLDS[0]]["dir"]) if out else None  # W=3 resumes W=2's sharded checkpoint
-        mp.spawn(worker, args=(world, str(d / "init"), str(d), cfg.to_dict(), prev), nprocs=world)
-        ranks = [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(world)]
-        out[world] = {"dir": d, "ranks": ranks}
-    return out
+def runs(dist_launch) -> dict[int, dict]:
+    """world -> the job's folder ("dir") and every rank's results ("ranks")."""
+    root = dist_launch(WORLDS[-1])
+    return {w: {"dir": root / folder(w), "ranks": L.results(root, folder(w))} for w in WORLDS}
 
 
 def _table_ranks(runs: dict[int, dict], world: int, owners: tuple[int, ...] | None) -> list[dict]:
@@ -512,13 +512,15 @@ def test_ranks_must_agree_on_config_and_step(runs):
         assert "every rank must resume from the same checkpoint" in r["step_error"]
 
 
-def test_ranks_must_agree_on_until_and_table_init(runs):
-    """Ranks given another `until` or table init are refused on every rank before the first step
-    (they would call different collectives and hang), naming what differs."""
+def test_ranks_must_agree_on_until_and_initial_model(runs):
+    """Ranks given another `until` or initial model are refused on every rank before the first step
+    (they would call different collectives and hang), naming what differs; ranks given another
+    table init are not (a row is born from (seed, layer, row) either way: the same model)."""
     for r in runs[2]["ranks"]:
         assert "until (rank 0: 2, rank 1: 3)" in r["until_error"] and "same --until" in r["until_error"]
         assert r["until_steps"] == 0
         assert "initial model" in r["init_error"] and "--table-init" in r["init_error"], r["init_error"]
+        assert r["mixed_init_error"] is None
 
 
 def test_collective_timeout_names_rank_and_step(runs):

@@ -6,20 +6,21 @@ With `engram.distributed.prepare_data_parallel` (tables out of DDP's buckets; ro
 replicated with their sparse row gradients averaged) every parameter, tables included, equals the
 one-process run (fp64: 1e-9), for every table optimizer; sharded checkpoints resume at 2 and 3 ranks;
 without a mode `EngramOptimizer.step` refuses on every rank (each rank would train its own table), and
-ranks that attached different Engram are refused before anything changes. All jobs of a world size run
-in one process group (`_spawn`): starting ranks costs seconds each."""
+ranks that attached different Engram are refused before anything changes. The jobs run in the suite's
+launch of their world size (tests/dist_launch.py): starting ranks costs seconds each."""
 
 from __future__ import annotations
 
-import datetime
+import functools
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import dist_launch as L
 import hf_setup as S
 from engram.hf import EngramCollator, add_engram, build_optimizer
 
@@ -60,7 +61,9 @@ def _step_loss(model, batch) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
+@functools.cache
 def _single(table_optimizer: str) -> dict[str, torch.Tensor]:
+    """The one-process run (computed once: tests/test_distributed_hf_fsdp.py and _misuse.py compare with it too)."""
     with mock.patch.object(LlamaRMSNorm, "forward", _rms_norm_in_its_dtype):
         return _train_single(table_optimizer)
 
@@ -151,36 +154,25 @@ def _run_job(rank: int, world: int, job: dict, out: str) -> dict:
     return res
 
 
-def _worker(rank: int, world: int, init_file: str, out: str, jobs: dict[str, dict]) -> None:
-    """This rank's jobs, in order, in one process group (a process per rank costs seconds to start)."""
-    torch.set_num_threads(1)
+PATHS = ("save", "resume", "part")  # a job's folders, under the launch folder
+
+
+def _job(ctx, **job) -> dict:
+    """One job on every rank of a tests/dist_launch.py launch (its folders under `ctx.root`)."""
     LlamaRMSNorm.forward = _rms_norm_in_its_dtype  # this process only
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        results = {name: _run_job(rank, world, job, out) for name, job in jobs.items()}
-        torch.save(results, f"{out}/rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(folder, world: int, jobs: dict[str, dict]) -> dict[str, list[dict]]:
-    """Run `jobs` (name -> job) on `world` ranks: name -> every rank's result."""
-    folder.mkdir(exist_ok=True)
-    mp.spawn(_worker, args=(world, str(folder / f"init-{world}"), str(folder), jobs), nprocs=world)
-    ranks = [torch.load(folder / f"rank-{r}.pt", weights_only=False) for r in range(world)]
-    return {name: [r[name] for r in ranks] for name in jobs}
+    job = {k: (str(ctx.root / v) if k in PATHS else v) for k, v in job.items()}
+    if job.get("save"):
+        Path(job["save"]).mkdir(exist_ok=True)
+    return _run_job(dist.get_rank(), dist.get_world_size(), job, str(ctx.root))
 
 
 TABLE = "engram.layers.1.table.weight"
 # name: (world, job); the 3-rank jobs resume from the 2-rank jobs' checkpoints
 JOBS_2 = {
-    "sharded-adam": {"prepare": "sharded", "table_optimizer": "adam", "save_after": 1, "save": "ckpt-adam"},
+    "sharded-adam": {"prepare": "sharded", "table_optimizer": "adam", "save_after": 1, "save": "ddp-ckpt-adam"},
     "sharded-sinkhorn": {
-        "prepare": "sharded", "table_optimizer": "sinkhorn", "save_after": 1, "save": "ckpt-sinkhorn",
-        "part": "part",
+        "prepare": "sharded", "table_optimizer": "sinkhorn", "save_after": 1, "save": "ddp-ckpt-sinkhorn",
+        "part": "ddp-part",
     },
     "replicated-sinkhorn": {"prepare": "replicated", "table_optimizer": "sinkhorn"},
     "unsynchronised": {"prepare": None, "table_optimizer": "adam"},
@@ -188,34 +180,32 @@ JOBS_2 = {
     "disagree-config": {
         "prepare": "sharded", "table_optimizer": "adam", "rank1_config": {"seed": 7}, "expect_refusal": True,
     },
-    "no-shards": {"prepare": "sharded", "table_optimizer": "adam", "save_after": 1, "save": "ckpt-bare", "no_shards": True},
-    "resume-sinkhorn-2": {"prepare": "sharded", "table_optimizer": "sinkhorn", "resume": "ckpt-sinkhorn"},
-    "resume-no-shards": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ckpt-bare"},
-    "resume-unrestored": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ckpt-adam", "skip_restore": True},
+    "no-shards": {"prepare": "sharded", "table_optimizer": "adam", "save_after": 1, "save": "ddp-ckpt-bare", "no_shards": True},
+    "resume-sinkhorn-2": {"prepare": "sharded", "table_optimizer": "sinkhorn", "resume": "ddp-ckpt-sinkhorn"},
+    "resume-no-shards": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ddp-ckpt-bare"},
+    "resume-unrestored": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ddp-ckpt-adam", "skip_restore": True},
 }  # fmt: skip
 JOBS_3 = {
     "sharded-sinkhorn-owners": {"prepare": "sharded", "table_optimizer": "sinkhorn", "table_ranks": 2},
     "sharded-adagrad": {"prepare": "sharded", "table_optimizer": "adagrad"},
     "replicated-adam": {"prepare": "replicated", "table_optimizer": "adam"},
-    "resume-adam-3": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ckpt-adam"},
-    "resume-sinkhorn-3": {"prepare": "sharded", "table_optimizer": "sinkhorn", "resume": "ckpt-sinkhorn"},
+    "resume-adam-3": {"prepare": "sharded", "table_optimizer": "adam", "resume": "ddp-ckpt-adam"},
+    "resume-sinkhorn-3": {"prepare": "sharded", "table_optimizer": "sinkhorn", "resume": "ddp-ckpt-sinkhorn"},
 }
 
 
+PREFIX = "ddp-"  # the launch's job names, and the checkpoint folders' (the job's "save")
+for _name, _job_kw in {**JOBS_2, **JOBS_3}.items():
+    L.register(__name__, 2 if _name in JOBS_2 else 3, PREFIX + _name, "test_distributed_hf:_job", **_job_kw)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """Every job's per-rank results: the 2-rank jobs, then the 3-rank ones (two process groups)."""
-    d = tmp_path_factory.mktemp("ddp")
-
-    def located(jobs):
-        keys = ("save", "resume", "part")
-        return {n: {k: (str(d / v) if k in keys else v) for k, v in j.items()} for n, j in jobs.items()}
-
-    for name in ("ckpt-adam", "ckpt-sinkhorn", "ckpt-bare"):
-        (d / name).mkdir()
-    out = _spawn(d / "w2", 2, located(JOBS_2))
-    out.update(_spawn(d / "w3", 3, located(JOBS_3)))
-    out["folder"] = d
+def runs(dist_launch) -> dict:
+    """Every job's per-rank results (the suite's 2-rank launch, then its 3-rank one), and "folder":
+    the launch folder."""
+    root = dist_launch(3)
+    out: dict = {name: L.results(root, PREFIX + name) for name in {**JOBS_2, **JOBS_3}}
+    out["folder"] = root
     return out
 
 
@@ -285,13 +275,17 @@ def test_sharded_save_engram_writes_one_part(runs):
 
     ranks = runs["sharded-sinkhorn"]
     assert ranks[0]["part"] is not None and ranks[1]["part"] is None
-    loaded = load_engram(S.llama(seed=3).double(), runs["folder"] / "part", mmap=False).state_dict()[TABLE]
+    loaded = load_engram(S.llama(seed=3).double(), runs["folder"] / "ddp-part", mmap=False).state_dict()[
+        TABLE
+    ]
     assert torch.equal(loaded, ranks[0]["state"][TABLE].to(loaded.dtype))
     assert (
         ranks[0]["fp8"] is not None and ranks[1]["fp8"] is None
     )  # export_fp8: V4.1's FP8 of the whole table
     fp8 = (
-        load_engram(S.llama(seed=3).double(), runs["folder"] / "part-fp8", mmap=False).engram.module(1).table
+        load_engram(S.llama(seed=3).double(), runs["folder"] / "ddp-part-fp8", mmap=False)
+        .engram.module(1)
+        .table
     )
     assert fp8.num_rows == loaded.shape[0]
     rows = torch.arange(loaded.shape[0])

@@ -7,18 +7,18 @@ Every parameter, gathered (`DTensor.full_tensor()`), and the tables equal the on
 sinkhorn table optimizers: Engram's layer hooks run inside FSDP's units, its dense weights shard with
 the root, AdamW steps DTensor shards, and the tables stay plain parameters that Engram keeps one
 table. Without a table mode (a plain fully_shard) the EngramOptimizer refuses; a torch without
-FSDP2's ignored_params is refused with an error naming DDP."""
+FSDP2's ignored_params is refused with an error naming DDP. The four runs are jobs of the suite's
+2-rank launch (tests/dist_launch.py)."""
 
 from __future__ import annotations
 
-import datetime
 import inspect
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import dist_launch as L
 import test_distributed_hf as D
 from engram.distributed.hf_fsdp import fully_shard_backbone
 from engram.hf import build_optimizer
@@ -28,82 +28,79 @@ TABLE = "engram.layers.1.table.weight"
 WKV = "engram.layers.1.wkv.weight"
 
 
-def _worker(rank: int, init_file: str, out: str, mode: str, table_optimizer: str, extra: bool) -> None:
+def _job(ctx, mode: str, table_optimizer: str, extra: bool) -> dict:
+    """One run on both ranks of the suite's 2-rank launch (tests/dist_launch.py): 3 FSDP2 steps, then
+    (`extra`) the refusals that need a process group."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from engram.distributed import prepare_data_parallel
 
-    torch.set_num_threads(1)
     LlamaRMSNorm.forward = D._rms_norm_in_its_dtype  # this process only
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        model = fully_shard_backbone(D._model(), mode=mode)
-        opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=table_optimizer)
-        local = D.BATCH // WORLD
-        for batch in D._batches(model):
-            part = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
-            D._step_loss(model, part).backward()
+    rank = dist.get_rank()
+    model = fully_shard_backbone(D._model(), mode=mode)
+    opt = build_optimizer(model, lr=1e-2, table_lr=5e-2, table_optimizer=table_optimizer)
+    local = D.BATCH // WORLD
+    for batch in D._batches(model):
+        part = {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}
+        D._step_loss(model, part).backward()
+        opt.step()
+        opt.zero_grad()
+    params = dict(model.named_parameters())
+    state = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
+    sync = model.engram.table_sync
+    if mode == "sharded":  # the whole table, gathered on rank 0 (a collective)
+        full = sync.tables[0].full_weight(0)
+        if full is not None:
+            state[TABLE] = full
+    res: dict = {
+        "mode": sync.mode.value,
+        "state": state,
+        "plain": sorted(n for n, p in params.items() if not isinstance(p, DTensor)),
+        "table_rows": params[TABLE].shape[0],
+        "wkv_local_rows": params[WKV].to_local().shape[0],
+    }
+    if extra:
+        try:
+            fully_shard_backbone(model)
+        except ValueError as e:
+            res["again"] = str(e)
+        other = D._model()
+        prepare_data_parallel(other, "sharded")
+        try:
+            fully_shard_backbone(other, mode="replicated")
+        except ValueError as e:
+            res["other_mode"] = str(e)
+        bare = D._model()  # sharded by hand, tables ignored, but no table mode
+        for layer in bare.model.layers:
+            fully_shard(layer)
+        fully_shard(bare, ignored_params=set(bare.engram.tables()))
+        opt = build_optimizer(bare, lr=1e-2, table_lr=5e-2)
+        batch = D._batches(bare)[0]
+        D._step_loss(bare, {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}).backward()
+        try:
             opt.step()
-            opt.zero_grad()
-        params = dict(model.named_parameters())
-        state = {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()
-        }
-        sync = model.engram.table_sync
-        if mode == "sharded":  # the whole table, gathered on rank 0 (a collective)
-            full = sync.tables[0].full_weight(0)
-            if full is not None:
-                state[TABLE] = full
-        res: dict = {
-            "mode": sync.mode.value,
-            "state": state,
-            "plain": sorted(n for n, p in params.items() if not isinstance(p, DTensor)),
-            "table_rows": params[TABLE].shape[0],
-            "wkv_local_rows": params[WKV].to_local().shape[0],
-        }
-        if extra:
-            try:
-                fully_shard_backbone(model)
-            except ValueError as e:
-                res["again"] = str(e)
-            other = D._model()
-            prepare_data_parallel(other, "sharded")
-            try:
-                fully_shard_backbone(other, mode="replicated")
-            except ValueError as e:
-                res["other_mode"] = str(e)
-            bare = D._model()  # sharded by hand, tables ignored, but no table mode
-            for layer in bare.model.layers:
-                fully_shard(layer)
-            fully_shard(bare, ignored_params=set(bare.engram.tables()))
-            opt = build_optimizer(bare, lr=1e-2, table_lr=5e-2)
-            batch = D._batches(bare)[0]
-            D._step_loss(bare, {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}).backward()
-            try:
-                opt.step()
-            except RuntimeError as e:
-                res["unsynced"] = str(e)
-        torch.save(res, f"{out}/rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        except RuntimeError as e:
+            res["unsynced"] = str(e)
+    return res
 
 
-def _spawn(tmp_path, mode: str, table_optimizer: str, extra: bool) -> list[dict]:
-    d = tmp_path / f"{mode}-{table_optimizer}"
-    d.mkdir()
-    mp.spawn(_worker, args=(str(d / "init"), str(d), mode, table_optimizer, extra), nprocs=WORLD)
-    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
+MODES = ("replicated", "sharded")
+for _mode in MODES:
+    for _opt in D.OPTIMIZERS:
+        L.register(
+            __name__, WORLD, f"fsdp-{_mode}-{_opt}", "test_distributed_hf_fsdp:_job",
+            mode=_mode, table_optimizer=_opt, extra=(_mode, _opt) == ("replicated", "adam"),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("table_optimizer", D.OPTIMIZERS)
-@pytest.mark.parametrize("mode", ["replicated", "sharded"])
-def test_fsdp2_loop_equals_one_process(tmp_path, mode, table_optimizer):
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_loop_equals_one_process(dist_launch, mode, table_optimizer):
     """2 FSDP2 ranks (backbone sharded, tables in Engram's mode) train exactly like one process: every
     gathered dense parameter and the table within 1e-9 in float64, the table being the only parameter
     left a plain tensor (whole, or its rows split over the ranks), the Engram dense weights really
@@ -112,7 +109,7 @@ def test_fsdp2_loop_equals_one_process(tmp_path, mode, table_optimizer):
     assert D.BATCH % WORLD == 0
     want = D._single(table_optimizer)
     extra = (mode, table_optimizer) == ("replicated", "adam")
-    ranks = _spawn(tmp_path, mode, table_optimizer, extra)
+    ranks = L.results(dist_launch(WORLD), f"fsdp-{mode}-{table_optimizer}")
     rows = want[TABLE].shape[0]
     for rank, res in enumerate(ranks):
         assert res["mode"] == mode

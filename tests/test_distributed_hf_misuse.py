@@ -1,5 +1,5 @@
 """engram.hf across processes, used the wrong way round or on some ranks only (2 gloo ranks, every job
-in one process group, the whole run bounded in time): DDP or FSDP1 wrapped before
+in the suite's 2-rank launch, tests/dist_launch.py, bounded in time): DDP or FSDP1 wrapped before
 `prepare_data_parallel` (refused on every rank, naming the order to follow); FSDP1 with the tables as
 `ignored_states` (equal to one process, fp64: 1e-9) and without them (refused by name at the first
 forward); a sharded forward, a gradient flush or a table step run on rank 0 only (a RankError within
@@ -11,20 +11,18 @@ The one-process references are those of tests/test_distributed_hf.py."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import dist_launch as L
 import test_distributed_hf as D
 from engram.distributed.guard import check_timeout, tensor_digest
 from engram.hf import build_optimizer
 
 WORLD = 2
-DEADLINE_S = 300  # the whole 2-rank run; a hang fails the test instead of the suite
 TIMEOUT_S = 3.0  # prepare_data_parallel's bound in the rank-0-only jobs
 TABLE = "engram.layers.1.table.weight"
 BIG_ROWS = 125_000  # per order: 4 x 125k rows x 32 x 4 bytes = 64 MB of float32 table
@@ -166,35 +164,24 @@ JOBS = {
 }  # fmt: skip
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
+def _job(ctx, **job) -> dict:
+    """One job on both ranks of the suite's 2-rank launch (tests/dist_launch.py)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    torch.set_num_threads(1)
     LlamaRMSNorm.forward = D._rms_norm_in_its_dtype  # this process only
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        results = {name: RUNNERS[job["run"]](rank, job) for name, job in JOBS.items()}
-        torch.save(results, f"{out}/rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return RUNNERS[job["run"]](dist.get_rank(), job)
+
+
+PREFIX = "misuse-"
+for _name, _job_kw in JOBS.items():  # stage 1: after the other files' jobs (collectives left timed out)
+    L.register(__name__, WORLD, PREFIX + _name, "test_distributed_hf_misuse:_job", stage=1, **_job_kw)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """Every job's per-rank results; the processes are killed after DEADLINE_S."""
-    d = tmp_path_factory.mktemp("misuse")
-    ctx = mp.start_processes(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=False)
-    end = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the 2-rank jobs did not end within {DEADLINE_S} s")
-    ranks = [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
-    return {name: [r[name] for r in ranks] for name in JOBS}
+def runs(dist_launch) -> dict[str, list[dict]]:
+    """Every job's per-rank results (the launch ends within its time limit, or the tests fail)."""
+    root = dist_launch(WORLD)
+    return {name: L.results(root, PREFIX + name) for name in JOBS}
 
 
 @pytest.mark.parametrize("name, wrapper", [("ddp-first", "DistributedDataParallel"), ("fsdp1-first", "FullyShardedDataParallel")])  # fmt: skip

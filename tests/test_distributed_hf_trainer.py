@@ -7,32 +7,27 @@ values with batch B (fp64: 1e-9): the Trainer with Adam or Sinkhorn tables, row-
 replicated, gradient accumulation with a frozen backbone, peft LoRA; a manual `accelerate` loop with
 `Accelerator(cpu=True)`. The ranks' micro-batches of a step are the one-process step's batch, DDP
 ignores the tables, and accelerate sees the torchrun launch (MULTI_CPU, W processes).
-One torchrun launch per world size runs all its jobs (a launch costs ~15 s of start-up here); every
-launch has a timeout, so a rank that hangs fails the test instead of blocking the suite."""
+The suite's torchrun launch of each world size runs these jobs with the other files' (tests/dist_launch.py:
+a launch costs ~15 s of start-up here); every launch has a timeout, so a rank that hangs fails the test
+instead of blocking the suite."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
+import dist_launch as L
 import hf_dist_job as J
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
-JOB = Path(__file__).with_name("hf_dist_job.py")
-LAUNCH_TIMEOUT_S = 240
 TABLE = "engram.layers.1.table.weight"
 
 # name -> (world size, the run); the runs of one world size share its launch. B = Run.batch.
@@ -65,22 +60,15 @@ DAMAGED_RUNS: dict[str, tuple[int, J.Run]] = {
 }  # fmt: skip
 
 
+for _name, (_world, _run) in {**RUNS, **CHECKPOINT_RUNS, **DAMAGED_RUNS}.items():
+    L.register(__name__, _world, _run.name, "hf_dist_job:job", **dataclasses.asdict(_run))
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """world -> the out dir of its launch: one torchrun launch per world size, on first use; the
-    launches share one folder, and the 2-rank one runs first (the 3-rank runs resume its checkpoint)."""
-    out = tmp_path_factory.mktemp("hf-trainer")
-    done: set[int] = set()
-    every = {**RUNS, **CHECKPOINT_RUNS, **DAMAGED_RUNS}
-
-    def get(world: int) -> Path:
-        for w in [2, *sorted({world} - {2})]:  # the 2-rank launch writes the checkpoints
-            if w not in done:
-                _launch(w, out, [run for wr, run in every.values() if wr == w])
-                done.add(w)
-        return out
-
-    return get
+def launched(dist_launch):
+    """world -> the folder of the suite's launch with that many ranks (tests/dist_launch.py: the 2-rank
+    one runs first, and the 3- and 1-rank runs resume its checkpoint there)."""
+    return dist_launch
 
 
 @pytest.fixture(scope="module")
@@ -95,35 +83,6 @@ def single(tmp_path_factory):
         return cache[run]
 
     return get
-
-
-def _launch(world: int, out: Path, runs: list[J.Run]) -> Path:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
-    cmd += [str(JOB), str(out), json.dumps([dataclasses.asdict(r) for r in runs])]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        _stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # torchrun forwards SIGTERM to its ranks (each in a session of its own), which dump their threads'
-        # tracebacks (the job's faulthandler) and die; SIGKILL if that does not end it
-        proc.terminate()
-        try:
-            _stdout, stderr = proc.communicate(timeout=45)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _stdout, stderr = proc.communicate()
-        pytest.fail(
-            f"torchrun with {world} ranks ran past {LAUNCH_TIMEOUT_S} s; its stderr ends:\n{stderr[-8000:]}"
-        )
-    print(f"torchrun, {world} ranks, {len(runs)} jobs: {time.perf_counter() - t0:.1f} s")
-    assert proc.returncode == 0, stderr[-6000:]
-    return out
 
 
 def _single(run: J.Run, out: Path) -> dict:
@@ -164,7 +123,7 @@ def test_matches_one_process(launched, single, name):
     world, run = RUNS[name]
     out = launched(world)
     want = single(run)
-    ranks = [torch.load(out / f"{name}-rank-{r}.pt", weights_only=False) for r in range(world)]
+    ranks = L.results(out, name)
     table = ("base_model.model." if run.lora else "") + TABLE
     mode = run.mode or "sharded"
     for rank, res in enumerate(ranks):
@@ -188,7 +147,7 @@ def test_frozen_backbone_moves_only_engram_and_adapters(launched, name):
     """freeze_backbone (and LoRA, which freezes it) across ranks: only Engram's parameters (and the
     adapters) moved, and each kind did: the table, Engram's projections, the LoRA weights."""
     world, run = RUNS[name]
-    res = torch.load(launched(world) / f"{name}-rank-0.pt", weights_only=False)
+    res = L.results(launched(world), name)[0]
     assert res["error"] is None, res["error"]
     before = J.build_model(run.lora).state_dict()
     moved = {k for k, v in res["state"].items() if not torch.equal(v, before[k])}
@@ -227,7 +186,7 @@ def test_trainer_checkpoints_resume_with_sharded_tables(launched, single):
     assert TABLE not in names and any(k.startswith("engram.") for k in names)
     want = single(CHECKPOINT_RUNS["trainer-ckpt"][1])["state"]
     res = {
-        n: [torch.load(out / f"{n}-rank-{r}.pt", weights_only=False) for r in range(w)]
+        n: L.results(out, n)
         for n, (w, _) in CHECKPOINT_RUNS.items()
         if w > 1  # the 1-rank launch: test_two_rank_checkpoint_resumes_on_one_process
     }
@@ -271,7 +230,7 @@ def test_damaged_or_foreign_rank_file_refused_on_every_rank(launched, damage, sa
     the file (and the run ids), before any step and before any collective a peer could have left."""
     out = launched(2)
     _, run = DAMAGED_RUNS[damage]
-    errors = [torch.load(out / f"{run.name}-rank-{r}.pt", weights_only=False)["error"] for r in range(2)]
+    errors = [r["error"] for r in L.results(out, run.name)]
     last = [e.strip().splitlines()[-1] for e in errors]
     assert last[0] == last[1], last
     assert (
@@ -289,7 +248,7 @@ def test_two_rank_checkpoint_resumes_on_one_process(launched, single, tmp_path):
     ends (fp64, 1e-9)."""
     out = launched(1)
     want = single(CHECKPOINT_RUNS["trainer-ckpt"][1])["state"]
-    (w1,) = [torch.load(out / f"trainer-resume-w1-rank-{r}.pt", weights_only=False) for r in range(1)]
+    (w1,) = L.results(out, "trainer-resume-w1")
     assert w1["error"] is None, w1["error"]
     assert w1["mode"] == "replicated" and w1["world_size"] == 1
     assert [s for s, _ in w1["seen"]] == [1, 2]
