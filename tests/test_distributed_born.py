@@ -1,4 +1,5 @@
-"""Tables born sharded, and ranks that agree on them without the table (issue 29, items 1-2).
+"""Tables born sharded, ranks that agree on them without the table, and the Engram part saved without
+a gather (issue 29, items 1-3).
 
 Row r of layer l's table depends on (seed, l, r) only (`engram.model.table_init`), so one process
 (`engram.hf.add_engram`, `engram.apps.train.build_model`) draws the very table N ranks hold between
@@ -6,6 +7,8 @@ them. Under a process group `add_engram`'s tables are lazy and `prepare_data_par
 rank's rows: 1, 2 and 3 ranks gathered equal the one-process table bit for bit, a rank's peak memory
 grows by its shard and a chunk, not by the table, and the ranks agree on the tables' recipes (a few
 bytes) without a digest; a table some rank holds in memory is digested chunk by chunk on every rank.
+`engram.distributed.save_engram` / `export_fp8`: each rank writes its own rows into the one part
+every reader reads; a rank failing mid-write publishes nothing.
 One spawned job (3 gloo ranks; the rows of 1 and 2 ranks are those of table_ranks 1 and 2 there)
 runs every multi-process check.
 """
@@ -229,6 +232,42 @@ def _agreement_part(rank: int) -> dict:
     return res
 
 
+def _save_part(rank: int, out: str) -> dict:
+    """engram.distributed.save_engram / export_fp8 of a born-sharded model whose shards were changed
+    (each rank wrote its own rows); then a save into the float part's folder that fails on rank 1
+    while writing its rows."""
+    import engram.distributed.hf_part as hf_part
+    from engram.distributed import export_fp8, prepare_data_parallel, save_engram
+
+    model = _model()
+    prepare_data_parallel(model, "sharded")
+    t = model.engram.table_sync.tables[0]
+    with torch.no_grad():
+        t.weight.mul_(1 + rank).add_(0.25 * rank)  # values no rank drew: what a trained table holds
+        model.engram.module(1).wkv.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(5))
+    res = {"full": t.full_weight(0), "dense": model.state_dict() if rank == 0 else None}
+    res["part"] = save_engram(model, f"{out}/part")
+    res["fp8"] = export_fp8(model, f"{out}/part-fp8")
+    before = {f.name: f.read_bytes() for f in Path(f"{out}/part").iterdir()}
+    write_rows = hf_part.write_rows
+
+    def disk_full(path, laid, name, first_row, rows):
+        if rank == 1 and name.endswith("embed.weight"):
+            raise OSError(28, "No space left on device (rank 1, simulated)")
+        return write_rows(path, laid, name, first_row, rows)
+
+    with mock.patch.object(hf_part, "write_rows", disk_full):
+        try:
+            save_engram(model, f"{out}/part")
+            res["failed"] = None
+        except (OSError, RuntimeError) as e:
+            res["failed"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    after = {f.name: f.read_bytes() for f in Path(f"{out}/part").iterdir()}
+    res["unchanged"] = after == before
+    return res
+
+
 def _train_part(lm_cfg, seed: int) -> dict:
     """engram train --distributed --table-init chunked's model (build_sharded_model), gathered."""
     from engram.distributed import build_sharded_model, sharded_tables
@@ -253,6 +292,7 @@ def _worker(rank: int, init_file: str, out: str, lm_cfg, seed: int) -> None:
             ("born", lambda: _born_part(rank)),
             ("agree", lambda: _agreement_part(rank)),
             ("train", lambda: _train_part(lm_cfg, seed)),
+            ("save", lambda: _save_part(rank, out)),
             ("memory", _memory_part),
         ):
             res[name] = part()
@@ -346,3 +386,48 @@ def test_peak_memory_per_rank_is_its_shard_and_a_chunk(runs):
         assert born["whole"] > 240 and born["shard"] < 90  # MiB
         assert born["grew"] < born["shard"] + 2 * mem["chunk"] + 24, born
         assert whole["grew"] > whole["whole"], whole
+
+
+def test_sharded_save_writes_one_part_without_a_gather(runs):
+    """save_engram / export_fp8 on 3 ranks, each writing its own rows into one file: one process loads
+    the float part equal to the gathered table and dense weights; the FP8 part equals V4.1's FP8 of the
+    whole table bit for bit, records its fingerprint, loads memory-mapped, passes the vLLM plugin's
+    folder check and makes a row file. A rank failing mid-write fails every rank and publishes nothing:
+    the folder keeps its earlier part, byte for byte, with no temporary file left."""
+    from engram.checkpoint.convert import open_row_file, write_row_files
+    from engram.checkpoint.files import open_tensors
+    from engram.checkpoint.integrity import table_fingerprint
+    from engram.hf import load_engram
+    from engram.hf.io import check_part
+    from engram.model.table import MmapFP8Table
+    from engram.storage.quant import quantize_rows
+
+    got = [r["save"] for r in runs]
+    part, fp8 = Path(got[0]["part"]), Path(got[0]["fp8"])
+    assert all(g["part"] is None and g["fp8"] is None for g in got[1:])
+    full, dense = got[0]["full"], got[0]["dense"]
+    loaded = load_engram(S.llama(seed=3), part, tokenizer=S.tokenizer(), mmap=False).state_dict()
+    assert torch.equal(loaded[TABLE], full)
+    for k, v in dense.items():
+        assert torch.equal(loaded[k], v), k
+
+    values, scales = quantize_rows(full)
+    f = open_tensors(fp8 / "model-00001-of-00001.safetensors")
+    assert torch.equal(f.tensor("layers.1.engram.embed.weight").view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(f.tensor("layers.1.engram.embed.scale").view(torch.uint8), scales.view(torch.uint8))
+    assert f.metadata["engram_table_fingerprint.1"] == table_fingerprint(values, scales)
+    m = load_engram(S.llama(seed=3), fp8, tokenizer=S.tokenizer(), mmap=True)
+    table = m.engram.module(1).table
+    assert isinstance(table, MmapFP8Table) and table.num_rows == len(full)
+    check_part(fp8, backbone="llama", hidden_size=S.HIDDEN, num_layers=3, vocab_size=S.vocab())
+    assert len(write_row_files(fp8)) == 1
+    rows = torch.tensor([0, 7, len(full) - 1])
+    v, sc = open_row_file(fp8, 1).gather_bytes(rows)
+    assert torch.equal(v.view(torch.uint8), values[rows].view(torch.uint8))
+    assert torch.equal(sc.view(torch.uint8), scales[rows].view(torch.uint8))
+
+    for rank, g in enumerate(got):
+        assert g["failed"] is not None and g["unchanged"], (rank, g["failed"])
+    assert "No space left on device (rank 1, simulated)" in got[1]["failed"]
+    assert "another rank failed to write its rows" in got[0]["failed"]
+    assert not [p.name for p in part.iterdir() if p.name.startswith(".")]

@@ -8,7 +8,7 @@ into an error naming the rank and the step), `wrappers` (whether DDP / FSDP hold
 or took a parameter over), `launch` (one rank from torchrun's environment), `train`
 (the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
 HF models under DDP, accelerate and the Trainer), `hf_checkpoint` (their sharded tables' checkpoints
-and Engram part), `hf_fsdp` (the HF backbone under FSDP2,
+and Engram part), `hf_part` (that part written by every rank, its own rows, without a gather), `hf_fsdp` (the HF backbone under FSDP2,
 the tables kept out), `hf_trainer` (`EngramShardsCallback` for the Trainer's checkpoints; imports
 transformers, so it loads on first use).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.

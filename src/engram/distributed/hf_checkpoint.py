@@ -10,31 +10,27 @@ No rank holds a whole table, so no single rank can write one. Two forms:
   whichever files hold them: at the same world size bit-exact; at another one with the rows
   redistributed; in one process, or with replicated tables, every row (the table optimizer then a
   plain one);
-- the Engram part (`save_engram` / `export_fp8`): the tables gathered to rank 0, which writes the part
-  `engram.hf.load_engram` reads in one process.
+- the Engram part (`save_engram` / `export_fp8`): every rank writes its own rows into the one part
+  `engram.hf.load_engram` reads in one process (`hf_part`: nothing gathered).
 Knows ShardedTable, the table optimizers' per-row state and the shard files; nothing of the Trainer.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.shard_format import SHARDED_STATE_KEY, SHARDS_FOLDER, ShardIdentity, TableRange
 from engram.checkpoint.shards import RowShards, write_shard
 from engram.distributed.hf import ShardedTableSync
+from engram.distributed.hf_part import write_part
 from engram.distributed.shard_checkpoint import agreed, table_optimizer_name
 from engram.distributed.sharded_table import ShardedTable
-from engram.hf import export_fp8 as hf_export_fp8
-from engram.hf import save_engram as hf_save_engram
 from engram.hf.attach import get_attachment
 from engram.model.table import TrainableTable
 
@@ -199,54 +195,15 @@ def _load(model: nn.Module, att: Any, sync: Any, pending: dict[str, Any], folder
             t.weight.copy_(rows[name]["weight"])
 
 
-@contextmanager
-def _gathered(model: nn.Module) -> Iterator[bool]:
-    """Every sharded table of `model`'s Engram gathered to rank 0 (a collective) and set there as a
-    plain TrainableTable for the block; yields whether this rank holds them."""
-    att = get_attachment(model)
-    sharded = {lid: m.table for lid, m in att.layers.items() if isinstance(m.table, ShardedTable)}
-    if not sharded:
-        raise ValueError("the model's Engram tables are not sharded: use engram.hf.save_engram / export_fp8")
-    full = {lid: t.full_weight(0) for lid, t in sharded.items()}  # in layer order on every rank
-    root = next(iter(sharded.values())).rank == 0
-    try:
-        if root:
-            for lid, w in full.items():
-                t = sharded[lid]
-                att.layers[lid].table = TrainableTable.from_weight(w, init_std=t.init_std)
-        yield root
-    finally:
-        if root:
-            for lid, t in sharded.items():
-                att.layers[lid].table = t
-
-
-def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path | None:
-    group = get_attachment(model).table_sync.group
-    error: BaseException | None = None
-    out = None
-    with _gathered(model) as root:
-        if root:
-            try:
-                out = (hf_export_fp8 if fp8 else hf_save_engram)(model, directory)
-            except (OSError, ValueError) as e:
-                error = e
-    failed = torch.tensor([int(error is not None)])
-    dist.all_reduce(failed, group=group)  # every rank learns whether rank 0 wrote it
-    if error is not None:
-        raise error
-    if int(failed):
-        raise RuntimeError(f"rank 0 failed to write the Engram part to {directory}; see its error")
-    return out
-
-
 def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:
-    """`engram.hf.save_engram` for a model with row-sharded tables: every rank calls it; rank 0 writes
-    the whole part (readable by `engram.hf.load_engram` in one process) and returns its folder, the
-    others return None once it is written."""
-    return _save(model, directory, fp8=False)
+    """`engram.hf.save_engram` for a model with row-sharded tables: every rank calls it and writes its
+    own rows into the one part (`hf_part.write_part`: no table is gathered; readable by
+    `engram.hf.load_engram` in one process); rank 0 returns its folder, the others None once it is
+    published."""
+    return write_part(model, directory, fp8=False)
 
 
 def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:
-    """`engram.hf.export_fp8` for a model with row-sharded tables (as `save_engram` here)."""
-    return _save(model, directory, fp8=True)
+    """`engram.hf.export_fp8` for a model with row-sharded tables (as `save_engram` here: each rank
+    quantises and writes its own rows)."""
+    return write_part(model, directory, fp8=True)
