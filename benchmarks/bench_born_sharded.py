@@ -121,10 +121,25 @@ def whole_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def cap_data(extra_bytes: int) -> int:
-    """Cap this process's data segment at what it holds now + `extra_bytes`; returns the limit."""
+    """Cap this process's data segment (the soft limit) at what it holds now + `extra_bytes`;
+    returns the limit."""
     limit = int(_status_mb("VmData") * MIB) + extra_bytes
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
     return limit
+
+
+def _set_soft_limit(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
+
+
+def _reset_peak() -> float:
+    """Reset VmHWM to the resident set now (Linux: /proc/self/clear_refs); returns that (NaN if not allowed)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return float("nan")
+    return _status_mb("VmRSS")
 
 
 def _mark(res: dict, stage: str) -> None:
@@ -159,9 +174,11 @@ def _trainable(rows: int, lr: float = 1e-3):
 
 
 def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, steps: int,
-             batch: int, seq: int) -> dict:  # fmt: skip
+             batch: int, seq: int, cap_resume: bool = False) -> dict:  # fmt: skip
     """One rank's whole run (the process group is up); returns what it measured. `cap`: the data
-    segment's allowance beyond the rest, as a fraction of the whole table + state (None: no cap)."""
+    segment's allowance beyond the rest, as a fraction of the whole table + state (None: no cap).
+    `cap_resume`: keep the cap while resuming too (by default it is lifted for `load_table_shards`,
+    whose reader holds a rank's rows about three times over: see `resume_data_mb`)."""
     from engram.distributed import export_fp8, load_table_shards, save_table_shards, tensor_digest
 
     probe = attach(backbone(), rows)  # imports transformers; the table is lazy: no memory
@@ -203,7 +220,15 @@ def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, s
     model.load_state_dict(state["model"], strict=False)  # the dense part: the sharded table is not in it
     opt.load_state_dict(state["optimizer"])
     del state
+    lift = "limit_b" in res and not cap_resume
+    if lift:
+        _set_soft_limit(resource.RLIM_INFINITY)
+    peak = _status_mb("VmHWM")
+    before = _reset_peak()
     load_table_shards(model, ckpt)
+    res["resume_grew_mb"] = _status_mb("VmHWM") - before  # the resident peak's growth in the read
+    if lift:
+        _set_soft_limit(res["limit_b"])
     res["resume_s"] = time.perf_counter() - t0
     sync = model.engram.table_sync
     res["resumed_equal"] = [tensor_digest(t.weight.detach()) for t in sync.tables] == saved
@@ -219,7 +244,7 @@ def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, s
         dense = {k: v for k, v in model.state_dict().items() if not k.startswith("engram.")}
         torch.save(dense, f"{folder}/backbone.pt")
     dist.barrier()
-    res["peak_mb"] = _status_mb("VmHWM")
+    res["peak_mb"] = max(peak, _status_mb("VmHWM"))
     return res
 
 
@@ -308,6 +333,8 @@ def report(rows: list[dict], verbose: bool = False) -> None:
             f"{r['peak_mb'] / expected:>6.2f} {r['init_s']:>7.2f} {r['init_s'] / base['init_s']:>6.2f} "
             f"{r['save_s']:>7.2f} {r['save_s'] / base['save_s']:>6.2f} {r['resumed_equal']}"
         )
+        print(f"     load_table_shards grew the resident peak by {r['resume_grew_mb']:.0f} MiB "
+              f"(this rank's table + state: {(t + s) / n / MIB:.0f} MiB)")  # fmt: skip
         if verbose:
             print("     data segment MiB by stage: " + ", ".join(f"{k} {v}" for k, v in r["data_mb"].items()))
     print("cap: the data segment's allowance beyond the rest (RLIMIT_DATA), below the whole table + state")

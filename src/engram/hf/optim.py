@@ -11,6 +11,8 @@ micro-batches sums the sparse gradients. Clipping therefore covers the dense par
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,13 @@ from engram.model.sinkhorn import SparseSinkhorn
 __all__ = ["EngramOptimizer", "build_optimizer"]
 
 _TABLE_OPTIMIZERS = {"adam": SparseRowAdam, "adagrad": SparseRowAdagrad, "sinkhorn": SparseSinkhorn}
+
+
+def _take(method: weakref.WeakMethod, p: torch.Tensor) -> None:
+    """A table's post-accumulate-grad hook: the optimizer's `_take_grad`, while it lives."""
+    take = method()
+    if take is not None:
+        take(p)
 
 
 class EngramOptimizer(torch.optim.Optimizer):
@@ -55,9 +64,13 @@ class EngramOptimizer(torch.optim.Optimizer):
         self.table_restore: dict[str, Any] | None = None
         self._handles: list[Any] = []
         if tables is not None:
+            # The hook holds the optimizer weakly: a table's hooks keep it alive from C++, where the
+            # garbage collector cannot see the cycle, so a bound method kept the optimizer, its
+            # tables and their state alive after the model and the optimizer were dropped.
+            take = weakref.WeakMethod(self._take_grad)
             for group in tables.param_groups:
                 for p in group["params"]:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._take_grad))
+                    self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_take, take)))
 
     def _take_grad(self, p: torch.Tensor) -> None:
         g, p.grad = p.grad, None

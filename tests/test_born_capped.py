@@ -1,0 +1,82 @@
+"""A table no rank could hold (issue 29 item 4, at a test's size): 3 gloo ranks, each capped
+(RLIMIT_DATA) below the whole table + its SparseRowAdam state, train an Engram table born sharded
+through the HF path, checkpoint it, resume it (rows equal), write the FP8 part without a gather; one
+process then serves generate() from it memory-mapped. Under the same cap, a rank holding the whole
+table and its state (the replicated layout, or the table drawn at add_engram as before) fails.
+The cap is lifted for load_table_shards alone: its reader copies every field of the rank's rows
+before setting any, each from a copy-on-write mapping of the rank's whole shard file (charged to
+RLIMIT_DATA), so it holds about three times the rank's rows (measured here: resume_grew_mb).
+fp64 exactness of N ranks against one process: tests/test_distributed_born.py.
+One spawned job (tests/born_capped_job.py; benchmarks/bench_born_sharded.py's rank_job)."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engram.benchmarks import bench_born_sharded as B
+
+WORLD = 3
+ROWS = 250_000  # rows per head: 8 heads x ~250K rows x 32 fp32 = 244 MiB of table, 260 MiB of state
+CAP = 0.9  # each rank's data-segment allowance beyond the rest: 0.9 x (table + state), ~453 MiB
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA, /proc (Linux)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    import born_capped_job
+
+    d = tmp_path_factory.mktemp("born-capped")
+    mp.spawn(born_capped_job.worker, args=(WORLD, str(d), ROWS, CAP, str(d)), nprocs=WORLD)
+    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)] + [{"folder": str(d)}]
+
+
+def test_capped_ranks_train_checkpoint_resume_and_save(runs):
+    """Every rank ran the whole job under a cap below the whole table + state: trained (finite
+    losses), resumed the rows it checkpointed, wrote its part; the same cap refused the whole table."""
+    for res in runs[:WORLD]:
+        assert "error" not in res, res.get("error")
+        whole = res["table_b"] + res["state_b"]
+        print(
+            f"rank {res['rank']}: cap {res['cap_extra_b'] / MIB:.0f} MiB beyond the rest < whole "
+            f"{whole / MIB:.0f} MiB; data segment by stage {res['data_mb']}; peak RSS {res['peak_mb']:.0f} MiB "
+            f"(rest {res['rest_mb']:.0f}); load_table_shards +{res['resume_grew_mb']:.0f} MiB resident; "
+            f"whole table under the cap: {res['whole_error']}"
+        )
+        assert res["cap_extra_b"] < whole
+        assert res["table_b"] > 240 * MIB
+        assert sum(res["shard_rows"]) * 3 <= 8 * ROWS + 3 * 8 * 64  # a third of the rows (the primes' slack)
+        assert all(torch.isfinite(torch.tensor(res["losses"])))
+        assert res["resumed_equal"] is True
+        err = res["whole_error"]
+        assert err is not None and "allocate" in err, err
+
+
+def test_one_process_serves_the_part_memory_mapped(runs):
+    """The part the 3 capped ranks wrote, loaded in one process through MmapFP8Table: generate() runs."""
+    got = B.serve(runs[WORLD]["folder"], new_tokens=4)
+    assert got["table"] == "MmapFP8Table" and got["generated"] == 4
+    assert got["rows"] == runs[0]["table_b"] // (32 * 4)
+
+
+def test_dropped_model_and_optimizer_free_the_table():
+    """build_optimizer's table hooks hold the optimizer weakly: once the model and its optimizer are
+    dropped, the table and its state are freed (a bound method in the hooks kept them, uncollectable)."""
+    from engram.hf import build_optimizer
+
+    model = B.attach(B.backbone(), 2000, lazy=False)
+    opt = build_optimizer(model, lr=1e-3, table_lr=1e-2)
+    ids = torch.randint(2, B.VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    table = weakref.ref(model.engram.module(1).table.weight)
+    del model, opt
+    gc.collect()
+    assert table() is None
