@@ -372,7 +372,7 @@ def test_ranks_agree_on_recipes_and_digest_only_held_tables(runs):
 
 def test_peak_memory_per_rank_is_its_shard_and_a_chunk(runs):
     """3 ranks, a 244 MiB table: add_engram + prepare_data_parallel grow a rank's peak RSS by its shard
-    and a chunk (+ 24 MiB of the rest), where drawing it whole first grows it by more than the table."""
+    and a chunk (+ up to 64 MiB of the rest), where drawing it whole first grows it by more than the table."""
     if not runs[0]["memory"]:
         pytest.skip("needs /proc/self/clear_refs (Linux) to measure the peak")
     for rank, res in enumerate(runs):
@@ -384,7 +384,9 @@ def test_peak_memory_per_rank_is_its_shard_and_a_chunk(runs):
         mem = res["memory"]
         born, whole = mem["born"], mem["whole"]
         assert born["whole"] > 240 and born["shard"] < 90  # MiB
-        assert born["grew"] < born["shard"] + 2 * mem["chunk"] + 24, born
+        # + 64 MiB of the rest (gloo buffers, allocator arenas: 24 on a quiet machine, 48 seen under
+        # load), still far below the whole table (244) that the code before drew on every rank (+333)
+        assert born["grew"] < born["shard"] + 2 * mem["chunk"] + 64, born
         assert whole["grew"] > whole["whole"], whole
 
 
