@@ -411,45 +411,36 @@ def _measure(
     # ---- rows
     shape = f"{Path(folder).name} ({backbone_params / 1e6:.1f}M), Engram at {list(cfg.layer_ids)}"
     tokens = batch * seq
-    out: list[dict[str, Any]] = [
-        {
-            "op": f"train step, backbone frozen / plain's, {shape}, {batch}x{seq} tok",
-            "seconds": train["engram"],
-            "baseline_seconds": train["plain"],
-            "baseline": "the plain model, Engram layers' input norms trainable",
-            "ratio": train["engram"] / train["plain"],
-            "cpu_seconds": train_cpu["engram"],
-            "baseline_cpu_seconds": train_cpu["plain"],
-            "cpu_ratio": train_cpu["engram"] / train_cpu["plain"],
-            "target": 1.15,
-            "tokens_per_s": tokens / train["engram"],
-        },
+    out = [
+        _row(
+            f"train step, backbone frozen / plain's, {shape}, {batch}x{seq} tok",
+            train,
+            train_cpu,
+            "plain",
+            "the plain model, Engram layers' input norms trainable",
+            target=1.15,
+            tokens_per_s=tokens / train["engram"],
+        )
     ]
     if lora:
         out.append(
-            {
-                "op": f"train step, Engram (frozen) / LoRA alone, {batch}x{seq} tok",
-                "seconds": train["engram"],
-                "baseline_seconds": train["lora"],
-                "baseline": f"LoRA rank {s.lora_rank} alone",
-                "ratio": train["engram"] / train["lora"],
-                "cpu_seconds": train_cpu["engram"],
-                "baseline_cpu_seconds": train_cpu["lora"],
-                "cpu_ratio": train_cpu["engram"] / train_cpu["lora"],
-            }
+            _row(
+                f"train step, Engram (frozen) / LoRA alone, {batch}x{seq} tok",
+                train,
+                train_cpu,
+                "lora",
+                f"LoRA rank {s.lora_rank} alone",
+            )
         )
     out.append(
-        {
-            "op": f"generate() per token / plain's, batch {gen_batch}",
-            "seconds": per_token["engram"],
-            "baseline_seconds": per_token["plain"],
-            "baseline": "the plain model's generate()",
-            "ratio": per_token["engram"] / per_token["plain"],
-            "cpu_seconds": per_token_cpu["engram"],
-            "baseline_cpu_seconds": per_token_cpu["plain"],
-            "cpu_ratio": per_token_cpu["engram"] / per_token_cpu["plain"],
-            "target": 1.10,
-        }
+        _row(
+            f"generate() per token / plain's, batch {gen_batch}",
+            per_token,
+            per_token_cpu,
+            "plain",
+            "the plain model's generate()",
+            target=1.10,
+        )
     )
     held_infer = table_bytes + dense_bytes + hasher_bytes
     held_train = held_infer + table_state + dense_state
@@ -481,6 +472,23 @@ def _measure(
         }
     )
     return out
+
+
+def _row(
+    op: str, wall: dict[str, float], cpu: dict[str, float], base: str, baseline: str, **extra: Any
+) -> dict[str, Any]:
+    """A row of `engram bench`: the Engram arm against arm `base`, on the wall clock and the CPU clock."""
+    return {
+        "op": op,
+        "seconds": wall["engram"],
+        "baseline_seconds": wall[base],
+        "baseline": baseline,
+        "ratio": wall["engram"] / wall[base],
+        "cpu_seconds": cpu["engram"],
+        "baseline_cpu_seconds": cpu[base],
+        "cpu_ratio": cpu["engram"] / cpu[base],
+        **extra,
+    }
 
 
 def format_report(rows: list[dict[str, Any]]) -> list[str]:
