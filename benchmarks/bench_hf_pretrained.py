@@ -88,30 +88,21 @@ def model_folder(folder: str | None, cache: str = DEFAULT_CACHE, progress: bool 
 def attach_as_hf_train(model: nn.Module, tok: Any, folder: str) -> Any:
     """Attach Engram to `model` with `engram hf-train`'s defaults (its layers, head width and table
     rows from the model's depth and size); returns hf-train's settings (lr, table lr, LoRA rank)."""
-    from engram.addressing.compression import TokenizerCompression
     from engram.apps.hf_folder import model_depth
     from engram.apps.hf_train import (
         HFTrainSettings,
-        check_table_memory,
+        attach_engram,
         default_head_dim,
         default_layers,
         default_table_rows,
-        engram_config,
     )
-    from engram.hf import add_engram
 
     s = HFTrainSettings(folder=folder, corpus="-", out="-")  # hf-train's defaults, nothing read
     depth, hidden = model_depth(model.config)
     head_dim = s.head_dim or default_head_dim(hidden)
     layers = default_layers(depth)
     rows = default_table_rows(sum(p.numel() for p in model.parameters()), len(layers), head_dim)
-    check_table_memory(rows, len(layers), head_dim)
-    compression = TokenizerCompression.from_tokenizer(tok)
-    cfg = engram_config(model, compression, layers, rows, s.heads, head_dim, tok.pad_token_id)
-    eos = tok.eos_token_id
-    add_engram(
-        model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
-    )
+    attach_engram(model, tok, layers, rows, s.heads, head_dim)
     return s
 
 

@@ -57,6 +57,7 @@ __all__ = [  # the settings and checks re-exported: `engram.apps.hf_train` is th
     "CARD_FILE",
     "HFTrainSettings",
     "TrainMode",
+    "attach_engram",
     "check_layers",
     "check_out",
     "check_table_memory",
@@ -103,6 +104,26 @@ def engram_config(
         hidden_size=model_hidden_size(model),
         hc_mult=1,
     )
+
+
+def attach_engram(
+    model: nn.Module, tok: Any, layers: tuple[int, ...], rows: int, heads: int, head_dim: int
+) -> Any:
+    """Engram attached as hf-train attaches it (the table's memory checked first, the compression map
+    from `tok`, zero-init so the model's outputs are unchanged at step 0); returns its EngramConfig.
+    Documents are packed with EOS between them, so n-gram windows restart after it (recorded with the
+    part: load_engram and vLLM do the same)."""
+    from engram.addressing.compression import TokenizerCompression
+    from engram.hf import add_engram
+
+    check_table_memory(rows, len(layers), head_dim)
+    compression = TokenizerCompression.from_tokenizer(tok)
+    cfg = engram_config(model, compression, layers, rows, heads, head_dim, tok.pad_token_id)
+    eos = tok.eos_token_id
+    add_engram(
+        model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
+    )
+    return cfg
 
 
 def lora_targets(model: nn.Module) -> str:
@@ -205,18 +226,7 @@ def _check_and_load(s: HFTrainSettings, ranks: Ranks, resume: bool) -> _Run:
     cfg = None
     engram_params = (0, 0)
     if s.engram:
-        check_table_memory(rows, len(layers), head_dim)
-        from engram.addressing.compression import TokenizerCompression
-        from engram.hf import add_engram
-
-        compression = TokenizerCompression.from_tokenizer(tok)
-        cfg = engram_config(model, compression, layers, rows, s.heads, head_dim, tok.pad_token_id)
-        # zero-init: the model's outputs unchanged at step 0; documents are packed with EOS between them,
-        # so n-gram windows restart after it (recorded with the part: load_engram and vLLM do the same)
-        eos = tok.eos_token_id
-        add_engram(
-            model, cfg, compression=compression, boundaries=None if eos is None else "eos", eos_token_id=eos
-        )
+        cfg = attach_engram(model, tok, layers, rows, s.heads, head_dim)
         engram_params = _engram_parameters(model)
     held = corpus.held[: s.eval_blocks or None]
     # across processes, after prepare_data_parallel: a table still to be drawn (add_engram's lazy tables
