@@ -103,7 +103,7 @@ def engram_config(rows: int, hidden: int = HIDDEN) -> EngramConfig:
 
 
 def compression() -> TokenizerCompression:
-    return TokenizerCompression(lookup=np.arange(VOCAB), fingerprint="bench-identity")
+    return TokenizerCompression.identity(VOCAB, fingerprint="bench-identity")
 
 
 def attach(model: torch.nn.Module, rows: int, lazy: bool | None = True) -> torch.nn.Module:

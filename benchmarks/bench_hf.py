@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 import torch
 
 from engram.addressing.compression import TokenizerCompression
@@ -64,7 +63,7 @@ def _models(hidden: int, layers: int) -> tuple[torch.nn.Module, torch.nn.Module]
         hidden_size=hidden,
         hc_mult=1,
     )
-    identity = TokenizerCompression(lookup=np.arange(VOCAB), fingerprint="bench-identity")
+    identity = TokenizerCompression.identity(VOCAB, fingerprint="bench-identity")
     add_engram(with_engram, econfig, compression=identity)
     with torch.no_grad():  # a trained-looking Engram (its value projection is not zero)
         with_engram.engram.module(1).wkv.weight.normal_(std=0.02)

@@ -35,7 +35,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -100,7 +99,7 @@ def _model(args: argparse.Namespace, engram: bool) -> torch.nn.Module:
         hidden_size=args.hidden,
         hc_mult=1,
     )
-    identity = TokenizerCompression(lookup=np.arange(VOCAB), fingerprint="bench-identity")
+    identity = TokenizerCompression.identity(VOCAB, fingerprint="bench-identity")
     torch.manual_seed(1)  # the same table on every rank
     add_engram(model, econfig, compression=identity)
     with torch.no_grad():  # a trained-looking Engram (its value projection is not zero)
