@@ -49,20 +49,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engram.addressing.compression import TokenizerCompression
+from engram.benchmarks.timing import status_mib
 from engram.config import EngramConfig
 
 VOCAB = 512
 HIDDEN = 64
 MIB = 1 << 20
-
-
-def _status_mb(field: str) -> float:
-    """VmRSS / VmHWM / VmData of this process, MiB (Linux; NaN elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return float("nan")
 
 
 def backbone(layers: int = 2, hidden: int = HIDDEN) -> torch.nn.Module:
@@ -126,7 +118,7 @@ def whole_bytes(model: torch.nn.Module) -> tuple[int, int]:
 def cap_data(extra_bytes: int) -> int:
     """Cap this process's data segment (the soft limit) at what it holds now + `extra_bytes`;
     returns the limit."""
-    limit = int(_status_mb("VmData") * MIB) + extra_bytes
+    limit = int(status_mib("VmData") * MIB) + extra_bytes
     resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.RLIM_INFINITY))
     return limit
 
@@ -142,12 +134,12 @@ def _reset_peak() -> float:
             f.write("5")
     except OSError:
         return float("nan")
-    return _status_mb("VmRSS")
+    return status_mib("VmRSS")
 
 
 def _mark(res: dict, stage: str) -> None:
     """The data segment (MiB) at a stage of the job (what RLIMIT_DATA caps)."""
-    res.setdefault("data_mb", {})[stage] = round(_status_mb("VmData"), 1)
+    res.setdefault("data_mb", {})[stage] = round(status_mib("VmData"), 1)
 
 
 def _step(ddp, opt, gen: torch.Generator, batch: int, seq: int) -> float:
@@ -187,7 +179,7 @@ def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, s
     probe = attach(backbone(), rows)  # imports transformers; the table is lazy: no memory
     table_b, state_b = whole_bytes(probe)
     gc.collect()
-    rest_mb = _status_mb("VmRSS")  # Python, torch, transformers, the process group, a backbone
+    rest_mb = status_mib("VmRSS")  # Python, torch, transformers, the process group, a backbone
     del probe
     gc.collect()
     res: dict = {"rank": rank, "world": world, "table_b": table_b, "state_b": state_b}
@@ -226,10 +218,10 @@ def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, s
     lift = "limit_b" in res and not cap_resume
     if lift:
         _set_soft_limit(resource.RLIM_INFINITY)
-    peak = res["peak_train_mb"] = _status_mb("VmHWM")  # init, train, checkpoint (and a model built)
+    peak = res["peak_train_mb"] = status_mib("VmHWM")  # init, train, checkpoint (and a model built)
     before = _reset_peak()
     load_table_shards(model, ckpt)
-    res["resume_grew_mb"] = _status_mb("VmHWM") - before  # the resident peak's growth in the read
+    res["resume_grew_mb"] = status_mib("VmHWM") - before  # the resident peak's growth in the read
     if lift:
         _set_soft_limit(res["limit_b"])
     res["resume_s"] = time.perf_counter() - t0
@@ -247,7 +239,7 @@ def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, s
         dense = {k: v for k, v in model.state_dict().items() if not k.startswith("engram.")}
         torch.save(dense, f"{folder}/backbone.pt")
     dist.barrier()
-    res["peak_mb"] = max(peak, _status_mb("VmHWM"))
+    res["peak_mb"] = max(peak, status_mib("VmHWM"))
     return res
 
 
@@ -268,7 +260,7 @@ def serve(folder: str, new_tokens: int = 8) -> dict:
         "table": type(table).__name__,
         "rows": table.num_rows,
         "generated": out.shape[1] - prompt.shape[1],
-        "peak_mb": _status_mb("VmHWM"),
+        "peak_mb": status_mib("VmHWM"),
     }
 
 

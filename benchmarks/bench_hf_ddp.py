@@ -40,24 +40,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engram.addressing.compression import TokenizerCompression
+from engram.benchmarks.timing import status_mib
 from engram.config import EngramConfig
 
 VOCAB = 8192
 MODES = ("plain", "sharded", "replicated")
 
 
-def _memory_mb(field: str) -> float:
-    """VmRSS (resident now) or VmHWM (its peak) of this process, in MB (NaN off Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return float("nan")
-
-
 def _reset_peak() -> tuple[bool, float]:
     """Make VmHWM the current resident set (Linux >= 4.0): (whether that was allowed, the peak it had)."""
-    before = _memory_mb("VmHWM")
+    before = status_mib("VmHWM")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -143,11 +135,11 @@ def _worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace
             model = _model(args, engram=mode != "plain")
             memory = {}
             if mode != "plain":
-                memory["rss_mb"] = _memory_mb("VmRSS")
+                memory["rss_mb"] = status_mib("VmRSS")
                 reset, peak = _reset_peak()
                 peaks.append(peak)
                 prepare_data_parallel(model, mode)
-                memory["prepare_peak_mb"] = _memory_mb("VmHWM") if reset else float("nan")
+                memory["prepare_peak_mb"] = status_mib("VmHWM") if reset else float("nan")
             ddp = DistributedDataParallel(model)
             if mode == "plain":
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -175,7 +167,7 @@ def _worker(rank: int, world: int, init: str, out: str, args: argparse.Namespace
                 dist.barrier()
                 if i >= 2:
                     r["times"].append(time.perf_counter() - t0)
-        res = {"peak_rss_mb": max([_memory_mb("VmHWM"), *peaks])}
+        res = {"peak_rss_mb": max([status_mib("VmHWM"), *peaks])}
         for mode, r in runs.items():
             times = r["times"] or [float("nan")]
             entry = {"step_s": statistics.median(times), "bucketed_bytes": r["bucketed"], **r["memory"]}

@@ -1,5 +1,5 @@
 """Timers the benchmarks share: `from engram.benchmarks.timing import best_time, best_times, cuda_time`,
-and `drop_pages` for cold reads."""
+`drop_pages` for cold reads, and `status_mib` for a process's memory."""
 
 from __future__ import annotations
 
@@ -58,3 +58,13 @@ def drop_pages(path: str | os.PathLike[str] | Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def status_mib(field: str) -> float:
+    """A field of this process's /proc/self/status in MiB: VmRSS (resident now), VmHWM (its peak),
+    VmData (the data segment); NaN off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return float("nan")
