@@ -261,15 +261,53 @@ def test_tensor_parallel_two_ranks_each_hold_half_the_rows(llama, tmp_path):
     assert [r["table_bytes"] for r in ranks] == [rows // 2 * 128, (rows - rows // 2) * 128]
 
 
+def ngram_drafts(prompt: list[int], out: list[int], n: int = 3, k: int = 3) -> tuple[int, int]:
+    """(draft tokens, accepted) that vLLM's n-gram proposer (prompt_lookup_min = max = n, k tokens a
+    draft) gives a greedy request whose output is `out`, written from its rule: the earliest earlier
+    occurrence of the context's last n tokens, the k tokens after it (fewer at the context's end)."""
+    drafted = accepted = 0
+    t = 0
+    while t < len(out) - 1:  # after each step's token, while tokens remain to verify
+        ctx = prompt + out[: t + 1]
+        tail = ctx[-n:]
+        draft: list[int] = []
+        for i in range(len(ctx) - n):
+            if ctx[i : i + n] == tail:
+                draft = ctx[i + n : i + n + k]
+                break
+        draft = draft[: len(out) - 1 - t]  # no draft past the request's last token
+        ok = 0
+        while ok < len(draft) and draft[ok] == out[t + 1 + ok]:
+            ok += 1
+        drafted, accepted, t = drafted + len(draft), accepted + ok, t + ok + 1
+    return drafted, accepted
+
+
 def test_ngram_speculative_decoding(llama, tmp_path):
     """vLLM's n-gram (prompt-lookup) drafts: draft tokens are written to their KV-cache slots and hashed
     like any token; a rejected draft's slot is rewritten by the token that replaces it before any later
-    step reads it, so greedy tokens equal HF's. Repetitive prompts make the drafts get proposed and
-    accepted."""
+    step reads it, so greedy tokens equal HF's. The repetitive prompts are chosen (from HF's greedy
+    tokens and the proposer's rule) so that drafts get both accepted and rejected, whatever the test
+    model's weights make of them."""
     folder, requests, want = llama
-    a = requests[1]["prompt"]  # a prompt, its greedy continuation, the prompt again: the drafts proposed
-    reps = [a + want[1] + a, [11, 12, 13] * 9 + [14]]  # after its end are what the model then says
-    want_reps = vllm_setup.greedy(vllm_setup.reference(folder), reps, N)
+    ref = vllm_setup.reference(folder)
+    firsts = [r["prompt"] for r in requests[:4]]
+    candidates = [p + w + p for p, w in zip(firsts, want, strict=False)] + [
+        p + w for p, w in zip(firsts, want, strict=False)
+    ]
+    candidates = [p for p in candidates if len(p) + N <= BASE["max_model_len"]]
+    candidates += [[11 + j, 12 + j, 13 + j] * 9 + [14 + j] for j in range(8)]
+    reps, want_reps, expect = [], [], [0, 0]  # expect: (draft tokens, accepted) of the chosen prompts
+    for p, out in zip(candidates, vllm_setup.greedy(ref, candidates, N), strict=True):
+        d, a = ngram_drafts(p, out)
+        if a > 0:
+            reps.append(p), want_reps.append(out)
+            expect = [expect[0] + d, expect[1] + a]
+        if 0 < expect[1] < expect[0]:
+            break
+    assert 0 < expect[1] < expect[0], (
+        f"no candidate prompt gets n-gram drafts both accepted and rejected: {expect}"
+    )
     more = [{"prompt": p, "max_tokens": N, "arrive": 0} for p in reps]
     got = serve(
         tmp_path,
@@ -282,7 +320,7 @@ def test_ngram_speculative_decoding(llama, tmp_path):
     assert got["runs"][0]["tokens"] == want[:4] + want_reps
     m = got["metrics"]
     drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
-    assert 0 < accepted < drafted, m  # drafts accepted and drafts rejected
+    assert 0 < accepted < drafted, (m, expect)  # drafts accepted and drafts rejected
 
 
 # ------------------------------------------------------------------------------------ engram serve
