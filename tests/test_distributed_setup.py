@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dist_worker import CHUNKED_ROWS
 from engram.apps.train import TrainConfig, evaluate, load_trained_model, prepare_data
@@ -185,6 +186,51 @@ def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
     assert seen == [(0,), None]
 
 
+def test_one_rank_trains_the_one_process_run_and_resumes_across_table_inits(cfg, monkeypatch, tmp_path):
+    """`engram train --distributed` on 1 rank (a group in this process) with the default init (chunked,
+    born sharded) writes the checkpoints of one-process `engram train`, bit for bit; a run started
+    with the old default (`--table-init copy`) resumes under the new one (checkpoints do not record
+    the init: both build the same model) and ends at the same checkpoint, and the other way round."""
+    import engram.distributed
+    from engram.cli import main
+
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.replace(steps=4, eval_every=0, checkpoint_every=2).to_dict()))
+    base = ["train", "--config", str(conf), "--no-progress", "--json"]
+    assert main([*base, "--out", str(tmp_path / "one")]) == 0
+    _one_rank_env(monkeypatch)
+    inits = []
+    build = engram.distributed.build_distributed_model
+    monkeypatch.setattr(
+        engram.distributed,
+        "build_distributed_model",
+        lambda *a, **kw: inits.append(kw["init"]) or build(*a, **kw),
+    )
+    dist = [*base, "--distributed"]
+    threads = torch.get_num_threads()
+    try:
+        assert main([*dist, "--out", str(tmp_path / "born")]) == 0
+        resumed = {
+            "copy-then-default": (["--table-init", "copy"], []),
+            "default-then-copy": ([], ["--table-init", "copy"]),
+        }
+        for name, (first, then) in resumed.items():
+            out = ["--out", str(tmp_path / name)]
+            assert main([*dist, *out, *first, "--until", "2"]) == 0
+            assert main([*dist, *out, *then, "--resume"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # init_distributed sets this process's threads
+    assert [i.value for i in inits] == ["chunked", "copy", "chunked", "chunked", "copy"]
+    for step in (2, 4):
+        ckpt = f"checkpoints/step-{step:07d}"
+        for part in ("model", "optimizer"):
+            want = load_file(str(tmp_path / "one" / ckpt / f"{part}.safetensors"))
+            for run in ("born", *resumed):
+                got = load_file(str(tmp_path / run / ckpt / f"{part}.safetensors"))
+                same = got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+                assert same, (run, step, part)
+
+
 def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
@@ -252,7 +298,7 @@ def test_ranks_launched_differently_end_quickly(cfg, data, tmp_path):
         port = sock.getsockname()[1]
     base = [sys.executable, "-m", "engram", "train", "--config", str(conf), "--distributed"]
     base += ["--out", str(tmp_path / "run"), "--no-progress", "--collective-timeout", "60"]
-    extra = (["--until", "2"], ["--until", "4", "--table-init", "chunked"])
+    extra = (["--until", "2"], ["--until", "4", "--table-init", "copy"])  # rank 0: the default, chunked
     procs = []
     t0 = time.perf_counter()
     for rank in (0, 1):
@@ -269,4 +315,4 @@ def test_ranks_launched_differently_end_quickly(cfg, data, tmp_path):
         assert p.returncode == 2, err[-3000:]
         assert f"rank {rank}'s training config differs from another rank's" in err, err[-3000:]
         assert "--until (rank 0: 2, rank 1: 4)" in err, err[-3000:]
-        assert "--table-init (rank 0: 'copy', rank 1: 'chunked')" in err, err[-3000:]
+        assert "--table-init (rank 0: 'chunked', rank 1: 'copy')" in err, err[-3000:]

@@ -216,7 +216,10 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
         data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
-        init = TableInit(args.table_init or TableInit.COPY)
+        # born sharded by default: no rank draws a whole table. COPY and CHUNKED build the same model
+        # bit for bit (a row from (seed, layer, row) only) and checkpoints do not depend on it, so a
+        # run started with either resumes under either
+        init = TableInit(args.table_init or TableInit.CHUNKED)
         model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
         # what else changes what the ranks do: checked to be the same on every rank, with cfg
         settings = {f"--{k.replace('_', '-')}": getattr(args, k) for k in _RANK_SETTINGS}
@@ -340,8 +343,9 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument(
         "--table-init",
         choices=["copy", "chunked"],  # TableInit's values (engram.distributed is imported only to run)
-        help="with --distributed: 'copy' (default) shards the single-process model's tables; 'chunked' "
-        "draws each rank's rows itself (no rank holds a full table; the same initial table)",
+        help="with --distributed: 'chunked' (default) draws each rank's rows itself (no rank holds a full "
+        "table); 'copy' builds the single-process model's whole tables on every rank, then shards them "
+        "(the same initial table, more memory)",
     )
     p.add_argument(
         "--table-ranks",

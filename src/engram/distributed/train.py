@@ -50,15 +50,16 @@ def build_distributed_model(
     cfg: TrainConfig,
     data: DataBundle,
     *,
-    init: TableInit = TableInit.COPY,
+    init: TableInit = TableInit.CHUNKED,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     owners: Iterable[int] | None = None,
 ) -> EngramLM:
     """cfg's model on `device` with sharded Engram tables whose rows live on `owners` (group ranks;
-    default: every rank). COPY: build_model's model (the same as a single process trains; each
-    rank builds the full table once, then keeps its rows, a non-owner none). CHUNKED:
-    build_sharded_model (no rank ever holds a full table; another, world-size independent, init)."""
+    default: every rank). CHUNKED (default): build_sharded_model (born sharded: no rank ever holds a
+    full table). COPY: build_model's model, each rank building the full table once, then keeping its
+    rows (a non-owner none). Both are build_model's model bit for bit (a row depends on (seed, layer,
+    row) only): one process trains what N ranks train, whichever init started them."""
     if not isinstance(init, TableInit):
         raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
     if init is TableInit.COPY or cfg.engram is None:
