@@ -57,7 +57,9 @@ class TrainableTable(EngramTable):
     (with a seed): no memory until first used; `recipe` records how its rows are drawn (a `RowInit`, which
     `.to()` / `.double()` update), and the first read of `weight` (a gather, a state_dict, an
     optimizer built over it) draws the rows; a row-sharded table draws only its own
-    (`engram.distributed`). A lazy table is not among the module's parameters until then.
+    (`engram.distributed`). A lazy table is not among the module's parameters until then, so a forward
+    that records gradients refuses to be its first use (an optimizer built before would silently
+    leave it out); a forward under `torch.no_grad()` draws it.
     """
 
     recipe: RowInit | None
@@ -165,6 +167,15 @@ class TrainableTable(EngramTable):
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         check_rows(rows, self.num_rows)
+        if self.is_lazy and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"this {self.num_rows} x {self.dim} table is lazy (seed {self.seed}: drawn at its first use) "
+                "and its first use is a forward that records gradients: an optimizer built over "
+                "model.parameters() before now does not hold it, so it would never train. Draw it first: "
+                "engram.distributed.prepare_data_parallel(model, ...) under several processes (each rank "
+                "draws its own rows), engram.hf.build_optimizer(model), or table.materialize(); or make it "
+                "drawn at once (add_engram(..., lazy_tables=False))"
+            )
         if not (torch.is_grad_enabled() and self.weight.requires_grad):  # no gradient: a plain gather
             emb = F.embedding(rows, self.weight)
         else:
