@@ -1,6 +1,7 @@
 """Safetensors files, through the `safetensors` package's file API: nothing here parses or writes the
-format. Whole files, memory-mapped tensors, row slices, member-file checks; every error names the
-file (and the tensor) and the fix. Knows nothing of checkpoints, configs or tables.
+format. Whole files, memory-mapped tensors, row slices, rows read by position (os.preadv: no mapping,
+memory bounded by the destination or a block), member-file checks; every error names the file (and
+the tensor) and the fix. Knows nothing of checkpoints, configs or tables.
 Design: docs/checkpoint.md.
 """
 
@@ -25,6 +26,7 @@ from safetensors.torch import save_file
 
 __all__ = [
     "DTYPES",
+    "READ_CHUNK_BYTES",
     "FileWatch",
     "TensorEntry",
     "TensorFile",
@@ -54,6 +56,8 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+READ_CHUNK_BYTES = 16 * 2**20  # bytes a block of `TensorFile.iter_rows` (what a chunked check holds)
+_IO_MAX = 2**30  # bytes one preadv call asks for
 
 # Plain words for safetensors' refusals of a damaged file (its messages name no file and no fix).
 _HINTS = {
@@ -243,6 +247,7 @@ class TensorFile:
         # RAM + swap (a huge table is read through `mapped` instead).
         self.path, self._handle = path, handle
         self._torch: Any = None
+        self._fd: int | None = None  # positional reads' descriptor (read_rows_into, iter_rows): at the first
         self.size = path.stat().st_size  # bytes, as safetensors checked the header against
         with _refusals(path):
             self.metadata: dict[str, str] = dict(handle.metadata() or {})
@@ -286,14 +291,12 @@ class TensorFile:
         with _refusals(self.path, name):
             return self._torch_handle().get_tensor(name)
 
-    def mapped(self, name: str) -> torch.Tensor:
-        """Tensor `name` as a read-only shared mapping of the file (numpy memmap, mode "r"): what a table
-        far larger than RAM needs, since `tensor` maps copy-on-write, which Linux refuses beyond RAM + swap.
+    def _locate(self, name: str) -> tuple[TensorEntry, int, int]:
+        """(entry, byte offset, byte size) of tensor `name` in the file.
 
         Where the bytes lie follows from what safetensors has validated, not from parsing the header: it
         refuses files whose data region has gaps or trailing bytes, so that region is the file's last
-        sum(nbytes) bytes, holding the tensors back to back in `offset_keys()` order. The result is not
-        writable (a write raises); `.clone()` it for a private copy."""
+        sum(nbytes) bytes, holding the tensors back to back in `offset_keys()` order."""
         self._check_name(name)
         with _refusals(self.path, name):
             order = list(self._handle.offset_keys())
@@ -302,14 +305,114 @@ class TensorFile:
         sizes = {key: math.prod(e.shape) * e.torch_dtype.itemsize for key, e in entries.items()}
         start = self.size - sum(sizes.values())
         offset = start + sum(sizes[k] for k in order[: order.index(name)])
-        e = entries[name]
-        if sizes[name] == 0:
+        return entries[name], offset, sizes[name]
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a read-only shared mapping of the file (numpy memmap, mode "r"): what a table
+        far larger than RAM needs, since `tensor` maps copy-on-write, which Linux refuses beyond RAM + swap.
+        The result is not writable (a write raises); `.clone()` it for a private copy."""
+        e, offset, size = self._locate(name)
+        if size == 0:
             return torch.empty(e.shape, dtype=e.torch_dtype)
-        arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(sizes[name],))
+        arr = np.memmap(self.path, dtype=np.uint8, mode="r", offset=offset, shape=(size,))
         with warnings.catch_warnings():  # torch warns that the array is not writable: that is the point
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(arr)
         return raw.view(e.torch_dtype).view(e.shape)
+
+    # Positional reads (os.preadv): what a reader holding a few rows of a large file needs. Nothing is
+    # mapped, so only the destination is resident (the page cache is the kernel's, not the process's),
+    # and a file truncated since it was opened is a short read, a ValueError, never a SIGBUS.
+
+    def _descriptor(self) -> int:
+        """A read-only descriptor on the file, opened at the first read and kept (closed with this object);
+        refused if the file is no longer the size whose header safetensors checked."""
+        if self._fd is None:
+            try:  # O_NONBLOCK: a FIFO swapped in since open_tensors must not block the open
+                fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            except OSError as e:
+                raise ValueError(f"{self.path}: cannot open the file to read it ({e.strerror})") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.size:
+                os.close(fd)
+                now = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)
+                raise ValueError(
+                    f"{self.path} changed after it was opened ({now}, was {self.size} bytes): another "
+                    "process replaced or truncated it; restore the file (re-copy it) and read it again"
+                )
+            self._fd = fd
+            weakref.finalize(self, os.close, fd)
+        return self._fd
+
+    def _rows(self, name: str, lo: int, hi: int | None) -> tuple[TensorEntry, int, int, int]:
+        """(entry, rows' first byte, row bytes, hi) of rows [lo, hi) of tensor `name` (hi None: the last)."""
+        e, offset, _ = self._locate(name)
+        if not e.shape:
+            raise ValueError(f"{self.path}: tensor {name!r} is a scalar: it has no rows to read")
+        n = e.shape[0]
+        hi = n if hi is None else hi
+        if not 0 <= lo <= hi <= n:
+            raise ValueError(f"{self.path}: rows [{lo}, {hi}) of tensor {name!r} are outside its {n} rows")
+        row = math.prod(e.shape[1:]) * e.torch_dtype.itemsize
+        return e, offset + lo * row, row, hi
+
+    def _pread(self, name: str, buf: memoryview, at: int) -> None:
+        """Fill `buf` (bytes) from byte `at` of the file; a short read is a truncated file (ValueError)."""
+        fd, done = self._descriptor(), 0
+        while done < len(buf):
+            try:  # at most 1 GiB a call (Linux reads at most 2 GiB - 4 KiB at once)
+                n = os.preadv(fd, [buf[done : done + _IO_MAX]], at + done)
+            except OSError as e:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r}: reading bytes [{at + done}, {at + len(buf)}) failed "
+                    f"({e.strerror}); re-copy the file"
+                ) from None
+            if n == 0:
+                now = os.fstat(fd).st_size
+                raise ValueError(
+                    f"{self.path}: tensor {name!r}: the file ends at byte {now}, before the tensor's bytes "
+                    f"[{at}, {at + len(buf)}): it was truncated after it was opened (it had {self.size} "
+                    "bytes); restore the file (re-copy it) and read it again"
+                )
+            done += n
+
+    def read_rows_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [lo, hi) of tensor `name`, read (os.preadv) straight into `out`, a contiguous CPU tensor of
+        the tensor's dtype and shape (hi - lo, *row shape): no mapping, no intermediate copy. Returns `out`."""
+        e, at, _, hi = self._rows(name, lo, hi)
+        want = (hi - lo, *e.shape[1:])
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"read_rows_into: out is a {type(out).__name__}, expected a torch.Tensor")
+        if out.dtype != e.torch_dtype or tuple(out.shape) != want:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} rows [{lo}, {hi}) are {e.dtype} {list(want)}, but out is "
+                f"{out.dtype} {list(out.shape)}: pass a tensor of that dtype and shape (cast afterwards)"
+            )
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(
+                f"read_rows_into: out must be a contiguous CPU tensor (got {out.device}, "
+                f"{'contiguous' if out.is_contiguous() else 'not contiguous'}); read into one and copy"
+            )
+        if out.numel():
+            self._pread(name, memoryview(out.detach().reshape(-1).view(torch.uint8).numpy()), at)
+        return out
+
+    def iter_rows(
+        self, name: str, lo: int = 0, hi: int | None = None, *, chunk_bytes: int = READ_CHUNK_BYTES
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, rows) of tensor `name` over rows [lo, hi) (hi None: the last), about `chunk_bytes`
+        at a time (at least one row), each read by os.preadv into one buffer reused for every block: a
+        block is overwritten by the next, so copy what you keep. Memory: one block, whatever the file."""
+        e, at, row, hi = self._rows(name, lo, hi)
+        if row == 0 or hi == lo:
+            return
+        step = max(1, chunk_bytes // row)  # rows a block
+        buf = torch.empty((min(step, hi - lo), *e.shape[1:]), dtype=e.torch_dtype)
+        raw = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        for a in range(lo, hi, step):
+            n = min(step, hi - a)
+            self._pread(name, raw[: n * row], at + (a - lo) * row)
+            yield a, buf[:n]
 
     def watch(self) -> FileWatch:
         """A FileWatch on this file at the size it was opened with (for readers of `mapped` tensors)."""

@@ -52,10 +52,11 @@ def shard_rank(name: str) -> int | None:
     return None if m is None else int(m.group(1))
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    """CRC32 of a tensor's bytes (C order), in chunks: what a shard header records of each tensor."""
+def tensor_crc32(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC32 of a tensor's bytes (C order), in chunks: what a shard header records of each tensor.
+    `crc`: the CRC32 of the bytes before these (a tensor read in blocks of rows: each block's
+    `tensor_crc32(block, crc)` in turn gives the whole tensor's)."""
     flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    crc = 0
     for a in range(0, flat.numel(), _CHUNK):
         crc = zlib.crc32(memoryview(flat[a : a + _CHUNK].numpy()), crc)
     return crc

@@ -7,7 +7,9 @@ Every file goes through `engram.checkpoint.files.member_file` (a FIFO, a folder 
 the checkpoint is refused before it is opened); its header must belong to the checkpoint (run, step,
 world size, layout, table optimizer, tables: the error names the file and both values) and the
 ranges of all files must tile each table exactly; the files a reader reads are checked against
-their CRC32s and scanned for NaN / Inf. Plain file logic: no torch.distributed. Design:
+their CRC32s and scanned for NaN / Inf, all before any row is handed out. Rows are read by position
+(os.preadv, `engram.checkpoint.files`) into fresh tensors or straight into the caller's (a model's
+table): no file is mapped, a check holds one block. Plain file logic: no torch.distributed. Design:
 docs/checkpoint.md.
 """
 
@@ -21,7 +23,15 @@ from typing import Any
 
 import torch
 
-from engram.checkpoint.files import TensorFile, dtype_name, member_file, open_tensors, save_tensors
+from engram.checkpoint.files import (
+    READ_CHUNK_BYTES,
+    TensorEntry,
+    TensorFile,
+    dtype_name,
+    member_file,
+    open_tensors,
+    save_tensors,
+)
 from engram.checkpoint.integrity import check_finite, scan_table
 from engram.checkpoint.shard_format import (
     SHARDS_FOLDER,
@@ -92,7 +102,12 @@ class RowShards:
     """The shard files of checkpoint `folder`, checked to belong to it: every file's identity equals
     `expect`, its rank is its name's, its tables are `tables` ({name: (num_rows, dim)}; None: the first
     file's) with one dtype and row shape per tensor across files, and each table's ranges tile its rows
-    exactly. Reads headers only; ValueError naming the file, what it holds and what was expected."""
+    exactly. Reads headers only; ValueError naming the file, what it holds and what was expected.
+
+    Rows are read by position (`TensorFile.read_rows_into` / `iter_rows`): no file is mapped, and a
+    check (CRC32, NaN scan) or a cast holds one block of `chunk_bytes` at a time."""
+
+    chunk_bytes = READ_CHUNK_BYTES
 
     def __init__(
         self,
@@ -213,48 +228,110 @@ class RowShards:
             )
         return e.dtype, e.shape[1:], path
 
-    def _verify(self, path: Path, key: str) -> None:
-        """The whole tensor `key` of file `path` against its header's CRC32 (once per reader)."""
-        if (path, key) in self._verified:
-            return
-        header, f = self.files[path]
-        want = header.checksums.get(key)
-        got = tensor_crc32(f.tensor(key))
-        if got != want:
-            raise ValueError(
-                f"{path}: tensor {key!r} has CRC32 {got:08x}, its header records "
-                f"{'none' if want is None else f'{want:08x}'}: the file's data was damaged after it was "
-                f"written; {_FIX}"
-            )
-        self._verified.add((path, key))
-
-    def read_rows(self, name: str, key: str, lo: int, hi: int, scan: bool = False) -> torch.Tensor:
-        """Rows [lo, hi) of tensor `key` of table `name`, from the files holding them (each such file's
-        tensor checked against its CRC32 first); only those rows are kept. `scan`: each file's rows are
-        scanned for NaN / Inf (the error names that file)."""
+    def _overlaps(self, name: str, lo: int, hi: int) -> list[tuple[Path, TensorFile, TableRange, int, int]]:
+        """(file, its tensors, its range of table `name`, s, e) of each file holding rows [s, e) of [lo, hi)."""
         table = self.tables[name]
         if not 0 <= lo <= hi <= table.num_rows:
             raise ValueError(
                 f"rows [{lo}, {hi}) of table {name!r} are outside its {table.num_rows} rows: is the model of "
                 "another config?"
             )
-        out: torch.Tensor | None = None
+        out = []
         for path, (header, f) in self.files.items():
             t = next(t for t in header.tables if t.name == name)
             s, e = max(lo, t.lo), min(hi, t.hi)
-            if out is None:  # dtype and row shape from the first file's header (checked alike in all)
-                entry = f.entry(key)
-                out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
             if s < e:
-                self._verify(path, key)
-                out[s - lo : e - lo] = f.slice(key)[s - t.lo : e - t.lo]
-                if scan:
-                    where = (
-                        f"{path}: table {name!r}, tensor {key!r}, rows [{s}, {e}) (positions from row {s})"
-                    )
-                    check_finite(out[s - lo : e - lo], where)
-        assert out is not None  # __init__ made sure there is at least one file
+                out.append((path, f, t, s, e))
         return out
+
+    def _check_file(self, path: Path, key: str, t: TableRange, scan: tuple[int, int] | None) -> None:
+        """Tensor `key` of file `path` against its header's CRC32 (once per reader), and with `scan` = (s,
+        e) its rows [s, e) of the table for NaN / Inf, in one pass of blocks (`TensorFile.iter_rows`: one
+        block held). A CRC32 mismatch is reported before a NaN the damage may have made."""
+        crc_done = (path, key) in self._verified
+        if crc_done and scan is None:
+            return
+        header, f = self.files[path]
+        a, b = (0, t.hi - t.lo)  # the whole tensor for its CRC32, else only the rows scanned
+        if crc_done and scan is not None:
+            a, b = scan[0] - t.lo, scan[1] - t.lo
+        crc, nan = 0, None
+        for r0, rows in f.iter_rows(key, a, b, chunk_bytes=self.chunk_bytes):
+            if not crc_done:
+                crc = tensor_crc32(rows, crc)
+            if scan is not None and nan is None:
+                s, e = max(scan[0], t.lo + r0), min(scan[1], t.lo + r0 + rows.shape[0])
+                if s < e:
+                    where = (
+                        f"{path}: table {t.name!r}, tensor {key!r}, rows [{s}, {e}) (positions from row {s})"
+                    )
+                    try:
+                        check_finite(rows[s - t.lo - r0 : e - t.lo - r0], where)
+                    except ValueError as err:
+                        nan = err  # raised once the CRC32 is known good
+        if not crc_done:
+            want = header.checksums.get(key)
+            if crc != want:
+                raise ValueError(
+                    f"{path}: tensor {key!r} has CRC32 {crc:08x}, its header records "
+                    f"{'none' if want is None else f'{want:08x}'}: the file's data was damaged after it was "
+                    f"written; {_FIX}"
+                )
+            self._verified.add((path, key))
+        if nan is not None:
+            raise nan
+
+    def _entry(self, name: str, key: str, lo: int, hi: int, want: torch.dtype | None) -> TensorEntry:
+        """Tensor `key`'s entry (dtype and row shape: alike in every file), its dtype checked to load into
+        a model tensor of dtype `want` (None: any)."""
+        first = next(iter(self.files.values()))[1].entry(key)
+        if want is not None and not _compatible(first.torch_dtype, want):
+            raise ValueError(
+                f"{self.where(name, lo, hi)}: tensor {key!r} has dtype {first.dtype}, but the model's "
+                f"table is {dtype_name(want)}; {_FIX}"
+            )
+        return first
+
+    def check_rows(self, name: str, key: str, lo: int, hi: int, scan: bool = False) -> None:
+        """Check what reading rows [lo, hi) of tensor `key` of table `name` takes: each file holding some
+        of them against its CRC32 (the whole tensor, once per reader) and, with `scan`, those rows for NaN /
+        Inf (the error names the file and the rows). Memory: one block of rows."""
+        for path, _, t, s, e in self._overlaps(name, lo, hi):
+            self._check_file(path, key, t, (s, e) if scan else None)
+
+    def read_rows(self, name: str, key: str, lo: int, hi: int, scan: bool = False) -> torch.Tensor:
+        """Rows [lo, hi) of tensor `key` of table `name`, in a new tensor of the files' dtype, from the
+        files holding them (`check_rows` first), each read by position (os.preadv) straight into it: no
+        mapping of a file, no intermediate copy."""
+        entry = self._entry(name, key, lo, hi, None)
+        self.check_rows(name, key, lo, hi, scan)
+        out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
+        for _, f, t, s, e in self._overlaps(name, lo, hi):
+            f.read_rows_into(key, s - t.lo, e - t.lo, out[s - lo : e - lo])
+        return out
+
+    def read_into(self, name: str, key: str, lo: int, hi: int, out: torch.Tensor, scan: bool = False) -> None:
+        """Rows [lo, hi) of tensor `key` of table `name` into the caller's `out` (hi - lo, *row shape), e.g.
+        a model's table weight, after `check_rows`: by position straight into `out` when it is a contiguous
+        CPU tensor of the files' dtype; else block by block (cast, or copied to its device), one block held.
+        A float loads into any float (`_compatible`); nothing is written before the checks pass."""
+        entry = self._entry(name, key, lo, hi, out.dtype)
+        want = (hi - lo, *entry.shape[1:])
+        if tuple(out.shape) != want:
+            raise ValueError(
+                f"rows [{lo}, {hi}) of {self.where(name, lo, hi)}'s tensor {key!r} are {list(want)}, the "
+                f"destination {list(out.shape)}: is the model of another config?"
+            )
+        self.check_rows(name, key, lo, hi, scan)
+        out = out.detach()
+        direct = out.dtype == entry.torch_dtype and out.device.type == "cpu" and out.is_contiguous()
+        for _, f, t, s, e in self._overlaps(name, lo, hi):
+            if direct:
+                f.read_rows_into(key, s - t.lo, e - t.lo, out[s - lo : e - lo])
+                continue
+            for r0, rows in f.iter_rows(key, s - t.lo, e - t.lo, chunk_bytes=self.chunk_bytes):
+                at = t.lo + r0 - lo
+                out[at : at + rows.shape[0]].copy_(rows)  # casts; to the device (one block)
 
     def where(self, name: str, lo: int, hi: int) -> str:
         """The files holding rows [lo, hi) of table `name`, for messages."""
@@ -264,6 +341,36 @@ class RowShards:
             if max(lo, t.lo) < min(hi, t.hi):
                 found.append(path.name)
         return f"{self.root}/{'{' + ','.join(found) + '}' if len(found) > 1 else ''.join(found)}"
+
+    def _fields(
+        self, ranges: Mapping[str, tuple[int, int]] | None, optimizer: bool
+    ) -> list[tuple[str, str, str, int, int]]:
+        """(table, field, tensor key, lo, hi) of everything `read` reads."""
+        out = []
+        for name, t in self.tables.items():
+            lo, hi = (0, t.num_rows) if ranges is None else ranges[name]
+            keys = {"weight": t.weight_key, **({f: t.field_key(f) for f in t.fields} if optimizer else {})}
+            out += [(name, field, key, lo, hi) for field, key in keys.items()]
+        return out
+
+    def check(
+        self,
+        ranges: Mapping[str, tuple[int, int]] | None = None,
+        *,
+        optimizer: bool = True,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        verify: bool = False,
+    ) -> None:
+        """Every check `read` makes, reading nothing into memory but one block of rows at a time: dtypes
+        (`dtypes`: {table: the model's dtype of its rows}), each file's CRC32s, the rows' NaN / Inf scan
+        (a table over `SCAN_LIMIT_BYTES` only with `verify`). A caller that then reads (`read_rows`,
+        `read_into`) changes nothing before every file it reads has passed."""
+        for name, field, key, lo, hi in self._fields(ranges, optimizer):
+            want = None if dtypes is None or field != "weight" else dtypes.get(name)
+            entry = self._entry(name, key, lo, hi, want)
+            size = self.tables[name].num_rows * math.prod(entry.shape[1:]) * entry.torch_dtype.itemsize
+            scan = scan_table(size, verify, f"{self.root}: table {name!r}, tensor {key!r}")
+            self.check_rows(name, key, lo, hi, scan)
 
     def read(
         self,
@@ -275,25 +382,12 @@ class RowShards:
     ) -> dict[str, dict[str, torch.Tensor]]:
         """{table: {"weight": rows, field: rows ...}}: rows `ranges[name]` = (lo, hi) of each table (default:
         all); `optimizer=False` skips the optimizer state. `dtypes` ({table: dtype}): the model's dtype of
-        each table's rows (any float loads into a float; else the same dtype). The rows read are scanned
-        for NaN / Inf (a table over `SCAN_LIMIT_BYTES` only with `verify`)."""
+        each table's rows (any float loads into a float; else the same dtype); the rows keep the files'
+        dtype. Everything is checked first (`check`), then each tensor read (`read_rows`)."""
+        self.check(ranges, optimizer=optimizer, dtypes=dtypes, verify=verify)
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, t in self.tables.items():
-            lo, hi = (0, t.num_rows) if ranges is None else ranges[name]
-            keys = {"weight": t.weight_key, **({f: t.field_key(f) for f in t.fields} if optimizer else {})}
-            rows: dict[str, torch.Tensor] = {}
-            for field, key in keys.items():
-                first = next(iter(self.files.values()))[1].entry(key)
-                want = None if dtypes is None or field != "weight" else dtypes.get(name)
-                if want is not None and not _compatible(first.torch_dtype, want):
-                    raise ValueError(
-                        f"{self.where(name, lo, hi)}: tensor {key!r} has dtype {first.dtype}, but the model's "
-                        f"table is {dtype_name(want)}; {_FIX}"
-                    )
-                size = t.num_rows * math.prod(first.shape[1:]) * first.torch_dtype.itemsize
-                scan = scan_table(size, verify, f"{self.root}: table {name!r}, tensor {key!r}")
-                rows[field] = self.read_rows(name, key, lo, hi, scan)
-            out[name] = rows
+        for name, field, key, lo, hi in self._fields(ranges, optimizer):
+            out.setdefault(name, {})[field] = self.read_rows(name, key, lo, hi)
         return out
 
 
