@@ -5,12 +5,16 @@
 (`engram.hf.load_engram`, `MmapFP8Table`, the row-file tier, the vLLM plugin's folder check): one
 safetensors file laid out by rank 0 (`engram.checkpoint.laid_out`), into which every owner rank
 writes its own rows at their offsets (an FP8 part: its rows quantised there, row by row as
-`FP8Table.from_float` does), so no rank ever holds more than its shard and a chunk. The file is
-written under a hidden temporary name; once every rank has written, rank 0 records each FP8 table's
-content fingerprint (one read of the file, a chunk at a time), writes config.json, the compression
-map and the options, and renames them into place (config.json last). A rank that fails (or dies:
-the others' collectives time out) publishes nothing: the folder keeps what it held. The folder
-must be shared by the ranks (as sharded checkpoints' is). Design: docs/distributed.md.
+`FP8Table.from_float` does), so no rank ever holds more than its shard and a chunk. With `row_files`
+(FP8) each owner also writes the same quantised rows into each layer's SSD row file
+(`engram.storage.rowfile`, laid out by rank 0, rows at their slots), byte for byte what
+`engram.checkpoint.convert.write_row_files` makes of the finished part. The files are written under
+hidden temporary names; once every rank has written, rank 0 records each FP8 table's content
+fingerprint (one read of the file, a chunk at a time) in the part and its row file's header, writes
+config.json, the compression map and the options, and renames them into place (config.json last).
+A rank that fails (or dies: the others' collectives time out) publishes nothing: the folder keeps
+what it held. The folder must be shared by the ranks (as sharded checkpoints' is).
+Design: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engram.addressing.layout import Layout, layout_fingerprint
+from engram.checkpoint.convert import row_file_path
 from engram.checkpoint.files import open_tensors
 from engram.checkpoint.hf_config import to_hf_dict
 from engram.checkpoint.integrity import table_fingerprint
@@ -43,6 +48,7 @@ from engram.hf.attach import EngramAttachment, get_attachment
 from engram.hf.io import COMPRESSION_FILE, OPTIONS_FILE, engram_part
 from engram.storage import quant
 from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from engram.storage.rowfile import RowFileHeader, create_row_file, set_row_file_tables, write_row_range
 
 __all__ = ["PART_FILE", "write_part"]
 
@@ -79,7 +85,23 @@ def _plan(att: EngramAttachment, fp8: bool) -> tuple[dict, dict[str, torch.Tenso
     return specs, dense, meta
 
 
-def _write_own_rows(path: Path, laid: LaidOut, att: EngramAttachment, fp8: bool) -> None:
+def _row_files(att: EngramAttachment, out: Path, token: str) -> dict[str, tuple[Path, RowFileHeader]]:
+    """{layer id: (the temporary path of its row file, the header)}: the tables' fingerprints are left
+    empty, filled by `_publish` once every row is written (as `write_row_files` records them)."""
+    layout_fp = layout_fingerprint(Layout(att.config))
+    label = out.name  # the config's name as the part's reader names it (its folder's): write_row_files' label
+    files = {}
+    for lid in sorted(att.layers, key=int):
+        t = att.layers[lid].table
+        final = row_file_path(out, int(lid))
+        header = RowFileHeader(t.num_rows, t.dim, layer_id=int(lid), identity=layout_fp, label=label)
+        files[lid] = (final.with_name(f".{final.name}.tmp-{token}"), header)
+    return files
+
+
+def _write_own_rows(
+    path: Path, laid: LaidOut, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
+) -> None:
     for lid in sorted(att.layers, key=int):
         t, p = att.layers[lid].table, layer_prefix(int(lid))
         w = t.weight.detach()  # (hi - lo, dim) this rank's rows
@@ -93,9 +115,13 @@ def _write_own_rows(path: Path, laid: LaidOut, att: EngramAttachment, fp8: bool)
             )  # row by row: any split gives the same
             write_rows(path, laid, p + "embed.weight", t.lo + a, values)
             write_rows(path, laid, p + "embed.scale", t.lo + a, scales)
+            if lid in rows:
+                write_row_range(*rows[lid], t.lo + a, values, scales)
 
 
-def _publish(tmp: Path, out: Path, att: EngramAttachment, fp8: bool) -> None:
+def _publish(
+    tmp: Path, out: Path, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
+) -> None:
     """Rank 0, once every rank has written: fingerprints, the small files, then the renames."""
     if fp8:
         f = open_tensors(tmp)
@@ -103,6 +129,8 @@ def _publish(tmp: Path, out: Path, att: EngramAttachment, fp8: bool) -> None:
             p = layer_prefix(int(lid))
             fp = table_fingerprint(f.mapped(p + "embed.weight"), f.mapped(p + "embed.scale"))
             set_metadata(tmp, f"{TABLE_FINGERPRINT_KEY}.{lid}", fp)
+            if lid in rows:
+                set_row_file_tables(rows[lid][0], fp)
     small = {
         CONFIG_FILE: tmp.with_name(tmp.name + ".config"),
         COMPRESSION_FILE: tmp.with_name(tmp.name + ".map"),
@@ -115,6 +143,8 @@ def _publish(tmp: Path, out: Path, att: EngramAttachment, fp8: bool) -> None:
         small[OPTIONS_FILE].write_text(json.dumps(options, indent=2) + "\n")
         os.replace(tmp, out / PART_FILE)
         (out / INDEX_FILE).unlink(missing_ok=True)  # (an earlier save in several shards)
+        for lid, (path, _) in rows.items():
+            os.replace(path, row_file_path(out, int(lid)))
         os.replace(small[COMPRESSION_FILE], out / COMPRESSION_FILE)
         os.replace(small[OPTIONS_FILE], out / OPTIONS_FILE)
         os.replace(small[CONFIG_FILE], out / CONFIG_FILE)  # last: the part is complete
@@ -136,9 +166,16 @@ def _agree(error: BaseException | None, group: dist.ProcessGroup | None, what: s
         raise RuntimeError(f"another rank failed {what}; see its error (nothing was published)")
 
 
-def write_part(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path | None:
+def write_part(
+    model: nn.Module, directory: str | os.PathLike[str], fp8: bool, *, row_files: bool = False
+) -> Path | None:
     """Write the Engram part of `model` (row-sharded tables, `prepare_data_parallel`) to `directory`
-    without gathering a table: every rank calls it; rank 0 returns the part's folder, the others None."""
+    without gathering a table: every rank calls it; rank 0 returns the part's folder, the others None.
+    `row_files` (FP8 only): each layer's SSD row file too (`row_file_path(part, layer)`, what the
+    row-file tier and the vLLM plugin's tables='rowfile' read), written by the same ranks, published
+    with the part."""
+    if row_files and not fp8:
+        raise ValueError("row files hold FP8 rows: row_files=True needs the FP8 part (export_fp8)")
     att = get_attachment(model)
     sync = att.table_sync
     if not isinstance(sync, ShardedTableSync):
@@ -154,6 +191,7 @@ def write_part(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -
     token = [uuid.uuid4().hex]
     dist.broadcast_object_list(token, src=src, group=group)
     tmp = out / f".{PART_FILE}.tmp-{token[0]}"
+    rows = _row_files(att, out, token[0]) if row_files else {}
     error: BaseException | None = None
     try:
         if rank == 0:
@@ -166,23 +204,27 @@ def write_part(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -
                     )
                 out.mkdir(parents=True, exist_ok=True)
                 create(tmp, laid)
+                for path, header in rows.values():
+                    create_row_file(path, header)
                 for name, v in dense.items():
                     write_rows(tmp, laid, name, 0, v.reshape(1) if v.dim() == 0 else v)
             except Exception as e:  # every rank must hear of it, whatever it is
                 error = e
         _agree(error, group, "to lay out the Engram part")
         try:
-            _write_own_rows(tmp, laid, att, fp8)
+            _write_own_rows(tmp, laid, att, fp8, rows)
         except Exception as e:  # every rank must hear of it, whatever it is
             error = e
         _agree(error, group, "to write its rows of the Engram part")
         if rank == 0:
             try:
-                _publish(tmp, out, att, fp8)
+                _publish(tmp, out, att, fp8, rows)
             except Exception as e:  # every rank must hear of it, whatever it is
                 error = e
         _agree(error, group, "to publish the Engram part")
     finally:
         if rank == 0:
             tmp.unlink(missing_ok=True)  # a failed write publishes nothing (gone once published)
+            for path, _ in rows.values():
+                path.unlink(missing_ok=True)
     return out if rank == 0 else None

@@ -10,8 +10,11 @@ Opening scans the rows for NaN bytes as a checkpoint's tables are scanned (by si
 `verify`). `RowFile` reads rows with batched positional reads
 (`os.preadv`, one per run of consecutive pages, offsets ascending), optionally `O_DIRECT`, never a
 memory map (whose page cache would be an uncounted extra level), and counts reads, pages and bytes.
-`split_layout_pages` counts the pages the same rows touch in the two-tensor layout. Knows bytes
-and files, nothing of caches or models. Design: docs/storage.md.
+`split_layout_pages` counts the pages the same rows touch in the two-tensor layout. Several
+processes write one file together with `create_row_file` (the header, the file sized: zeros),
+`write_row_range` (each its rows [lo, hi), at their slots) and `set_row_file_tables` (the table
+fingerprint, known once every row is written, into the header's fixed-width field); the bytes are
+`write_row_file`'s. Knows bytes and files, nothing of caches, models or processes. Design: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ __all__ = [
     "VERSION",
     "RowFile",
     "RowFileHeader",
+    "create_row_file",
+    "set_row_file_tables",
     "split_layout_pages",
     "write_row_file",
+    "write_row_range",
 ]
 
 MAGIC = b"ENGRMROW"
@@ -200,6 +206,79 @@ def write_row_file(
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def create_row_file(path: str | os.PathLike[str], header: RowFileHeader) -> None:
+    """Start a row file written by several processes: the header page (`header.tables` may be left
+    empty and set with `set_row_file_tables` once every row is written) and the file sized to
+    `header.file_bytes` (sparse: every slot and every byte of padding reads as zero until written)."""
+    with open(path, "wb") as f:
+        f.write(header.pack())
+        f.truncate(header.file_bytes)
+
+
+def write_row_range(
+    path: str | os.PathLike[str],
+    header: RowFileHeader,
+    first_row: int,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Write the FP8 rows values (n, dim) / scales (n, dim // 32) as rows [first_row, first_row + n) of
+    the row file `create_row_file` made at `path` (pwrite at each row's slot, then fsync), so that other
+    processes may write other rows of it at the same time: the range need not start or end on a group,
+    and only its own slots are written (the padding between groups is written as the zeros it holds)."""
+    check_fp8_pair(values, scales)
+    h = header
+    n = int(values.shape[0])
+    if values.dim() != 2 or int(values.shape[1]) != h.dim or values.device.type != "cpu":
+        raise ValueError(
+            f"{path}: rows to write must be a host table (n, {h.dim}), got {tuple(values.shape)} on "
+            f"{values.device}"
+        )
+    if not 0 <= first_row <= first_row + n <= h.rows:
+        raise ValueError(f"{path}: rows [{first_row}, {first_row + n}) of a row file of {h.rows} rows")
+    v = values.contiguous().view(torch.uint8).numpy()
+    s = scales.contiguous().view(torch.uint8).numpy()
+    per = h.rows_per_group
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        for a in range(first_row, first_row + n, _WRITE_CHUNK_ROWS):
+            b = min(a + _WRITE_CHUNK_ROWS, first_row + n)
+            g0, g1 = a // per, (b - 1) // per + 1  # the groups rows [a, b) touch
+            slots = np.zeros(((g1 - g0) * per, h.row_stride), dtype=np.uint8)
+            k = a - g0 * per  # slot of row a in its group
+            slots[k : k + b - a, : h.dim] = v[a - first_row : b - first_row]
+            slots[k : k + b - a, h.dim : h.row_bytes] = s[a - first_row : b - first_row]
+            buf = np.zeros((g1 - g0, h.group_bytes), dtype=np.uint8)  # (padding: zero)
+            buf[:, : per * h.row_stride] = slots.reshape(g1 - g0, per * h.row_stride)
+            start = k * h.row_stride  # from row a's slot to the end of row b - 1's
+            end = (g1 - g0 - 1) * h.group_bytes + ((b - 1) % per + 1) * h.row_stride
+            data = memoryview(buf.reshape(-1)[start:end])
+            offset = h.page_bytes + g0 * h.group_bytes + start
+            done = 0
+            while done < len(data):  # pwrite may write less than asked
+                done += os.pwrite(fd, data[done:], offset + done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def set_row_file_tables(path: str | os.PathLike[str], tables: str) -> None:
+    """Record `tables` (the fingerprint of the FP8 table the rows hold, <= 64 ASCII bytes) in the
+    header of the row file at `path`, rewritten in place (fixed width: no row moves), fsynced."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        h = RowFileHeader.unpack(f.read(PAGE_BYTES), path)
+    h.tables = tables
+    if len(tables.encode()) > 64:
+        raise ValueError(f"{path}: a row file's tables fingerprint takes at most 64 bytes, got {tables!r}")
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.pwrite(fd, h.pack(), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class RowFile:

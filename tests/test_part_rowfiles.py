@@ -1,0 +1,210 @@
+"""The SSD row file written without a gather (issue 29, item 3): `engram.storage.rowfile`'s
+`create_row_file` / `write_row_range` / `set_row_file_tables` give `write_row_file`'s bytes whatever
+the split of rows among writers, and `engram.distributed.hf_part.write_part(..., row_files=True)` on
+2 and 3 gloo ranks (one job of 3: `table_ranks` 2, then all) publishes each layer's row file beside the FP8 part, byte for byte what
+`write_row_files` makes of that part in one process; one process then serves `generate()` through the
+row-file tier (`engram.vllm.tables.load_tables`, tables='rowfile') with the tokens of the in-memory FP8
+table. A rank failing while it writes its rows of a row file publishes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hf_setup as S
+from engram.storage import rowfile
+from engram.storage.quant import quantize_rows
+from engram.storage.rowfile import (
+    RowFile,
+    RowFileHeader,
+    create_row_file,
+    set_row_file_tables,
+    write_row_file,
+    write_row_range,
+)
+
+LAYERS = (1, 2)
+WORLD = 3
+OWNERS = (2, 3)  # ranks holding rows (table_ranks): 2 of the 3, then all 3
+
+
+# ---------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("dim", [32, 256, 8192])  # 124 rows a page, 15, a row over two pages
+def test_rows_written_in_ranges_equal_write_row_file(tmp_path, dim):
+    """Ranges in any order, boundaries off the groups and across chunks: write_row_file's bytes."""
+    n = 301 if dim < 8192 else 5
+    values, scales = quantize_rows(torch.randn(n, dim, generator=torch.Generator().manual_seed(dim)))
+    want = write_row_file(
+        tmp_path / "one", values, scales, layer_id=2, identity="lay", tables="tab", label="x"
+    )
+    h = RowFileHeader(n, dim, layer_id=2, identity="lay", label="x")
+    create_row_file(tmp_path / "many", h)
+    cuts = [0, 1, n // 3, n // 3 + 1, n - 2, n]
+    with mock.patch.object(rowfile, "_WRITE_CHUNK_ROWS", 7):  # several chunks a range
+        for lo, hi in reversed(list(itertools.pairwise(cuts))):
+            write_row_range(tmp_path / "many", h, lo, values[lo:hi], scales[lo:hi])
+    with pytest.raises(ValueError, match="has tables='' but the table needs tables='tab'"):
+        RowFile(tmp_path / "many", expect_tables="tab")  # until the fingerprint is recorded
+    set_row_file_tables(tmp_path / "many", "tab")
+    assert (tmp_path / "many").read_bytes() == want.read_bytes()
+    with pytest.raises(ValueError, match=r"rows \[300, 302\) of a row file of 301 rows"):
+        write_row_range(tmp_path / "many", RowFileHeader(301, dim), 300, values[:2], scales[:2])
+
+
+def test_row_files_need_the_fp8_part():
+    from engram.distributed.hf_part import write_part
+
+    with pytest.raises(ValueError, match="row_files=True needs the FP8 part"):
+        write_part(torch.nn.Linear(1, 1), "unused", fp8=False, row_files=True)
+
+
+# ---------------------------------------------------------------------------- the spawned job
+def _write(rank: int, owners: int, folder: str) -> dict:
+    """The FP8 part with row files, the rows owned by ranks 0..owners-1 (changed on each rank); then
+    the same save failing on rank 1 while it writes its rows of the last layer's row file."""
+    import engram.distributed.hf_part as hf_part
+    from engram.distributed import prepare_data_parallel
+    from engram.hf import add_engram
+
+    model = add_engram(S.llama(seed=3), S.engram_config(LAYERS), compression=S.compression())
+    prepare_data_parallel(model, "sharded", table_ranks=owners if owners < WORLD else None)
+    res: dict = {"bounds": [], "full": []}
+    with torch.no_grad():
+        for lid in LAYERS:
+            t = model.engram.module(lid).table
+            t.weight.mul_(1 + rank).add_(0.25 * rank)  # values no rank drew: a trained table's
+            res["bounds"].append((t.lo, t.hi))
+            res["full"].append(t.full_weight(0))
+            # Engram's output large enough to change greedy tokens
+            model.engram.module(lid).wkv.weight.normal_(std=2.0, generator=torch.Generator().manual_seed(5))
+    res["part"] = hf_part.write_part(model, folder, fp8=True, row_files=True)
+    dist.barrier()
+    part = Path(folder) / "engram"
+    before = {f.name: f.read_bytes() for f in part.iterdir()}
+    write_row_range = hf_part.write_row_range
+
+    def disk_full(path, header, first_row, values, scales):
+        if rank == 1 and header.layer_id == LAYERS[-1]:
+            raise OSError(28, "No space left on device (rank 1, simulated)")
+        return write_row_range(path, header, first_row, values, scales)
+
+    with torch.no_grad():
+        model.engram.module(LAYERS[0]).table.weight.add_(1.0)  # a part that would differ
+    with mock.patch.object(hf_part, "write_row_range", disk_full):
+        try:
+            hf_part.write_part(model, folder, fp8=True, row_files=True)
+            res["failed"] = None
+        except (OSError, RuntimeError) as e:
+            res["failed"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    res["unchanged"] = {f.name: f.read_bytes() for f in part.iterdir()} == before
+    return res
+
+
+def _worker(rank: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        res = {owners: _write(rank, owners, f"{out}/model{owners}") for owners in OWNERS}
+        torch.save(res, f"{out}/rank-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, tuple[Path, list[dict]]]:
+    """{owners: (the HF folder, each rank's results)}: one job of 3 ranks, rows on 2 of them, then 3."""
+    d = tmp_path_factory.mktemp("rows")
+    for owners in OWNERS:  # HF folders: the part goes to folder/engram
+        S.llama(seed=3).save_pretrained(d / f"model{owners}")
+        S.tokenizer().save(str(d / f"model{owners}" / "tokenizer.json"))
+    mp.spawn(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD)
+    got = [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {owners: (d / f"model{owners}", [g[owners] for g in got]) for owners in OWNERS}
+
+
+@pytest.fixture(params=OWNERS, ids=[f"{n}-ranks" for n in OWNERS])
+def job(request, runs) -> tuple[Path, list[dict]]:
+    return runs[request.param]
+
+
+def test_ranks_write_the_row_files_of_one_process(job, tmp_path):
+    """Each row file equals write_row_files on the published part (one process, whole table), which
+    equals the whole table quantised; shard boundaries fall inside page groups."""
+    from engram.checkpoint.convert import open_row_file, row_file_path, write_row_files
+
+    folder, runs = job
+    part = folder / "engram"
+    assert Path(runs[0]["part"]) == part and all(r["part"] is None for r in runs[1:])
+    ref = tmp_path / part.name  # (the folder's name is the loaded config's, a row file's label)
+    shutil.copytree(part, ref, ignore=shutil.ignore_patterns("*.rows"))
+    assert len(write_row_files(ref)) == len(LAYERS)
+    for i, lid in enumerate(LAYERS):
+        got = row_file_path(part, lid)
+        assert got.read_bytes() == row_file_path(ref, lid).read_bytes(), lid
+        values, scales = quantize_rows(runs[0]["full"][i])
+        f = open_row_file(part, lid, verify=True)
+        rows = torch.arange(len(values))
+        v, s = f.gather_bytes(rows)
+        assert torch.equal(v.view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(s.view(torch.uint8), scales.view(torch.uint8))
+        starts = [lo for lo, hi in (r["bounds"][i] for r in runs[1:]) if hi > lo]
+        assert any(lo % f.header.rows_per_group for lo in starts), starts  # a group shared by two ranks
+    assert not [p.name for p in part.iterdir() if p.name.startswith(".")]
+
+
+def test_one_process_serves_the_row_files(job):
+    """generate() with the tables read from the row files (tables='rowfile': the row-file tier, a
+    hot-row cache in front) gives the tokens of the in-memory FP8 table, every row's bytes equal."""
+    from transformers import AutoModelForCausalLM
+
+    from engram.hf import load_engram
+    from engram.systems import LevelTable
+    from engram.vllm.folder import read_part
+    from engram.vllm.tables import ServeOptions, TableMode, load_tables
+
+    folder, _ = job
+    served = read_part(folder, hidden_size=S.HIDDEN, num_layers=3, vocab_size=S.vocab())
+    modules = load_tables(served, ServeOptions(TableMode.ROWFILE, 0.05), torch.float32)
+    prompt = torch.tensor([S.tokenizer().encode(S.TEXT[0]).ids[:12]])
+    out = {}
+    for mode in ("memory", "rowfile"):
+        model = load_engram(AutoModelForCausalLM.from_pretrained(folder).eval(), folder, mmap=False)
+        if mode == "rowfile":
+            for lid in LAYERS:
+                want = model.engram.module(lid).table
+                got = modules[lid].table
+                assert isinstance(got, LevelTable)
+                rows = torch.arange(want.num_rows).reshape(1, -1, 1)
+                assert torch.equal(got.gather(rows, torch.float32), want.gather(rows, torch.float32))
+                model.engram.module(lid).table = got
+        with torch.no_grad():
+            out[mode] = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(out["rowfile"], out["memory"])
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        alone = plain.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert not torch.equal(alone, out["memory"]), "Engram does not change the tokens: the test shows nothing"
+
+
+def test_a_rank_failing_in_a_row_file_publishes_nothing(job):
+    """Rank 1 fails writing its rows of the last layer's row file: every rank raises, the folder keeps
+    the earlier part and row files byte for byte, and no temporary file is left."""
+    folder, runs = job
+    for rank, r in enumerate(runs):
+        assert r["failed"] is not None and r["unchanged"], (rank, r["failed"])
+    assert "No space left on device (rank 1, simulated)" in runs[1]["failed"]
+    assert "another rank failed to write its rows" in runs[0]["failed"]
+    assert not [p.name for p in (folder / "engram").iterdir() if p.name.startswith(".")]
