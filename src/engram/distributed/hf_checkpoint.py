@@ -32,6 +32,7 @@ from engram.distributed.hf_part import write_part
 from engram.distributed.shard_checkpoint import agreed, table_optimizer_name
 from engram.distributed.sharded_table import ShardedTable
 from engram.hf.attach import get_attachment
+from engram.model.optim import SparseRowAdagrad, SparseRowAdam
 from engram.model.table import TrainableTable
 
 __all__ = [
@@ -55,7 +56,12 @@ def _load_row_state(
 ) -> None:
     held = opt.param_groups  # the group dicts the model's EngramOptimizer (and its LR scheduler) hold
     sd = {"state": state, "param_groups": groups}
-    opt.load_row_state_dict(sd) if hasattr(opt, "load_row_state_dict") else opt.load_state_dict(sd)
+    if hasattr(opt, "load_row_state_dict"):
+        opt.load_row_state_dict(sd)
+    elif isinstance(opt, SparseRowAdam | SparseRowAdagrad):
+        opt.load_state_dict(sd, copy=False)  # `state` was read fresh: held once, not copied
+    else:  # torch's own: keeps tensors of the parameter's dtype and device as they are
+        opt.load_state_dict(sd)
     # torch's load made new group dicts: keep the held ones, with the loaded values, or an LR scheduler
     # stepping the model's optimizer would set learning rates this one no longer reads after a resume
     for old, new in zip(held, opt.param_groups, strict=True):
@@ -147,7 +153,11 @@ def load_table_shards(model: nn.Module, folder: str | os.PathLike[str]) -> None:
 
 
 def _load(model: nn.Module, att: Any, sync: Any, pending: dict[str, Any], folder: Path) -> None:
-    """Check every file this process reads, then set the rows and the table optimizer's state."""
+    """Check every file this process reads, then set the table optimizer's state and the rows.
+
+    Memory: the checks hold one block (`RowShards.chunk_bytes`); the state is read into fresh tensors
+    the optimizer keeps (its `load_state_dict(copy=False)`), the rows straight into the tables' weights
+    (`RowShards.read_into`): the resume adds the rank's state once and nothing for its rows."""
     root = folder / SHARDS_FOLDER
     if not os.path.lexists(root):
         raise ValueError(
@@ -181,18 +191,23 @@ def _load(model: nn.Module, att: Any, sync: Any, pending: dict[str, Any], folder
         table_optimizer_name(opt),
     )
     shards = RowShards(folder, expect, shape)
-    dtypes = {n: t.weight.dtype for n, t in zip(_table_names(model), tables, strict=True)}
-    rows = shards.read(span, dtypes=dtypes)
+    names = _table_names(model)
+    dtypes = {n: t.weight.dtype for n, t in zip(names, tables, strict=True)}
+    # every file this rank reads, checked (CRC32s, NaN / Inf, dtypes) a block at a time: nothing changes
+    # before all have passed
+    shards.check(span, dtypes=dtypes)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for i, (name, t) in enumerate(zip(_table_names(model), tables, strict=True)):
-        fields = {k: v.to(t.weight.device) for k, v in rows[name].items() if k != "weight"}
+    for i, (name, t) in enumerate(zip(names, tables, strict=True)):
+        r, (lo, hi) = shards.tables[name], span[name]
+        fields = {f: shards.read_rows(name, r.field_key(f), lo, hi).to(t.weight.device) for f in r.fields}
         if fields:  # table i is the table optimizer's parameter i (as the files' writer had it)
             state[i] = fields
     with torch.no_grad():
-        if opt is not None:  # checks the state before it changes anything
+        if opt is not None:  # checks the state before it changes anything; takes these tensors uncopied
             _load_row_state(opt, state, pending["param_groups"])
-        for name, t in zip(_table_names(model), tables, strict=True):
-            t.weight.copy_(rows[name]["weight"])
+        del state
+        for name, t in zip(names, tables, strict=True):  # straight into the table's rows, by position
+            shards.read_into(name, shards.tables[name].weight_key, *span[name], t.weight)
 
 
 def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:

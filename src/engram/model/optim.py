@@ -211,20 +211,24 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
                     f"saved state {key!r} of parameter {pid} holds {what} at row {bad}: a damaged state"
                 )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, copy: bool = True) -> None:
         """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`); state
-        keeps its fp32/int32 dtypes and is copied, not shared.
+        keeps its fp32/int32 dtypes and is copied, not shared. `copy=False`: the optimizer takes the
+        given tensors where they already have the state's dtype and device (a caller that read them
+        fresh, e.g. a resuming rank, so its state is held once, not twice).
 
         (torch's default casts floating state to the parameter's dtype, which would round the
         fp32 momentum of a bf16 table, and int32 step counts to float.)
         """
         saved = self._saved_states(state_dict)
-        super().load_state_dict(state_dict)  # hyperparameters, param mapping
+        # hyperparameters, param mapping; the state is set below (torch's load would cast a bf16
+        # table's fp32 state to bf16 first: a transient copy)
+        super().load_state_dict({**state_dict, "state": {}})
         for _, p, entry in saved:
             if entry is None:
                 continue
             self.state[p] = {
-                key: entry[key].to(device=p.device, dtype=dtype, copy=True)
+                key: entry[key].to(device=p.device, dtype=dtype, copy=copy)
                 for key, (_, dtype) in self.expected_state(p).items()
             }
 

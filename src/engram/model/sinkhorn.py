@@ -245,19 +245,21 @@ class SparseSinkhorn(torch.optim.Optimizer):
                 check_active_state("SparseSinkhorn", pid, entry, p, state_dtype(p))
         return saved
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, copy: bool = True) -> None:
         """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`: the
         hyperparameters as the constructor checks them; keys, row ids, dtypes, shapes, finite momentum);
-        the momentum keeps its fp32 dtype (torch's default would cast it to a bf16 table's dtype)."""
+        the momentum keeps its fp32 dtype (torch's default would cast it to a bf16 table's dtype).
+        `copy=False`: the given tensors are kept where they already have the state's dtype and device
+        (and are contiguous), so a caller that made them fresh holds the state once."""
         saved = self._saved_states(state_dict)
-        super().load_state_dict(state_dict)
+        super().load_state_dict({**state_dict, "state": {}})  # the state is set below, uncast
         self._room.clear()  # the loaded states are new tensors
         for _, p, entry in saved:
             if entry:
                 self.state[p] = {
-                    "rows": entry["rows"].to(device=p.device, dtype=torch.int64, copy=True).contiguous(),
+                    "rows": entry["rows"].to(device=p.device, dtype=torch.int64, copy=copy).contiguous(),
                     "momentum": entry["momentum"]
-                    .to(device=p.device, dtype=state_dtype(p), copy=True)
+                    .to(device=p.device, dtype=state_dtype(p), copy=copy)
                     .contiguous(),
                 }
 
@@ -306,8 +308,8 @@ class SparseSinkhorn(torch.optim.Optimizer):
                     f"{tuple(p.shape)}: does the table size match?"
                 )
             rows = mom.ne(0).any(dim=1).nonzero()[:, 0]
-            state[pid] = {"rows": rows, "momentum": mom[rows]}
-        self.load_state_dict({"state": state, "param_groups": groups})
+            state[pid] = {"rows": rows, "momentum": mom[rows]}  # new tensors: taken as they are
+        self.load_state_dict({"state": state, "param_groups": groups}, copy=False)
 
     def active_rows(self, p: torch.Tensor) -> int:
         """How many rows of `p` have state (nonzero momentum) now."""
