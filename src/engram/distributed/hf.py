@@ -52,6 +52,7 @@ from engram.distributed.guard import (
     disagreements,
     tensor_digest,
 )
+from engram.distributed.memory_budget import check_state_fits, check_tables_fit
 from engram.distributed.parallelize import table_owners
 from engram.distributed.sharded_table import ShardedTable, prefetch_tables, release_tables, sync_table_grads
 from engram.distributed.sinkhorn import ShardedSinkhorn
@@ -297,6 +298,7 @@ class ShardedTableSync:
             self.optimizer = ShardedSinkhorn(self.tables, **kwargs)
         else:
             self.optimizer = cls([t.weight for t in self.tables], **kwargs)
+        check_state_fits(self.optimizer, self.tables)  # every rank, before its first step allocates state
         return self.optimizer
 
     def table_state_dict(self) -> dict[str, Any]:
@@ -485,6 +487,7 @@ def prepare_data_parallel(
         )
     exchange = bounded_group(group, timeout)  # the tables' collectives: bounded in time
     if chosen is TableSync.SHARDED:
+        check_tables_fit([m.table for m in att.layers.values()], exchange, owners)  # before any row is made
         tables = []
         for m in att.layers.values():
             if not isinstance(m.table, TrainableTable):

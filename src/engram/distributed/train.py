@@ -26,6 +26,7 @@ from engram.apps.train import DataBundle, TableOptimizer, TrainConfig, Trainer, 
 from engram.checkpoint.shard_format import ShardIdentity, TableRange
 from engram.checkpoint.shards import SHARDS_KEY, read_checkpoint, shards_of_state, write_shard
 from engram.distributed.guard import describe, disagreements, named_failures
+from engram.distributed.memory_budget import check_engram_shards_fit
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -62,6 +63,9 @@ def build_distributed_model(
     row) only): one process trains what N ranks train, whichever init started them."""
     if not isinstance(init, TableInit):
         raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
+    e, opt = data.engram_config if cfg.engram is not None else None, cfg.table_optimizer.value
+    copy = init is TableInit.COPY  # every rank holds a rank's rows (and state) or refuses, before any is made
+    check_engram_shards_fit(e, whole_first=copy, optimizer=opt, group=group, owners=owners, device=device)
     if init is TableInit.COPY or cfg.engram is None:
         model = build_model(cfg, data).to(device)
         shard_engram_tables(model, group, owners=owners)
