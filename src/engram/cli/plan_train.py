@@ -59,6 +59,9 @@ def add_plan_train(p: argparse.ArgumentParser) -> None:
                    help=f"GB/s each rank sends and receives at (default {LINK_GBPS:g}: 400 Gb/s InfiniBand)")  # fmt: skip
     p.add_argument("--active-share", type=float, default=1.0,
                    help="sinkhorn: share of a shard's rows with momentum (default 1: every row, as at V4.1's scale)")  # fmt: skip
+    p.add_argument("--steps", type=int, metavar="N",
+                   help="sinkhorn: the run's steps so far; its active rows are the distinct rows of N global batches "
+                   "(from the statistics) and its workspace follows their growth (instead of --active-share)")  # fmt: skip
     p.set_defaults(func=cmd_plan_train)
 
 
@@ -95,7 +98,14 @@ def _row_stats(args: argparse.Namespace, config: Any) -> RowStats:
 def cmd_plan_train(args: argparse.Namespace) -> int:
     setups = [  # before the (slow) measuring: a bad setup is refused at once
         TrainSetup(
-            args.tokens_per_step, r, o, args.table_ranks, args.param_dtype, args.link_gbps, args.active_share
+            args.tokens_per_step,
+            r,
+            o,
+            args.table_ranks,
+            args.param_dtype,
+            args.link_gbps,
+            args.active_share,
+            args.steps,
         )
         for r in args.ranks
         for o in args.optimizer

@@ -79,7 +79,8 @@ class RowStats:
         shares = np.log(np.maximum([[d / b.batch_tokens for d in b.distinct_heads] for b in pts], 1e-12))
         x = math.log(tokens)
         share = np.array([np.interp(x, sizes, shares[:, h]) for h in range(shares.shape[1])])
-        return np.minimum(np.exp(share), 1.0) * tokens
+        # at most one distinct row per lookup, and at most the head's block of rows
+        return np.minimum(np.minimum(np.exp(share), 1.0) * tokens, self.head_rows[layer])
 
     def distinct(self, layer: int, tokens: float) -> float:
         """Mean distinct rows of layer index `layer` in a batch of `tokens` tokens (every head)."""
@@ -91,30 +92,31 @@ class RowStats:
 
     def owner_rows(self, layer: int, tokens: float, owners: int, hot: bool = True) -> np.ndarray:
         """(owners,) distinct rows a batch of `tokens` tokens asks each owner of layer `layer`'s table for
-        (owner i holds rows [i * n // N, (i + 1) * n // N)): each head's distinct rows spread evenly
-        over its block of rows, except the hot rows (of the nearest measured batch size), placed on
-        their owners. Sums to distinct(layer, tokens)."""
+        (owner i holds rows [i * n // N, (i + 1) * n // N)): the hot rows (of the nearest measured batch
+        size) on their owners, each head's other distinct rows spread evenly over the head's other rows.
+        Sums to distinct(layer, tokens); at most an owner's range (a batch holding every row of a head
+        asks each owner for all of its rows)."""
         per_head = self.distinct_heads(layer, tokens)
         heads = np.array(self.head_rows[layer], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(heads)[:-1]])
         bounds = owner_bounds(self.table_rows[layer], owners)
+        lo, hi = bounds[:-1, None], bounds[1:, None]  # (owners, 1)
+        free = np.clip(np.minimum(hi, starts + heads) - np.maximum(lo, starts), 0, None).astype(np.float64)
         out = np.zeros(owners)
         if hot:
             b = self.nearest(layer, tokens)
             rows = np.array(b.hot_rows, dtype=np.int64)
             share = np.array(b.hot_share, dtype=np.float64)
             head = np.searchsorted(starts, rows, side="right") - 1
+            owner = np.searchsorted(bounds, rows, side="right") - 1
             in_head = np.bincount(head, weights=share, minlength=heads.size)
             # a batch of another size than measured holds its hot rows in proportion
             scale = np.minimum(1.0, per_head / np.maximum(in_head, 1e-12))
-            share = share * scale[head]
-            out += np.bincount(
-                np.searchsorted(bounds, rows, side="right") - 1, weights=share, minlength=owners
-            )
+            out += np.bincount(owner, weights=share * scale[head], minlength=owners)
             per_head = np.maximum(per_head - in_head * scale, 0.0)
-        lo, hi = bounds[:-1, None], bounds[1:, None]  # (owners, 1)
-        overlap = np.clip(np.minimum(hi, starts + heads) - np.maximum(lo, starts), 0, None)  # (owners, heads)
-        return out + overlap @ (per_head / heads)
+            np.subtract.at(free, (owner, head), 1.0)  # (owners, heads) rows that are not hot
+        spread = free @ (per_head / np.maximum(free.sum(axis=0), 1.0))
+        return np.minimum(out + spread, np.diff(bounds))
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT} | asdict(self)

@@ -72,6 +72,10 @@ class TrainSetup:
     # takes to underflow after its last lookup (hundreds of steps at beta 0.95): at V4.1's scale that
     # is every row (1.0); a short run has fewer (distinct rows of the steps' tokens).
     active_share: float = 1.0
+    # Sinkhorn: the run's steps so far, instead of active_share: the active rows are then the distinct
+    # rows of that many global batches on the fullest owner (from the row statistics, each table's
+    # capped at its shard), and the workspace is followed through its growth (`_active_rows`).
+    steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_step", "ranks"):
@@ -98,6 +102,13 @@ class TrainSetup:
         _finite(
             "active_share", self.active_share, 0.0, "give the share of rows with momentum, in (0, 1]", hi=1.0
         )
+        st = self.steps
+        if st is not None and (isinstance(st, bool) or not isinstance(st, int) or st < 1):
+            raise ValueError(f"steps={st!r}: give a whole number of steps >= 1 (or none: active_share)")
+        if st is not None and self.active_share != 1.0:
+            raise ValueError(
+                f"steps={st} and active_share={self.active_share} both set the active rows: give one of them"
+            )
 
     @property
     def owners(self) -> int:
@@ -210,7 +221,7 @@ def plan_training(config: EngramConfig, table_rows: tuple[int, ...] | list[int],
         return sent, _phases(counts, served * ID_BYTES, asked * row_b, served * row_b)
 
     sent, received = traffic(U / n)  # the mean owner
-    sent_max, received_max = traffic(float(asks[top]))
+    sent_max, received_max = traffic(U if n == 1 else float(asks[top]))  # (one owner: exactly its own)
     rem_lookups = lookups * (1 - 1 / n)
     undeduped = _phases(counts, rem_lookups * ID_BYTES, rem_lookups * row_b, rem_lookups * row_b)
     # per all-to-all the larger of what the busiest owner sends and receives, at the link's rate
@@ -220,15 +231,21 @@ def plan_training(config: EngramConfig, table_rows: tuple[int, ...] | list[int],
                             sent_max, received_max, undeduped, seconds)  # fmt: skip
 
     S = sum(shard)
-    active = sum(math.ceil(setup.active_share * s) for s in shard)
+    if setup.steps is None:
+        active_rows = [math.ceil(setup.active_share * s) for s in shard]
+        work_rows, work_cells = max(active_rows), max(active_rows) * d  # the largest table's, not grown
+    else:
+        active_rows, (work_rows, work_cells) = _active_rows(stats, shard, n, setup, d)
+    active = sum(active_rows)
     state = {
         TableOptimizer.ADAM: S * (STATE_BYTES * d + 8),
         TableOptimizer.ADAGRAD: S * STATE_BYTES,
         TableOptimizer.SINKHORN: active * (STATE_BYTES * d + 8),  # momentum + the row's id
         TableOptimizer.DENSE_ADAM: S * 2 * STATE_BYTES * d,
     }[opt]
-    # Sinkhorn's passes keep an fp32 (A, dim) workspace, (A,) fp64 row norms and (A,) flags
-    work = active * (STATE_BYTES * d + 9) if opt is TableOptimizer.SINKHORN else 0
+    # Sinkhorn's passes keep an fp32 (A, dim) workspace, (A,) fp64 row norms and (A,) flags: one set
+    # for every table (each table's step reuses it), as large as the largest table's active set
+    work = work_cells * STATE_BYTES + work_rows * 9 if opt is TableOptimizer.SINKHORN else 0
     grads = (U + exchange.rows_served_max + exchange.rows_served_distinct_max) * row_b
     if opt is TableOptimizer.DENSE_ADAM:  # the sparse gradient made dense, the whole shard
         grads += S * row_b
@@ -242,5 +259,52 @@ def plan_training(config: EngramConfig, table_rows: tuple[int, ...] | list[int],
         )
     if b > largest:
         notes.append(f"a rank's batch ({b:,.0f} tokens) is longer than the largest measured: upper bounds")
+    if opt is TableOptimizer.SINKHORN and setup.steps is None:
+        notes.append(
+            "sinkhorn's workspace is sized to the largest table's active rows; it grows by half when the active "
+            "set outgrows it (up to 1.5x): give the run's steps to follow its growth"
+        )
     return TrainPlan(config.name, setup, stats.source, tuple(int(t) for t in table_rows), shard, memory,
                      exchange, notes)  # fmt: skip
+
+
+WORK_GROWTH = 1.5  # engram.model.sinkhorn's workspace grows to max(need, 1.5 x what it had)
+
+
+def _active_rows(stats: RowStats, shard: tuple[int, ...], owners: int, setup: TrainSetup,
+                 dim: int) -> tuple[list[int], tuple[int, int]]:  # fmt: skip
+    """Sinkhorn after `setup.steps` steps on the fullest owner: each table's active rows (the distinct
+    rows of that many global batches in its range, at most its shard), and the workspace kept then
+    ((A,) buffers' rows, the (A, dim) buffer's cells): each table's step asks for its active rows in
+    turn, and a buffer too short for them grows to max(need, 1.5 x its size) (found step by step by
+    bisection over the steps: the active set only grows, until momentum underflows, hundreds of steps
+    after a row's last lookup, which is not modelled)."""
+    assert setup.steps is not None
+    tokens, n_tab = setup.tokens_per_step, len(shard)
+
+    def at(k: int) -> np.ndarray:  # (owners, tables) active rows after k steps
+        per = np.stack([stats.owner_rows(li, k * tokens, owners) for li in range(n_tab)], axis=1)
+        return np.minimum(per, np.array(shard, dtype=np.float64))
+
+    top = int(np.argmax(at(setup.steps).sum(axis=1)))  # the fullest owner
+
+    def need(k: int) -> list[int]:
+        return [math.ceil(a) for a in at(k)[top]]
+
+    rows = cells = 0  # the workspace: (A,) buffers' rows, the (A, dim) buffer's cells
+    k = 1
+    while k <= setup.steps:
+        for a in need(k):  # the tables' steps in turn
+            if rows < a:
+                rows = max(a, int(WORK_GROWTH * rows))
+            if cells < a * dim:
+                cells = max(a * dim, int(WORK_GROWTH * cells))
+        lo, hi = k, setup.steps + 1  # the first step after k whose active set outgrows the buffer
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if max(need(mid)) > rows:
+                hi = mid
+            else:
+                lo = mid
+        k = hi
+    return need(setup.steps), (rows, cells)
