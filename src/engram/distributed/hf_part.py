@@ -42,6 +42,7 @@ from engram.checkpoint.v41 import (
     foreign_config,
     layer_prefix,
 )
+from engram.distributed.guard import RankError
 from engram.distributed.hf import ShardedTableSync
 from engram.distributed.sharded_table import ShardedTable
 from engram.hf.attach import EngramAttachment, get_attachment
@@ -156,10 +157,32 @@ def _publish(
             old.unlink()
 
 
-def _agree(error: BaseException | None, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise on every rank if any rank failed (its own error where it failed)."""
+_COLLECTIVE = (
+    "save_engram / export_fp8 is a collective: every rank of the tables' group calls it at the same point, "
+    "and one that does not (or fails, or dies) leaves the others waiting until prepare_data_parallel's timeout"
+)
+
+
+_KEPT = "nothing was published: the folder keeps what it held"
+
+
+def _lost(group: dist.ProcessGroup | None, what: str, e: RuntimeError, kept: str = _KEPT) -> RankError:
+    """A collective of the write that failed (a rank absent, dead, or past the timeout), as RankError."""
+    return RankError(f"rank {dist.get_rank(group)} lost the other ranks {what} ({e}); {_COLLECTIVE}; {kept}")
+
+
+def _agree(
+    error: BaseException | None, group: dist.ProcessGroup | None, what: str, kept: str = _KEPT
+) -> None:
+    """Raise on every rank if any rank failed (its own error where it failed); a rank that cannot hear
+    from every other one raises RankError."""
     failed = torch.tensor([int(error is not None)])
-    dist.all_reduce(failed, group=group)  # a CPU tensor: writing the part is a host-side affair
+    try:
+        dist.all_reduce(failed, group=group)  # a CPU tensor: writing the part is a host-side affair
+    except RuntimeError as e:
+        if error is not None:
+            raise error from e
+        raise _lost(group, f"after it tried {what}", e, kept) from e
     if error is not None:
         raise error
     if int(failed):
@@ -189,7 +212,10 @@ def write_part(
     laid = lay_out(specs, meta)  # the same on every rank
     out = engram_part(directory)
     token = [uuid.uuid4().hex]
-    dist.broadcast_object_list(token, src=src, group=group)
+    try:
+        dist.broadcast_object_list(token, src=src, group=group)
+    except RuntimeError as e:
+        raise _lost(group, "before writing the Engram part", e) from e
     tmp = out / f".{PART_FILE}.tmp-{token[0]}"
     rows = _row_files(att, out, token[0]) if row_files else {}
     error: BaseException | None = None
@@ -221,7 +247,9 @@ def write_part(
                 _publish(tmp, out, att, fp8, rows)
             except Exception as e:  # every rank must hear of it, whatever it is
                 error = e
-        _agree(error, group, "to publish the Engram part")
+        kept = "rank 0 publishes the part once every rank wrote its rows (config.json last)"
+        kept = "the part was published" if rank == 0 and error is None else kept
+        _agree(error, group, "to publish the Engram part", kept)
     finally:
         if rank == 0:
             tmp.unlink(missing_ok=True)  # a failed write publishes nothing (gone once published)
