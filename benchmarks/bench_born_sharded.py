@@ -3,12 +3,14 @@ its optimizer state, train an Engram table through the HF path, checkpoint it, r
 FP8 part without a gather; then one process serves `generate()` from it memory-mapped.
 
     python benchmarks/bench_born_sharded.py [--rows 250000] [--worlds 1,2,3] [--cap 0.9] [--steps 3]
+        [--cap-one] [--lift-resume]
 
 Per world size N (one spawned gloo job each, one torch thread per rank), every rank:
 - builds the same random `LlamaForCausalLM` (vocabulary 512, hidden 64, 2 layers) and attaches
   Engram at layer 1 with `engram.hf.add_engram(..., lazy_tables=True)` (3-grams, 4 heads per order,
   rows of 32: 8 x `rows` rows in all, no memory yet);
-- caps itself (N > 1) with `resource.setrlimit(RLIMIT_DATA)` at its data segment then (everything
+- caps itself (N > 1; N = 1 too with `--cap-one`, which must then fail: the point of the cap) with
+  `resource.setrlimit(RLIMIT_DATA)` at its data segment then (everything
   but the table) + `cap` x (table + SparseRowAdam state, whole). RLIMIT_DATA, not RLIMIT_AS: the
   address space counts reservations that hold no memory (glibc's per-thread malloc arenas, 64 MiB
   each, gloo's threads), which differ run to run; RLIMIT_DATA (Linux >= 4.7) counts the private
@@ -17,10 +19,11 @@ Per world size N (one spawned gloo job each, one torch thread per rank), every r
   (SparseRowAdam on the table) and `steps` steps of `batch` x `seq` random tokens;
 - checkpoints (`save_table_shards` on every rank, the dense model and optimizer state from rank 0),
   drops the model, builds it again and resumes (`load_table_shards`: each rank reads its rows; the
-  rows' digest equals the one saved), takes one more step. The cap is lifted for `load_table_shards`
-  alone (`--cap-resume` keeps it): its reader copies every field of the rank's rows before setting
-  any, each read from a copy-on-write mapping of the rank's whole shard file (private writable
-  memory to RLIMIT_DATA), about three times the rank's rows at its peak (printed);
+  rows' digest equals the one saved), takes one more step, all under the cap: the reader checks each
+  file a block at a time, reads the optimizer state into fresh tensors the optimizer keeps and the
+  rows straight into the table (by position, no mapping), so the resident peak grows by the rank's
+  state and a block (printed; `--lift-resume` lifts the cap for `load_table_shards`, as the reader
+  before, which grew it by 2.5-2.9x the rank's rows + state, needed);
 - writes the FP8 part with `engram.distributed.export_fp8` (each rank quantises and writes its own
   rows at their offsets in the one file).
 Then one process (spawned, its own peak measured) loads the part onto the backbone with
@@ -169,11 +172,11 @@ def _trainable(rows: int, lr: float = 1e-3):
 
 
 def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, steps: int,
-             batch: int, seq: int, cap_resume: bool = False) -> dict:  # fmt: skip
+             batch: int, seq: int, lift_resume: bool = False) -> dict:  # fmt: skip
     """One rank's whole run (the process group is up); returns what it measured. `cap`: the data
-    segment's allowance beyond the rest, as a fraction of the whole table + state (None: no cap).
-    `cap_resume`: keep the cap while resuming too (by default it is lifted for `load_table_shards`,
-    whose reader holds a rank's rows about three times over: see `resume_data_mb`)."""
+    segment's allowance beyond the rest, as a fraction of the whole table + state (None: no cap),
+    kept through the resume unless `lift_resume` (then lifted for `load_table_shards` alone).
+    `resume_grew_mb`: how much the resident peak grew in `load_table_shards`."""
     from engram.distributed import export_fp8, load_table_shards, save_table_shards, tensor_digest
 
     probe = attach(backbone(), rows)  # imports transformers; the table is lazy: no memory
@@ -215,7 +218,7 @@ def rank_job(rank: int, world: int, folder: str, rows: int, cap: float | None, s
     model.load_state_dict(state["model"], strict=False)  # the dense part: the sharded table is not in it
     opt.load_state_dict(state["optimizer"])
     del state
-    lift = "limit_b" in res and not cap_resume
+    lift = res["lift_resume"] = "limit_b" in res and lift_resume
     if lift:
         _set_soft_limit(resource.RLIM_INFINITY)
     peak = res["peak_train_mb"] = status_mib("VmHWM")  # init, train, checkpoint (and a model built)
@@ -288,16 +291,17 @@ def _serve_main(_: int, folder: str) -> None:
 
 
 def run(rows: int = 250_000, worlds: tuple[int, ...] = (1, 2, 3), cap: float = 0.9, steps: int = 3,
-        batch: int = 2, seq: int = 64, folder: str | None = None, cap_resume: bool = False) -> list[dict]:  # fmt: skip
-    """Every world size's job (capped for N > 1), then one serving process after the last; a row per
-    rank and one for the serving process."""
+        batch: int = 2, seq: int = 64, folder: str | None = None, lift_resume: bool = False,
+        cap_one: bool = False) -> list[dict]:  # fmt: skip
+    """Every world size's job (capped for N > 1, and N = 1 with `cap_one`), then one serving process
+    after the last; a row per rank and one for the serving process."""
     out: list[dict] = []
     with tempfile.TemporaryDirectory(dir=folder) as d:
         for w in worlds:
             sub = Path(d) / f"world-{w}"
             sub.mkdir()
-            kw = {"rows": rows, "cap": cap if w > 1 else None, "steps": steps, "batch": batch, "seq": seq,
-                  "cap_resume": cap_resume}  # fmt: skip
+            kw = {"rows": rows, "cap": cap if w > 1 or cap_one else None, "steps": steps, "batch": batch,
+                  "seq": seq, "lift_resume": lift_resume}  # fmt: skip
             mp.spawn(_rank_main, args=(w, str(sub), kw), nprocs=w)
             out += [torch.load(sub / f"rank-{r}.pt", weights_only=False) for r in range(w)]
         if (sub / "backbone.pt").exists():  # the last job wrote its part
@@ -316,10 +320,11 @@ def report(rows: list[dict], verbose: bool = False) -> None:
         return
     t, s = ranks[0]["table_b"], ranks[0]["state_b"]
     print(f"table {t / MIB:.1f} MiB + SparseRowAdam state {s / MIB:.1f} MiB = {(t + s) / MIB:.1f} MiB whole")
-    one = [r for r in ranks if r["world"] == min(x["world"] for x in ranks)]
+    n0 = min(x["world"] for x in ranks)  # the baseline (1 unless N = 1 failed, e.g. capped)
+    one = [r for r in ranks if r["world"] == n0]
     base = {k: float(np.mean([r[k] for r in one])) for k in ("init_s", "init_cpu_s", "save_s", "save_cpu_s")}
     print(f"{'N':>2} {'rank':>4} {'cap':>5} {'rest':>5} {'expect':>6} {'peak':>5} {'ratio':>5} {'train':>5} "
-          f"{'ratio':>5} {'init s wall/cpu':>15} {'x N=1':>11} {'save s wall/cpu':>15} {'x N=1':>11} resumed")  # fmt: skip
+          f"{'ratio':>5} {'init s wall/cpu':>15} {f'x N={n0}':>11} {'save s wall/cpu':>15} {f'x N={n0}':>11} resumed")  # fmt: skip
     for r in ranks:
         n = r["world"]
         expected = (t + s) / n / MIB + r["rest_mb"]
@@ -334,14 +339,19 @@ def report(rows: list[dict], verbose: bool = False) -> None:
             f"{times[0]} {times[1]} {r['resumed_equal']}"
         )
         print(f"     load_table_shards grew the resident peak by {r['resume_grew_mb']:.0f} MiB "
-              f"(this rank's table + state: {(t + s) / n / MIB:.0f} MiB)")  # fmt: skip
+              f"(this rank's table + state: {(t + s) / n / MIB:.0f} MiB, its state {s / n / MIB:.0f}; "
+              f"{r['resume_grew_mb'] * MIB * n / (t + s):.2f}x)")  # fmt: skip
         if verbose:
             print("     data segment MiB by stage: " + ", ".join(f"{k} {v}" for k, v in r["data_mb"].items()))
+    lifted = any(r.get("lift_resume") for r in ranks)
     print(
-        "MiB; cap: each rank's data-segment allowance beyond the rest (RLIMIT_DATA; lifted for load_table_shards)"
+        "MiB; cap: each rank's data-segment allowance beyond the rest (RLIMIT_DATA"
+        + ("; lifted for load_table_shards)" if lifted else ", the resume included)")
     )
     print("expect: (table + state) / N + rest; peak: the whole job's; train: before the resume (init, steps,")
-    print("checkpoint); target peak / expect <= 1.15; init, save (wall / this rank's CPU): 1/N of N = 1")
+    print(
+        f"checkpoint); target peak / expect <= 1.15; init, save (wall / this rank's CPU): {n0}/N of N = {n0}"
+    )
     for r in rows:
         if "serve" in r:
             print(f"served: {r['table']} of {r['rows']:,} rows, generate() made {r['generated']} tokens, "
@@ -360,11 +370,13 @@ def main() -> None:
     ap.add_argument(
         "--folder", default=None, help="where the checkpoints and parts go (default: a temp folder)"
     )
-    ap.add_argument("--cap-resume", action="store_true", help="keep the cap for load_table_shards too")
+    ap.add_argument("--lift-resume", action="store_true", help="lift the cap for load_table_shards")
+    ap.add_argument("--cap-one", action="store_true", help="cap N = 1 too (it cannot fit: it must fail)")
     ap.add_argument("--verbose", action="store_true", help="each rank's data segment by stage")
     args = ap.parse_args()
     worlds = tuple(int(x) for x in args.worlds.split(","))
-    rows = run(args.rows, worlds, args.cap, args.steps, args.batch, args.seq, args.folder, args.cap_resume)
+    rows = run(args.rows, worlds, args.cap, args.steps, args.batch, args.seq, args.folder, args.lift_resume,
+               args.cap_one)  # fmt: skip
     report(rows, args.verbose)
 
 

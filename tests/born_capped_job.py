@@ -1,7 +1,8 @@
 """One rank of tests/test_born_capped.py's job (spawned, 3 gloo ranks): benchmarks/bench_born_sharded.py's
-run under a data-segment cap (RLIMIT_DATA) below the whole table + its optimizer state, then, under the
-same cap, what a rank holding the whole table would do (the replicated layout: the table drawn whole
-at add_engram, SparseRowAdam's state over all its rows), which must fail."""
+run under a data-segment cap (RLIMIT_DATA) below the whole table + its optimizer state, kept through
+the resume (load_table_shards reads in place), then, under the same cap, what a rank holding the
+whole table would do (the replicated layout: the table drawn whole at add_engram, SparseRowAdam's
+state over all its rows), which must fail."""
 
 from __future__ import annotations
 

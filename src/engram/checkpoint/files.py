@@ -56,7 +56,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-READ_CHUNK_BYTES = 16 * 2**20  # bytes a block of `TensorFile.iter_rows` (what a chunked check holds)
+READ_CHUNK_BYTES = 4 * 2**20  # bytes a block of `TensorFile.iter_rows` (what a chunked check holds)
 _IO_MAX = 2**30  # bytes one preadv call asks for
 
 # Plain words for safetensors' refusals of a damaged file (its messages name no file and no fix).

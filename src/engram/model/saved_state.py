@@ -18,7 +18,7 @@ __all__ = ["check_active_state", "check_number", "first_bad_row", "saved_param_s
 
 _ACTIVE_KEYS = ("rows", "momentum")
 
-_CHUNK = 1 << 22  # elements scanned at a time by first_bad_row (a 4 MiB bool temporary, not a table's)
+_CHUNK = 1 << 20  # elements scanned at a time by first_bad_row (isfinite: a 4 MiB float temporary + bools)
 
 
 def check_number(
