@@ -72,7 +72,7 @@ def _write(rank: int, owners: int, folder: str) -> dict:
     """The FP8 part with row files, the rows owned by ranks 0..owners-1 (changed on each rank); then
     the same save failing on rank 1 while it writes its rows of the last layer's row file."""
     import engram.distributed.hf_part as hf_part
-    from engram.distributed import prepare_data_parallel
+    from engram.distributed import export_fp8, prepare_data_parallel
     from engram.hf import add_engram
 
     model = add_engram(S.llama(seed=3), S.engram_config(LAYERS), compression=S.compression())
@@ -86,7 +86,7 @@ def _write(rank: int, owners: int, folder: str) -> dict:
             res["full"].append(t.full_weight(0))
             # Engram's output large enough to change greedy tokens
             model.engram.module(lid).wkv.weight.normal_(std=2.0, generator=torch.Generator().manual_seed(5))
-    res["part"] = hf_part.write_part(model, folder, fp8=True, row_files=True)
+    res["part"] = export_fp8(model, folder, row_files=True)  # the public call: write_part with row files
     dist.barrier()
     part = Path(folder) / "engram"
     before = {f.name: f.read_bytes() for f in part.iterdir()}

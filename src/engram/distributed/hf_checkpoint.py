@@ -218,7 +218,11 @@ def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path | N
     return write_part(model, directory, fp8=False)
 
 
-def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:
+def export_fp8(
+    model: nn.Module, directory: str | os.PathLike[str], *, row_files: bool = False
+) -> Path | None:
     """`engram.hf.export_fp8` for a model with row-sharded tables (as `save_engram` here: each rank
-    quantises and writes its own rows)."""
-    return write_part(model, directory, fp8=True)
+    quantises and writes its own rows). `row_files`: also each layer's SSD row file
+    (`engram_layer{L}.rows` in the part, what the row-file tier and the vLLM plugin's 'rowfile' mode
+    read), every owner writing its rows at their slots, published with the part."""
+    return write_part(model, directory, fp8=True, row_files=row_files)
