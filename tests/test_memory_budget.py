@@ -130,6 +130,7 @@ def test_a_shared_cgroup_must_hold_its_ranks_together():
     cg = [(n, [_limit(each + 10, "cgroup memory.max", shared="host:/job")]) for n in needs]
     msg = M.verdict(cg)  # each fits alone, not both
     assert msg is not None and "ranks 0, 1 share cgroup memory.max" in msg
+    assert f"ulimit -d by at least {2 * each - each - 10:,} bytes" in msg
     apart = [(n, [_limit(each + 10, "cgroup memory.max", shared=f"host{n.rank}:/job")]) for n in needs]
     assert M.verdict(apart) is None  # one cgroup per machine
 

@@ -242,10 +242,9 @@ def shard_need(
             if whole
             else f"one chunk of {INIT_CHUNK_ROWS:,} rows drawn at a time"
         )
-    return ShardNeed(
-        rank, world, owners, rows, 0 if held else rows_bytes, state, _CLASS_NAMES.get(optimizer or "", optimizer) if known else None, work,
-        what, rows_bytes if held else 0, total,
-    )  # fmt: skip
+    name = _CLASS_NAMES.get(optimizer or "", optimizer) if known else None
+    to_make, kept = (0, rows_bytes) if held else (rows_bytes, 0)
+    return ShardNeed(rank, world, owners, rows, to_make, state, name, work, what, kept, total)
 
 
 # ----------------------------------------------------------------------------------------- verdict
@@ -305,7 +304,7 @@ def _ranks_fitting(need: ShardNeed, free: int) -> str:
 
 
 def _head(n: ShardNeed) -> str:
-    what = "the optimizer state of its shard" if n.rows_bytes == 0 else "its shard"
+    what = "the optimizer state of its shard" if n.held_bytes else "its shard"
     return (
         f"rank {n.rank} of {n.world} cannot hold {what} of the Engram tables ({n.rows:,} rows of "
         f"{n.owners} owner rank(s)): it needs {_need_text(n)}"
@@ -321,13 +320,13 @@ def _alone(n: ShardNeed, lim: MemoryLimit) -> str:
 
 
 def _together(needs: list[ShardNeed], lim: MemoryLimit, free: int) -> str:
-    n = needs[0]
     ranks = ", ".join(str(x.rank) for x in needs)
-    each = free // len(needs)
+    together = sum(x.bytes for x in needs)
     return (
-        f"{_head(n)}, and ranks {ranks} share {lim.name} ({lim.what}), which leaves them {free:,} bytes "
-        f"({_mib(free)}: limit {_mib(lim.limit)}) for {sum(x.bytes for x in needs):,} bytes together. "
-        f"Nothing was allocated; {_ranks_fitting(n, each)}: ranks on another cgroup or machine ({lim.fix})"
+        f"{_head(needs[0])}, and ranks {ranks} share {lim.name} ({lim.what}), which leaves them {free:,} "
+        f"bytes ({_mib(free)}: limit {_mib(lim.limit)}) for {together:,} bytes together. Nothing was "
+        f"allocated; {lim.fix} by at least {together - free:,} bytes, or run fewer of these ranks in it "
+        "(the others on more machines or cgroups)"
     )
 
 
