@@ -61,7 +61,7 @@ def add_plan_train(p: argparse.ArgumentParser) -> None:
                    help="sinkhorn: share of a shard's rows with momentum (default 1: every row, as at V4.1's scale)")  # fmt: skip
     p.add_argument("--steps", type=int, metavar="N",
                    help="sinkhorn: the run's steps so far; its active rows are the distinct rows of N global batches "
-                   "(from the statistics) and its workspace follows their growth (instead of --active-share)")  # fmt: skip
+                   "(from the statistics) instead of --active-share")  # fmt: skip
     p.set_defaults(func=cmd_plan_train)
 
 

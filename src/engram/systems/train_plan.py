@@ -74,7 +74,7 @@ class TrainSetup:
     active_share: float = 1.0
     # Sinkhorn: the run's steps so far, instead of active_share: the active rows are then the distinct
     # rows of that many global batches on the fullest owner (from the row statistics, each table's
-    # capped at its shard), and the workspace is followed through its growth (`_active_rows`).
+    # capped at its shard; `_active_rows`).
     steps: int | None = None
 
     def __post_init__(self) -> None:
@@ -233,9 +233,8 @@ def plan_training(config: EngramConfig, table_rows: tuple[int, ...] | list[int],
     S = sum(shard)
     if setup.steps is None:
         active_rows = [math.ceil(setup.active_share * s) for s in shard]
-        work_rows, work_cells = max(active_rows), max(active_rows) * d  # the largest table's, not grown
     else:
-        active_rows, (work_rows, work_cells) = _active_rows(stats, shard, n, setup, d)
+        active_rows = _active_rows(stats, shard, n, setup)
     active = sum(active_rows)
     state = {
         TableOptimizer.ADAM: S * (STATE_BYTES * d + 8),
@@ -243,9 +242,11 @@ def plan_training(config: EngramConfig, table_rows: tuple[int, ...] | list[int],
         TableOptimizer.SINKHORN: active * (STATE_BYTES * d + 8),  # momentum + the row's id
         TableOptimizer.DENSE_ADAM: S * 2 * STATE_BYTES * d,
     }[opt]
-    # Sinkhorn's passes keep an fp32 (A, dim) workspace, (A,) fp64 row norms and (A,) flags: one set
-    # for every table (each table's step reuses it), as large as the largest table's active set
-    work = work_cells * STATE_BYTES + work_rows * 9 if opt is TableOptimizer.SINKHORN else 0
+    # Sinkhorn's passes use an fp32 (A, dim) workspace, (A,) fp64 row norms and (A,) flags: one set for
+    # every table (each table's step reuses it), as large as the largest table's active set. Kept
+    # between steps and grown by half when outgrown, the buffer holds 1 to 1.5x that (a note says so):
+    # where in that range depends on the order the active sets grew in, not on the statistics.
+    work = max(active_rows) * (STATE_BYTES * d + 9) if opt is TableOptimizer.SINKHORN else 0
     grads = (U + exchange.rows_served_max + exchange.rows_served_distinct_max) * row_b
     if opt is TableOptimizer.DENSE_ADAM:  # the sparse gradient made dense, the whole shard
         grads += S * row_b
@@ -259,52 +260,21 @@ def plan_training(config: EngramConfig, table_rows: tuple[int, ...] | list[int],
         )
     if b > largest:
         notes.append(f"a rank's batch ({b:,.0f} tokens) is longer than the largest measured: upper bounds")
-    if opt is TableOptimizer.SINKHORN and setup.steps is None:
+    if opt is TableOptimizer.SINKHORN:
         notes.append(
-            "sinkhorn's workspace is sized to the largest table's active rows; it grows by half when the active "
-            "set outgrows it (up to 1.5x): give the run's steps to follow its growth"
+            "sinkhorn's work is its workspace in use (the largest table's active rows); the buffer it keeps "
+            "grows by half when outgrown, so it holds up to 1.5x that"
         )
     return TrainPlan(config.name, setup, stats.source, tuple(int(t) for t in table_rows), shard, memory,
                      exchange, notes)  # fmt: skip
 
 
-WORK_GROWTH = 1.5  # engram.model.sinkhorn's workspace grows to max(need, 1.5 x what it had)
-
-
-def _active_rows(stats: RowStats, shard: tuple[int, ...], owners: int, setup: TrainSetup,
-                 dim: int) -> tuple[list[int], tuple[int, int]]:  # fmt: skip
-    """Sinkhorn after `setup.steps` steps on the fullest owner: each table's active rows (the distinct
-    rows of that many global batches in its range, at most its shard), and the workspace kept then
-    ((A,) buffers' rows, the (A, dim) buffer's cells): each table's step asks for its active rows in
-    turn, and a buffer too short for them grows to max(need, 1.5 x its size) (found step by step by
-    bisection over the steps: the active set only grows, until momentum underflows, hundreds of steps
-    after a row's last lookup, which is not modelled)."""
+def _active_rows(stats: RowStats, shard: tuple[int, ...], owners: int, setup: TrainSetup) -> list[int]:
+    """Sinkhorn's active rows of each table after `setup.steps` steps on the fullest owner: the
+    distinct rows of that many global batches in its range (at most its shard). Rows leave the active
+    set only when their momentum underflows, hundreds of steps after their last lookup (not modelled)."""
     assert setup.steps is not None
-    tokens, n_tab = setup.tokens_per_step, len(shard)
-
-    def at(k: int) -> np.ndarray:  # (owners, tables) active rows after k steps
-        per = np.stack([stats.owner_rows(li, k * tokens, owners) for li in range(n_tab)], axis=1)
-        return np.minimum(per, np.array(shard, dtype=np.float64))
-
-    top = int(np.argmax(at(setup.steps).sum(axis=1)))  # the fullest owner
-
-    def need(k: int) -> list[int]:
-        return [math.ceil(a) for a in at(k)[top]]
-
-    rows = cells = 0  # the workspace: (A,) buffers' rows, the (A, dim) buffer's cells
-    k = 1
-    while k <= setup.steps:
-        for a in need(k):  # the tables' steps in turn
-            if rows < a:
-                rows = max(a, int(WORK_GROWTH * rows))
-            if cells < a * dim:
-                cells = max(a * dim, int(WORK_GROWTH * cells))
-        lo, hi = k, setup.steps + 1  # the first step after k whose active set outgrows the buffer
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if max(need(mid)) > rows:
-                hi = mid
-            else:
-                lo = mid
-        k = hi
-    return need(setup.steps), (rows, cells)
+    k_tokens = setup.steps * setup.tokens_per_step
+    per = np.stack([stats.owner_rows(li, k_tokens, owners) for li in range(len(shard))], axis=1)
+    per = np.minimum(per, np.array(shard, dtype=np.float64))  # (owners, tables)
+    return [math.ceil(a) for a in per[int(np.argmax(per.sum(axis=1)))]]
