@@ -5,8 +5,9 @@ The only package that imports torch.distributed: the model code (`engram.model.m
 per file: `sharded_table` (the row-sharded table and the step's row exchange), `parallelize`
 (sharding a model, the dense all-reduce), `guard` (ranks agree before they act; collectives time out
 into an error naming the rank and the step), `wrappers` (whether DDP / FSDP holds a model already,
-or took a parameter over), `launch` (one rank from torchrun's environment), `train`
-(the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
+or took a parameter over), `memory_budget` (whether a rank's shard of the tables fits its memory
+limits, said on every rank before any row is allocated), `launch` (one rank from torchrun's
+environment), `train` (the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
 HF models under DDP, accelerate and the Trainer), `hf_checkpoint` (their sharded tables' checkpoints
 and Engram part), `hf_part` (that part written by every rank, its own rows, without a gather), `hf_fsdp` (the HF backbone under FSDP2,
 the tables kept out), `hf_trainer` (`EngramShardsCallback` for the Trainer's checkpoints; imports
@@ -43,6 +44,7 @@ from engram.distributed.hf_checkpoint import (
 )
 from engram.distributed.hf_fsdp import fully_shard_backbone
 from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
+from engram.distributed.memory_budget import ShardMemoryError
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
@@ -79,6 +81,7 @@ __all__ = [
     "EngramShardsCallback",
     "RankError",
     "ReplicatedTableSync",
+    "ShardMemoryError",
     "ShardedSinkhorn",
     "ShardedTable",
     "ShardedTableSync",
