@@ -275,11 +275,11 @@ def _rank_main(rank: int, world: int, folder: str, kw: dict) -> None:
     )  # fmt: skip
     try:
         res = rank_job(rank, world, folder, **kw)
-    except (MemoryError, RuntimeError) as e:
+    except (MemoryError, RuntimeError, ValueError) as e:  # ValueError: a check that it will not fit
         import traceback
 
         where = traceback.extract_tb(e.__traceback__)[-6:]
-        res = {"rank": rank, "world": world, "error": f"{type(e).__name__}: {str(e)[:200]}",
+        res = {"rank": rank, "world": world, "error": f"{type(e).__name__}: {str(e)[:500]}",
                "where": " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(where))}  # fmt: skip
     torch.save(res, f"{folder}/rank-{rank}.pt")
     dist.destroy_process_group()
