@@ -80,6 +80,13 @@ def _worker(rank: int, root: str) -> None:
         with torch.no_grad():
             t.weight.mul_(2)
 
+        # a rank writing elsewhere (another folder, or one its machine does not share)
+        res["elsewhere"] = _attempt(
+            lambda: save_engram(model, Path(root) / f"part-{rank}" if rank == 1 else part)
+        )
+        dist.barrier()
+        res["after_elsewhere"] = _folder(where) if rank == 0 else None
+
         # a rank raising before it writes a row
         def before_writing(*a, **k):
             raise ValueError("rank 2 could not quantise its rows (simulated)")
@@ -144,6 +151,19 @@ def runs(tmp_path_factory) -> list[dict]:
 def _no_temporaries(where: Path) -> None:
     left = [p.name for p in where.iterdir() if ".tmp-" in p.name]
     assert not left, left
+
+
+def test_a_rank_writing_to_another_folder_publishes_nothing(runs):
+    """Rank 1 given another folder (as a folder its machine does not share would be): it says so, the
+    others name it as failed; the part is unchanged and rank 1's folder holds nothing."""
+    errors = [r["elsewhere"][0] for r in runs]
+    assert errors[1].startswith("ValueError: rank 1 does not see ") and "laid out by rank 0" in errors[1]
+    assert "every rank must pass the same folder" in errors[1], errors[1]
+    for e in (errors[0], errors[2]):
+        assert e is not None and "another rank failed to write its rows of the Engram part" in e, e
+    assert runs[0]["after_elsewhere"] == runs[0]["before"]
+    assert not (runs[0]["where"].parent / "part-1").exists()
+    _no_temporaries(runs[0]["where"])
 
 
 def test_a_rank_raising_before_it_writes_publishes_nothing(runs):

@@ -164,6 +164,9 @@ _COLLECTIVE = (
 
 
 _KEPT = "nothing was published: the folder keeps what it held"
+_SHARED = (
+    "every rank must pass the same folder, one that every rank's machine shares (as sharded checkpoints')"
+)
 
 
 def _lost(group: dist.ProcessGroup | None, what: str, e: RuntimeError, kept: str = _KEPT) -> RankError:
@@ -238,6 +241,8 @@ def write_part(
                 error = e
         _agree(error, group, "to lay out the Engram part")
         try:
+            if not tmp.exists():  # another folder than rank 0's, or one this machine does not share
+                raise ValueError(f"rank {rank} does not see {tmp}, laid out by rank 0: {_SHARED}")
             _write_own_rows(tmp, laid, att, fp8, rows)
         except Exception as e:  # every rank must hear of it, whatever it is
             error = e
