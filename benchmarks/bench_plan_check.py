@@ -133,8 +133,8 @@ def _one_run(rank: int, world: int, ids: torch.Tensor, optimizer: str, dtype: st
         before = counters.copy()
         ddp(input_ids=x, labels=x).loss.backward()
         # the prefetched blocks (U_t, dim) and their gradients, held from forward until the flush
-        staged = sum(t._block.nbytes for t in tables)
-        block_grad = sum(t._block.grad.nbytes for t in tables if t._block.grad is not None)
+        staged = sum(t.staged.nbytes for t in tables)
+        block_grad = sum(t.staged.grad.nbytes for t in tables if t.staged.grad is not None)
         sync.flush()  # the gradients to their owners (the table step's own flush then has nothing left)
         shard_grad = sum(g.coalesce().values().nbytes for g in sync.grads.values())
         opt.step()
@@ -143,13 +143,14 @@ def _one_run(rank: int, world: int, ids: torch.Tensor, optimizer: str, dtype: st
                       "x": (counters - before).to_dict()})  # fmt: skip
     table_opt = sync.optimizer
     state = [v for st in table_opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    work = list(getattr(table_opt, "_work", {}).values())  # Sinkhorn's kept workspace (private: no accessor)
+    kept = getattr(table_opt, "workspace_bytes", None)  # Sinkhorn's buffers kept between steps
+    work_bytes = kept() if kept is not None else 0
     active = [int(st["rows"].numel()) for st in table_opt.state.values() if "rows" in st]
     out = {
         "rows": sum(t.weight.nbytes for t in tables),
         "state": sum(v.nbytes for v in state),
         "state_storage": _storage_bytes(state),
-        "work_kept": _storage_bytes(work),
+        "work_kept": work_bytes,
         # the workspace the passes used: (A, dim) fp32, (A,) fp64, (A,) bool of the largest table's A
         "work": max(active, default=0) * (tables[0].dim * 4 + 9),
         "steps": steps,

@@ -149,6 +149,13 @@ class ShardedTable(EngramTable):
         self._block: torch.Tensor | None = None
         self._exchange: _Exchange | None = None
 
+    @property
+    def staged(self) -> torch.Tensor | None:
+        """The rows of the pending prefetch (U, dim), distinct and sorted, as the forward gathers from
+        them (an autograd leaf: its `.grad` is what the next flush sends to the owners); None between a
+        flush and the next prefetch. For memory accounting (`engram plan train`'s validation)."""
+        return self._block
+
     @classmethod
     def from_full(
         cls,

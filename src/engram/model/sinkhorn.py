@@ -213,6 +213,11 @@ class SparseSinkhorn(torch.optim.Optimizer):
             apply=apply,
         )
 
+    def workspace_bytes(self) -> int:
+        """Bytes of the buffers the passes keep between steps (the workspace and its scratch, one set for
+        every table, grown by half when an active set outgrows them)."""
+        return sum(buf.numel() * buf.element_size() for buf in self._work.values())
+
     def _workspace(
         self, dtype: torch.dtype, a: int, n: int, device: torch.device, name: str = "u"
     ) -> torch.Tensor:
