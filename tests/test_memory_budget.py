@@ -57,7 +57,8 @@ def test_rlimits_count_against_the_data_segment_and_address_space():
 
 def test_cgroup_v2_limits_of_the_cgroup_and_its_ancestors(tmp_path):
     """memory.max less memory.current less the page cache (active_file + inactive_file), for each
-    level that sets one ("max" and the namespace root without files left out); shared by host+path."""
+    level that sets one ("max" and the namespace root without files left out); shared by the machine's
+    processes in that cgroup (boot id and the cgroup's inode)."""
     leaf = tmp_path / "jobs" / "rank1"
     leaf.mkdir(parents=True)
     (leaf / "memory.max").write_text("max\n")
@@ -72,7 +73,9 @@ def test_cgroup_v2_limits_of_the_cgroup_and_its_ancestors(tmp_path):
     assert len(got) == 1
     (lim,) = got
     assert (lim.name, lim.limit, lim.used, lim.free) == ("cgroup memory.max", 512 * MIB, 200 * MIB, 312 * MIB)
-    assert lim.shared == f"{socket.gethostname()}:{job}" and str(job / "memory.max") in lim.fix
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    machine = boot.read_text().strip() if boot.exists() else socket.gethostname()
+    assert lim.shared == f"{machine}:{job.stat().st_ino}" and str(job / "memory.max") in lim.fix
     assert M.process_limits(status=STATUS, cgroup="4:memory:/x\n", getrlimit=_rlimits()) == []  # v1 only
 
 

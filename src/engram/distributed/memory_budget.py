@@ -89,7 +89,8 @@ class MemoryLimit:
     used: int
     what: str  # what `used` counts, for the message
     fix: str  # how to raise it
-    shared: str | None = None  # processes sharing it (a cgroup: host and path); None: this process alone
+    shared: str | None = None  # processes sharing it (a cgroup: the kernel's boot id and the cgroup's
+    # inode, the same for every process in it, on this machine only, whatever its cgroup namespace); None: alone
 
     @property
     def free(self) -> int:
@@ -138,7 +139,7 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _cgroup_limits(cgroup: str, root: Path, host: str) -> list[MemoryLimit]:
+def _cgroup_limits(cgroup: str, root: Path, machine: str) -> list[MemoryLimit]:
     """memory.max - (memory.current - the file pages it can reclaim) of the process's cgroup v2 and
     each ancestor that sets one (the namespace's root has none)."""
     line = next((x for x in cgroup.splitlines() if x.startswith("0::")), None)
@@ -156,7 +157,8 @@ def _cgroup_limits(cgroup: str, root: Path, host: str) -> list[MemoryLimit]:
         used = max(0, int(current) - cache)
         what = f"the cgroup {folder}, its page cache aside"
         fix = f"raise {folder / 'memory.max'}"
-        out.append(MemoryLimit("cgroup memory.max", int(top), used, what, fix, shared=f"{host}:{folder}"))
+        shared = f"{machine}:{folder.stat().st_ino}"  # (a cgroup's inode: its id, kernel-wide)
+        out.append(MemoryLimit("cgroup memory.max", int(top), used, what, fix, shared=shared))
     return out
 
 
@@ -188,7 +190,8 @@ def process_limits(
         if mounts is None:
             mounts = _read(Path("/proc/self/mounts")) or ""
         cgroup_root = _cgroup2_root(mounts)
-    return out + _cgroup_limits(cgroup, cgroup_root, socket.gethostname())
+    machine = (_read(Path("/proc/sys/kernel/random/boot_id")) or socket.gethostname()).strip()
+    return out + _cgroup_limits(cgroup, cgroup_root, machine)
 
 
 # ------------------------------------------------------------------------------------------- needs
