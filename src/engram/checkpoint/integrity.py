@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ __all__ = [
     "check_finite",
     "check_fp8_rows",
     "check_fp8_table",
+    "fingerprint_blocks",
     "scan_table",
     "table_fingerprint",
 ]
@@ -124,11 +125,26 @@ def check_fp8_rows(
 def table_fingerprint(weight: torch.Tensor, scale: torch.Tensor) -> str:
     """sha256 (64 hex digits) of an FP8 table's shape and bytes: values (rows, dim), then scales. One pass
     over the bytes (about 1 s a GB), in chunks; what a row file records of the table it was written from."""
-    h = hashlib.sha256(json.dumps([list(weight.shape), list(scale.shape)]).encode())
-    for t in (weight, scale):
+
+    def pieces(t: torch.Tensor) -> Iterator[torch.Tensor]:
         flat = t.detach().cpu().reshape(-1).view(torch.uint8)
-        for _, piece in _chunks(flat):
-            h.update(memoryview(piece.contiguous().numpy()))
+        return (piece for _, piece in _chunks(flat))
+
+    return fingerprint_blocks(weight.shape, scale.shape, pieces(weight), pieces(scale))
+
+
+def fingerprint_blocks(
+    weight_shape: Sequence[int],
+    scale_shape: Sequence[int],
+    weight_blocks: Iterable[torch.Tensor],
+    scale_blocks: Iterable[torch.Tensor],
+) -> str:
+    """`table_fingerprint` of a table given as blocks of its values, then of its scales, in row order
+    (e.g. read from a file a block at a time: `TensorFile.iter_rows`, so the file is never mapped)."""
+    h = hashlib.sha256(json.dumps([list(weight_shape), list(scale_shape)]).encode())
+    for blocks in (weight_blocks, scale_blocks):
+        for b in blocks:
+            h.update(memoryview(b.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 

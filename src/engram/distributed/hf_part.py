@@ -32,7 +32,7 @@ from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.convert import row_file_path
 from engram.checkpoint.files import open_tensors
 from engram.checkpoint.hf_config import to_hf_dict
-from engram.checkpoint.integrity import table_fingerprint
+from engram.checkpoint.integrity import fingerprint_blocks
 from engram.checkpoint.laid_out import LaidOut, create, lay_out, set_metadata, write_rows
 from engram.checkpoint.v41 import (
     CONFIG_FILE,
@@ -128,7 +128,9 @@ def _publish(
         f = open_tensors(tmp)
         for lid in att.layers:
             p = layer_prefix(int(lid))
-            fp = table_fingerprint(f.mapped(p + "embed.weight"), f.mapped(p + "embed.scale"))
+            w, sc = p + "embed.weight", p + "embed.scale"  # read a block at a time: nothing mapped
+            values, scales = ((blk for _, blk in f.iter_rows(n)) for n in (w, sc))
+            fp = fingerprint_blocks(f.entry(w).shape, f.entry(sc).shape, values, scales)
             set_metadata(tmp, f"{TABLE_FINGERPRINT_KEY}.{lid}", fp)
             if lid in rows:
                 set_row_file_tables(rows[lid][0], fp)
