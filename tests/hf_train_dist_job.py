@@ -1,31 +1,46 @@
-"""One torchrun rank of tests/test_cli_hf_train_dist.py's job: `engram hf-train --distributed` runs
-through the CLI's `main` in this process, the process group started here (gloo) and kept across the
-runs, so that one launch runs them all.
+"""One rank's part of tests/test_cli_hf_train_dist.py, a job of the suite's 2-rank launch
+(tests/dist_launch.py): `engram hf-train --distributed` runs through the CLI's `main` in this process,
+in the launch's process group (gloo), so that one launch runs them all.
 
-argv: OUT (a folder), RUNS (JSON: a list of {"name", "argv", and optionally "interrupt_at",
-"rank_argv", "fail_on_rank"}). Each run's outcome on each rank goes to OUT/<name>-rank-<R>.json:
-{"code": main's exit status, or "interrupted", "err": what it printed on stderr, "whole_tables": how many
-lazy tables (add_engram's under a process group) were drawn whole on this rank}. `interrupt_at` N:
-every rank raises KeyboardInterrupt before step N+1 (as a Ctrl-C of the launch would), after the
-checkpoints written so far. `rank_argv` {"R": [...]}: options added on rank R only. `fail_on_rank` R:
-reading the corpus fails on rank R only (a ValueError), as a file only that rank cannot read would.
+`job(ctx, args, runs)`: rank 0 writes the tiny HF folder and the corpus (`inputs`) into
+ctx.root/JOB_DIR, then every rank runs `runs` in turn, each {"name", "out" (a folder there), "extra"
+(options after `args`), and optionally "interrupt_at", "rank_argv", "fail_on_rank"}; returns {name:
+outcome}, an outcome being {"code": main's exit status, or "interrupted", "err": what it printed on
+stderr, "whole_tables": how many lazy tables (add_engram's under a process group) were drawn whole on
+this rank}. `interrupt_at` N: every rank raises KeyboardInterrupt before step N+1 (as a Ctrl-C of the
+launch would), after the checkpoints written so far. `rank_argv` {"R": [...]}: options added on rank R
+only. `fail_on_rank` R: reading the corpus fails on rank R only (a ValueError), as a file only that
+rank cannot read would.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
-import json
-import os
-import sys
 from pathlib import Path
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import transformers
 
 from engram.cli import main as engram_main
+
+JOB_DIR = "hf-train-dist"  # the job's name in the launch, and its folder there
+VERSES = 160  # the corpus: the first verses of the King James Bible
+
+
+def inputs(d: Path) -> tuple[Path, Path]:
+    """(the tiny random Llama folder of tests/hf_setup.py, the corpus) written into `d`: the same files
+    in every process that calls it."""
+    import hf_setup as S
+    from engram.apps.corpus import kjv_path
+
+    d.mkdir(parents=True, exist_ok=True)
+    corpus = d / "genesis.jsonl"
+    with kjv_path().open(encoding="utf-8") as f:
+        corpus.write_text("".join(next(f) for _ in range(VERSES)), encoding="utf-8")
+    return S.save_folder(d / "tiny-llama", layers=3, seed=1), corpus
+
 
 FAILURE = "this rank cannot read the corpus (a test's failure)"
 
@@ -72,20 +87,23 @@ def run(argv: list[str], interrupt_at: int | None, fail: bool) -> dict:
     return {"code": code, "err": err.getvalue(), "whole_tables": len(whole)}
 
 
-def main(argv: list[str]) -> int:
-    out, runs = Path(argv[0]), json.loads(argv[1])
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        for r in runs:
-            argv = [*r["argv"], *r.get("rank_argv", {}).get(str(rank), [])]
-            res = run(argv, r.get("interrupt_at"), r.get("fail_on_rank") == rank)
-            (out / f"{r['name']}-rank-{rank}.json").write_text(json.dumps(res))
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def job(ctx: Any, args: list[str], runs: list[dict]) -> dict[str, dict]:
+    """Every run of `runs` on this rank (module docstring), after rank 0 wrote the inputs."""
+    d = Path(ctx.root) / JOB_DIR
+    if dist.get_rank() == 0:
+        inputs(d)
+    dist.barrier()  # the inputs are written before any rank reads them
+    rank = dist.get_rank()
+    base = ["hf-train", str(d / "tiny-llama"), "--corpus", str(d / "genesis.jsonl"), *args, "--distributed"]
+    out = {}
+    for r in runs:
+        argv = [
+            *base,
+            "--out",
+            str(d / r["out"]),
+            *r.get("extra", []),
+            *r.get("rank_argv", {}).get(str(rank), []),
+        ]
+        out[r["name"]] = run(argv, r.get("interrupt_at"), r.get("fail_on_rank") == rank)
+    dist.barrier()  # the runs left the ranks in step: the launch's next job starts from here
+    return out

@@ -3,9 +3,10 @@ tiny random Llama folder of tests/hf_setup.py and the first verses of the King J
 tests/test_cli_hf_train.py).
 
 Two launches: the README's command itself (`torchrun --nproc_per_node 2 -m engram hf-train ...
---distributed`: the process group started and ended by the CLI), and one of tests/hf_train_dist_job.py,
-which runs several hf-train runs in one process group (interrupted and resumed, frozen, LoRA and full,
-row-sharded and replicated tables, a rank given other options, a rank that fails alone). The 2-rank
+--distributed`: the process group started and ended by the CLI), and tests/hf_train_dist_job.py, a job
+of the suite's 2-rank launch (tests/dist_launch.py), which runs several hf-train runs in its process
+group (interrupted and resumed, frozen, LoRA and full, row-sharded and replicated tables, a rank given
+other options, a rank that fails alone). The 2-rank
 runs split the global batch of 4 over the ranks, so OUT equals the one-process run's with batch 4:
 float32, the weights to 1e-5 (full: 1e-4) and the held-out loss to 1e-6 (measured: 1.2e-7 frozen,
 4.5e-6 LoRA; held-out loss 9e-10). A 2-rank run resumed from its sharded checkpoint equals the
@@ -25,19 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf_setup as S
+import dist_launch as L
+import hf_train_dist_job as J
 from engram.apps import hf_folder
 from engram.apps import hf_train as H
-from engram.apps.corpus import kjv_path
 from engram.cli import main
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 from safetensors.torch import load_file  # noqa: E402
 
-JOB = Path(__file__).with_name("hf_train_dist_job.py")
 LAUNCH_TIMEOUT_S = 300
-VERSES = 160
 # the global batch of 4, 5 steps, checkpoints at 2 and 4 (test_cli_hf_train's resumable run)
 ARGS = ("--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "1", "--steps", "5",
         "--checkpoint-every", "2", "--lr", "3e-3")  # fmt: skip
@@ -45,12 +44,9 @@ ARGS = ("--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "1
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(the tiny HF folder, the corpus, a folder for the runs)."""
+    """(the tiny HF folder, the corpus, a folder for the runs): the job's inputs, written here too."""
     d = tmp_path_factory.mktemp("hf-dist")
-    corpus = d / "genesis.jsonl"
-    with kjv_path().open(encoding="utf-8") as f:
-        corpus.write_text("".join(next(f) for _ in range(VERSES)), encoding="utf-8")
-    return S.save_folder(d / "tiny-llama", layers=3, seed=1), corpus, d
+    return (*J.inputs(d), d)
 
 
 def _env() -> dict[str, str]:
@@ -93,31 +89,31 @@ def readme_run(data) -> tuple[Path, dict, str]:
     return out, json.loads(lines[0]), proc.stderr
 
 
+# the job's runs on 2 ranks (tests/hf_train_dist_job.py): each with --out OUT in the job's folder
+RUNS = [
+    {"name": "frozen-cut", "out": "frozen", "interrupt_at": 3},
+    {"name": "frozen-resume", "out": "frozen", "extra": ["--resume"]},
+    {"name": "lora-whole", "out": "lora-whole", "extra": ["--mode", "lora"]},
+    {"name": "lora-cut", "out": "lora", "extra": ["--mode", "lora"], "interrupt_at": 3},
+    {"name": "lora-resume", "out": "lora", "extra": ["--mode", "lora", "--resume"]},
+    {"name": "replicated", "out": "replicated", "extra": ["--table-sync", "replicated"]},
+    {"name": "full", "out": "full", "extra": ["--mode", "full"]},
+    {"name": "left", "out": "left", "interrupt_at": 3},  # not resumed
+    {"name": "other-lr", "out": "other-lr", "rank_argv": {"1": ["--lr", "1e-3"]}},
+    {"name": "rank-1-fails", "out": "rank-1-fails", "fail_on_rank": 1},
+]  # fmt: skip
+L.register(__name__, 2, J.JOB_DIR, "hf_train_dist_job:job", args=list(ARGS), runs=RUNS)
+
+
 @pytest.fixture(scope="module")
-def job(data) -> Path:
-    """One launch of hf_train_dist_job.py: its runs' outcomes and OUT folders in the returned folder."""
-    folder, corpus, d = data
-    out = d / "job"
-    out.mkdir()
-    base = ["hf-train", str(folder), "--corpus", str(corpus), *ARGS, "--distributed"]
-    runs = [
-        {"name": "frozen-cut", "argv": [*base, "--out", str(out / "frozen")], "interrupt_at": 3},
-        {"name": "frozen-resume", "argv": [*base, "--out", str(out / "frozen"), "--resume"]},
-        {"name": "lora-whole", "argv": [*base, "--out", str(out / "lora-whole"), "--mode", "lora"]},
-        {"name": "lora-cut", "argv": [*base, "--out", str(out / "lora"), "--mode", "lora"], "interrupt_at": 3},
-        {"name": "lora-resume", "argv": [*base, "--out", str(out / "lora"), "--mode", "lora", "--resume"]},
-        {"name": "replicated", "argv": [*base, "--out", str(out / "replicated"), "--table-sync", "replicated"]},
-        {"name": "full", "argv": [*base, "--out", str(out / "full"), "--mode", "full"]},
-        {"name": "left", "argv": [*base, "--out", str(out / "left")], "interrupt_at": 3},  # not resumed
-        {"name": "other-lr", "argv": [*base, "--out", str(out / "other-lr")], "rank_argv": {"1": ["--lr", "1e-3"]}},
-        {"name": "rank-1-fails", "argv": [*base, "--out", str(out / "rank-1-fails")], "fail_on_rank": 1},
-    ]  # fmt: skip
-    _torchrun([str(JOB), str(out), json.dumps(runs)])
-    return out
+def job(dist_launch) -> Path:
+    """The job's folder in the launch: its inputs (tiny-llama, genesis.jsonl) and its runs' OUT folders."""
+    return dist_launch(2) / J.JOB_DIR
 
 
 def _outcome(job: Path, name: str) -> list[dict]:
-    return [json.loads((job / f"{name}-rank-{r}.json").read_text()) for r in range(2)]
+    """Each rank's outcome of run `name`."""
+    return [res[name] for res in L.results(job.parent, J.JOB_DIR)]
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
@@ -195,10 +191,10 @@ def test_replicated_tables_and_full_mode_equal_one_process(job, data, name, mode
     _assert_same_run(job / name, _one_process(data, f"one-{mode}", "--mode", mode), atol=atol)
 
 
-def test_resume_on_other_processes_refused(job, data, capsys):
+def test_resume_on_other_processes_refused(job, capsys):
     """A run interrupted on 2 ranks is refused on one process, naming the processes (its tables are in
     2 shard files), and left as it was."""
-    folder, corpus, _ = data
+    folder, corpus = job / "tiny-llama", job / "genesis.jsonl"  # the run's own (its settings name them)
     assert _outcome(job, "left")[0]["code"] == "interrupted"
     out = job / "left"
     capsys.readouterr()

@@ -9,14 +9,14 @@ grows by its shard and a chunk, not by the table, and the ranks agree on the tab
 bytes) without a digest; a table some rank holds in memory is digested chunk by chunk on every rank.
 `engram.distributed.save_engram` / `export_fp8`: each rank writes its own rows into the one part
 every reader reads; a rank failing mid-write publishes nothing.
-One spawned job (3 gloo ranks; the rows of 1 and 2 ranks are those of table_ranks 1 and 2 there)
-runs every multi-process check.
+One job of the suite's 3-rank launch (tests/dist_launch.py; the rows of 1 and 2 ranks are those of
+table_ranks 1 and 2 there) runs every multi-process check.
 """
 
 from __future__ import annotations
 
-import datetime
 import gc
+import itertools
 import re
 from pathlib import Path
 from unittest import mock
@@ -24,8 +24,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import dist_launch as L
 import hf_setup as S
 from engram.distributed.guard import chunks_digest, tensor_digest
 from engram.hf import add_engram
@@ -137,11 +137,10 @@ def test_digests_read_in_place_and_a_lazy_table_digests_as_drawn():
     assert grew < 8, f"the digest grew the peak RSS by {grew:.1f} MB"
     r = t.recipe
     assert r is not None
-    lazy = chunks_digest(
-        r.dtype,
-        (r.num_rows, r.dim),
-        (r.rows(a, min(a + 1000, r.num_rows)) for a in range(0, r.num_rows, 1000)),
-    )
+    # a small piece, then pieces across the recipe's chunks (a piece draws each chunk it touches
+    # whole: 1000-row pieces drew the table 66 times over, 30 s of a loaded machine)
+    edges = [0, 1000, *range(70_001, r.num_rows, 70_001), r.num_rows]
+    lazy = chunks_digest(r.dtype, (r.num_rows, r.dim), (r.rows(a, b) for a, b in itertools.pairwise(edges)))
     assert lazy == want
 
 
@@ -268,39 +267,41 @@ def _save_part(rank: int, out: str) -> dict:
     return res
 
 
-def _train_part(lm_cfg, seed: int) -> dict:
-    """engram train --distributed --table-init chunked's model (build_sharded_model), gathered."""
-    from engram.distributed import build_sharded_model, sharded_tables
+def _train_part(corpus: str) -> dict:
+    """engram train --distributed's model born sharded (--table-init chunked: build_sharded_model), gathered."""
+    from engram.apps.train import prepare_data
+    from engram.distributed import TableInit, build_distributed_model, sharded_tables
+    from training_setup import dist_cfg
 
-    model = build_sharded_model(lm_cfg, seed=seed)
+    cfg = dist_cfg(corpus)
+    model = build_distributed_model(cfg, prepare_data(cfg), init=TableInit.CHUNKED)
     tables = [t.full_weight(0) for t in sharded_tables(model)]
     dense = {k: v for k, v in model.state_dict().items() if not k.endswith("table.weight")}
     return {"tables": tables, "dense": dense}
 
 
-def _worker(rank: int, init_file: str, out: str, lm_cfg, seed: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        import time
+def _job(ctx) -> dict:
+    """Every multi-process check on this rank of the suite's 3-rank launch (tests/dist_launch.py)."""
+    import time
 
-        res, t0 = {}, time.perf_counter()
-        for name, part in (
-            ("born", lambda: _born_part(rank)),
-            ("agree", lambda: _agreement_part(rank)),
-            ("train", lambda: _train_part(lm_cfg, seed)),
-            ("save", lambda: _save_part(rank, out)),
-            ("memory", _memory_part),
-        ):
-            res[name] = part()
-            res.setdefault("seconds", {})[name] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-        torch.save(res, f"{out}/rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    assert dist.get_world_size() == WORLD
+    rank, out = dist.get_rank(), Path(ctx.root) / "born"
+    out.mkdir(exist_ok=True)
+    res, t0 = {}, time.perf_counter()
+    for name, part in (
+        ("born", lambda: _born_part(rank)),
+        ("agree", lambda: _agreement_part(rank)),
+        ("train", lambda: _train_part(ctx.corpus)),
+        ("save", lambda: _save_part(rank, str(out))),
+        ("memory", _memory_part),
+    ):
+        res[name] = part()
+        res.setdefault("seconds", {})[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+    return res
+
+
+L.register(__name__, WORLD, "born-sharded", "test_distributed_born:_job")
 
 
 @pytest.fixture(scope="module")
@@ -314,11 +315,8 @@ def train_setup(corpus):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, train_setup) -> list[dict]:
-    cfg, model = train_setup
-    d = tmp_path_factory.mktemp("born")
-    mp.spawn(_worker, args=(str(d / "init"), str(d), model.config, cfg.seed), nprocs=WORLD)
-    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
+def runs(dist_launch) -> list[dict]:
+    return L.results(dist_launch(WORLD), "born-sharded")
 
 
 def test_hf_tables_born_sharded_equal_one_process(runs):

@@ -2,19 +2,17 @@
 
 2 and 3 gloo ranks (3: uneven shards), every rank owning rows or the tables on some ranks only; each
 rank asks for its own rows each step: uneven counts, many repeats, rows another rank also asks for,
-and a rank with no rows at all. The worker saves each step's counters (`after - before`); the test
-recounts them with plain Python sets from the same batches.
+and a rank with no rows at all. The job (one of the suite's 2- and 3-rank launches, tests/dist_launch.py)
+returns each step's counters (`after - before`); the test recounts them with plain Python sets from the
+same batches.
 """
 
 from __future__ import annotations
 
-import datetime
-from pathlib import Path
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import dist_launch as L
 from engram.distributed.exchange_stats import ExchangeStats, Traffic, exchange_stats
 
 SIZES, DIM = (1000, 777), 8
@@ -53,63 +51,69 @@ def bounds(n: int, world: int, owners: tuple[int, ...] | None) -> list[tuple[int
     return out
 
 
-def worker(rank: int, world: int, init_file: str, out: str) -> None:
+def job(ctx: object) -> dict:
+    """Every case of this world size on this rank of a tests/dist_launch.py launch: each step's counters."""
     import torch.distributed as dist
 
     from engram.distributed import ShardedTable, prefetch_tables, release_tables, sync_table_grads
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    stats = exchange_stats()
-    stats.count_served_distinct = True
+    world, rank = dist.get_world_size(), dist.get_rank()
+    stats = exchange_stats()  # the process's counters: the launch's other jobs count into them too
+    was = (stats.enabled, stats.count_served_distinct)
+    stats.enabled, stats.count_served_distinct = True, True
     res: dict = {}
-    for owners in OWNERS[world]:
-        for dtype in (torch.float32, torch.bfloat16):
-            tables = [ShardedTable(n, DIM, owners=owners, dtype=dtype, seed=i) for i, n in enumerate(SIZES)]
-            steps = []
-            for step in range(STEPS):
-                rows = batch(world, rank, step)
-                before = stats.copy()
-                train = step != 2  # step 2: a lookup without backward (no gradient exchange)
-                with torch.set_grad_enabled(train):
-                    prefetch_tables(list(zip(tables, rows, strict=True)))
-                    loss = sum(
-                        (t.gather(r).float() * (1 + r[..., None])).sum()
-                        for t, r in zip(tables, rows, strict=True)
-                    )
-                if train:
-                    loss.backward()
-                    sync_table_grads(tables)
-                else:
-                    release_tables(tables)
-                steps.append((stats - before).to_dict())
-            res[(owners, str(dtype))] = steps
-    stats.count_served_distinct = False  # the one counter that costs a sort: off by default
-    before = stats.copy()
-    t = ShardedTable(SIZES[0], DIM)
-    prefetch_tables([(t, batch(world, rank, 0)[0])])
-    release_tables([t])
-    res["no_distinct"] = (stats - before).to_dict()
-    stats.enabled = False  # a disabled counter counts nothing
-    before = stats.copy()
-    t = ShardedTable(SIZES[0], DIM)
-    prefetch_tables([(t, batch(world, rank, 0)[0])])
-    t.gather(batch(world, rank, 0)[0]).sum().backward()
-    sync_table_grads([t])
-    res["disabled"] = (stats - before).to_dict()
-    torch.save(res, Path(out) / f"rank-{rank}.pt")
-    dist.destroy_process_group()
+    try:
+        for owners in OWNERS[world]:
+            for dtype in (torch.float32, torch.bfloat16):
+                tables = [
+                    ShardedTable(n, DIM, owners=owners, dtype=dtype, seed=i) for i, n in enumerate(SIZES)
+                ]
+                steps = []
+                for step in range(STEPS):
+                    rows = batch(world, rank, step)
+                    before = stats.copy()
+                    train = step != 2  # step 2: a lookup without backward (no gradient exchange)
+                    with torch.set_grad_enabled(train):
+                        prefetch_tables(list(zip(tables, rows, strict=True)))
+                        loss = sum(
+                            (t.gather(r).float() * (1 + r[..., None])).sum()
+                            for t, r in zip(tables, rows, strict=True)
+                        )
+                    if train:
+                        loss.backward()
+                        sync_table_grads(tables)
+                    else:
+                        release_tables(tables)
+                    steps.append((stats - before).to_dict())
+                res[(owners, str(dtype))] = steps
+        stats.count_served_distinct = False  # the one counter that costs a sort: off by default
+        before = stats.copy()
+        t = ShardedTable(SIZES[0], DIM)
+        prefetch_tables([(t, batch(world, rank, 0)[0])])
+        release_tables([t])
+        res["no_distinct"] = (stats - before).to_dict()
+        stats.enabled = False  # a disabled counter counts nothing
+        before = stats.copy()
+        t = ShardedTable(SIZES[0], DIM)
+        prefetch_tables([(t, batch(world, rank, 0)[0])])
+        t.gather(batch(world, rank, 0)[0]).sum().backward()
+        sync_table_grads([t])
+        res["disabled"] = (stats - before).to_dict()
+    finally:
+        stats.enabled, stats.count_served_distinct = was
+    return res
+
+
+WORLDS = (2, 3)
+for _world in WORLDS:
+    L.register(__name__, _world, f"exchange-stats-{_world}", "test_exchange_stats:job")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, list[dict]]:
-    out = {}
-    for world in (2, 3):
-        d = tmp_path_factory.mktemp(f"x{world}")
-        mp.spawn(worker, args=(world, str(d / "init"), str(d)), nprocs=world)
-        out[world] = [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(world)]
-    return out
+def runs(dist_launch) -> dict[int, list[dict]]:
+    """world -> every rank's result (the suite's 2-rank launch, then its 3-rank one)."""
+    root = dist_launch(WORLDS[-1])
+    return {w: L.results(root, f"exchange-stats-{w}") for w in WORLDS}
 
 
 def expected(world: int, rank: int, step: int, owners: tuple[int, ...] | None, row_b: int) -> dict:
