@@ -124,9 +124,14 @@ def run_suite(
     for name in names:
         _, args, quick_args = SUITE[name]
         t0 = time.perf_counter()
+        try:  # a --dir without the file is a FileNotFoundError here: an error, not a skip
+            bench = load_benchmark(name, folder)
+        except ImportError as e:  # a missing optional dependency (numba, transformers)
+            rows.append({"bench": name, "op": f"{name}: skipped ({e})", "skipped": True})
+            continue
         try:
-            result = load_benchmark(name, folder).run(**(quick_args if quick else args))
-        except (ImportError, RuntimeError, FileNotFoundError) as e:  # no CUDA for the gate, no numba, no GGUF
+            result = bench.run(**(quick_args if quick else args))
+        except (ImportError, RuntimeError, FileNotFoundError) as e:  # no CUDA for the gate, no GGUF file
             rows.append({"bench": name, "op": f"{name}: skipped ({e})", "skipped": True})
             continue
         for r in result:
