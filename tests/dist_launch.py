@@ -12,6 +12,8 @@ for that world's launch. In a launch every job runs in turn in one process group
 which leave timed-out collectives behind, last). Starting a rank costs more CPU than most jobs
 (python, torch, torch._dynamo, transformers), so the suite starts 6 ranks, not a world per job; and
 the ranks run while the single-process tests before theirs do, on the core those leave idle.
+`dist_launch.job(name)` waits for one job's results only (a test early in the suite, whose job runs
+first in its launch).
 Every launch has a time limit, and a job that raises records its traceback (`results` fails the
 test with it) while the others run on: a rank that hangs fails the tests instead of the suite.
 What each job took on each rank: ROOT/times-world-W-rank-R.json.
@@ -123,6 +125,17 @@ class Launcher:
             pytest.fail(self.failed[world])
         return self.root
 
+    def job(self, name: str) -> Path:
+        """Wait for job `name` only (every rank's result written), not for the rest of its launch: the
+        launch folder. A test early in the suite gets its job's results while the launch runs on."""
+        world = JOBS[name].world
+        files = [result_file(self.root, name, r) for r in range(world)]
+        while not all(f.exists() for f in files):
+            if self.ended[world].is_set() or not self.thread.is_alive():
+                return self(world)  # the launch ended (or never started) without them: why
+            self.ended[world].wait(0.5)
+        return self.root
+
     def stop(self) -> None:
         """At the session's end: any launch still running is stopped (a run stopped early): SIGTERM,
         which torchrun forwards to its ranks, then SIGKILL."""
@@ -215,7 +228,9 @@ def main(argv: list[str]) -> int:
                 res = getattr(importlib.import_module(module), function)(ctx, **kwargs)
             except Exception:
                 res = {FAILED: traceback.format_exc()}
-            torch.save(res, result_file(root, name, rank))
+            final = result_file(root, name, rank)
+            torch.save(res, final.with_suffix(".tmp"))
+            os.replace(final.with_suffix(".tmp"), final)  # whole when it appears: Launcher.job reads it then
             torch.set_num_threads(1)  # whatever the job set
             seconds = (time.perf_counter() - t0, time.process_time() - cpu0)
             times.append({"job": name, "wall_s": round(seconds[0], 2), "cpu_s": round(seconds[1], 2)})

@@ -108,7 +108,7 @@ L.register(__name__, 2, J.JOB_DIR, "hf_train_dist_job:job", args=list(ARGS), run
 @pytest.fixture(scope="module")
 def job(dist_launch) -> Path:
     """The job's folder in the launch: its inputs (tiny-llama, genesis.jsonl) and its runs' OUT folders."""
-    return dist_launch(2) / J.JOB_DIR
+    return dist_launch.job(J.JOB_DIR) / J.JOB_DIR  # the launch's first job: not the whole launch
 
 
 def _outcome(job: Path, name: str) -> list[dict]:
