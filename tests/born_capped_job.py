@@ -1,4 +1,4 @@
-"""One rank of tests/test_born_capped.py's job (spawned, 3 gloo ranks): benchmarks/bench_born_sharded.py's
+"""One rank of tests/test_born_capped.py's job (3 gloo ranks, tests/gloo_ranks.spawn): benchmarks/bench_born_sharded.py's
 run under a data-segment cap (RLIMIT_DATA) below the whole table + its optimizer state, kept through
 the resume (load_table_shards reads in place), then, under the same cap, what a rank holding the
 whole table would do (the replicated layout: the table drawn whole at add_engram, SparseRowAdam's
@@ -6,12 +6,9 @@ state over all its rows), which must fail."""
 
 from __future__ import annotations
 
-import datetime
 import gc
-import traceback
 
 import torch
-import torch.distributed as dist
 
 from engram.benchmarks import bench_born_sharded as B
 
@@ -34,17 +31,9 @@ def _whole_table_under_the_cap(rows: int) -> str | None:
         gc.collect()
 
 
-def worker(rank: int, world: int, folder: str, rows: int, cap: float, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
-    try:
-        res = B.rank_job(rank, world, folder, rows=rows, cap=cap, steps=2, batch=2, seq=32)
-        gc.collect()
-        res["whole_error"] = _whole_table_under_the_cap(rows)
-    except (MemoryError, RuntimeError) as e:
-        res = {"rank": rank, "error": "".join(traceback.format_exception(e))[-2000:]}
-    torch.save(res, f"{out}/rank-{rank}.pt")
-    dist.destroy_process_group()
+def job(rank: int, world: int, folder: str, rows: int, cap: float) -> dict:
+    """This rank's bench job (its files in `folder`), then the whole table under the same cap."""
+    res = B.rank_job(rank, world, folder, rows=rows, cap=cap, steps=2, batch=2, seq=32)
+    gc.collect()
+    res["whole_error"] = _whole_table_under_the_cap(rows)
+    return res

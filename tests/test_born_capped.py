@@ -18,7 +18,6 @@ import weakref
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engram.benchmarks import bench_born_sharded as B
 
@@ -33,10 +32,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RL
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     import born_capped_job
+    import gloo_ranks
 
     d = tmp_path_factory.mktemp("born-capped")
-    mp.spawn(born_capped_job.worker, args=(WORLD, str(d), ROWS, CAP, str(d)), nprocs=WORLD)
-    return [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)] + [{"folder": str(d)}]
+    return [*gloo_ranks.spawn(born_capped_job.job, WORLD, d, WORLD, str(d), ROWS, CAP), {"folder": str(d)}]
 
 
 def test_capped_ranks_train_checkpoint_resume_and_save(runs):

@@ -252,11 +252,12 @@ def _capped_prepare(extra: int) -> str | None:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
-def job() -> dict:
+def job(rank: int) -> dict:
     """Each of 2 ranks: rank 1 capped just below its shard, then just above its shard and the chunk it
-    is drawn in beside it (+48 MiB of slack for what the process allocates besides)."""
+    is drawn in beside it (+48 MiB of slack for what the process allocates besides). Spawned ranks of
+    their own (tests/gloo_ranks), not the suite's shared launches: a rank under a real cap that failed an
+    allocation would leave a launch's later jobs out of step."""
     n = _hf_model().engram.module(1).table.recipe.num_rows
-    rank = dist.get_rank()
     rows = n * (rank + 1) // 2 - n * rank // 2
     shard = rows * 128  # this rank's rows (~24 MiB); a chunk is 8 MiB
     return {
@@ -266,32 +267,12 @@ def job() -> dict:
     }
 
 
-def _rank(rank: int, world: int, folder: str) -> None:
-    """A spawned rank of its own (not the suite's shared launches: a rank under a real cap that failed
-    an allocation would leave the launch's later jobs out of step)."""
-    import datetime
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
-    try:
-        res = job()
-    except Exception:
-        res = {"error": traceback.format_exc()}
-    torch.save(res, f"{folder}/rank-{rank}.pt")
-    dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA, /proc (Linux)")
 def test_two_ranks_under_a_real_cap(tmp_path):
     pytest.importorskip("transformers")
-    import torch.multiprocessing as mp
+    import gloo_ranks
 
-    mp.spawn(_rank, args=(2, str(tmp_path)), nprocs=2)
-    runs = [torch.load(tmp_path / f"rank-{r}.pt", weights_only=False) for r in range(2)]
-    assert all("error" not in r for r in runs), [r.get("error") for r in runs]
+    runs = gloo_ranks.spawn(job, 2, tmp_path)
     below = [r["below"] for r in runs]
     assert below[0] == below[1], below  # the same error on the capped rank and the other one
     assert below[0].startswith("ShardMemoryError: rank 1 of 2 cannot hold its shard"), below[0]

@@ -9,7 +9,6 @@ table. A rank failing while it writes its rows of a row file publishes nothing.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import shutil
 from pathlib import Path
@@ -18,8 +17,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import gloo_ranks
 import hf_setup as S
 from engram.storage import rowfile
 from engram.storage.quant import quantize_rows
@@ -110,17 +109,8 @@ def _write(rank: int, owners: int, folder: str) -> dict:
     return res
 
 
-def _worker(rank: int, init_file: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        res = {owners: _write(rank, owners, f"{out}/model{owners}") for owners in OWNERS}
-        torch.save(res, f"{out}/rank-{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _job(rank: int, out: str) -> dict:
+    return {owners: _write(rank, owners, f"{out}/model{owners}") for owners in OWNERS}
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +120,7 @@ def runs(tmp_path_factory) -> dict[int, tuple[Path, list[dict]]]:
     for owners in OWNERS:  # HF folders: the part goes to folder/engram
         S.llama(seed=3).save_pretrained(d / f"model{owners}")
         S.tokenizer().save(str(d / f"model{owners}" / "tokenizer.json"))
-    mp.spawn(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD)
-    got = [torch.load(d / f"rank-{r}.pt", weights_only=False) for r in range(WORLD)]
+    got = gloo_ranks.spawn(_job, WORLD, d, str(d), timeout_s=60)
     return {owners: (d / f"model{owners}", [g[owners] for g in got]) for owners in OWNERS}
 
 

@@ -1,0 +1,46 @@
+"""Gloo ranks of their own, for multi-process tests that must not run in the suite's shared launches
+(tests/dist_launch.py): a rank under a real memory cap, or one whose failure would leave a shared
+launch's later jobs out of step. `spawn(job, world, folder, *args)` starts `world` processes (one torch
+thread each, a gloo group over a file store in `folder`), runs `job(rank, *args)` on each and returns
+the ranks' results; a rank that raised fails the test with its traceback."""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FAILED = "gloo_ranks_failed"  # a rank's result when its job raised: the traceback
+
+
+def spawn(
+    job: Callable[..., Any], world: int, folder: str | Path, *args: Any, timeout_s: float = 120
+) -> list[Any]:
+    """Every rank's `job(rank, *args)` (a module-level function: the ranks import it by name)."""
+    mp.spawn(_rank, args=(job, world, str(folder), args, timeout_s), nprocs=world)
+    out = [torch.load(Path(folder) / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+    for rank, res in enumerate(out):
+        if isinstance(res, dict) and FAILED in res:
+            pytest.fail(f"rank {rank} of {world} raised:\n{res[FAILED]}")
+    return out
+
+
+def _rank(rank: int, job: Callable[..., Any], world: int, folder: str, args: tuple, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    try:
+        res = job(rank, *args)
+    except Exception:
+        res = {FAILED: traceback.format_exc()}
+    torch.save(res, f"{folder}/rank-{rank}.pt")
+    dist.destroy_process_group()
