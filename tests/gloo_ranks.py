@@ -2,11 +2,13 @@
 (tests/dist_launch.py): a rank under a real memory cap, or one whose failure would leave a shared
 launch's later jobs out of step. `spawn(job, world, folder, *args)` starts `world` processes (one torch
 thread each, a gloo group over a file store in `folder`), runs `job(rank, *args)` on each and returns
-the ranks' results; a rank that raised fails the test with its traceback."""
+the ranks' results; a rank that raised fails the test with its traceback. Also a free port on
+127.0.0.1 and torchrun's environment for a 1-rank group in the test's own process."""
 
 from __future__ import annotations
 
 import datetime
+import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -44,3 +46,17 @@ def _rank(rank: int, job: Callable[..., Any], world: int, folder: str, args: tup
         res = {FAILED: traceback.format_exc()}
     torch.save(res, f"{folder}/rank-{rank}.pt")
     dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_rank_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's environment for a 1-rank group in this process (a free port)."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import gloo_ranks
 from dist_worker import CHUNKED_ROWS
 from engram.apps.train import TrainConfig, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shard_format import SHARDS_FOLDER, shard_file
@@ -113,25 +114,13 @@ def test_distributed_flag_needs_torchrun(monkeypatch, capsys, tmp_path):
 # ------------------------------------------------------------------------------------ tables
 
 
-def _one_rank_env(monkeypatch) -> None:
-    """torchrun's environment for a 1-rank group in this process (a free port)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
-
-
 def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
     """`--sharded-checkpoints` reaches the DistributedTrainer (default off); without --distributed it
     is refused with the fix."""
     import engram.distributed
     from engram.cli import main
 
-    _one_rank_env(monkeypatch)
+    gloo_ranks.one_rank_env(monkeypatch)
     seen = []
 
     def trainer(*args, **kw):
@@ -161,7 +150,7 @@ def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
     import engram.distributed
     from engram.cli import main
 
-    _one_rank_env(monkeypatch)
+    gloo_ranks.one_rank_env(monkeypatch)
     seen = []
 
     def build(*args, **kw):
@@ -198,7 +187,7 @@ def test_one_rank_trains_the_one_process_run_and_resumes_across_table_inits(cfg,
     conf.write_text(json.dumps(cfg.replace(steps=4, eval_every=0, checkpoint_every=2).to_dict()))
     base = ["train", "--config", str(conf), "--no-progress", "--json"]
     assert main([*base, "--out", str(tmp_path / "one")]) == 0
-    _one_rank_env(monkeypatch)
+    gloo_ranks.one_rank_env(monkeypatch)
     inits = []
     build = engram.distributed.build_distributed_model
     monkeypatch.setattr(
@@ -267,7 +256,7 @@ def test_collective_timeout_reaches_process_group(monkeypatch):
 
     from engram.distributed import DEFAULT_COLLECTIVE_TIMEOUT, init_distributed
 
-    _one_rank_env(monkeypatch)
+    gloo_ranks.one_rank_env(monkeypatch)
     seen = []
 
     def init(backend, **kw):
@@ -289,13 +278,9 @@ def test_ranks_launched_differently_end_quickly(cfg, data, tmp_path):
     (torchrun's environment set by hand, one command line each): both end within seconds with exit
     status 2 and an error naming the rank and every setting that differs, instead of hanging in a
     collective."""
-    import socket
-
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.replace(eval_every=0).to_dict()))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = gloo_ranks.free_port()
     base = [sys.executable, "-m", "engram", "train", "--config", str(conf), "--distributed"]
     base += ["--out", str(tmp_path / "run"), "--no-progress", "--collective-timeout", "60"]
     extra = (["--until", "2"], ["--until", "4", "--table-init", "copy"])  # rank 0: the default, chunked

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import engram.distributed.memory_budget as M
+import gloo_ranks
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
 from engram.model.table_init import INIT_CHUNK_ROWS
 
@@ -197,12 +198,7 @@ def test_engram_train_distributed_says_it_in_one_line(corpus, monkeypatch, capsy
     from engram.cli import main
     from training_setup import tiny_cfg
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
+    gloo_ranks.one_rank_env(monkeypatch)
     _patch_limits(monkeypatch, 2_200_000)  # 2,056 rows x 8: 64 KiB, 80 KiB of state and a 2 MiB chunk
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(tiny_cfg(corpus).to_dict()))
@@ -270,8 +266,6 @@ def job(rank: int) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA, /proc (Linux)")
 def test_two_ranks_under_a_real_cap(tmp_path):
     pytest.importorskip("transformers")
-    import gloo_ranks
-
     runs = gloo_ranks.spawn(job, 2, tmp_path)
     below = [r["below"] for r in runs]
     assert below[0] == below[1], below  # the same error on the capped rank and the other one

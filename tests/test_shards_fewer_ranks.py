@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import dist_launch as L
+import gloo_ranks
 
 MISSING = r"rows \[(\d+), (\d+)\) of table '{table}' are in no shard file .*a rank's file is missing"
 
@@ -122,12 +122,6 @@ def test_hf_checkpoint_missing_a_ranks_file_is_refused_on_every_rank(dist_launch
         print(f"{world}: {err}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_cli_resume_missing_a_ranks_file_says_one_line(dist_launch):
     """`engram train --distributed --resume` on 3 processes, over the 3-rank checkpoint whose rank-1
     shard file was removed: every process ends with exit status 2 and one line naming the missing
@@ -141,7 +135,7 @@ def test_cli_resume_missing_a_ranks_file_says_one_line(dist_launch):
     cmd = [sys.executable, "-m", "engram", "train", "--config", str(root / "fewer-ranks-train.json")]
     cmd += ["--distributed", "--out", str(out), "--resume", "--sharded-checkpoints", "--no-progress"]
     cmd += ["--collective-timeout", "60"]
-    port = _free_port()
+    port = gloo_ranks.free_port()
     procs = []
     for rank in range(3):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3")
