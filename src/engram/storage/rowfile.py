@@ -160,6 +160,20 @@ class RowFileHeader:
         return h
 
 
+def _packed(h: RowFileHeader, values: np.ndarray, scales: np.ndarray, k: int = 0) -> np.ndarray:
+    """The groups (groups, group_bytes) uint8 that rows values (n, dim) / scales (n, dim // 32), as bytes,
+    fill from slot `k` of their first group on: each row in its slot, every other slot and the padding
+    zero (what the file holds there)."""
+    per, n = h.rows_per_group, values.shape[0]
+    groups = -(-(k + n) // per)
+    slots = np.zeros((groups * per, h.row_stride), dtype=np.uint8)
+    slots[k : k + n, : h.dim] = values
+    slots[k : k + n, h.dim : h.row_bytes] = scales
+    buf = np.zeros((groups, h.group_bytes), dtype=np.uint8)
+    buf[:, : per * h.row_stride] = slots.reshape(groups, per * h.row_stride)
+    return buf
+
+
 def write_row_file(
     path: str | os.PathLike[str],
     values: torch.Tensor,
@@ -195,13 +209,7 @@ def write_row_file(
         f.write(h.pack())
         for r0 in range(0, h.rows, step):
             r1 = min(r0 + step, h.rows)
-            groups = -(-(r1 - r0) // per)
-            buf = np.zeros((groups, h.group_bytes), dtype=np.uint8)  # padding stays zero
-            slots = np.zeros((groups * per, h.row_stride), dtype=np.uint8)
-            slots[: r1 - r0, : h.dim] = v[r0:r1]
-            slots[: r1 - r0, h.dim : h.row_bytes] = s[r0:r1]
-            buf[:, : per * h.row_stride] = slots.reshape(groups, per * h.row_stride)
-            f.write(buf.tobytes())
+            f.write(_packed(h, v[r0:r1], s[r0:r1]).tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -245,15 +253,10 @@ def write_row_range(
     try:
         for a in range(first_row, first_row + n, _WRITE_CHUNK_ROWS):
             b = min(a + _WRITE_CHUNK_ROWS, first_row + n)
-            g0, g1 = a // per, (b - 1) // per + 1  # the groups rows [a, b) touch
-            slots = np.zeros(((g1 - g0) * per, h.row_stride), dtype=np.uint8)
-            k = a - g0 * per  # slot of row a in its group
-            slots[k : k + b - a, : h.dim] = v[a - first_row : b - first_row]
-            slots[k : k + b - a, h.dim : h.row_bytes] = s[a - first_row : b - first_row]
-            buf = np.zeros((g1 - g0, h.group_bytes), dtype=np.uint8)  # (padding: zero)
-            buf[:, : per * h.row_stride] = slots.reshape(g1 - g0, per * h.row_stride)
+            g0, k = divmod(a, per)  # row a's group and its slot there
+            buf = _packed(h, v[a - first_row : b - first_row], s[a - first_row : b - first_row], k)
             start = k * h.row_stride  # from row a's slot to the end of row b - 1's
-            end = (g1 - g0 - 1) * h.group_bytes + ((b - 1) % per + 1) * h.row_stride
+            end = (buf.shape[0] - 1) * h.group_bytes + ((b - 1) % per + 1) * h.row_stride
             data = memoryview(buf.reshape(-1)[start:end])
             offset = h.page_bytes + g0 * h.group_bytes + start
             done = 0
