@@ -304,10 +304,8 @@ class RowShards:
         files holding them (`check_rows` first), each read by position (os.preadv) straight into it: no
         mapping of a file, no intermediate copy."""
         entry = self._entry(name, key, lo, hi, None)
-        self.check_rows(name, key, lo, hi, scan)
         out = torch.empty((hi - lo, *entry.shape[1:]), dtype=entry.torch_dtype)  # (hi - lo, ...)
-        for _, f, t, s, e in self._overlaps(name, lo, hi):
-            f.read_rows_into(key, s - t.lo, e - t.lo, out[s - lo : e - lo])
+        self.read_into(name, key, lo, hi, out, scan)  # the files' dtype, on the host: read straight in
         return out
 
     def read_into(self, name: str, key: str, lo: int, hi: int, out: torch.Tensor, scan: bool = False) -> None:
