@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import gloo_ranks
 from dist_worker import CHUNKED_ROWS
-from engram.apps.train import TrainConfig, evaluate, load_trained_model, prepare_data
+from engram.apps.lm.train import TrainConfig, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shard_format import SHARDS_FOLDER, shard_file
 from engram.distributed import chunked_normal, shard_bounds, table_owners
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
@@ -117,7 +117,7 @@ def test_distributed_flag_needs_torchrun(monkeypatch, capsys, tmp_path):
 def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
     """`--sharded-checkpoints` reaches the DistributedTrainer (default off); without --distributed it
     is refused with the fix."""
-    import engram.distributed
+    from engram.apps.lm import train_distributed
     from engram.cli import main
 
     gloo_ranks.one_rank_env(monkeypatch)
@@ -127,8 +127,8 @@ def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
         seen.append(kw.get("sharded_checkpoints"))
         raise ValueError("stopped before training")
 
-    monkeypatch.setattr(engram.distributed, "build_distributed_model", lambda *a, **kw: None)
-    monkeypatch.setattr(engram.distributed, "DistributedTrainer", trainer)
+    monkeypatch.setattr(train_distributed, "build_distributed_model", lambda *a, **kw: None)
+    monkeypatch.setattr(train_distributed, "DistributedTrainer", trainer)
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
     base = ["train", "--config", str(conf), "--out", str(tmp_path / "run")]
@@ -147,7 +147,7 @@ def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
 def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
     """`--table-ranks N` under --distributed (a 1-rank group in this process): N out of range is a
     ValueError naming N, the world size and the fix; N = 1 reaches the model as owners (0,)."""
-    import engram.distributed
+    from engram.apps.lm import train_distributed
     from engram.cli import main
 
     gloo_ranks.one_rank_env(monkeypatch)
@@ -157,7 +157,7 @@ def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
         seen.append(kw.get("owners"))
         raise ValueError("stopped before training")
 
-    monkeypatch.setattr(engram.distributed, "build_distributed_model", build)
+    monkeypatch.setattr(train_distributed, "build_distributed_model", build)
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
     base = ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run")]
@@ -180,7 +180,7 @@ def test_one_rank_trains_the_one_process_run_and_resumes_across_table_inits(cfg,
     born sharded) writes the checkpoints of one-process `engram train`, bit for bit; a run started
     with the old default (`--table-init copy`) resumes under the new one (checkpoints do not record
     the init: both build the same model) and ends at the same checkpoint, and the other way round."""
-    import engram.distributed
+    from engram.apps.lm import train_distributed
     from engram.cli import main
 
     conf = tmp_path / "train.json"
@@ -189,9 +189,9 @@ def test_one_rank_trains_the_one_process_run_and_resumes_across_table_inits(cfg,
     assert main([*base, "--out", str(tmp_path / "one")]) == 0
     gloo_ranks.one_rank_env(monkeypatch)
     inits = []
-    build = engram.distributed.build_distributed_model
+    build = train_distributed.build_distributed_model
     monkeypatch.setattr(
-        engram.distributed,
+        train_distributed,
         "build_distributed_model",
         lambda *a, **kw: inits.append(kw["init"]) or build(*a, **kw),
     )

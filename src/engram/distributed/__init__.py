@@ -1,4 +1,6 @@
-"""Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU).
+"""Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU): the library a user's
+own training script imports. It knows no program of ours (the small LM's multi-process trainer is
+`engram.apps.lm.train_distributed`).
 
 The only package that imports torch.distributed: the model code (`engram.model.module`,
 `engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
@@ -7,11 +9,9 @@ per file: `sharded_table` (the row-sharded table and the step's row exchange), `
 into an error naming the rank and the step), `wrappers` (whether DDP / FSDP holds a model already,
 or took a parameter over), `memory_budget` (whether a rank's shard of the tables fits its memory
 limits, said on every rank before any row is allocated), `launch` (one rank from torchrun's
-environment), `train` (the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
-HF models under DDP, accelerate and the Trainer), `hf_checkpoint` (their sharded tables' checkpoints
-and Engram part), `hf_part` (that part written by every rank, its own rows, without a gather), `hf_fsdp` (the HF backbone under FSDP2,
-the tables kept out), `hf_trainer` (`EngramShardsCallback` for the Trainer's checkpoints; imports
-transformers, so it loads on first use).
+environment), `sinkhorn` (the Sinkhorn-balanced table update on shards), `shard_checkpoint` (the
+ranks' agreement on shard files), `exchange_stats` (the exchange's counters), and the room `hf/`
+(Engram on HF models under DDP, accelerate, FSDP2 and the Trainer: `engram.distributed.hf`).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """
@@ -28,27 +28,28 @@ from engram.distributed.guard import (
     named_failures,
     tensor_digest,
 )
-from engram.distributed.hf import (
-    SHARDED_STATE_KEY,
-    ReplicatedTableSync,
-    ShardedTableSync,
-    TableSync,
-    prepare_data_parallel,
-)
-from engram.distributed.hf_checkpoint import (
+from engram.distributed.hf.checkpoint import (
     SHARDS_FOLDER,
     export_fp8,
     load_table_shards,
     save_engram,
     save_table_shards,
 )
-from engram.distributed.hf_fsdp import fully_shard_backbone
+from engram.distributed.hf.data_parallel import (
+    SHARDED_STATE_KEY,
+    ReplicatedTableSync,
+    ShardedTableSync,
+    TableSync,
+    prepare_data_parallel,
+)
+from engram.distributed.hf.fsdp import fully_shard_backbone
 from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
 from engram.distributed.memory_budget import ShardMemoryError
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
     build_sharded_model,
+    global_num_params,
     prefetch_model_rows,
     shard_engram_tables,
     sharded_tables,
@@ -67,7 +68,6 @@ from engram.distributed.sharded_table import (
     sync_table_grads,
 )
 from engram.distributed.sinkhorn import ShardedSinkhorn
-from engram.distributed.train import DistributedTrainer, build_distributed_model, global_num_params
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
@@ -77,7 +77,6 @@ __all__ = [
     "TORCHRUN_VARS",
     "Backend",
     "DistEnv",
-    "DistributedTrainer",
     "EngramShardsCallback",
     "RankError",
     "ReplicatedTableSync",
@@ -90,7 +89,6 @@ __all__ = [
     "all_reduce_grads",
     "all_values",
     "bounded_group",
-    "build_distributed_model",
     "build_sharded_model",
     "check_owners",
     "chunked_normal",
@@ -121,9 +119,18 @@ __all__ = [
 ]
 
 
+MOVED_TO_APPS = ("DistributedTrainer", "build_distributed_model")
+
+
 def __getattr__(name: str):  # EngramShardsCallback imports transformers: loaded on first use
     if name == "EngramShardsCallback":
-        from engram.distributed.hf_trainer import EngramShardsCallback
+        from engram.distributed.hf.trainer import EngramShardsCallback
 
         return EngramShardsCallback
+    if name in MOVED_TO_APPS:  # the small LM's trainer is a program: it moved up with the others
+        raise AttributeError(
+            f"engram.distributed.{name} moved to engram.apps.lm.train_distributed (the small LM's "
+            f"multi-process trainer is a program, not part of the library): "
+            f"from engram.apps.lm.train_distributed import {name}"
+        )
     raise AttributeError(f"module 'engram.distributed' has no attribute {name!r}")

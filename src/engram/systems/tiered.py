@@ -6,6 +6,9 @@ from: each distinct row is fetched once, hits come from the `RowCache`, misses f
 tier through staging, and `prefetch` does that ahead on a background thread. Inference only (no
 parameters, no autograd). Design, the gather's steps and the decisions (prefetch matching,
 `.to`, deepcopy, locking): docs/systems.md.
+
+One concept past 500 lines: the tiered table's gather, prefetch and their locking must be read
+together; the cache, staging and policies are their own files.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.kernels import cpu_cache
-from engram.model.table import EngramTable, FP8Table, MmapFP8Table
+from engram.model.table import EngramTable, FP8Table
+from engram.rowformat.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
 from engram.storage import lookup
-from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
 from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import CachePlan, RowCache
