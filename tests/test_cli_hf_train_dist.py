@@ -70,10 +70,13 @@ def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def _one_process(data, name: str, *extra: str) -> Path:
+    """One process's run, on the CPU as the gloo ranks are (the Trainer's own choice is a GPU when the
+    machine has one)."""
     folder, corpus, d = data
     out = d / name
     if not out.exists():
-        assert main(["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *ARGS, *extra]) == 0
+        args = ["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *ARGS, "--device", "cpu"]
+        assert main([*args, *extra]) == 0
     return out
 
 

@@ -31,6 +31,7 @@ WKV = "engram.layers.1.wkv.weight"
 def _job(ctx, mode: str, table_optimizer: str, extra: bool) -> dict:
     """One run on both ranks of the suite's 2-rank launch (tests/dist_launch.py): 3 FSDP2 steps, then
     (`extra`) the refusals that need a process group."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -75,10 +76,13 @@ def _job(ctx, mode: str, table_optimizer: str, extra: bool) -> dict:
             fully_shard_backbone(other, mode="replicated")
         except ValueError as e:
             res["other_mode"] = str(e)
-        bare = D._model()  # sharded by hand, tables ignored, but no table mode
+        # sharded by hand, tables ignored, but no table mode; on a CPU mesh, where the model is (torch's
+        # default mesh is the accelerator's: on a GPU machine it would move the backbone there)
+        cpu = init_device_mesh("cpu", (WORLD,))
+        bare = D._model()
         for layer in bare.model.layers:
-            fully_shard(layer)
-        fully_shard(bare, ignored_params=set(bare.engram.tables()))
+            fully_shard(layer, mesh=cpu)
+        fully_shard(bare, mesh=cpu, ignored_params=set(bare.engram.tables()))
         opt = build_optimizer(bare, lr=1e-2, table_lr=5e-2)
         batch = D._batches(bare)[0]
         D._step_loss(bare, {k: v[rank * local : (rank + 1) * local] for k, v in batch.items()}).backward()

@@ -197,9 +197,10 @@ def test_bad_row_found_by_any_thread() -> None:
 # ----------------------------------------------------------------------------------------- gather_rows
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("backend", ["numba", "torch"])
-@pytest.mark.parametrize(("threads", "dim"), [(1, 48), (2, 48), (2, 256)])
+@pytest.mark.parametrize(("threads", "dim"), [(1, 48), (2, 48), (2, 256), (16, 256)])
 def test_gather_rows(wdt: torch.dtype, backend: str, threads: int, dim: int) -> None:
-    """dim 256: an output of 4.5 MiB or more with whole cache-line rows, written with streaming stores."""
+    """dim 256: an output of 4.5 MiB or more with whole cache-line rows, written with streaming stores;
+    16 threads: the chunks of a 16-core machine (the GPU machine's default), on any machine."""
     g = torch.Generator().manual_seed(14)
     weight = torch.randn(500, dim, generator=g).to(wdt)
     rows = torch.randint(0, 500, (3, 3000), generator=g)

@@ -83,6 +83,11 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
     if args.collective_timeout is not None and not args.distributed:
         raise ValueError("--collective-timeout applies across processes: add --distributed (under torchrun)")
+    if args.device == "cuda" and not args.distributed:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA device here: give --device cpu")
     import transformers.utils.logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -114,6 +119,7 @@ def _train(s: Any, args: argparse.Namespace, *, distributed: bool) -> dict[str, 
         progress=not args.no_progress,
         distributed=distributed,
         timeout=args.collective_timeout,
+        device=args.device,
     )
 
 
@@ -136,7 +142,8 @@ def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str,
                 f"--distributed needs torchrun's environment, but {', '.join(missing)} "
                 f"{'is' if len(missing) == 1 else 'are'} not set: launch with `{LAUNCH}`"
             )
-        init_distributed(threads=args.threads, timeout=args.collective_timeout)
+        # the ranks' tensors on the CPU (gloo) unless --device cuda (NCCL, a GPU per rank, else refused)
+        init_distributed(device=args.device or "cpu", threads=args.threads, timeout=args.collective_timeout)
     try:
         r = _train(s, args, distributed=True)
         return 0, (r if dist.get_rank() == 0 else None)
@@ -236,7 +243,15 @@ def register(sub: Any) -> None:
         "--distributed",
         action="store_true",
         help="one rank of a data-parallel run, --batch-size split over the ranks; launch with "
-        "`torchrun --nproc_per_node N -m engram hf-train ... --distributed` (gloo on CPU, NCCL on GPU)",
+        "`torchrun --nproc_per_node N -m engram hf-train ... --distributed` (gloo on the CPU; NCCL with "
+        "--device cuda)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where the model trains: in one process, default the HF Trainer's choice (a GPU when there is "
+        "one); with --distributed, default cpu (gloo), and cuda is NCCL with a GPU per rank (at most as "
+        "many ranks per node as GPUs)",
     )
     p.add_argument(
         "--table-sync",

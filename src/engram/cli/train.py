@@ -194,7 +194,8 @@ _RANK_SETTINGS = ("until", "table_ranks", "sharded_checkpoints", "resume", "coll
 
 
 def _cmd_train_distributed(args: argparse.Namespace) -> int:
-    """`engram train --distributed` on one rank of a torchrun launch: gloo on CPU, NCCL on GPU."""
+    """`engram train --distributed` on one rank of a torchrun launch: the model on the CPU, as in one
+    process, so gloo (`init_distributed`'s default), also on a machine with GPUs."""
     import torch.distributed as dist
 
     from engram.apps.lm.train import prepare_data
@@ -332,7 +333,7 @@ def add_training_commands(sub: Any) -> None:
         "--distributed",
         action="store_true",
         help="one rank of a data-parallel run with row-sharded Engram tables; launch with "
-        "`torchrun --nproc_per_node N -m engram train --distributed ...` (gloo on CPU, NCCL on GPU)",
+        "`torchrun --nproc_per_node N -m engram train --distributed ...` (gloo: the ranks train on the CPU)",
     )
     p.add_argument(
         "--table-init",

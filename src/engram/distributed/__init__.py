@@ -43,7 +43,7 @@ from engram.distributed.hf.data_parallel import (
     prepare_data_parallel,
 )
 from engram.distributed.hf.fsdp import fully_shard_backbone
-from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
+from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed, rank_backend
 from engram.distributed.memory_budget import ShardMemoryError
 from engram.distributed.parallelize import (
     TableInit,
@@ -106,6 +106,7 @@ __all__ = [
     "prefetch_model_rows",
     "prefetch_tables",
     "prepare_data_parallel",
+    "rank_backend",
     "release_tables",
     "save_engram",
     "save_table_shards",

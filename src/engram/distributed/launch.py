@@ -1,6 +1,7 @@
-"""Starting one rank of a distributed run from torchrun's environment: the backend (NCCL on CUDA, gloo
-on the CPU), the default process group with the collective timeout, the node's cores split over its
-ranks. Knows nothing of models. Design: docs/distributed.md.
+"""Starting one rank of a distributed run from torchrun's environment: where the rank's tensors live
+and the backend that carries them (`rank_backend`, the one rule: gloo on the CPU, NCCL on a GPU of
+the rank's own), the default process group with the collective timeout, the node's cores split over
+its ranks. Knows nothing of models. Design: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from engram.distributed.guard import DEFAULT_COLLECTIVE_TIMEOUT
 
-__all__ = ["TORCHRUN_VARS", "Backend", "DistEnv", "init_distributed"]
+__all__ = ["TORCHRUN_VARS", "Backend", "DistEnv", "init_distributed", "rank_backend"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -42,16 +43,62 @@ class DistEnv:
         return self.rank == 0
 
 
+def rank_backend(
+    device: torch.device | str, local_rank: int, local_world: int
+) -> tuple[Backend, torch.device]:
+    """(backend, device) of local rank `local_rank` of `local_world` ranks on this node whose job runs
+    on `device` ('cpu' or 'cuda'): the backend follows where the tensors live, not what the machine has.
+
+    'cpu': gloo, whatever GPUs there are (a job of CPU tensors on a GPU machine stays on gloo).
+    'cuda': NCCL on cuda:LOCAL_RANK, only when every local rank has a GPU of its own (local_world <=
+    torch.cuda.device_count()): NCCL cannot put two ranks on one GPU, it fails or hangs there, so
+    that is refused here with the numbers and the fix, before any process group exists.
+    """
+    if not isinstance(device, torch.device | str):
+        raise TypeError(f"device must be 'cpu', 'cuda' or a torch.device, got {type(device).__name__}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} with {local_world} local ranks: want 0 <= LOCAL_RANK < that"
+        )
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device: give 'cpu' (gloo) or 'cuda' (NCCL)") from None
+    if dev.type == "cpu":
+        return Backend.GLOO, torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r}: ranks run on 'cpu' (gloo) or 'cuda' (NCCL)")
+    if dev.index is not None:
+        raise ValueError(
+            f"device {device!r}: each rank takes the GPU of its LOCAL_RANK (cuda:LOCAL_RANK); give 'cuda'"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(
+            f"device {device!r} but torch sees no CUDA device here: run the ranks on the CPU (device 'cpu', gloo)"
+        )
+    if local_world > count:
+        raise ValueError(
+            f"device {device!r} with {local_world} ranks on this node but {count} GPU(s): NCCL needs a GPU "
+            f"per rank (two ranks on one GPU fail or hang); start at most {count} rank(s) per node "
+            f"(torchrun --nproc_per_node {count}), or run the ranks on the CPU (device 'cpu', gloo)"
+        )
+    return Backend.NCCL, torch.device("cuda", local_rank)
+
+
 def init_distributed(
     backend: Backend | str | None = None,
     *,
+    device: torch.device | str | None = None,
     threads: int | None = None,
     timeout: float | None = None,
 ) -> DistEnv:
     """Start the default process group from torchrun's environment variables.
 
-    backend: default NCCL when CUDA is available (device cuda:LOCAL_RANK, or cuda:0 when each rank
-    sees one device), else GLOO (CPU).
+    device: where this job's tensors live, 'cpu' (gloo) or 'cuda' (NCCL, cuda:LOCAL_RANK, one GPU per
+    local rank): `rank_backend`'s rule. Default: the backend's device if `backend` is given, else the
+    CPU, also on a machine with GPUs.
+    backend: the backend that device asks for (default); another is refused with the fix.
     threads: torch threads of this rank (default: the cores split evenly over the node's ranks).
     timeout: seconds a collective waits for the other ranks before it fails (gloo raises; NCCL's
     watchdog ends the process), so a rank that died or diverged ends the job instead of hanging it
@@ -71,30 +118,29 @@ def init_distributed(
             f"{'is' if len(missing) == 1 else 'are'} not set: launch with "
             "`torchrun --nproc_per_node N -m engram train --distributed ...`"
         )
+    if backend is not None:
+        try:
+            backend = Backend(backend)
+        except ValueError:
+            raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)") from None
+    if device is None:
+        device = "cuda" if backend is Backend.NCCL else "cpu"
     local_rank = int(os.environ["LOCAL_RANK"])
-    if backend is None:
-        backend = Backend.NCCL if torch.cuda.is_available() else Backend.GLOO
-    try:
-        backend = Backend(backend)
-    except ValueError:
-        raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU)") from None
-    if backend is Backend.NCCL:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (count > 1 and local_rank >= count):
-            raise ValueError(
-                f"backend nccl needs a CUDA device for LOCAL_RANK={local_rank}, found {count}: start at "
-                "most that many ranks per node, or use gloo"
-            )
-        # one visible device: the launcher gave each rank its own GPU (CUDA_VISIBLE_DEVICES per rank)
-        device = torch.device("cuda", local_rank if count > 1 else 0)
+    # torchrun sets LOCAL_WORLD_SIZE; a launch by hand without it is taken as one node
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    wanted, device = rank_backend(device, local_rank, local_world)
+    if backend is not None and backend is not wanted:
+        raise ValueError(
+            f"backend {backend.value!r} with ranks on {device.type}: {wanted.value} carries {device.type} "
+            f"tensors here; leave backend out (it follows the device) or give device "
+            f"{'cuda' if backend is Backend.NCCL else 'cpu'}"
+        )
+    if wanted is Backend.NCCL:
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if not dist.is_initialized():
-        kw: dict[str, Any] = {"device_id": device} if backend is Backend.NCCL else {}
-        dist.init_process_group(backend.value, timeout=datetime.timedelta(seconds=timeout), **kw)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        kw: dict[str, Any] = {"device_id": device} if wanted is Backend.NCCL else {}
+        dist.init_process_group(wanted.value, timeout=datetime.timedelta(seconds=timeout), **kw)
     # Ranks of a node share its cores: oversubscribing them (each rank using all) is far slower.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(threads or max(1, cores // local_world))
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, wanted, device)

@@ -258,6 +258,7 @@ def train_folder(
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
     distributed: bool = False,
     timeout: float | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Run `engram hf-train`: every check first, then load, attach, train, write `s.out`; the summary.
 
@@ -267,7 +268,9 @@ def train_folder(
     `engram.distributed.prepare_data_parallel` (`s.table_sync`: row-sharded by default, or replicated;
     the table exchanges bounded by `timeout` seconds, default 300), checkpoint them sharded
     (`EngramShardsCallback`), and rank 0 alone writes OUT; a check that fails on any rank fails on
-    every rank (`RefusedOnEveryRank`). Returns the summary on every rank."""
+    every rank (`RefusedOnEveryRank`). `device`: 'cpu' or 'cuda' in one process (default: the Trainer's
+    choice); across processes the process group's backend decides (gloo: the CPU). Returns the summary
+    on every rank."""
     import transformers
 
     ranks = Ranks.of_run(distributed)
@@ -312,6 +315,7 @@ def train_folder(
             (work / _SETTINGS_FILE).write_text(json.dumps(_record(s, ranks), indent=1) + "\n")
     ckpt = ranks.from_main(latest_checkpoint(ckpts) if resume else None)  # one choice for every rank
     steps = s.num_steps
+    use_cpu = ranks.on_cpu if ranks.distributed else device == "cpu"
     args = transformers.TrainingArguments(
         output_dir=str(ckpts),
         max_steps=steps,
@@ -330,10 +334,10 @@ def train_folder(
         save_total_limit=2,  # a checkpoint holds the tables and their Adam state: keep the newest two
         report_to=[],
         disable_tqdm=True,
-        dataloader_pin_memory=torch.cuda.is_available(),
+        dataloader_pin_memory=not use_cpu and torch.cuda.is_available(),
         # across processes on gloo: the CPU, or accelerate sees no distributed launch and every rank
         # would train a model of its own on the whole batch
-        use_cpu=ranks.on_cpu,
+        use_cpu=use_cpu,
         # frozen and LoRA train Engram's and the adapters' parameters, all used by every forward: DDP
         # need not search the graph for unused ones (full: the architecture's own, so it searches)
         ddp_find_unused_parameters=s.mode is TrainMode.FULL,

@@ -15,7 +15,7 @@ the table gradients before its table step, and a sharded mode builds the table o
 row and column sums then run over every rank's rows). Without a mode an `EngramOptimizer` refuses to
 step on more than one process, since each rank would silently train its own table. FSDP1
 (`FullyShardedDataParallel`) built after this call with `ignored_states=model.engram.tables()` works
-as DDP does (FSDP2: `hf_fsdp.fully_shard_backbone`); a wrapper built before it, or FSDP1 without the
+as DDP does (FSDP2: `fsdp.fully_shard_backbone`); a wrapper built before it, or FSDP1 without the
 tables ignored, is refused by name. Knows the attachment and the process group, nothing of the
 wrappers beyond DDP's ignore list and how to tell that one holds the model or took a table over
 (`wrappers`).

@@ -74,11 +74,13 @@ def _is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _default_mesh(world: int) -> Any:
+def _default_mesh(world: int, device: torch.device) -> Any:
+    """Every rank of the default group, on the device type where the model lives: a model on the CPU
+    gets a CPU mesh on a GPU machine too (torch's own default, the accelerator, would move the backbone
+    to the GPU and leave the tables behind)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    acc = torch.accelerator.current_accelerator(check_available=True)
-    return init_device_mesh(acc.type if acc is not None else "cpu", (world,))
+    return init_device_mesh(device.type, (world,))
 
 
 def fully_shard_backbone(
@@ -95,9 +97,9 @@ def fully_shard_backbone(
     kept out and synchronised by Engram; returns `model` (now an FSDPModule).
 
     `mesh`: a 1-D DeviceMesh over the data-parallel ranks (default: every rank of the default group,
-    on this machine's accelerator, else the CPU). `mode`, `table_ranks`, `timeout`: as for
-    `prepare_data_parallel`, which this calls on the mesh's group (unless the model was prepared
-    already: then its mode and timeout are kept). `decoder_layers`: as for `add_engram` (default:
+    on the device type of the model's parameters, where it was moved). `mode`, `table_ranks`,
+    `timeout`: as for `prepare_data_parallel`, which this calls on the mesh's group (unless the model
+    was prepared already: then its mode and timeout are kept). `decoder_layers`: as for `add_engram` (default:
     found on the model). `fsdp_kwargs` go to every `fully_shard` call (`reshard_after_forward`, `mp_policy`,
     `offload_policy`; `ignored_params`: ignored as well as the tables). Call
     `torch.distributed.init_process_group` first, move the model to its device first (fully_shard
@@ -119,7 +121,7 @@ def fully_shard_backbone(
     att = get_attachment(model)
     layers = find_decoder_layers(model, decoder_layers)
     if mesh is None:
-        mesh = _default_mesh(dist.get_world_size())
+        mesh = _default_mesh(dist.get_world_size(), next(model.parameters()).device)
     if mesh.ndim != 1:
         raise ValueError(
             f"mesh has {mesh.ndim} dimensions: fully_shard_backbone takes a 1-D data-parallel mesh (HSDP and "
