@@ -4,8 +4,9 @@ twins (engram.kernels.reference.sinkhorn_*, and the index_add_ of SparseSinkhorn
 On a CUDA machine the kernels run compiled; elsewhere under triton's interpreter (tests/conftest.py
 switches it on before collection) on small CPU shapes: n not a power of two, A not a multiple of the
 row block, programs that take several row blocks, masked rows and rows without a gradient. fp32 agrees
-to a few ulps (the sums of squares are fp64 in both, in another order), fp64 to 1e-12; the apply of a
-bf16 / fp16 table to one rounding of the exact result.
+to a few ulps (the sums of squares are fp64 in both, in another order), fp64 to 1e-12; the apply is
+bit-exact to its rounding model (`apply_rounded`) in every table layout and dtype (bf16 to one ulp
+interpreted: the interpreter's cast truncates).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -159,32 +161,71 @@ def apply_reference(
     w.index_add_(0, rows[kept], u[kept].to(w.dtype), alpha=-step)
 
 
+def apply_rounded(
+    w0: torch.Tensor, rows: torch.Tensor, u: torch.Tensor, keep: torch.Tensor, step: float
+) -> torch.Tensor:
+    """What sinkhorn_apply must give, bit for bit: in the compute dtype (fp64 if w or u is, else fp32)
+    step * u rounded, then w - that rounded (no FMA), then rounded once to w's dtype."""
+    ct = torch.float64 if torch.float64 in (w0.dtype, u.dtype) else torch.float32
+    kept = keep.nonzero()[:, 0]
+    r = rows[kept]
+    product = u[kept].to(ct) * torch.tensor(step, dtype=torch.float64).to(u.device, ct)
+    want = w0.clone()
+    want[r] = (w0[r].to(ct) - product).to(w0.dtype)
+    return want
+
+
+def table_layouts(w0: torch.Tensor) -> dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]:
+    """w0's values in tables of other strides: name -> (the storage, the table as a view of it). The
+    storage around a view holds 7.0, which the apply must leave alone."""
+    m, n = w0.shape
+    padded = torch.full((m, 2 * n + 3), 7.0, dtype=w0.dtype, device=w0.device)
+    padded[:, 1 : n + 1] = w0
+    spaced = torch.full((m, 2 * n), 7.0, dtype=w0.dtype, device=w0.device)
+    spaced[:, ::2] = w0
+    return {
+        "row-major": (w0.clone(), lambda t: t),
+        "column-major": (w0.t().contiguous(), lambda t: t.t()),
+        "rows padded, offset": (padded, lambda t: t[:, 1 : n + 1]),
+        "every other column": (spaced, lambda t: t[:, ::2]),
+    }
+
+
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("a", "n"), SHAPES)
 def test_apply(ts, wdtype: torch.dtype, a: int, n: int) -> None:
+    """The same bits for every layout of the table (compiled, FMA contraction had made the row-major
+    apply one rounding and the column-major one two), and those of `apply_rounded`; near the torch
+    path of SparseSinkhorn."""
     sd = torch.float64 if wdtype == torch.float64 else torch.float32
     s = make_state(a, n, a, sd, seed=4 * a + n)
     gen = torch.Generator().manual_seed(n)
     w0 = torch.randn(3 * a, n, generator=gen).to(DEVICE, wdtype)
     keep = (torch.rand(a, generator=gen) < 0.7).to(DEVICE)
     u, step = s["mom"], 0.37
-    w = w0.clone()
-    ts.sinkhorn_apply(w, s["rows"], u, keep, step)
+    want = apply_rounded(w0, s["rows"], u, keep, step)
     untouched = torch.ones(3 * a, dtype=torch.bool, device=DEVICE)
     untouched[s["rows"][keep]] = False
-    assert torch.equal(w[untouched], w0[untouched])
+    assert torch.equal(want[untouched], w0[untouched]) and not torch.equal(want, w0)
+    got = {}
+    for name, (storage, table) in table_layouts(w0).items():
+        around = storage.clone()
+        ts.sinkhorn_apply(table(storage), s["rows"], u, keep, step)
+        table(around).copy_(table(storage))  # what the apply wrote, nothing else may differ
+        assert torch.equal(storage, around), name
+        got[name] = table(storage)
+    for name, w in got.items():
+        assert torch.equal(w, got["row-major"]), f"{name} != row-major"
+    w = got["row-major"]
+    if wdtype != torch.bfloat16 or CUDA:
+        assert torch.equal(w, want)
+    else:  # the interpreter's cast to bf16 truncates: one ulp either way
+        ulp = want.double().abs() * 2**-7 + 1e-6
+        assert bool(((w.double() - want.double()).abs() <= ulp).all())
     if wdtype in (torch.float32, torch.float64):
-        want = w0.clone()
-        apply_reference(want, s["rows"], u, keep, step)
-        close(w, want, wdtype)
-    else:  # one rounding of the exact result (the interpreter may truncate: one ulp either way)
-        exact = w0.double()
-        exact[s["rows"][keep]] -= step * u[keep].double()
-        ulp = exact.abs() * {torch.bfloat16: 2**-7, torch.float16: 2**-10}[wdtype] + 1e-6
-        assert bool(((w.double() - exact).abs() <= ulp).all())
-    wt = w0.t().contiguous().t()  # a column-major table: strides honoured
-    ts.sinkhorn_apply(wt, s["rows"], u, keep, step)
-    assert torch.equal(wt, w)
+        near = w0.clone()
+        apply_reference(near, s["rows"], u, keep, step)
+        close(w, near, wdtype)
 
 
 def test_several_blocks_per_program(ts, monkeypatch) -> None:

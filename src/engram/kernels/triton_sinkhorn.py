@@ -6,7 +6,9 @@ The CUDA twins of `cpu_sinkhorn` with the signatures of `reference.sinkhorn_*` (
 `sinkhorn_apply` (W[rows] -= step * u for the kept rows). Each pass is one sweep over u in place: a
 program takes a contiguous run of row blocks, a row's n features in one tile. Arithmetic in u's dtype
 (fp32, or fp64), sums of squares in fp64; column sums are per-program partials added by torch
-(deterministic, no atomics). Knows nothing of optimizers or tables. Imports triton. Design: docs/kernels.md.
+(deterministic, no atomics). Every product and sum is rounded as written (launched without FMA
+contraction, `_ROUNDED`), so the bits do not depend on the layouts the compiler picks for a table's
+strides. Knows nothing of optimizers or tables. Imports triton. Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ __all__ = ["sinkhorn_apply", "sinkhorn_blend", "sinkhorn_cols_rows", "sinkhorn_r
 _TILE = 4096  # elements of a (rows, features) tile per step of a program
 _MAX_BLOCK_R = 64  # rows per tile at most (narrow tables)
 _MAX_PROGRAMS = 1024  # programs per pass at most: bounds the (programs, n) fp64 partial buffer
+# Launch option of every pass: no FMA contraction. Left to the compiler, `w - step * u` of the apply
+# became one fma (one rounding) for a row-major table but a mul and a sub (two roundings) for a
+# column-major one, whose w tile has another register layout: the product crosses shared memory to
+# reach it, and nothing fuses across that (triton 3.6, sm_90). Rounding each op as written is the
+# same arithmetic in every layout, the interpreter's and the torch twins'.
+_ROUNDED = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -232,7 +240,7 @@ def sinkhorn_blend(
     part = torch.empty((progs, 2), dtype=torch.float64, device=u.device)
     _blend_kernel[(progs,)](
         mom, gidx, grad, u, rho, part, a, n, per, float(beta), 1.0 - float(beta),
-        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(mom, u), num_warps=warps,
+        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(mom, u), num_warps=warps, **_ROUNDED,
     )  # fmt: skip
     total, zero_rows = part.sum(dim=0).tolist()  # sync point
     return float(total), int(zero_rows)
@@ -251,7 +259,7 @@ def sinkhorn_rows(
     part = torch.empty((progs, n), dtype=torch.float64, device=u.device)
     _rows_kernel[(progs,)](
         u, rho, keep.view(torch.uint8), part, a, n, per, float(thresh), float(eps),
-        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(u), num_warps=warps,
+        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(u), num_warps=warps, **_ROUNDED,
     )  # fmt: skip
     return part.sum(dim=0)
 
@@ -276,7 +284,7 @@ def sinkhorn_cols_rows(
     part = torch.empty((progs, n), dtype=torch.float64, device=u.device) if want_colsq else colsq
     _cols_rows_kernel[(progs,)](
         u, colinv, keep.view(torch.uint8), part, a, n, per, float(eps),
-        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(u), WANT_COLSQ=bool(want_colsq), num_warps=warps,
+        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(u), WANT_COLSQ=bool(want_colsq), num_warps=warps, **_ROUNDED,
     )  # fmt: skip
     return part.sum(dim=0) if want_colsq else colsq
 
@@ -295,5 +303,5 @@ def sinkhorn_apply(
     progs, per, block_r, n_p2, warps = _grid(a, n)
     _apply_kernel[(progs,)](
         w, rows, u, keep.view(torch.uint8), a, n, per, w.stride(0), w.stride(1), float(step),
-        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(w, u), num_warps=warps,
+        BLOCK_R=block_r, N_P2=n_p2, CT=_compute_type(w, u), num_warps=warps, **_ROUNDED,
     )  # fmt: skip
