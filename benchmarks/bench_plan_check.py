@@ -67,7 +67,7 @@ def compression() -> TokenizerCompression:
 
 def token_batches(world: int, steps: int, batch: int, seq: int) -> torch.Tensor:
     """(steps, world * batch, seq) bytes of the Bible: rank r of step s takes rows [r * batch, (r+1) * batch)."""
-    from engram.apps.corpus import kjv_text
+    from engram.apps.lm.corpus import kjv_text
 
     n = steps * world * batch * seq
     ids = np.frombuffer(kjv_text(2 * n).encode(), dtype=np.uint8)[:n].astype(np.int64)

@@ -42,7 +42,7 @@ from torch import nn
 
 from engram import EngramConfig, NgramHasher
 from engram.addressing.compression import known_compression, resolve_tokenizer
-from engram.apps.corpus import kjv_verses
+from engram.apps.lm.corpus import kjv_verses
 from engram.kernels import cpu_sinkhorn
 from engram.model import sinkhorn as sinkhorn_module
 from engram.model.optim import SparseRowAdam

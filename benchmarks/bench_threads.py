@@ -29,7 +29,7 @@ import time
 def _child(preset: str, steps: int, threads: str) -> None:
     import torch
 
-    from engram.apps.train import TRAIN_PRESETS, Trainer, build_model, prepare_data
+    from engram.apps.lm.train import TRAIN_PRESETS, Trainer, build_model, prepare_data
     from engram.kernels.threads import default_threads
 
     t0 = time.perf_counter()

@@ -47,9 +47,10 @@ import torch
 from engram.benchmarks.bench_lookup import make_ids, make_table
 from engram.benchmarks.timing import drop_pages
 from engram.checkpoint.files import save_tensors
-from engram.model.table import FP8Table, MmapFP8Table
+from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.model.table import FP8Table
+from engram.rowformat.fp8 import fp8_row_bytes
 from engram.storage import lookup
-from engram.storage.fp8 import fp8_row_bytes
 from engram.systems import Placement, TieredTable
 
 

@@ -137,8 +137,8 @@ def prompt_sets(n_sets: int, requests: int, prompt_tokens: int, root: Path) -> t
     """`n_sets` sets of `requests` prompts of `prompt_tokens` ids each (all distinct windows)."""
     need = n_sets * requests * prompt_tokens
     try:
-        from engram.apps.corpus import kjv_text
-        from engram.apps.data import train_bpe
+        from engram.apps.lm.corpus import kjv_text
+        from engram.apps.lm.data import train_bpe
 
         text = kjv_text()
         tok = train_bpe([text[:1_000_000]], VOCAB, cache=root / "tokenizer")

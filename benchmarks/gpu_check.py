@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engram.apps.bench import device_copy_gb_per_s, format_rows
+from engram.apps.tools.bench import device_copy_gb_per_s, format_rows
 
 # (name, module of engram.benchmarks, function, arguments)
 CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [

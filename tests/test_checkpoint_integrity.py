@@ -1,12 +1,12 @@
-"""Tests for engram.checkpoint.integrity: the NaN / Inf scans every checkpoint loader shares."""
+"""Tests for engram.storage.integrity: the NaN / Inf scans every checkpoint loader shares."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engram.checkpoint import integrity
-from engram.checkpoint.integrity import UnscannedTableWarning, check_finite, check_fp8_table, scan_table
+from engram.storage import integrity
+from engram.storage.integrity import UnscannedTableWarning, check_finite, check_fp8_table, scan_table
 
 
 def test_check_finite_names_count_and_first_position(monkeypatch):

@@ -136,7 +136,7 @@ def test_row_file_link_out_of_the_folder_or_fifo_refused(converted, tmp_path) ->
 def test_nan_bytes_in_a_row_file_refused(converted, tmp_path, monkeypatch) -> None:
     import numpy as np
 
-    import engram.checkpoint.integrity as integrity
+    import engram.storage.integrity as integrity
     from engram.storage.rowfile import RowFileHeader
 
     _, dst = converted

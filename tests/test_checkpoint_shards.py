@@ -298,7 +298,7 @@ def test_shards_folder_missing_empty_or_linked_out(tmp_path):
 def test_nan_rows_are_refused_naming_file_and_table(tmp_path, monkeypatch):
     """Item 3: NaN rows written into a file (its CRC32s valid) are refused when read, naming the file
     and the table; a table over the scan limit only with verify (as row files are scanned)."""
-    from engram.checkpoint import integrity
+    from engram.storage import integrity
 
     full = _full()
     full[f"{NAME}.weight"][7, 1] = float("nan")

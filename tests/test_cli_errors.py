@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from cli_setup import refused
-from engram.apps.train_config import TrainConfig
+from engram.apps.lm.train_config import TrainConfig
 from engram.cli import build_parser, main
 
 

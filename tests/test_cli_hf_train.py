@@ -1,4 +1,4 @@
-"""`engram hf-train` / `engram hf-eval` (engram.cli.hf; engram.apps.hf_train, hf_folder, hf_corpus) on
+"""`engram hf-train` / `engram hf-eval` (engram.cli.hf; engram.apps.hf.train, hf_folder, hf_corpus) on
 a tiny random Llama HF folder built here (hidden 32, 3 layers, the ~300-id BPE of tests/hf_setup.py)
 and the first verses of the King James Bible: every mode trains and its loss drops, a resumed run
 equals an uninterrupted one, `hf-eval` of OUT equals the run's own evaluation, bad input exits 2 with
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import hf_setup as S
-from engram.apps import hf_corpus, hf_folder
-from engram.apps import hf_train as H
-from engram.apps.corpus import kjv_path
+from engram.apps.hf import corpus as hf_corpus
+from engram.apps.hf import hf_folder
+from engram.apps.hf import train as H
+from engram.apps.lm.corpus import kjv_path
 from engram.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -240,7 +241,7 @@ def test_several_processes_need_distributed(folder, corpus, tmp_path, capsys, mo
 
 
 def test_global_batch_split_over_the_ranks():
-    from engram.apps.hf_train_ranks import Ranks
+    from engram.apps.hf.ranks import Ranks
 
     assert Ranks().per_rank_batch(5) == 5 and Ranks(1, 2, True).per_rank_batch(8) == 4
     with pytest.raises(ValueError, match=r"--batch-size 5 is the global batch, .* 2 processes .* multiple "

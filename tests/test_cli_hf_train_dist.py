@@ -28,8 +28,8 @@ import torch
 
 import dist_launch as L
 import hf_train_dist_job as J
-from engram.apps import hf_folder
-from engram.apps import hf_train as H
+from engram.apps.hf import folder as hf_folder
+from engram.apps.hf import train as H
 from engram.cli import main
 
 transformers = pytest.importorskip("transformers")

@@ -553,8 +553,8 @@ def _fifo_commands(p: str, out: Path) -> dict[str, list[str]]:
 def test_fifo_input_is_refused_unopened(pipe, tmp_path, capsys, monkeypatch, case):
     """Every input path of every command is checked (one os.stat) before it is opened: a FIFO is named,
     not read, so the command neither hangs nor starts any work."""
-    no_work(monkeypatch, "engram.apps.train", "split_documents")  # past reading the corpus
-    no_work(monkeypatch, "engram.apps.study", "prepare_data")
+    no_work(monkeypatch, "engram.apps.lm.train", "split_documents")  # past reading the corpus
+    no_work(monkeypatch, "engram.apps.study.studies", "prepare_data")
     argv = _fifo_commands(str(pipe.path), tmp_path / "out")[case]
     refused(capsys, argv, str(pipe.path), "FIFO")
     assert not pipe.waited
@@ -568,8 +568,8 @@ def test_fifo_inside_a_corpus_folder(pipe, tmp_path, capsys, monkeypatch, cmd):
     fifo = folder / "b.txt"
     pipe.path.rename(fifo)
     pipe.path = fifo
-    no_work(monkeypatch, "engram.apps.train", "split_documents")
-    no_work(monkeypatch, "engram.apps.study", "prepare_data")
+    no_work(monkeypatch, "engram.apps.lm.train", "split_documents")
+    no_work(monkeypatch, "engram.apps.study.studies", "prepare_data")
     argv = {"demo": ["demo", "--steps", "1", "--seeds", "1"], "study": ["study", "memory", "--quick"]}[cmd]
     refused(capsys, [*argv, "--corpus", str(folder), "--out", str(tmp_path / "out")], str(fifo), "FIFO")
     assert not pipe.waited
@@ -691,7 +691,7 @@ def test_hash_empty_id_between_commas(capsys, monkeypatch, ids):
     ],
 )
 def test_train_config_field_of_the_wrong_type(tmp_path, capsys, monkeypatch, field, value, expected):
-    no_work(monkeypatch, "engram.apps.train", "prepare_data")
+    no_work(monkeypatch, "engram.apps.lm.train", "prepare_data")
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps({field: value}))
     argv = ["train", "--config", str(conf), "--out", str(tmp_path / "run")]
@@ -701,8 +701,8 @@ def test_train_config_field_of_the_wrong_type(tmp_path, capsys, monkeypatch, fie
 # ------------------------------------------------------------------------------------------- binary corpus
 @pytest.mark.parametrize("cmd", ["demo", "study", "train"])
 def test_binary_corpus_names_the_file(tmp_path, capsys, monkeypatch, cmd):
-    no_work(monkeypatch, "engram.apps.train", "split_documents")
-    no_work(monkeypatch, "engram.apps.study", "prepare_data")
+    no_work(monkeypatch, "engram.apps.lm.train", "split_documents")
+    no_work(monkeypatch, "engram.apps.study.studies", "prepare_data")
     binary = tmp_path / "bin.txt"
     binary.write_bytes(b"ok\n\xff\xfe\x00\x81 binary")
     out = str(tmp_path / "out")

@@ -244,7 +244,7 @@ def test_tiny_preset_pair_sharing_three_heads_breaks_crt(ds_compression):
 # ---------------------------------------------------------------------------- DeepSeek-V4.1
 @pytest.fixture(scope="module")
 def kjv_ids(ds_tokenizer) -> np.ndarray:
-    from engram.apps.corpus import kjv_text
+    from engram.apps.lm.corpus import kjv_text
 
     return np.array(ds_tokenizer.encode(kjv_text(max_chars=60_000), add_special_tokens=False).ids)
 

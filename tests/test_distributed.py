@@ -32,7 +32,7 @@ from dist_worker import (
     step_inputs,
     table_inputs,
 )
-from engram.apps.train import TrainConfig, Trainer, build_model, evaluate, load_trained_model, prepare_data
+from engram.apps.lm.train import TrainConfig, Trainer, build_model, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shard_format import HEADER_KEY, SHARDS_FOLDER, shard_file
 from engram.checkpoint.shards import SHARDS_KEY
 from engram.distributed import chunked_normal, shard_bounds

@@ -2,7 +2,7 @@
 a gather (issue 29, items 1-3).
 
 Row r of layer l's table depends on (seed, l, r) only (`engram.model.table_init`), so one process
-(`engram.hf.add_engram`, `engram.apps.train.build_model`) draws the very table N ranks hold between
+(`engram.hf.add_engram`, `engram.apps.lm.train.build_model`) draws the very table N ranks hold between
 them. Under a process group `add_engram`'s tables are lazy and `prepare_data_parallel` draws only the
 rank's rows: 1, 2 and 3 ranks gathered equal the one-process table bit for bit, a rank's peak memory
 grows by its shard and a chunk, not by the table, and the ranks agree on the tables' recipes (a few
@@ -147,7 +147,7 @@ def test_digests_read_in_place_and_a_lazy_table_digests_as_drawn():
 # ---------------------------------------------------------------------------- the spawned job
 def _counted():
     """Patch the agreement check's digests to count them (they still run)."""
-    import engram.distributed.hf as H
+    import engram.distributed.hf.data_parallel as H
 
     return (
         mock.patch.object(H, "tensor_digest", wraps=H.tensor_digest),
@@ -235,7 +235,7 @@ def _save_part(rank: int, out: str) -> dict:
     """engram.distributed.save_engram / export_fp8 of a born-sharded model whose shards were changed
     (each rank wrote its own rows); then a save into the float part's folder that fails on rank 1
     while writing its rows."""
-    import engram.distributed.hf_part as hf_part
+    import engram.distributed.hf.part as hf_part
     from engram.distributed import export_fp8, prepare_data_parallel, save_engram
 
     model = _model()
@@ -269,8 +269,9 @@ def _save_part(rank: int, out: str) -> dict:
 
 def _train_part(corpus: str) -> dict:
     """engram train --distributed's model born sharded (--table-init chunked: build_sharded_model), gathered."""
-    from engram.apps.train import prepare_data
-    from engram.distributed import TableInit, build_distributed_model, sharded_tables
+    from engram.apps.lm.train import prepare_data
+    from engram.apps.lm.train_distributed import build_distributed_model
+    from engram.distributed import TableInit, sharded_tables
     from training_setup import dist_cfg
 
     cfg = dist_cfg(corpus)
@@ -306,7 +307,7 @@ L.register(__name__, WORLD, "born-sharded", "test_distributed_born:_job")
 
 @pytest.fixture(scope="module")
 def train_setup(corpus):
-    from engram.apps.train import build_model, prepare_data
+    from engram.apps.lm.train import build_model, prepare_data
     from training_setup import dist_cfg
 
     cfg = dist_cfg(corpus)
@@ -396,10 +397,10 @@ def test_sharded_save_writes_one_part_without_a_gather(runs):
     the folder keeps its earlier part, byte for byte, with no temporary file left."""
     from engram.checkpoint.convert import open_row_file, write_row_files
     from engram.checkpoint.files import open_tensors
-    from engram.checkpoint.integrity import table_fingerprint
+    from engram.checkpoint.mmap_table import MmapFP8Table
     from engram.hf import load_engram
     from engram.hf.io import check_part
-    from engram.model.table import MmapFP8Table
+    from engram.storage.integrity import table_fingerprint
     from engram.storage.quant import quantize_rows
 
     got = [r["save"] for r in runs]

@@ -1,6 +1,6 @@
 """engram.hf under FSDP2 (`torch.distributed.fsdp.fully_shard`) on 2 gloo ranks against one process:
 the tiny float64 Llama with Engram of tests/test_distributed_hf.py, its backbone sharded by
-`engram.distributed.hf_fsdp.fully_shard_backbone` (each decoder layer, then the root, the Engram
+`engram.distributed.hf.fsdp.fully_shard_backbone` (each decoder layer, then the root, the Engram
 tables as `ignored_params`), a global batch of 6 as 2 x 3 against 1 x 6, 3 steps of `build_optimizer`.
 Every parameter, gathered (`DTensor.full_tensor()`), and the tables equal the one-process run
 (fp64: 1e-9; reached: ~1e-13), for both table modes (replicated, row-sharded) and the adam and
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import dist_launch as L
 import test_distributed_hf as D
-from engram.distributed.hf_fsdp import fully_shard_backbone
+from engram.distributed.hf.fsdp import fully_shard_backbone
 from engram.hf import build_optimizer
 
 WORLD = 2

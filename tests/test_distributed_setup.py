@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import gloo_ranks
 from dist_worker import CHUNKED_ROWS
-from engram.apps.train import TrainConfig, evaluate, load_trained_model, prepare_data
+from engram.apps.lm.train import TrainConfig, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shard_format import SHARDS_FOLDER, shard_file
 from engram.distributed import chunked_normal, shard_bounds, table_owners
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam

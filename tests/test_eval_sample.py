@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from engram.apps.data import EOS, Document, TokenStream
+from engram.apps.lm.data import EOS, Document, TokenStream
 
 WORDS = [f"w{i}" for i in range(50)]
 
@@ -93,7 +93,7 @@ def test_periodic_evaluation_leaves_training_alone_and_tracks_the_full_one(corpu
     sampled point is close to the final evaluation on every held-out token."""
     import torch
 
-    from engram.apps.train import Trainer, build_model, prepare_data
+    from engram.apps.lm.train import Trainer, build_model, prepare_data
     from training_setup import tiny_cfg
 
     finals = []

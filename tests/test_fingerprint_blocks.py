@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from engram.checkpoint.files import open_tensors, save_tensors
-from engram.checkpoint.integrity import fingerprint_blocks, table_fingerprint
 from engram.model.table import FP8Table
+from engram.storage.integrity import fingerprint_blocks, table_fingerprint
 
 
 def test_blocks_read_from_the_file_give_the_whole_tables_fingerprint(tmp_path):

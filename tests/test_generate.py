@@ -9,8 +9,8 @@ import torch
 
 import training_setup
 from engram.addressing.hashing import NgramHasher
-from engram.apps.generate import MIN_TEMPERATURE, generate, load_generator
-from engram.apps.train import Trainer, build_model, prepare_data
+from engram.apps.lm.generate import MIN_TEMPERATURE, generate, load_generator
+from engram.apps.lm.train import Trainer, build_model, prepare_data
 from engram.model.lm import EngramLM
 
 SEQ = 32

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import hf_setup as S
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.hf import add_engram, export_fp8, load_engram, save_engram
-from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import FP8Table, TrainableTable
 
 transformers = pytest.importorskip("transformers")
 

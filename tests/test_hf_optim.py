@@ -175,7 +175,7 @@ def test_sharded_table_part_checked_before_the_dense_state_is_replaced(batch):
     """Across processes the table part is the sync's (its rows are in shard files): a whole-table part,
     or hyperparameters the constructor refuses, are refused before anything is replaced."""
     from engram.distributed import SHARDED_STATE_KEY
-    from engram.distributed.hf import ShardedTableSync
+    from engram.distributed.hf.data_parallel import ShardedTableSync
 
     _, opt = _trained("adam", batch)
     whole = copy.deepcopy(opt.state_dict())

@@ -1,6 +1,8 @@
 """The package's shape, read from its source (ast): no private names taken from another module, no
-import cycles, lower layers below the systems, distributed, apps and cli layers, commands only in
-cli/. Each rule is also run on a small made-up package that breaks it, so the checks can fail."""
+import cycles (between modules, and between packages), lower layers below the systems, distributed,
+apps and cli layers, every import going down the floors (`FLOORS`: a package imports only packages on
+lower floors), commands only in cli/. Imports inside functions count. Each rule is also run on a
+small made-up package that breaks it, so the checks can fail."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-LOWER = ("config", "addressing", "storage", "model", "kernels")  # single-device core
+LOWER = ("config", "rowformat", "addressing", "storage", "model", "kernels")  # single-device core
 UPPER = ("systems", "distributed", "apps", "cli", "hf", "vllm", "benchmarks")  # wrap the core from outside
 
 
@@ -136,6 +138,73 @@ def layer_of(name: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+# The floors of src/engram, bottom first: a package may import only packages on lower floors (its own
+# modules aside). The row formats' vocabulary and the config at the bottom; the kernels speak the row
+# format; storage and addressing use the kernels; the single-device model uses both; checkpoint files
+# know the model; systems (tiers) and hf (attaching to HF models) wrap the model and read checkpoints;
+# distributed wraps hf models across processes; the programs (apps) and the vLLM plugin use the
+# library; the CLI registers commands over all of them; the benchmarks and `python -m engram` on top.
+FLOORS: dict[str, int] = {
+    "config": 0,
+    "rowformat": 0,
+    "kernels": 1,
+    "storage": 2,
+    "addressing": 2,
+    "model": 3,
+    "checkpoint": 4,
+    "systems": 5,
+    "hf": 5,
+    "distributed": 6,
+    "apps": 7,
+    "vllm": 7,
+    "cli": 8,
+    "benchmarks": 9,
+    "__main__": 9,
+}
+
+
+def source_path(modules: dict[str, ast.Module], name: str) -> str:
+    """The file of module `name`, relative to the package's parent folder ('engram/apps/lm/train.py')."""
+    rel = name.replace(".", "/")
+    return f"{rel}/__init__.py" if any(m.startswith(name + ".") for m in modules) else f"{rel}.py"
+
+
+def climbing_imports(modules: dict[str, ast.Module], floors: dict[str, int]) -> list[str]:
+    """Every import of another package that is not on a lower floor, as 'path:line (pkg, floor f)
+    imports target (pkg, floor g)'; a package missing from `floors` is named too."""
+    found = []
+    root = next(iter(modules)).split(".")[0]
+    for name in modules:
+        layer = layer_of(name)
+        if not layer:  # the package's own __init__ re-exports the public names
+            continue
+        if layer not in floors:
+            found.append(f"{name}: package {layer!r} has no floor in FLOORS; give it one")
+            continue
+        path = source_path(modules, name)
+        for line, target, _, _ in imports(modules, name):
+            other = layer_of(target)
+            if not other or other == layer or target.split(".")[0] != root:
+                continue
+            if other not in floors or floors[other] >= floors[layer]:
+                found.append(
+                    f"{path}:{line} ({layer}, floor {floors[layer]}) imports {target} "
+                    f"({other}, floor {floors.get(other, '?')})"
+                )
+    return found
+
+
+def package_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """The import graph between the package's top-level packages (function-local imports included)."""
+    graph: dict[str, set[str]] = {layer_of(n): set() for n in modules if layer_of(n)}
+    for name, targets in import_graph(modules).items():
+        for target in targets:
+            a, b = layer_of(name), layer_of(target)
+            if a and b and a != b:
+                graph[a].add(b)
+    return graph
+
+
 def layer_violations(modules: dict[str, ast.Module]) -> list[str]:
     found = []
     for name in modules:
@@ -186,7 +255,9 @@ def package() -> dict[str, ast.Module]:
 
 
 def test_the_package_is_read(package):
-    assert {"engram.config", "engram.addressing.hashing", "engram.storage.fp8", "engram.cli"} <= set(package)
+    assert {"engram.config", "engram.addressing.hashing", "engram.rowformat.fp8", "engram.cli"} <= set(
+        package
+    )
     assert len(import_graph(package)["engram.addressing.hashing"]) >= 3
 
 
@@ -196,6 +267,14 @@ def test_no_private_names_across_modules(package):
 
 def test_no_import_cycles(package):
     assert cycles(import_graph(package)) == []
+
+
+def test_no_package_cycles(package):
+    assert cycles(package_graph(package)) == []
+
+
+def test_imports_go_down_the_floors(package):
+    assert climbing_imports(package, FLOORS) == []
 
 
 def test_lower_layers_do_not_import_upper_ones(package):
@@ -243,3 +322,14 @@ def test_checks_find_what_is_wrong(broken):
         "pkg.model.table:2 (model) imports pkg.systems.cache (systems)",
     ]
     assert commands_outside_cli(broken) == ["pkg.systems.cache:1 imports argparse"]
+
+
+def test_floor_checks_find_what_climbs(broken):
+    floors = {"config": 0, "addressing": 1, "storage": 1, "model": 2, "systems": 3, "cli": 4}
+    assert climbing_imports(broken, floors) == [
+        "pkg/addressing/hashing.py:1 (addressing, floor 1) imports pkg.storage.fp8 (storage, floor 1)",
+        "pkg/config.py:1 (config, floor 0) imports pkg.addressing.hashing (addressing, floor 1)",
+        "pkg/model/table.py:2 (model, floor 2) imports pkg.systems.cache (systems, floor 3)",
+        "pkg/storage/fp8.py:4 (storage, floor 1) imports pkg.model.table (model, floor 2)",
+    ]
+    assert cycles(package_graph(broken)) == [["model", "storage"]]

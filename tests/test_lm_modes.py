@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engram.apps.data import Document, TokenStream
-from engram.apps.rows import identity_compression, stream_rows
-from engram.apps.train_config import RowHash, TrainConfig
+from engram.apps.lm.data import Document, TokenStream
+from engram.apps.lm.rows import identity_compression, stream_rows
+from engram.apps.lm.train_config import RowHash, TrainConfig
 from engram.config import EngramConfig
 from engram.model.lm import EngramLM, EngramMode, LMConfig
 from test_eval_sample import WORDS, word_tokenizer

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
 from engram.storage.lookup import dequantize_gather, gather_rows
 
 numba = pytest.importorskip("numba")

@@ -203,8 +203,10 @@ def test_engram_train_distributed_says_it_in_one_line(corpus, monkeypatch, capsy
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(tiny_cfg(corpus).to_dict()))
     built = []
-    monkeypatch.setattr("engram.apps.train.prepare_data", lambda cfg: built.append(cfg) or _FakeData(cfg))
-    monkeypatch.setattr("engram.distributed.train.build_sharded_model", lambda *a, **k: built.append("model"))
+    monkeypatch.setattr("engram.apps.lm.train.prepare_data", lambda cfg: built.append(cfg) or _FakeData(cfg))
+    monkeypatch.setattr(
+        "engram.apps.lm.train_distributed.build_sharded_model", lambda *a, **k: built.append("model")
+    )
     code = main(
         ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run"), "--no-progress"]
     )

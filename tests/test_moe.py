@@ -135,7 +135,7 @@ def test_bad_moe_config_refused():
 
 def test_trainer_adds_the_load_balancing_loss(corpus):
     """The Trainer trains on loss + moe_aux_coef * aux and records the next-token loss alone."""
-    from engram.apps.train import Trainer, build_model, prepare_data
+    from engram.apps.lm.train import Trainer, build_model, prepare_data
     from training_setup import tiny_cfg
 
     runs = {}

@@ -604,7 +604,7 @@ def test_dense_table_adam_is_torch_adam_on_the_dense_gradient():
 
 
 def test_cli_optimizer_choices_are_the_config_enums():
-    from engram.apps.train_config import EmbeddingOptimizer, TableOptimizer
+    from engram.apps.lm.train_config import EmbeddingOptimizer, TableOptimizer
     from engram.cli.train import EMBEDDING_OPTIMIZERS, TABLE_OPTIMIZERS
 
     assert tuple(o.value for o in TableOptimizer) == TABLE_OPTIMIZERS

@@ -57,7 +57,7 @@ def _attempt(fn) -> tuple[str | None, float]:
 
 
 def _worker(rank: int, root: str) -> None:
-    import engram.distributed.hf_part as hf_part
+    import engram.distributed.hf.part as hf_part
     from engram.distributed import save_engram
 
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """The SSD row file written without a gather (issue 29, item 3): `engram.storage.rowfile`'s
 `create_row_file` / `write_row_range` / `set_row_file_tables` give `write_row_file`'s bytes whatever
-the split of rows among writers, and `engram.distributed.hf_part.write_part(..., row_files=True)` on
+the split of rows among writers, and `engram.distributed.hf.part.write_part(..., row_files=True)` on
 2 and 3 gloo ranks (one job of 3: `table_ranks` 2, then all) publishes each layer's row file beside the FP8 part, byte for byte what
 `write_row_files` makes of that part in one process; one process then serves `generate()` through the
 row-file tier (`engram.vllm.tables.load_tables`, tables='rowfile') with the tokens of the in-memory FP8
@@ -60,7 +60,7 @@ def test_rows_written_in_ranges_equal_write_row_file(tmp_path, dim):
 
 
 def test_row_files_need_the_fp8_part():
-    from engram.distributed.hf_part import write_part
+    from engram.distributed.hf.part import write_part
 
     with pytest.raises(ValueError, match="row_files=True needs the FP8 part"):
         write_part(torch.nn.Linear(1, 1), "unused", fp8=False, row_files=True)
@@ -70,7 +70,7 @@ def test_row_files_need_the_fp8_part():
 def _write(rank: int, owners: int, folder: str) -> dict:
     """The FP8 part with row files, the rows owned by ranks 0..owners-1 (changed on each rank); then
     the same save failing on rank 1 while it writes its rows of the last layer's row file."""
-    import engram.distributed.hf_part as hf_part
+    import engram.distributed.hf.part as hf_part
     from engram.distributed import export_fp8, prepare_data_parallel
     from engram.hf import add_engram
 

@@ -1,4 +1,4 @@
-"""engram.apps.probes on hand-made token streams and a model that always predicts id + 1."""
+"""engram.apps.study.probes on hand-made token streams and a model that always predicts id + 1."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engram.apps import probes as P
+from engram.apps.study.studies import probes as P
 
 V = 10
 

@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engram.rowformat.fp8 import BLOCK, FP8_MAX, fp8_row_bytes
 from engram.storage import quant
-from engram.storage.fp8 import BLOCK, FP8_MAX, fp8_row_bytes
 from engram.storage.lookup import dequantize_gather
 from engram.storage.quant import (
     dequantize_rows,

@@ -1,4 +1,4 @@
-"""Tests for engram.apps.run_layer: `engram run-layer`, the V4.1 path end to end on a scaled checkpoint.
+"""Tests for engram.apps.tools.run_layer: `engram run-layer`, the V4.1 path end to end on a scaled checkpoint.
 
 The report's rows are checked against `NgramHasher` for the scaled config, and layer 1's gates against
 a plain recomputation of SPEC §6 from the checkpoint's bytes. Small tables (prime-search base 512) and
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engram import EngramConfig, NgramHasher
-from engram.apps.run_layer import DEFAULT_TEXT, pseudo_embedding, run_layer
+from engram.apps.tools.run_layer import DEFAULT_TEXT, pseudo_embedding, run_layer
 from engram.checkpoint.convert import make_scaled_v41_checkpoint
 from engram.checkpoint.v41 import load_engram_modules
 from engram.cli import build_parser
@@ -156,8 +156,8 @@ def test_refusals(prebuilt, ds_compression):
 def test_a_damaged_checkpoint_names_the_real_cause(prebuilt, tmp_path, monkeypatch, ds_compression, capsys):
     from safetensors.torch import load_file, save_file
 
-    from engram.checkpoint import integrity
     from engram.cli import main
+    from engram.storage import integrity
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -82,8 +82,8 @@ def hf_job(ctx) -> dict:
 def train_job(ctx) -> dict:
     """`engram train --distributed`'s trainer on 3 ranks, born sharded, sharded checkpoints: 2 of the
     run's 6 steps, checkpointed (what the CLI test resumes); rank 0 writes the run's config file."""
-    from engram.apps.train import prepare_data
-    from engram.distributed import DistributedTrainer, build_distributed_model
+    from engram.apps.lm.train import prepare_data
+    from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
     from training_setup import dist_cfg
 
     cfg = dist_cfg(ctx.corpus).replace(eval_every=0)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engram.apps.study import STUDIES, plan_study, run_key, run_study, study_base
-from engram.apps.study_report import compare
-from engram.apps.train import build_model, prepare_data
+from engram.apps.lm.train import build_model, prepare_data
+from engram.apps.study.report import compare
+from engram.apps.study.studies import STUDIES, plan_study, run_key, run_study, study_base
 from engram.cli import main
 from test_cli_hostile import refused
 from training_setup import tiny_cfg
@@ -136,7 +136,7 @@ def test_full_plans(base, corpus):
 
 
 def _rows(cfg) -> int:
-    from engram.apps.study import table_rows
+    from engram.apps.study.studies import table_rows
 
     return table_rows(cfg.engram)
 
@@ -213,7 +213,7 @@ def test_bad_input_is_refused(capsys, tmp_path):
 
 # ---------------------------------------------------------------------------- the optimizers study
 def test_optimizers_plan(base):
-    from engram.apps.study_plans import (
+    from engram.apps.study.plans import (
         OPTIMIZER_LR_STEP,
         QUICK_RECIPE_EMBEDDING_LR_FACTORS,
         RECIPE_EMBEDDING_LR_FACTORS,
@@ -260,7 +260,7 @@ def test_optimizers_plan(base):
 
 def test_optimizer_state_is_recorded(studied):
     """The records hold each table optimizer's measured state: the documented bytes per parameter."""
-    from engram.apps.study_report import state_bytes_per_param
+    from engram.apps.study.report import state_bytes_per_param
 
     _, results = studied
     seen = set()
@@ -360,7 +360,7 @@ def _fabricated_optimizer_results(losses: dict[tuple[str, float | None, str], li
 
 
 def test_optimizers_report_on_fabricated_runs(tmp_path):
-    from engram.apps.study_report import study_lines, write_study_report
+    from engram.apps.study.report import study_lines, write_study_report
 
     def grid(opt, best_at, best, step=0.05):
         """Three lrs 0.025 / 0.05 / 0.1, the loss lowest (`best`) at `best_at`, 3 seeds a little apart."""
@@ -412,7 +412,7 @@ def test_optimizers_report_on_fabricated_runs(tmp_path):
 
 
 def test_state_bytes_per_param():
-    from engram.apps.study_report import state_bytes_per_param
+    from engram.apps.study.report import state_bytes_per_param
 
     assert state_bytes_per_param("adam", 32) == 4.25 and state_bytes_per_param("adagrad", 32) == 0.125
     assert state_bytes_per_param("dense-adam", 32) == 8.0

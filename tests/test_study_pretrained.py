@@ -1,4 +1,4 @@
-"""`engram study pretrained` (engram.apps.study_pretrained) --quick on a tiny random Llama HF folder built
+"""`engram study pretrained` (engram.apps.study.pretrained) --quick on a tiny random Llama HF folder built
 here (hidden 32, 3 layers, the ~300-id BPE of tests/hf_setup.py) and the demo's split of the King James
 Bible: every arm runs at equal tokens, the report holds the table, the pilot and the plot, a second run
 reuses every record, a run trained but killed before its evaluation is evaluated without training again.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import hf_setup as S
-from engram.apps import study_pretrained as SP
+from engram.apps.study.studies import pretrained as SP
 from engram.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -87,7 +87,7 @@ def test_rerun_reuses_records_and_evaluates_a_run_killed_before_its_record(
 
 def test_a_run_killed_during_training_resumes_its_partial_folder(folder, tmp_path, monkeypatch):
     """kill -9 in training leaves train_folder's partial folder: the next study resumes it."""
-    from engram.apps.hf_train import partial_folder
+    from engram.apps.hf.train import partial_folder
 
     real = SP.train_folder
     calls: list[bool] = []

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engram.checkpoint.files import save_tensors
-from engram.model.table import FP8Table, MmapFP8Table
+from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.model.table import FP8Table
 from engram.storage.rowfile import RowFile, RowFileHeader, write_row_file
 from engram.systems.levels import LevelTable
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from engram import EngramConfig, NgramHasher, TokenizerCompression
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.model.lm import EngramLM, LMConfig
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table
+from engram.model.table import FP8Table
 from engram.systems import Placement, Prefetcher, TieredTable, offload_engram
 from engram.systems.background import FetchWorker, PrefetchHandle
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from engram import EngramConfig, Layout
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table
+from engram.model.table import FP8Table
 from engram.systems import Placement, TieredTable
 
 ROWS, DIM = 500, 64
@@ -226,7 +227,8 @@ _TRUNCATE = textwrap.dedent(
     """
     import os, sys, torch
     from safetensors.torch import save_file
-    from engram.model.table import FP8Table, MmapFP8Table
+    from engram.checkpoint.mmap_table import MmapFP8Table
+    from engram.model.table import FP8Table
     from engram.systems import TieredTable
 
     path = sys.argv[1]

@@ -32,7 +32,7 @@ def test_direct_path_exact_with_prefetch_and_overflow() -> None:
 
 def test_verify_counts_a_corrupted_cached_row(tmp_path) -> None:
     from engram.checkpoint.files import save_tensors
-    from engram.model.table import MmapFP8Table
+    from engram.checkpoint.mmap_table import MmapFP8Table
 
     g = torch.Generator().manual_seed(0)
     table = FP8Table.from_float(torch.randn(200, 64, generator=g))

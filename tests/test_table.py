@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from engram import EngramConfig
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import FP8Table, TrainableTable
+from engram.rowformat.fp8 import BLOCK, check_rows
 from engram.storage import quant
-from engram.storage.fp8 import BLOCK, check_rows
 
 ROWS, DIM = 1000, 64
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from engram.apps.data import load_corpus, split_documents
-from engram.apps.evaluation import MAX_LOSS, perplexity
-from engram.apps.train import (
+from engram.apps.lm.data import load_corpus, split_documents
+from engram.apps.lm.evaluation import MAX_LOSS, perplexity
+from engram.apps.lm.train import (
     DEFAULT_ENGRAM,
     TableOptimizer,
     TrainConfig,
@@ -82,7 +82,7 @@ def test_checkpoint_write_is_atomic(corpus, data, tmp_path, monkeypatch):
     t.train_step()
     t.train_step()
 
-    import engram.apps.train as train_mod
+    import engram.apps.lm.train as train_mod
 
     calls = {"n": 0}
     real = train_mod.save_tensors
@@ -260,7 +260,7 @@ def test_resume_skips_damaged_checkpoints(corpus, data, tmp_path, capsys):
 def test_stale_temporary_folders_are_removed(corpus, data, tmp_path, capsys):
     import subprocess
 
-    from engram.apps.train import remove_stale_tmp
+    from engram.apps.lm.train import remove_stale_tmp
     from engram.cli import main
 
     dead = subprocess.Popen(["true"])
@@ -497,7 +497,7 @@ def test_untied_head(corpus, data):
 
 
 def test_demo_end_to_end(corpus, tmp_path):
-    from engram.apps.demo import run_demo
+    from engram.apps.lm.demo import run_demo
 
     cfg = tiny_cfg(corpus, steps=6, eval_every=3)
     res = run_demo(cfg, seeds=(0, 1), out_dir=tmp_path, progress=False)
@@ -525,8 +525,8 @@ def test_deepseek_tokenizer_training(corpus):
 
 
 def test_presets_validate_and_demo_matches():
-    from engram.apps.demo import DEMO_CONFIG
-    from engram.apps.train import TRAIN_PRESETS
+    from engram.apps.lm.demo import DEMO_CONFIG
+    from engram.apps.lm.train import TRAIN_PRESETS
 
     assert set(TRAIN_PRESETS) == {"tiny", "demo", "small"}
     assert DEMO_CONFIG is TRAIN_PRESETS["demo"] and DEMO_CONFIG.steps == 240
@@ -535,7 +535,7 @@ def test_presets_validate_and_demo_matches():
 
 
 def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
-    import engram.apps.demo as demo
+    import engram.apps.lm.demo as demo
 
     monkeypatch.setattr(demo, "_time_steps", lambda cfg, data: 0.05)  # seconds per step pair, fixed
     cfg = tiny_cfg(corpus, eval_every=0)
@@ -552,8 +552,8 @@ def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
 def test_eval_scans_large_tables_only_with_verify(corpus, data, tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file, save_file
 
-    from engram.checkpoint import integrity
     from engram.cli import main
+    from engram.storage import integrity
 
     cfg = tiny_cfg(corpus, steps=1, eval_every=0)
     Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path).run()
@@ -579,7 +579,7 @@ def test_a_checkpoint_whose_engram_layout_was_edited_is_refused(corpus, data, tm
     fingerprints; a checkpoint written without the fingerprint still loads."""
     from safetensors.torch import load_file, save_file
 
-    from engram.apps.train import layout_metadata
+    from engram.apps.lm.train import layout_metadata
     from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
 
     cfg = tiny_cfg(corpus, steps=2, eval_every=0)

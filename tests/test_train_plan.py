@@ -38,7 +38,7 @@ TOL = 0.10
 @pytest.fixture(scope="module")
 def text_rows() -> np.ndarray:
     """(tokens, layers, heads) rows of the Bible's first 400K characters as bytes."""
-    from engram.apps.corpus import kjv_text
+    from engram.apps.lm.corpus import kjv_text
 
     ids = np.frombuffer(kjv_text(400_000).encode(), dtype=np.uint8).astype(np.int64)
     return NgramHasher(CFG, backend="numpy").hash(ids)

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from engram import EngramConfig, NgramHasher
 from engram.kernels import reference
+from engram.rowformat.fp8 import SCALE_DTYPE, VALUE_DTYPE
 from engram.storage import lookup, quant
-from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE
 
 pytestmark = [
     pytest.mark.triton,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engram.apps.corpus import kjv_verses
-from engram.apps.train import DEFAULT_ENGRAM, TrainConfig
+from engram.apps.lm.corpus import kjv_verses
+from engram.apps.lm.train import DEFAULT_ENGRAM, TrainConfig
 from engram.config import EngramConfig
 
 

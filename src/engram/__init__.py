@@ -11,10 +11,11 @@ from engram.addressing.compression import TokenizerCompression
 from engram.addressing.hashing import HashBackend, NgramHasher
 from engram.addressing.layout import Layout
 from engram.addressing.stream import HashStream
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.config import PRESETS, EngramConfig, Variant
 from engram.model.module import Engram
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
-from engram.model.table import EngramTable, FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import EngramTable, FP8Table, TrainableTable
 
 __all__ = [
     "PRESETS",

@@ -20,7 +20,7 @@ import numpy as np
 import sympy
 
 from engram.config import EngramConfig, MultiplierScheme
-from engram.storage.fp8 import BLOCK, fp8_row_bytes
+from engram.rowformat.fp8 import BLOCK, fp8_row_bytes
 
 __all__ = [
     "LayerLayout",

@@ -13,7 +13,7 @@ import torch
 
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import member_file, open_tensors
-from engram.checkpoint.integrity import SCAN_LIMIT_BYTES, table_fingerprint
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.checkpoint.tokenizer_fit import check_tokenizer_fit
 from engram.checkpoint.v41 import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -24,7 +24,8 @@ from engram.checkpoint.v41 import (
 )
 from engram.config import EngramConfig, Variant
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table
+from engram.model.table import FP8Table
+from engram.storage.integrity import SCAN_LIMIT_BYTES, table_fingerprint
 from engram.storage.rowfile import RowFile, write_row_file
 
 __all__ = [

@@ -32,7 +32,6 @@ from engram.checkpoint.files import (
     open_tensors,
     save_tensors,
 )
-from engram.checkpoint.integrity import check_finite, scan_table
 from engram.checkpoint.shard_format import (
     SHARDS_FOLDER,
     ShardHeader,
@@ -43,6 +42,7 @@ from engram.checkpoint.shard_format import (
     tensor_crc32,
 )
 from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
+from engram.storage.integrity import check_finite, scan_table
 
 __all__ = [
     "MODEL_FILE",

@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import engram
-from engram.checkpoint.integrity import UnscannedTableWarning
 from engram.cli import addressing, bench, checkpoint, generate, gguf, serve, study, systems
 from engram.cli.hf import register as register_hf
 from engram.cli.train import add_training_commands
+from engram.storage.integrity import UnscannedTableWarning
 
 __all__ = ["build_parser", "main"]
 

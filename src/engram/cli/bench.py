@@ -1,6 +1,6 @@
 """`engram bench`: run the benchmark suite (`engram.benchmarks`) and print one table of ratios.
 
-The suite, its runner and the table are `engram.apps.bench`'s; the benchmarks ship inside the
+The suite, its runner and the table are `engram.apps.tools.bench`'s; the benchmarks ship inside the
 package, so this works from an installed wheel as from a source checkout. `--list` names them. A name
 `--only` gives that is not a benchmark is refused (exit 2); a benchmark it names that cannot run on this
 machine (no CUDA, no vLLM) is reported in its row and the exit status is 1.
@@ -13,7 +13,14 @@ import json
 import sys
 from typing import Any
 
-from engram.apps.bench import SUITE, check_names, describe_suite, device_copy_gb_per_s, format_rows, run_suite
+from engram.apps.tools.bench import (
+    SUITE,
+    check_names,
+    describe_suite,
+    device_copy_gb_per_s,
+    format_rows,
+    run_suite,
+)
 from engram.cli.options import input_folder
 
 __all__ = ["register"]

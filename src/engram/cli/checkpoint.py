@@ -2,7 +2,7 @@
 
 `convert` rewrites a checkpoint's tables as FP8 or float (`engram.checkpoint.convert.convert_table`);
 `run-layer` runs the V4.1 Engram layers of a checkpoint, or of a scaled one it builds, over a text
-(`engram.apps.run_layer.run_layer`) and prints the report. Only argument handling and printing here.
+(`engram.apps.tools.run_layer.run_layer`) and prints the report. Only argument handling and printing here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engram.apps.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
+from engram.apps.tools.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
 from engram.cli.options import (

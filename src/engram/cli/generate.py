@@ -1,6 +1,6 @@
 """`engram generate`: continue a prompt with a trained checkpoint, optionally with offloaded tables.
 
-The generation itself is `engram.apps.generate` (`load_generator`, `generate`); the offload is
+The generation itself is `engram.apps.lm.generate` (`load_generator`, `generate`); the offload is
 `engram.systems.offload_engram`. Only option checks, the run and the printing here.
 """
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from typing import Any
 
-from engram.apps.generate import MIN_TEMPERATURE, check_options, generate, load_generator
+from engram.apps.lm.generate import MIN_TEMPERATURE, check_options, generate, load_generator
 from engram.cli.options import (
     add_verify_option,
     human_bytes,

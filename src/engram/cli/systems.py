@@ -4,7 +4,7 @@ serve, and (`engram.cli.plan_train`) what training it row-sharded costs per rank
 
 Texts are tokenised and hashed with the config's layout. By default the profile (the pinned
 policies' rows, and every cache's starting contents) is counted on the King James Bible's training
-books and the replay runs on its held-out books (`engram.apps.data`'s split), so no policy is scored
+books and the replay runs on its held-out books (`engram.apps.lm.data`'s split), so no policy is scored
 on the text it was built from; a --text-file without a profile is split the same way (its last
 10 % replayed). The work is `engram.systems.cache_sim`, `.profile` and `.planner`'s; only argument
 handling and printing here.
@@ -35,7 +35,7 @@ from engram.cli.options import (
     text_from_args,
 )
 from engram.cli.plan_train import add_plan_train
-from engram.storage.fp8 import fp8_row_bytes
+from engram.rowformat.fp8 import fp8_row_bytes
 from engram.systems.cache_sim import CacheSimReport, plot_hit_rates, simulate_cache
 from engram.systems.planner import PCIE_GBPS, SSD_GBPS, SSD_READ_BYTES, plan_memory
 from engram.systems.policies import (
@@ -131,8 +131,8 @@ def _replay_options(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------- texts
 def _kjv_parts(max_chars: int | None) -> dict[str, str]:
-    from engram.apps.corpus import kjv_text
-    from engram.apps.data import load_corpus, split_documents
+    from engram.apps.lm.corpus import kjv_text
+    from engram.apps.lm.data import load_corpus, split_documents
 
     train, held = split_documents(load_corpus("kjv"))
     parts = {"kjv": kjv_text(), "kjv-train": "\n".join(d.text for d in train),

@@ -33,7 +33,7 @@ EMBEDDING_OPTIMIZERS = ("adamw", "sinkhorn")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from engram.apps.demo import DEMO_CONFIG, print_summary, run_demo
+    from engram.apps.lm.demo import DEMO_CONFIG, print_summary, run_demo
 
     set_threads(args)
     cfg = DEMO_CONFIG
@@ -64,7 +64,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _train_config(args: argparse.Namespace) -> Any:
-    from engram.apps.train import TRAIN_PRESETS, TrainConfig
+    from engram.apps.lm.train import TRAIN_PRESETS, TrainConfig
 
     if args.config and args.preset:
         raise ValueError("give --config or --preset, not both")
@@ -107,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--sharded-checkpoints applies to sharded tables: add --distributed (under torchrun); one "
             "process writes whole tables"
         )
-    from engram.apps.train import Trainer, build_model, prepare_data
+    from engram.apps.lm.train import Trainer, build_model, prepare_data
 
     set_threads(args)
     cfg = _train_config(args)
@@ -123,7 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) -> None:
     """Clear interrupted writes (main rank: `verbose`), then continue the newest intact checkpoint."""
-    from engram.apps.train import latest_checkpoint, remove_stale_tmp
+    from engram.apps.lm.train import latest_checkpoint, remove_stale_tmp
 
     if verbose:
         for folder, why in remove_stale_tmp(out):
@@ -153,7 +153,7 @@ def _train_and_report(
     (bar and summary on the main rank only; every rank runs the loop and the evaluation)."""
     from tqdm.auto import tqdm
 
-    from engram.apps.train import latest_checkpoint
+    from engram.apps.lm.train import latest_checkpoint
 
     cfg = trainer.cfg
     bar = tqdm(
@@ -197,15 +197,9 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
     """`engram train --distributed` on one rank of a torchrun launch: gloo on CPU, NCCL on GPU."""
     import torch.distributed as dist
 
-    from engram.apps.train import prepare_data
-    from engram.distributed import (
-        DistributedTrainer,
-        TableInit,
-        build_distributed_model,
-        global_num_params,
-        init_distributed,
-        table_owners,
-    )
+    from engram.apps.lm.train import prepare_data
+    from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
+    from engram.distributed import TableInit, global_num_params, init_distributed, table_owners
 
     cfg = _train_config(args)  # config errors before any process group is started
     env = init_distributed(threads=args.threads, timeout=args.collective_timeout)
@@ -244,8 +238,8 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from engram.apps.run_checkpoint import check_run_tokenizer
-    from engram.apps.train import checkpoint_tokenizer, evaluate, load_trained_model, prepare_data
+    from engram.apps.lm.run_checkpoint import check_run_tokenizer
+    from engram.apps.lm.train import checkpoint_tokenizer, evaluate, load_trained_model, prepare_data
 
     set_threads(args)
     cfg, model, state = load_trained_model(args.checkpoint, verify=args.verify)

@@ -28,27 +28,28 @@ from engram.distributed.guard import (
     named_failures,
     tensor_digest,
 )
-from engram.distributed.hf import (
-    SHARDED_STATE_KEY,
-    ReplicatedTableSync,
-    ShardedTableSync,
-    TableSync,
-    prepare_data_parallel,
-)
-from engram.distributed.hf_checkpoint import (
+from engram.distributed.hf.checkpoint import (
     SHARDS_FOLDER,
     export_fp8,
     load_table_shards,
     save_engram,
     save_table_shards,
 )
-from engram.distributed.hf_fsdp import fully_shard_backbone
+from engram.distributed.hf.data_parallel import (
+    SHARDED_STATE_KEY,
+    ReplicatedTableSync,
+    ShardedTableSync,
+    TableSync,
+    prepare_data_parallel,
+)
+from engram.distributed.hf.fsdp import fully_shard_backbone
 from engram.distributed.launch import TORCHRUN_VARS, Backend, DistEnv, init_distributed
 from engram.distributed.memory_budget import ShardMemoryError
 from engram.distributed.parallelize import (
     TableInit,
     all_reduce_grads,
     build_sharded_model,
+    global_num_params,
     prefetch_model_rows,
     shard_engram_tables,
     sharded_tables,
@@ -67,7 +68,6 @@ from engram.distributed.sharded_table import (
     sync_table_grads,
 )
 from engram.distributed.sinkhorn import ShardedSinkhorn
-from engram.distributed.train import DistributedTrainer, build_distributed_model, global_num_params
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",
@@ -77,7 +77,6 @@ __all__ = [
     "TORCHRUN_VARS",
     "Backend",
     "DistEnv",
-    "DistributedTrainer",
     "EngramShardsCallback",
     "RankError",
     "ReplicatedTableSync",
@@ -90,7 +89,6 @@ __all__ = [
     "all_reduce_grads",
     "all_values",
     "bounded_group",
-    "build_distributed_model",
     "build_sharded_model",
     "check_owners",
     "chunked_normal",
@@ -121,9 +119,18 @@ __all__ = [
 ]
 
 
+MOVED_TO_APPS = ("DistributedTrainer", "build_distributed_model")
+
+
 def __getattr__(name: str):  # EngramShardsCallback imports transformers: loaded on first use
     if name == "EngramShardsCallback":
-        from engram.distributed.hf_trainer import EngramShardsCallback
+        from engram.distributed.hf.trainer import EngramShardsCallback
 
         return EngramShardsCallback
+    if name in MOVED_TO_APPS:  # the small LM's trainer is a program: it moved up with the others
+        raise AttributeError(
+            f"engram.distributed.{name} moved to engram.apps.lm.train_distributed (the small LM's "
+            f"multi-process trainer is a program, not part of the library): "
+            f"from engram.apps.lm.train_distributed import {name}"
+        )
     raise AttributeError(f"module 'engram.distributed' has no attribute {name!r}")

@@ -195,7 +195,7 @@ def process_limits(
 
 
 # ------------------------------------------------------------------------------------------- needs
-# engram train --table-optimizer's names -> the classes (engram.apps.train.Trainer._table_optimizer)
+# engram train --table-optimizer's names -> the classes (engram.apps.lm.train.Trainer._table_optimizer)
 _CLASS_NAMES = {"adam": "SparseRowAdam", "adagrad": "SparseRowAdagrad", "dense-adam": "DenseTableAdam"}
 
 

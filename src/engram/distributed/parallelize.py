@@ -24,6 +24,7 @@ __all__ = [
     "TableInit",
     "all_reduce_grads",
     "build_sharded_model",
+    "global_num_params",
     "prefetch_model_rows",
     "shard_engram_tables",
     "sharded_tables",
@@ -114,7 +115,7 @@ def build_sharded_model(
     Built under torch.manual_seed(seed) with EngramLM's `table_factory`: the backbone draws first,
     then the Engram modules' dense weights, zero-initialised as EngramLM does; the tables draw nothing
     from torch's generator (row r of layer l's table is `chunked_normal`'s, from `table_seed(seed, l)`).
-    So it is the initial model of `engram.apps.train.build_model` (whose tables are those rows too),
+    So it is the initial model of `engram.apps.lm.train.build_model` (whose tables are those rows too),
     bit for bit, on every rank and for every world size: one process reproduces what N ranks train.
     """
     if config.engram is None:
@@ -193,3 +194,12 @@ def all_reduce_grads(
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return flat[offset:] if extra is not None else None
+
+
+def global_num_params(model: EngramLM) -> dict[str, int]:
+    """model.num_params() counting every ShardedTable at its full size (not this rank's shard)."""
+    counts = model.num_params()
+    extra = sum(t.num_rows * t.dim - t.weight.numel() for t in sharded_tables(model))
+    counts["total"] += extra
+    counts["engram_tables"] += extra
+    return counts

@@ -19,7 +19,7 @@ from torch import nn
 from engram.distributed.exchange_stats import record_grads, record_prefetch
 from engram.model.table import EngramTable
 from engram.model.table_init import INIT_CHUNK_ROWS, chunked_normal  # (re-exported)
-from engram.storage.fp8 import check_rows
+from engram.rowformat.fp8 import check_rows
 
 __all__ = [
     "INIT_CHUNK_ROWS",

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
-from engram.apps.input_files import path_kind
 from engram.checkpoint.files import member_file
+from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41 import foreign_config, load_engram_modules, read_checkpoint_config, save_checkpoint

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engram.storage import quant
+from engram.rowformat.fp8 import scale_bytes_to_float
 
 __all__ = [
     "check_gate_inputs",
@@ -76,7 +76,7 @@ def fp8_gather(
     """(..., D) in `dtype`: fp8 values of the rows times their blocks' 2^(b - 127), in float32, then cast."""
     nb = scales.shape[1]
     v = values.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()  # (..., D)
-    s = quant.scale_bytes_to_float(scales.view(torch.uint8)[rows])  # (..., nb)
+    s = scale_bytes_to_float(scales.view(torch.uint8)[rows])  # (..., nb)
     return (v.unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
 
 

@@ -3,7 +3,7 @@ per block of values -> dequantised rows in bfloat16, float32 or float16, in one 
 
 Bit-exact to `engram.storage.lookup.dequantize_gather` for every finite value, by integer bit
 manipulation (no reliance on the GPU's fp8 support). Checks nothing, so never syncs: row ids are
-the caller's to validate (`engram.storage.fp8.check_rows`), a 255 scale byte gives NaN rows.
+the caller's to validate (`engram.rowformat.fp8.check_rows`), a 255 scale byte gives NaN rows.
 Design: docs/kernels.md.
 """
 

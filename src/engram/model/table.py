@@ -1,31 +1,28 @@
 """Engram tables: one physical table per Engram layer, rows addressed by `NgramHasher` rows.
 
 `EngramTable` is the interface every table kind implements (`num_rows`, `dim`, `gather`);
-`TrainableTable` (a parameter with sparse gradients), `FP8Table` (frozen FP8 buffers) and
-`MmapFP8Table` (memory-mapped, rows read on demand) implement it. This file only stores tables
-and routes rows to them: dequantisation is `engram.storage.quant`'s, row gathers
-`engram.storage.lookup`'s, safetensors files `engram.checkpoint.files`'s. Design: docs/model.md.
+`TrainableTable` (a parameter with sparse gradients) and `FP8Table` (frozen FP8 buffers) implement it
+here; the file-backed `MmapFP8Table` lives where files are known (`engram.checkpoint.mmap_table`).
+This file only stores tables and routes rows to them: dequantisation is `engram.storage.quant`'s, row
+gathers `engram.storage.lookup`'s. Design: docs/model.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram.checkpoint.files import open_tensors
 from engram.model.table_init import RowInit
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 from engram.storage import hugepages, lookup, quant
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 from engram.storage.outpool import OutputPool
 
-__all__ = ["EngramTable", "FP8Table", "MmapFP8Table", "TrainableTable"]
+__all__ = ["EngramTable", "FP8Table", "TrainableTable", "dequantize_table", "fp8_table_shape", "gather_fp8"]
 
 # Rows per chunk when quantising / dequantising a whole table: bounds the float temporaries to a
 # few tens of MiB whatever the table size.
@@ -190,7 +187,7 @@ class TrainableTable(EngramTable):
 # ------------------------------------------------------------------------------------------ FP8 tables
 
 
-def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int]:
+def fp8_table_shape(values: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int]:
     """Validate a stored FP8 table pair; return (num_rows, dim). `what` names it in errors."""
     for t, name, expected in ((values, "values", VALUE_DTYPE), (scales, "scales", SCALE_DTYPE)):
         if not isinstance(t, torch.Tensor):
@@ -219,7 +216,7 @@ def _check_fp8_pair(values: torch.Tensor, scales: torch.Tensor, what: str) -> tu
     return int(rows), int(dim)
 
 
-def _gather_fp8(
+def gather_fp8(
     values: torch.Tensor,
     scales: torch.Tensor,
     rows: torch.Tensor,
@@ -238,7 +235,7 @@ def _gather_fp8(
     return lookup.dequantize_gather(values, scales, rows, dtype, out)
 
 
-def _dequantize_table(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_table(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The whole table [rows, dim] in `dtype`, dequantised chunk by chunk (bounded temporaries)."""
     n, dim = values.shape
     work = torch.float32 if dtype == torch.float64 else dtype
@@ -265,7 +262,7 @@ class FP8Table(EngramTable):
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
-        self.num_rows, self.dim = _check_fp8_pair(values, scales, "FP8Table")
+        self.num_rows, self.dim = fp8_table_shape(values, scales, "FP8Table")
         self.register_buffer("weight", values)  # (rows, dim) float8_e4m3fn
         self.register_buffer("scale", scales)  # (rows, dim // 32) float8_e8m0fnu
         self.out_pool = OutputPool()  # reused CPU outputs of gather (a plain attribute, not state)
@@ -291,14 +288,14 @@ class FP8Table(EngramTable):
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole table [rows, dim] dequantised to `dtype` (exact in float32), chunk by chunk."""
-        return _dequantize_table(self.weight, self.scale, dtype)
+        return dequantize_table(self.weight, self.scale, dtype)
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """rows (...) int64/int32 on the table's device -> (..., dim) in `dtype` (default fp32).
 
         Repeated ids are dequantised once (lookup.dequantize_gather); ids outside [0, rows) raise.
         """
-        return _gather_fp8(self.weight, self.scale, rows, dtype, self.out_pool)
+        return gather_fp8(self.weight, self.scale, rows, dtype, self.out_pool)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Table:
         # Probe what `fn` does on an empty tensor of the same kind: if it changes the dtype (a parent's
@@ -309,77 +306,3 @@ class FP8Table(EngramTable):
             probe = fn(torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=t.device))
             self._buffers[name] = fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
         return self
-
-
-class MmapFP8Table(EngramTable):
-    """An FP8 table memory-mapped from a safetensors file: `gather` reads only the requested rows.
-
-    `weight` (float8_e4m3fn [rows, dim]) and `scale` (float8_e8m0fnu [rows, dim // 32]) are read-only
-    views of the file, not buffers: they stay on the host (a state_dict does not hold them, `.to()` leaves
-    them), and `gather(rows, dtype, device)` returns rows on `device` (default: the rows' device). The
-    file's page cache is the only copy (pages are read as touched), so a table larger than RAM works:
-    the mapping is read-only and shared (`TensorFile.mapped`), which the kernel does not count against
-    RAM + swap, and a write to it raises.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        weight_name: str,
-        scale_name: str,
-        *,
-        scale_path: str | os.PathLike[str] | None = None,
-    ) -> None:
-        super().__init__()
-        self.path = Path(path)
-        self.scale_path = self.path if scale_path is None else Path(scale_path)
-        self.weight_name, self.scale_name = weight_name, scale_name
-        values_file = open_tensors(self.path)
-        w = values_file.expect(weight_name, VALUE_DTYPE, ["rows", "dim"], mapped=True)
-        if w.shape[0] < 1 or w.shape[1] % BLOCK or w.shape[1] == 0:
-            raise ValueError(
-                f"{self.path}: tensor {weight_name!r} has shape {list(w.shape)}, expected [rows >= 1, dim] "
-                f"with dim a positive multiple of {BLOCK}"
-            )
-        rows, dim = w.shape
-        self.weight = w  # (rows, dim) float8_e4m3fn, file-backed
-        scales_file = values_file if self.scale_path == self.path else open_tensors(self.scale_path)
-        self.scale = scales_file.expect(  # (rows, dim // 32) float8_e8m0fnu, file-backed
-            scale_name, SCALE_DTYPE, [rows, dim // BLOCK], mapped=True
-        )
-        self.num_rows, self.dim = _check_fp8_pair(self.weight, self.scale, f"MmapFP8Table({self.path})")
-        # a read of a mapped page cut off by a truncation is a SIGBUS: checked before each batch of reads
-        self._watches = [values_file.watch()] + ([] if scales_file is values_file else [scales_file.watch()])
-        self.out_pool = OutputPool()  # reused host outputs of gather
-
-    def check_files(self) -> None:
-        """Raise ValueError naming the file if a mapped file was truncated since it was opened (reading
-        it would kill the process with SIGBUS): one fstat per file, before each batch of reads."""
-        for watch in self._watches:
-            watch.check()
-
-    def gather(
-        self,
-        rows: torch.Tensor,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> torch.Tensor:
-        """rows (...) int64/int32 (any device) -> (..., dim) in `dtype` on `device` (default rows.device).
-
-        The rows are gathered and dequantised on the host, then copied once to the device.
-        """
-        if not isinstance(rows, torch.Tensor):
-            raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
-        target = rows.device if device is None else torch.device(device)
-        host_rows = rows if rows.device.type == "cpu" else rows.cpu()  # sync point: ids to the host
-        self.check_files()
-        out = _gather_fp8(self.weight, self.scale, host_rows, dtype, self.out_pool)
-        return out if target.type == "cpu" else out.to(target, non_blocking=False)
-
-    def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole table [rows, dim] dequantised to `dtype` in memory (reads the whole file)."""
-        self.check_files()
-        return _dequantize_table(self.weight, self.scale, dtype)
-
-    def extra_repr(self) -> str:
-        return f"num_rows={self.num_rows}, dim={self.dim}, path={str(self.path)!r}"

@@ -1,6 +1,6 @@
 """Row lookups: gather selected rows of a whole (possibly huge or memory-mapped) Engram table.
 
-`dequantize_gather` decodes FP8 rows (`engram.storage.fp8`'s format) without converting the rest of
+`dequantize_gather` decodes FP8 rows (`engram.rowformat.fp8`'s format) without converting the rest of
 the table; `gather_rows` is the same for plain float tables. Backends (`LookupBackend`) give identical
 bits: the fused numba kernels of `engram.kernels.cpu_lookup` (CPU), the Triton gather (CUDA) and the
 torch reference twin. Row ids are checked on every call. Knows nothing of modules or tiers.
@@ -16,7 +16,7 @@ import torch
 
 from engram import kernels
 from engram.kernels.threads import check_threads, resolve_threads
-from engram.storage.fp8 import (
+from engram.rowformat.fp8 import (
     BLOCK,
     check_dequant_dtype,
     check_fp8_pair,

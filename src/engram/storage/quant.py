@@ -2,7 +2,7 @@
 
 `quantize_rows` turns float rows [..., D] into (e4m3 values, ue8m0 scales per 32 values);
 `dequantize_rows` / `dequantize_into` decode them, exact in float32. The format's constants and checks
-are `engram.storage.fp8`'s, gathering rows of a whole table `engram.storage.lookup`'s. The rounding
+are `engram.rowformat.fp8`'s, gathering rows of a whole table `engram.storage.lookup`'s. The rounding
 decisions (scale clamp, the 240 cap near float32's max, zero blocks) are in docs/storage.md.
 """
 
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from engram.storage.fp8 import (
+from engram.rowformat.fp8 import (
     BLOCK,
     SCALE_DTYPE,
     VALUE_DTYPE,
@@ -20,7 +20,9 @@ from engram.storage.fp8 import (
     check_dequant_dtype,
     check_fp8_pair,
     check_scale_bytes,
+    exp2_bits,
     prepare_out,
+    scale_bytes_to_float,
 )
 
 __all__ = ["dequantize_into", "dequantize_rows", "quantize_rows", "scale_bytes_to_float"]
@@ -67,19 +69,6 @@ def _row_name(flat_row: int, lead_shape: tuple[int, ...]) -> str:
     return f"row {_unravel(flat_row, lead_shape)} (flat row {flat_row})"
 
 
-def _exp2_bits(b: torch.Tensor) -> torch.Tensor:
-    """Scale bytes (uint8 / int, any shape) -> float32 ``2**(b - 127)``, built exactly from the bits.
-
-    For b in 1..254 the float32 with exponent field b and zero mantissa is exactly 2**(b - 127).
-    b = 0 is the subnormal 2**-127 (mantissa bit 22 alone); b = 255 is NaN (quiet NaN bits).
-    """
-    bi = b.to(torch.int32)
-    bits = bi << 23
-    bits = torch.where(bi == 0, torch.full_like(bits, 1 << 22), bits)
-    bits = torch.where(bi == 255, torch.full_like(bits, 0x7FC00000), bits)
-    return bits.view(torch.float32)
-
-
 def dequantize_into(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: torch.Tensor) -> None:
     """Dequantise uint8 bytes v_u8 [R, D] (fp8 e4m3) with scale bytes s_u8 [R, D // block] into out2d [R, D].
 
@@ -92,7 +81,7 @@ def dequantize_into(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: t
         stop = min(start + step, n_rows)
         r = stop - start
         vals = v_u8[start:stop].view(VALUE_DTYPE).float().view(r, nb, block)  # exact: fp8 ⊂ fp32
-        scale = _exp2_bits(s_u8[start:stop]).unsqueeze(-1)  # [r, nb, 1], exact powers of two
+        scale = exp2_bits(s_u8[start:stop]).unsqueeze(-1)  # [r, nb, 1], exact powers of two
         dst = out2d[start:stop].view(r, nb, block)
         if out2d.dtype == torch.float32:
             torch.mul(vals, scale, out=dst)  # exact product
@@ -101,18 +90,6 @@ def dequantize_into(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: t
 
 
 # ------------------------------------------------------------------------------------------- public API
-
-
-def scale_bytes_to_float(scales: torch.Tensor) -> torch.Tensor:
-    """ue8m0 scales (``float8_e8m0fnu`` or raw ``uint8`` bytes, any shape) -> float32 ``2**(b - 127)``.
-
-    Exact for every byte; byte 0 gives the subnormal 2**-127 and byte 255 gives NaN (this helper does not
-    raise; the dequantisers do).
-    """
-    if not isinstance(scales, torch.Tensor) or scales.dtype not in (SCALE_DTYPE, torch.uint8):
-        found = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
-        raise TypeError(f"scales has dtype {found}, expected {SCALE_DTYPE} (or raw torch.uint8 bytes)")
-    return _exp2_bits(scales.view(torch.uint8))
 
 
 def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +147,7 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
         e = expo - 9 + (mant > 0.875).to(torch.int32)
         e = e.clamp_(_MIN_EXP, _MAX_EXP)
         b = torch.where(amax == 0, torch.full_like(e, _ZERO_BLOCK_BYTE), e + 127)  # [r, nb] in 1..254
-        scale = _exp2_bits(b).unsqueeze(-1)  # [r, nb, 1], exact 2**e, always a normal float32
+        scale = exp2_bits(b).unsqueeze(-1)  # [r, nb, 1], exact 2**e, always a normal float32
         # x / 2**e is exact unless it lands below 2**-126, where e4m3 rounds it to zero anyway, so the
         # only rounding is the single round-to-nearest-even into e4m3; |x / s| <= 448 so nothing saturates.
         y = xb / scale  # [r, nb, block]

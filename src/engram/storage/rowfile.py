@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.checkpoint.integrity import check_fp8_rows, scan_table
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_fp8_pair, fp8_row_bytes
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_fp8_pair, fp8_row_bytes
+from engram.storage.integrity import check_fp8_rows, scan_table
 
 __all__ = [
     "MAGIC",
@@ -188,7 +188,7 @@ def write_row_file(
     file at `path` (through a temporary file, fsynced, then renamed); returns the path.
 
     `identity` (<= 64 ASCII bytes) names the layout the rows were hashed with and `tables` the table they
-    were copied from (`engram.checkpoint.integrity.table_fingerprint`), so a reader can refuse a file made
+    were copied from (`engram.storage.integrity.table_fingerprint`), so a reader can refuse a file made
     for another layout or another checkpoint of the same layout; `label` is free text (the config's name)."""
     check_fp8_pair(values, scales)
     if values.dim() != 2 or values.device.type != "cpu":
@@ -293,7 +293,7 @@ class RowFile:
     `expect_rows` / `expect_dim` / `expect_identity` / `expect_tables` / `expect_layer_id`: refuse a file
     whose header differs (made for another layout, checkpoint or layer). `direct`: open with O_DIRECT (no
     page cache); where the filesystem refuses it, a warning says so and the file is read through the page
-    cache. Every row is scanned for NaN bytes (as `engram.checkpoint.integrity` scans a checkpoint's
+    cache. Every row is scanned for NaN bytes (as `engram.storage.integrity` scans a checkpoint's
     tables) when the rows take at most `SCAN_LIMIT_BYTES`, or always with `verify`; else a warning says
     the file was not scanned.
     """

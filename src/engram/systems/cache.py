@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from engram.kernels import cpu_cache
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 from engram.storage import lookup
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 from engram.systems.policies import LRU, CachePolicy, default_policy, make_policy
 
 __all__ = ["CachePlan", "RowCache"]

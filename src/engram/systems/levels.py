@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.kernels import cpu_cache
-from engram.model.table import EngramTable, FP8Table, MmapFP8Table
+from engram.model.table import EngramTable, FP8Table
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_row_ids, check_rows, fp8_row_bytes
 from engram.storage import lookup
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_row_ids, check_rows, fp8_row_bytes
 from engram.storage.outpool import OutputPool
 from engram.storage.rowfile import RowFile
 from engram.systems.cache import RowCache

@@ -20,8 +20,9 @@ from torch import nn
 
 from engram.addressing.hashing import NgramHasher
 from engram.checkpoint.files import save_tensors
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import FP8Table, TrainableTable
 from engram.systems.background import PrefetchHandle
 from engram.systems.placement import Placement, as_placement
 from engram.systems.tiered import TieredTable

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engram.storage.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
 from engram.systems.cache import RowCache
 
 __all__ = [

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.kernels import cpu_cache
-from engram.model.table import EngramTable, FP8Table, MmapFP8Table
+from engram.model.table import EngramTable, FP8Table
+from engram.rowformat.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
 from engram.storage import lookup
-from engram.storage.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
 from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
 from engram.systems.cache import CachePlan, RowCache

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engram.addressing.compression import TokenizerCompression
-from engram.apps.input_files import path_kind
+from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.v41 import stored_tables
 from engram.config import EngramConfig, Variant
 from engram.hf.io import PART_FOLDER, TOKENIZER_FILE, check_part, part_folder

@@ -2,7 +2,7 @@
 
 `EngramLlamaForCausalLM` (and the Mistral, Qwen2 and Qwen3 twins) is vLLM's model class with three
 additions, made by `EngramServing`:
-- at build time, the served folder's Engram part (read and checked by the registry, `served_part`) is
+- at build time, the served folder's Engram part (read and checked with its options by the registry, `served_plan`) is
   loaded by our loader with tables where the options say (`engram.vllm.tables`); the modules sit
   under `engram.layers.<layer id>`, the names `engram.hf` gives them;
 - at every forward, before vLLM's compiled decoder stack runs, the step's rows are computed on the
@@ -34,10 +34,9 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from engram.addressing.hashing import NgramHasher
 from engram.vllm.entrance import Entrance, Served, Step, register_splitting_op
 from engram.vllm.folder import EngramPart
-from engram.vllm.options import OPTIONS_KEY, serve_options
-from engram.vllm.registry import check_vllm_version, served_part
+from engram.vllm.registry import check_vllm_version, served_plan
 from engram.vllm.slots import SlotTokens
-from engram.vllm.tables import load_tables, prefetch, table_stats
+from engram.vllm.tables import build_tables, prefetch, table_stats
 from engram.vllm.tensor_parallel import shard_tables
 
 __all__ = [
@@ -81,18 +80,18 @@ class EngramServing:
                 f"engram-lm's vLLM plugin serves pipeline_parallel_size=1 (later stages get no token ids to "
                 f"hash); got {pc.pipeline_parallel_size}: use tensor parallelism instead"
             )
-        part = served_part(mc)  # checked in the user's process already (the registry): cached or re-read
-        hf = mc.hf_text_config
+        plan = served_plan(mc)  # part and options checked once, in the user's process (the registry)
+        part = plan.part
         register_splitting_op(vllm_config.compilation_config)  # before vLLM's model builds its compiler
         if isinstance(vllm_config.additional_config, dict):  # in vLLM's compile-cache key: a graph
             # compiled for a part at other layers is never loaded for this one
             vllm_config.additional_config["engram_layers"] = list(part.config.layer_ids)
         super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
         self.engram_part: EngramPart = part
-        self.engram_options = serve_options(getattr(hf, OPTIONS_KEY, None))
+        self.engram_options = plan.options
         self.engram_dtype = mc.dtype
         with torch.device("cpu"):  # our loader's tensors, whatever device vLLM builds under
-            modules = load_tables(part, self.engram_options, mc.dtype)
+            modules = build_tables(plan, mc.dtype)
         if pc.tensor_parallel_size > 1:  # each TP rank keeps its share of every table's rows
             from vllm.distributed import (
                 get_tensor_model_parallel_rank,

@@ -1,7 +1,8 @@
 """The served model's Engram options (`hf_overrides={"vllm_engram": {...}}` in vLLM), read and checked
 against the part they serve: where the tables live (`TableMode`, the table of `engram.vllm.tables`)
 and the hot-row cache's share of each table. Light (no numba, no vLLM): the registry checks them in
-the process the user started, before any worker, and the model again where it builds the tables.
+the process the user started, before any worker: `serve_plan` checks them against the part once, and
+the model builds its tables from that `ServePlan` without checking again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from typing import Any
 from engram.checkpoint.convert import open_row_file, row_file_path
 from engram.vllm.folder import EngramPart
 
-__all__ = ["OPTIONS_KEY", "ServeOptions", "TableMode", "check_options", "serve_options"]
+__all__ = [
+    "OPTIONS_KEY",
+    "ServeOptions",
+    "ServePlan",
+    "TableMode",
+    "check_options",
+    "serve_options",
+    "serve_plan",
+]
 
 OPTIONS_KEY = "vllm_engram"  # the served model config's attribute holding the options (a dict)
 
@@ -78,3 +87,20 @@ def check_options(part: EngramPart, options: ServeOptions) -> None:
             )
         for lid in part.config.layer_ids:
             open_row_file(part.part, lid).close()
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """A part and the options it is served with, checked against each other: made by `serve_plan` only,
+    so whoever holds one (the registry's cache, the model's build) need not check again."""
+
+    part: EngramPart
+    options: ServeOptions
+
+
+def serve_plan(part: EngramPart, options: ServeOptions | dict[str, Any] | None) -> ServePlan:
+    """`options` (checked `ServeOptions`, or the raw `vllm_engram` value) checked against `part`: the one
+    place the serving options are checked. Raises ValueError naming the value and the fix."""
+    checked = options if isinstance(options, ServeOptions) else serve_options(options)
+    check_options(part, checked)
+    return ServePlan(part, checked)

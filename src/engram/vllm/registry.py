@@ -32,6 +32,7 @@ __all__ = [
     "engram_architectures",
     "register",
     "served_part",
+    "served_plan",
 ]
 
 # HF architecture name -> ours; the vLLM model each one subclasses is in engram.vllm.model
@@ -43,7 +44,7 @@ ARCHITECTURES = {
 }
 SUPPORTED_VLLM = "0.32"  # the release series whose model interface the plugin is written against
 _HOOKED = "_engram_resolution_hooked"
-_CHECKED: dict[tuple[Any, ...], Any] = {}  # served_part's answers in this process (vLLM asks several times)
+_CHECKED: dict[tuple[Any, ...], Any] = {}  # served_plan's answers in this process (vLLM asks several times)
 
 
 def check_vllm_version(version: str | None = None) -> None:
@@ -75,8 +76,8 @@ def has_engram_part(folder: Any) -> bool:
     return (part / CONFIG_FILE).is_file() or (Path(folder).is_dir() and os.path.lexists(part))
 
 
-def served_part(model_config: Any) -> Any:
-    """The Engram part (`engram.vllm.folder.EngramPart`) of the folder `model_config` serves, read and
+def served_plan(model_config: Any) -> Any:
+    """The `engram.vllm.options.ServePlan` of the folder `model_config` serves: its Engram part, read and
     checked against the backbone its config names (hidden size, layers, vocabulary, the tokenizer's
     fingerprint), and the `vllm_engram` options against the part. Raises naming the value and the fix.
     Cheap and light (no numba): the registry calls it where vLLM resolves the architecture, in the
@@ -84,7 +85,7 @@ def served_part(model_config: Any) -> Any:
     from engram.checkpoint.v41 import CONFIG_FILE
     from engram.hf.io import PART_FOLDER
     from engram.vllm.folder import read_part
-    from engram.vllm.options import OPTIONS_KEY, check_options, serve_options
+    from engram.vllm.options import OPTIONS_KEY, serve_plan
 
     hf = model_config.hf_text_config
     tok = model_config.tokenizer
@@ -99,9 +100,13 @@ def served_part(model_config: Any) -> Any:
         part = read_part(
             folder, hidden_size=shape[0], num_layers=shape[1], vocab_size=shape[2], tokenizer_dir=tok
         )
-        check_options(part, serve_options(options))
-        _CHECKED[key] = part
+        _CHECKED[key] = serve_plan(part, options)
     return _CHECKED[key]
+
+
+def served_part(model_config: Any) -> Any:
+    """The Engram part (`engram.vllm.folder.EngramPart`) of `served_plan(model_config)`."""
+    return served_plan(model_config).part
 
 
 def engram_architectures(architectures: str | list[str], model_config: Any) -> list[str]:

@@ -24,17 +24,19 @@ import torch
 from torch import nn
 
 from engram.checkpoint.convert import open_row_file
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.checkpoint.v41 import load_engram_modules
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table
+from engram.model.table import FP8Table
 from engram.systems import LevelTable, TieredTable, offload_engram
 from engram.vllm.folder import EngramPart
-from engram.vllm.options import OPTIONS_KEY, ServeOptions, TableMode, check_options, serve_options
+from engram.vllm.options import OPTIONS_KEY, ServeOptions, ServePlan, TableMode, serve_options, serve_plan
 
 __all__ = [
     "OPTIONS_KEY",
     "ServeOptions",
     "TableMode",
+    "build_tables",
     "load_tables",
     "prefetch",
     "serve_options",
@@ -44,8 +46,14 @@ __all__ = [
 
 def load_tables(part: EngramPart, options: ServeOptions, dtype: torch.dtype) -> dict[int, Engram]:
     """The part's Engram modules ({layer_id: Engram}, weights in `dtype`) with tables where `options`
-    say. Refuses an FP8 mode for a float part and `rowfile` without the row files, naming the fix."""
-    check_options(part, options)
+    say, after `serve_plan`'s check: refuses an FP8 mode for a float part and `rowfile` without the row
+    files, naming the fix."""
+    return build_tables(serve_plan(part, options), dtype)
+
+
+def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
+    """`load_tables` for a plan already checked (the served model's, from the registry): no check again."""
+    part, options = plan.part, plan.options
     mode = options.tables
     _, modules = load_engram_modules(part.part, part.config, mmap=mode is not TableMode.MEMORY, dtype=dtype)
     for m in modules.values():  # serving: no gradients

@@ -19,11 +19,11 @@ import torch
 
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import TensorEntry
-from engram.checkpoint.integrity import table_fingerprint
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable
-from engram.storage.fp8 import BLOCK
+from engram.rowformat.fp8 import BLOCK
+from engram.storage.integrity import table_fingerprint
 
 __all__ = [
     "CONFIG_FILE",

@@ -15,8 +15,8 @@ from torch import nn
 
 from engram.checkpoint.files import TensorEntry, TensorFile, listed_names, member_file, open_tensors
 from engram.checkpoint.hf_config import from_hf_dict
-from engram.checkpoint.integrity import check_finite, check_fp8_table, scan_table
 from engram.checkpoint.json_file import read_json
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.checkpoint.v41.format import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -29,7 +29,8 @@ from engram.checkpoint.v41.format import (
 )
 from engram.config import EngramConfig
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import FP8Table, TrainableTable
+from engram.storage.integrity import check_finite, check_fp8_table, scan_table
 
 __all__ = ["StoredTable", "load_engram_modules", "read_checkpoint_config", "stored_tables"]
 

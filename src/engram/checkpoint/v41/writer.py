@@ -15,6 +15,7 @@ import torch
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import save_tensors
 from engram.checkpoint.hf_config import to_hf_dict
+from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.checkpoint.v41.format import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -28,7 +29,7 @@ from engram.checkpoint.v41.format import (
 )
 from engram.config import EngramConfig
 from engram.model.module import Engram
-from engram.model.table import FP8Table, MmapFP8Table, TrainableTable
+from engram.model.table import FP8Table, TrainableTable
 
 __all__ = ["engram_state_dict", "save_checkpoint"]
 

@@ -1,0 +1,185 @@
+"""An HF causal-LM folder for `engram hf-train` / `hf-eval`: the checks that read nothing heavy
+(config.json, a tokenizer, weights; depth and width), loading its tokenizer and model with errors that
+name the folder, the held-out loss of a model, and `evaluate_folder` (a folder with or without its
+Engram part, on a corpus split as `hf-train` split it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engram.apps.hf.corpus import HELD_OUT, read_corpus, read_documents
+from engram.checkpoint.input_files import path_kind
+
+__all__ = [
+    "EVAL_BLOCKS",
+    "RUN_FILE",
+    "check_folder",
+    "evaluate_folder",
+    "held_out_loss",
+    "load_model",
+    "load_tokenizer",
+    "model_depth",
+]
+
+EVAL_BLOCKS = 64  # held-out blocks evaluated before and after training (8K tokens at 128): bounded cost
+RUN_FILE = "engram_train.json"  # in a folder hf-train wrote: the settings and results of the run
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def check_folder(folder: str | os.PathLike[str]) -> Any:
+    """The HF config of a causal-LM folder, after checking it holds config.json and a tokenizer;
+    nothing heavy is read (no weights)."""
+    d = Path(folder)
+    kind = path_kind(d)
+    if kind is None:
+        raise FileNotFoundError(
+            f"{folder}: no such folder; give an HF model folder (config.json, weights, tokenizer)"
+        )
+    if kind != "a folder":
+        raise ValueError(f"{folder} is {kind}: give an HF model folder (config.json, weights, tokenizer)")
+    if path_kind(d / "config.json") != "a file":
+        raise ValueError(
+            f"{folder} has no config.json, so it is not an HF model folder: give the folder "
+            "model.save_pretrained() wrote"
+        )
+    if not any(path_kind(d / f) == "a file" for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save the model's tokenizer "
+            f"into it (tokenizer.save_pretrained({str(folder)!r}))"
+        )
+    if not any(path_kind(d / f) == "a file" for f in _WEIGHT_FILES):
+        raise ValueError(
+            f"{folder} has no weights (none of {', '.join(_WEIGHT_FILES)}): save the model into it "
+            f"(model.save_pretrained({str(folder)!r}))"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(d))
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(
+            f"{folder}/config.json cannot be read by transformers ({e}); give an HF model folder"
+        ) from None
+
+
+def model_depth(config: Any) -> tuple[int, int]:
+    """(decoder layers, hidden size) of an HF config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = next(
+        (getattr(text, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, k)), None
+    )
+    hidden = next((getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(text, k)), None)
+    if not isinstance(depth, int) or not isinstance(hidden, int):
+        raise ValueError(
+            f"cannot read the depth and width of {type(config).__name__}: not a decoder-only LM?"
+        )
+    return depth, hidden
+
+
+def load_tokenizer(folder: str) -> Any:
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
+        raise ValueError(
+            f"{folder}: its tokenizer cannot be read "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+            "save the model's tokenizer into it again (tokenizer.save_pretrained(folder))"
+        ) from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
+    return tok
+
+
+def load_model(folder: str) -> nn.Module:
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(
+            f"{folder}: transformers cannot load it as a causal LM ({str(e).splitlines()[0]}): give a folder "
+            "AutoModelForCausalLM.from_pretrained reads"
+        ) from None
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
+    """Mean next-token cross-entropy (nats/token) over `blocks` [n, T], and its perplexity."""
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, blocks.shape[0], batch_size):
+        ids = blocks[i : i + batch_size].to(device)
+        logits = model(input_ids=ids).logits[:, :-1].double()
+        total += float(
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        )
+        count += ids[:, 1:].numel()
+    model.train(was)
+    if count == 0:
+        raise ValueError("no held-out tokens to evaluate: give a larger corpus or a larger --held-out")
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+
+def evaluate_folder(
+    folder: str,
+    corpus: str,
+    *,
+    seq_len: int | None = None,
+    held_out: float | None = None,
+    max_blocks: int | None = None,
+    batch_size: int = 8,
+) -> dict[str, Any]:
+    """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
+    the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
+    engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
+    `max_blocks=0`: every block."""
+    docs = read_documents(corpus)
+    check_folder(folder)
+    run_file = Path(folder) / RUN_FILE
+    saved = json.loads(run_file.read_text())["settings"] if path_kind(run_file) == "a file" else {}
+    seq_len = seq_len or saved.get("seq_len", 128)
+    held_out = saved.get("held_out", HELD_OUT) if held_out is None else held_out
+    max_blocks = saved.get("eval_blocks", EVAL_BLOCKS) if max_blocks is None else max_blocks
+    tok = load_tokenizer(folder)
+    c = read_corpus(corpus, tok, seq_len, held_out, docs)
+    blocks = (c.held if held_out > 0 else c.train)[: max_blocks or None]
+    if blocks.shape[0] == 0:
+        raise ValueError(
+            f"{corpus} gives no block of {seq_len} tokens to evaluate ({c.tokens:,} tokens): give more text "
+            "or a smaller --seq-len"
+        )
+    model = load_model(folder)
+    has_engram = path_kind(Path(folder) / "engram") == "a folder"
+    if has_engram:
+        from engram.hf import load_engram
+
+        load_engram(model, folder, tokenizer=tok)
+    result = held_out_loss(model, blocks, batch_size)
+    return {
+        "folder": str(folder),
+        "engram": has_engram,
+        "corpus": str(corpus),
+        "seq_len": seq_len,
+        "held_out": held_out,
+        "blocks": blocks.shape[0],
+        **result,
+    }

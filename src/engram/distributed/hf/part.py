@@ -1,0 +1,265 @@
+"""The Engram part of an HF model with row-sharded tables, written without a gather.
+
+`write_part(model, directory, fp8)` (every rank of the tables' group) writes the part
+`engram.hf.save_engram` / `export_fp8` write in one process, readable by the same readers
+(`engram.hf.load_engram`, `MmapFP8Table`, the row-file tier, the vLLM plugin's folder check): one
+safetensors file laid out by rank 0 (`engram.checkpoint.laid_out`), into which every owner rank
+writes its own rows at their offsets (an FP8 part: its rows quantised there, row by row as
+`FP8Table.from_float` does), so no rank ever holds more than its shard and a chunk. With `row_files`
+(FP8) each owner also writes the same quantised rows into each layer's SSD row file
+(`engram.storage.rowfile`, laid out by rank 0, rows at their slots), byte for byte what
+`engram.checkpoint.convert.write_row_files` makes of the finished part. The files are written under
+hidden temporary names; once every rank has written, rank 0 records each FP8 table's content
+fingerprint (one read of the file, a chunk at a time) in the part and its row file's header, writes
+config.json, the compression map and the options, and renames them into place (config.json last).
+A rank that fails (or dies: the others' collectives time out) publishes nothing: the folder keeps
+what it held. The folder must be shared by the ranks (as sharded checkpoints' is).
+Design: docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engram.addressing.layout import Layout, layout_fingerprint
+from engram.checkpoint.convert import row_file_path
+from engram.checkpoint.files import open_tensors
+from engram.checkpoint.hf_config import to_hf_dict
+from engram.checkpoint.laid_out import LaidOut, create, lay_out, set_metadata, write_rows
+from engram.checkpoint.v41 import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    LAYOUT_FINGERPRINT_KEY,
+    TABLE_FINGERPRINT_KEY,
+    foreign_config,
+    layer_prefix,
+)
+from engram.distributed.guard import RankError
+from engram.distributed.hf.data_parallel import ShardedTableSync
+from engram.distributed.sharded_table import ShardedTable
+from engram.hf.attach import EngramAttachment, get_attachment
+from engram.hf.io import COMPRESSION_FILE, OPTIONS_FILE, engram_part
+from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from engram.storage import quant
+from engram.storage.integrity import fingerprint_blocks
+from engram.storage.rowfile import RowFileHeader, create_row_file, set_row_file_tables, write_row_range
+
+__all__ = ["PART_FILE", "write_part"]
+
+PART_FILE = "model-00001-of-00001.safetensors"  # one file (the V4.1 format's name for a single shard)
+_QUANT_ROWS = 1 << 16  # rows quantised at a time: the float temporaries stay a few MB
+_FINGERPRINT_HOLD = "0" * 64  # reserved for a table's sha256 until the whole file is written
+
+
+def _plan(att: EngramAttachment, fp8: bool) -> tuple[dict, dict[str, torch.Tensor], dict[str, str]]:
+    """(specs {name: (dtype, shape)} of every tensor, the dense tensors {name: tensor} rank 0 writes,
+    metadata with each FP8 table's fingerprint reserved)."""
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    dense: dict[str, torch.Tensor] = {}
+    meta = {LAYOUT_FINGERPRINT_KEY: layout_fingerprint(Layout(att.config))}
+    for lid in sorted(att.layers, key=int):
+        m, p = att.layers[lid], layer_prefix(int(lid))
+        t = m.table
+        if not isinstance(t, ShardedTable):
+            raise ValueError(
+                f"layer {lid}'s table is not row-sharded: use engram.hf.save_engram / export_fp8"
+            )
+        if fp8:
+            if t.dim % BLOCK:
+                raise ValueError(f"layer {lid}'s rows are {t.dim} wide: FP8 rows need a multiple of {BLOCK}")
+            specs[p + "embed.weight"] = (VALUE_DTYPE, (t.num_rows, t.dim))
+            specs[p + "embed.scale"] = (SCALE_DTYPE, (t.num_rows, t.dim // BLOCK))
+            meta[f"{TABLE_FINGERPRINT_KEY}.{lid}"] = _FINGERPRINT_HOLD
+        else:
+            specs[p + "embed.weight"] = (t.weight.dtype, (t.num_rows, t.dim))
+        for k, v in m.state_dict().items():
+            if not k.startswith("table."):
+                dense[p + k] = v.detach()
+                specs[p + k] = (v.dtype, tuple(v.shape))
+    return specs, dense, meta
+
+
+def _row_files(att: EngramAttachment, out: Path, token: str) -> dict[str, tuple[Path, RowFileHeader]]:
+    """{layer id: (the temporary path of its row file, the header)}: the tables' fingerprints are left
+    empty, filled by `_publish` once every row is written (as `write_row_files` records them)."""
+    layout_fp = layout_fingerprint(Layout(att.config))
+    label = out.name  # the config's name as the part's reader names it (its folder's): write_row_files' label
+    files = {}
+    for lid in sorted(att.layers, key=int):
+        t = att.layers[lid].table
+        final = row_file_path(out, int(lid))
+        header = RowFileHeader(t.num_rows, t.dim, layer_id=int(lid), identity=layout_fp, label=label)
+        files[lid] = (final.with_name(f".{final.name}.tmp-{token}"), header)
+    return files
+
+
+def _write_own_rows(
+    path: Path, laid: LaidOut, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
+) -> None:
+    for lid in sorted(att.layers, key=int):
+        t, p = att.layers[lid].table, layer_prefix(int(lid))
+        w = t.weight.detach()  # (hi - lo, dim) this rank's rows
+        if not fp8:
+            if w.shape[0]:
+                write_rows(path, laid, p + "embed.weight", t.lo, w)
+            continue
+        for a in range(0, w.shape[0], _QUANT_ROWS):
+            values, scales = quant.quantize_rows(
+                w[a : a + _QUANT_ROWS]
+            )  # row by row: any split gives the same
+            write_rows(path, laid, p + "embed.weight", t.lo + a, values)
+            write_rows(path, laid, p + "embed.scale", t.lo + a, scales)
+            if lid in rows:
+                write_row_range(*rows[lid], t.lo + a, values, scales)
+
+
+def _publish(
+    tmp: Path, out: Path, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
+) -> None:
+    """Rank 0, once every rank has written: fingerprints, the small files, then the renames."""
+    if fp8:
+        f = open_tensors(tmp)
+        for lid in att.layers:
+            p = layer_prefix(int(lid))
+            w, sc = p + "embed.weight", p + "embed.scale"  # read a block at a time: nothing mapped
+            values, scales = ((blk for _, blk in f.iter_rows(n)) for n in (w, sc))
+            fp = fingerprint_blocks(f.entry(w).shape, f.entry(sc).shape, values, scales)
+            set_metadata(tmp, f"{TABLE_FINGERPRINT_KEY}.{lid}", fp)
+            if lid in rows:
+                set_row_file_tables(rows[lid][0], fp)
+    small = {
+        CONFIG_FILE: tmp.with_name(tmp.name + ".config"),
+        COMPRESSION_FILE: tmp.with_name(tmp.name + ".map"),
+        OPTIONS_FILE: tmp.with_name(tmp.name + ".options"),
+    }
+    try:
+        small[CONFIG_FILE].write_text(json.dumps(to_hf_dict(att.config), indent=2) + "\n")
+        att.compression.save(small[COMPRESSION_FILE])
+        options = {"boundaries": att.rows.boundaries, "eos_token_id": att.rows.eos_token_id}
+        small[OPTIONS_FILE].write_text(json.dumps(options, indent=2) + "\n")
+        os.replace(tmp, out / PART_FILE)
+        (out / INDEX_FILE).unlink(missing_ok=True)  # (an earlier save in several shards)
+        for lid, (path, _) in rows.items():
+            os.replace(path, row_file_path(out, int(lid)))
+        os.replace(small[COMPRESSION_FILE], out / COMPRESSION_FILE)
+        os.replace(small[OPTIONS_FILE], out / OPTIONS_FILE)
+        os.replace(small[CONFIG_FILE], out / CONFIG_FILE)  # last: the part is complete
+    finally:
+        for p in small.values():
+            p.unlink(missing_ok=True)
+    for old in out.glob("model-*-of-*.safetensors"):  # shards of an earlier save with another count
+        if old.name != PART_FILE:
+            old.unlink()
+
+
+_COLLECTIVE = (
+    "save_engram / export_fp8 is a collective: every rank of the tables' group calls it at the same point, "
+    "and one that does not (or fails, or dies) leaves the others waiting until prepare_data_parallel's timeout"
+)
+
+
+_KEPT = "nothing was published: the folder keeps what it held"
+_SHARED = (
+    "every rank must pass the same folder, one that every rank's machine shares (as sharded checkpoints')"
+)
+
+
+def _lost(group: dist.ProcessGroup | None, what: str, e: RuntimeError, kept: str = _KEPT) -> RankError:
+    """A collective of the write that failed (a rank absent, dead, or past the timeout), as RankError."""
+    return RankError(f"rank {dist.get_rank(group)} lost the other ranks {what} ({e}); {_COLLECTIVE}; {kept}")
+
+
+def _agree(
+    error: BaseException | None, group: dist.ProcessGroup | None, what: str, kept: str = _KEPT
+) -> None:
+    """Raise on every rank if any rank failed (its own error where it failed); a rank that cannot hear
+    from every other one raises RankError."""
+    failed = torch.tensor([int(error is not None)])
+    try:
+        dist.all_reduce(failed, group=group)  # a CPU tensor: writing the part is a host-side affair
+    except RuntimeError as e:
+        if error is not None:
+            raise error from e
+        raise _lost(group, f"after it tried {what}", e, kept) from e
+    if error is not None:
+        raise error
+    if int(failed):
+        raise RuntimeError(f"another rank failed {what}; see its error (nothing was published)")
+
+
+def write_part(
+    model: nn.Module, directory: str | os.PathLike[str], fp8: bool, *, row_files: bool = False
+) -> Path | None:
+    """Write the Engram part of `model` (row-sharded tables, `prepare_data_parallel`) to `directory`
+    without gathering a table: every rank calls it; rank 0 returns the part's folder, the others None.
+    `row_files` (FP8 only): each layer's SSD row file too (`row_file_path(part, layer)`, what the
+    row-file tier and the vLLM plugin's tables='rowfile' read), written by the same ranks, published
+    with the part."""
+    if row_files and not fp8:
+        raise ValueError("row files hold FP8 rows: row_files=True needs the FP8 part (export_fp8)")
+    att = get_attachment(model)
+    sync = att.table_sync
+    if not isinstance(sync, ShardedTableSync):
+        raise ValueError(
+            "the model's Engram tables are not row-sharded: use engram.hf.save_engram / export_fp8"
+        )
+    group = sync.tables[0].group  # the tables' group: every rank, collectives bounded in time
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    specs, dense, meta = _plan(att, fp8)
+    laid = lay_out(specs, meta)  # the same on every rank
+    out = engram_part(directory)
+    token = [uuid.uuid4().hex]
+    try:
+        dist.broadcast_object_list(token, src=src, group=group)
+    except RuntimeError as e:
+        raise _lost(group, "before writing the Engram part", e) from e
+    tmp = out / f".{PART_FILE}.tmp-{token[0]}"
+    rows = _row_files(att, out, token[0]) if row_files else {}
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            try:
+                if foreign_config(out):
+                    raise ValueError(
+                        f"{out / CONFIG_FILE} is not an Engram checkpoint's config.json (another model's): "
+                        "saving here would overwrite it; save into an empty folder or an HF model folder (the "
+                        "part goes to its engram/ subfolder)"
+                    )
+                out.mkdir(parents=True, exist_ok=True)
+                create(tmp, laid)
+                for path, header in rows.values():
+                    create_row_file(path, header)
+                for name, v in dense.items():
+                    write_rows(tmp, laid, name, 0, v.reshape(1) if v.dim() == 0 else v)
+            except Exception as e:  # every rank must hear of it, whatever it is
+                error = e
+        _agree(error, group, "to lay out the Engram part")
+        try:
+            if not tmp.exists():  # another folder than rank 0's, or one this machine does not share
+                raise ValueError(f"rank {rank} does not see {tmp}, laid out by rank 0: {_SHARED}")
+            _write_own_rows(tmp, laid, att, fp8, rows)
+        except Exception as e:  # every rank must hear of it, whatever it is
+            error = e
+        _agree(error, group, "to write its rows of the Engram part")
+        if rank == 0:
+            try:
+                _publish(tmp, out, att, fp8, rows)
+            except Exception as e:  # every rank must hear of it, whatever it is
+                error = e
+        kept = "rank 0 publishes the part once every rank wrote its rows (config.json last)"
+        kept = "the part was published" if rank == 0 and error is None else kept
+        _agree(error, group, "to publish the Engram part", kept)
+    finally:
+        if rank == 0:
+            tmp.unlink(missing_ok=True)  # a failed write publishes nothing (gone once published)
+            for path, _ in rows.values():
+                path.unlink(missing_ok=True)
+    return out if rank == 0 else None
