@@ -15,7 +15,7 @@ import torch
 
 import hf_setup as S
 from engram.apps.hf import corpus as hf_corpus
-from engram.apps.hf import hf_folder
+from engram.apps.hf import folder as hf_folder
 from engram.apps.hf import train as H
 from engram.apps.lm.corpus import kjv_path
 from engram.cli import main

@@ -3,6 +3,9 @@ format. Whole files, memory-mapped tensors, row slices, rows read by position (o
 memory bounded by the destination or a block), member-file checks; every error names the file (and
 the tensor) and the fix. Knows nothing of checkpoints, configs or tables.
 Design: docs/checkpoint.md.
+
+One concept past 500 lines: every way we touch a safetensors file (whole, mapped, by slice, by
+position) behind one set of file checks.
 """
 
 from __future__ import annotations

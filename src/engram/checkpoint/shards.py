@@ -11,6 +11,9 @@ their CRC32s and scanned for NaN / Inf, all before any row is handed out. Rows a
 (os.preadv, `engram.checkpoint.files`) into fresh tensors or straight into the caller's (a model's
 table): no file is mapped, a check holds one block. Plain file logic: no torch.distributed. Design:
 docs/checkpoint.md.
+
+One concept past 500 lines: the writer and the reader of one file format, kept together so a
+field written is a field checked.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU).
+"""Distributed training for Engram (torch.distributed; gloo on CPU, NCCL on GPU): the library a user's
+own training script imports. It knows no program of ours (the small LM's multi-process trainer is
+`engram.apps.lm.train_distributed`).
 
 The only package that imports torch.distributed: the model code (`engram.model.module`,
 `engram.model.lm`) stays single-device, and this layer wraps it (torchtitan style). One concept
@@ -7,11 +9,9 @@ per file: `sharded_table` (the row-sharded table and the step's row exchange), `
 into an error naming the rank and the step), `wrappers` (whether DDP / FSDP holds a model already,
 or took a parameter over), `memory_budget` (whether a rank's shard of the tables fits its memory
 limits, said on every rank before any row is allocated), `launch` (one rank from torchrun's
-environment), `train` (the distributed trainer), `sinkhorn` (the Sinkhorn-balanced table update on shards), `hf` (Engram on
-HF models under DDP, accelerate and the Trainer), `hf_checkpoint` (their sharded tables' checkpoints
-and Engram part), `hf_part` (that part written by every rank, its own rows, without a gather), `hf_fsdp` (the HF backbone under FSDP2,
-the tables kept out), `hf_trainer` (`EngramShardsCallback` for the Trainer's checkpoints; imports
-transformers, so it loads on first use).
+environment), `sinkhorn` (the Sinkhorn-balanced table update on shards), `shard_checkpoint` (the
+ranks' agreement on shard files), `exchange_stats` (the exchange's counters), and the room `hf/`
+(Engram on HF models under DDP, accelerate, FSDP2 and the Trainer: `engram.distributed.hf`).
 Launch: `torchrun --nproc_per_node 2 -m engram train --preset tiny --distributed --out DIR`.
 Design: docs/distributed.md.
 """

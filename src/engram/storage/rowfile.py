@@ -15,6 +15,9 @@ processes write one file together with `create_row_file` (the header, the file s
 `write_row_range` (each its rows [lo, hi), at their slots) and `set_row_file_tables` (the table
 fingerprint, known once every row is written, into the header's fixed-width field); the bytes are
 `write_row_file`'s. Knows bytes and files, nothing of caches, models or processes. Design: docs/storage.md.
+
+One concept past 500 lines: one file format, its writers (whole, by range) and its reader, so
+the header written is the header checked.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ from: each distinct row is fetched once, hits come from the `RowCache`, misses f
 tier through staging, and `prefetch` does that ahead on a background thread. Inference only (no
 parameters, no autograd). Design, the gather's steps and the decisions (prefetch matching,
 `.to`, deepcopy, locking): docs/systems.md.
+
+One concept past 500 lines: the tiered table's gather, prefetch and their locking must be read
+together; the cache, staging and policies are their own files.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 checkpoints, and reads them back through `engram.apps.lm.run_checkpoint` (the checks eval and generate
 share) and `engram.checkpoint.shards` (either format). Knows nothing of torch.distributed.
 Design: docs/training.md.
+
+One concept past 500 lines: the trainer's loop and the pieces `train_distributed` overrides
+(batch, backward, evaluation, checkpoint) must read side by side; the settings and the checkpoint
+folder's checks are already their own files (`train_config`, `run_checkpoint`).
 """
 
 from __future__ import annotations

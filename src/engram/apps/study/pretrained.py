@@ -13,6 +13,9 @@ Resumable as the other studies: a run's folder is `<out>/runs/<key>/` (train_fol
 atomically and resumes its partial folder), its record `<out>/runs/<key>.json` (written atomically
 after the evaluation), the key a hash of its settings, the model and the corpus: a finished run is
 reused, a killed one continues. The report: `<out>/pretrained/report.md`, `results.json`, a plot.
+
+One concept past 500 lines: one study's arms, pilot and runs; its report is
+`pretrained_report`, its probes `probes`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Every exchange of the tables runs on a process group of the same ranks whose col
 `prepare_data_parallel(..., timeout=...)` seconds (default 300): a rank left waiting (a sharded
 forward run on some ranks only, a step taken on some) raises `RankError` naming the cause and the fix
 instead of waiting out the process group's timeout (30 minutes by default).
+
+One concept past 500 lines: the two table modes share the entry point, the wrapper checks and the
+optimizer hand-off, which read as one contract.
 """
 
 from __future__ import annotations
