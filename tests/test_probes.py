@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engram.apps.study.studies import probes as P
+from engram.apps.study import probes as P
 
 V = 10
 

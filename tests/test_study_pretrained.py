@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import hf_setup as S
-from engram.apps.study.studies import pretrained as SP
+from engram.apps.study import pretrained as SP
 from engram.cli import main
 
 transformers = pytest.importorskip("transformers")
