@@ -217,38 +217,40 @@ def test_a_gpu_run_evaluates_and_generates_on_the_cpu(conf, tmp_path, capsys):
     assert r["step"] == 6 and math.isfinite(r["held_out"]["loss"])
 
 
-@pytest.mark.gpu
-def test_hf_train_on_the_gpu_in_bf16_evaluates_on_the_cpu(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.skipif(not D.cpu_has_bf16(), reason="no bfloat16 on this CPU")),
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_hf_train_in_bf16_evaluates_on_the_cpu(device, tmp_path, capsys):
+    """hf-train with the HF Trainer's bf16 (use_cpu on the CPU), then hf-eval of OUT on the CPU in
+    float32 and on the training device in bf16."""
     import hf_setup as S
 
-    pytest.importorskip("transformers")
     folder = S.save_folder(tmp_path / "tiny-llama", layers=3, seed=1)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(S.TEXT * 20), encoding="utf-8")
     out = tmp_path / "out"
-    fast = ["--batch-size", "4", "--seq-len", "32", "--steps", "4", "--no-progress"]
-    r = run_json(
-        capsys,
-        [
-            "hf-train",
-            str(folder),
-            "--corpus",
-            str(corpus),
-            "--out",
-            str(out),
-            *fast,
-            "--device",
-            "cuda",
-            "--dtype",
-            "bf16",
-            "--json",
-        ],
+    fast = ["--batch-size", "4", "--seq-len", "32", "--steps", "4", "--no-progress", "--json"]
+    bf16 = ["--device", device, "--dtype", "bf16"]
+    r = run_json(capsys, ["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *fast, *bf16])
+    where = "cuda:0" if device == "cuda" else "cpu"
+    assert (r["device"], r["precision"]) == (where, "bf16") and math.isfinite(r["held_out"]["loss"])
+    assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
+    full = run_json(capsys, ["hf-eval", str(out), "--corpus", str(corpus), "--device", "cpu", "--json"])
+    low = run_json(
+        capsys, ["hf-eval", str(out), "--corpus", str(corpus), *bf16, "--batch-size", "4", "--json"]
     )
-    assert (r["device"], r["precision"]) == ("cuda:0", "bf16") and math.isfinite(r["held_out"]["loss"])
-    cpu = run_json(capsys, ["hf-eval", str(out), "--corpus", str(corpus), "--device", "cpu", "--json"])
-    gpu = run_json(capsys, ["hf-eval", str(out), "--corpus", str(corpus), "--device", "cuda", "--json"])
-    assert cpu["device"] == "cpu" and gpu["device"] == "cuda:0"
-    assert cpu["loss"] == pytest.approx(gpu["loss"], abs=1e-3)
+    assert (full["device"], full["precision"], low["device"], low["precision"]) == (
+        "cpu",
+        "float32",
+        where,
+        "bf16",
+    )
+    assert low["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-3)  # the run's own, its batches
+    assert full["loss"] == pytest.approx(low["loss"], abs=0.02)
 
 
 @pytest.mark.gpu
