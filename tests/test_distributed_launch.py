@@ -136,10 +136,18 @@ def test_engram_train_distributed_trains_on_the_cpu_beside_a_gpu(cfg_file, monke
 
     monkeypatch.setattr("engram.apps.lm.train.prepare_data", lambda cfg: None)
     monkeypatch.setattr(train_distributed, "build_distributed_model", build)
-    assert (
-        main(["train", "--config", str(cfg_file), "--distributed", "--out", str(cfg_file.parent / "r")]) == 2
-    )
+    run = ["train", "--config", str(cfg_file), "--distributed", "--out", str(cfg_file.parent / "r")]
+    assert main([*run, "--device", "cpu"]) == 2
     assert seen == [(CPU, "gloo")] and not dist.is_initialized()
+    # auto: the GPU only when every rank of the node has one of its own, else the CPU (gloo)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.append("init"))
+    from engram.cli.options import device_from_args
+
+    args = type("A", (), {"device": "auto", "dtype": "float32"})()
+    assert device_from_args(args, distributed=True)[0] == CPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert device_from_args(args, distributed=True)[0] == torch.device("cuda", 0)
 
 
 @pytest.fixture
@@ -164,8 +172,9 @@ def hf_inputs(tmp_path):
 
 
 def test_hf_train_distributed_device(hf_inputs, monkeypatch, capsys, keep_threads):
-    """`engram hf-train --distributed` beside one GPU: gloo and the CPU by default; `--device cuda` with
-    2 local ranks is one line naming the numbers and the fix (exit 2), no group started."""
+    """`engram hf-train --distributed` beside one GPU: gloo and the CPU with --device cpu (auto's rule:
+    test_engram_train_distributed_trains_on_the_cpu_beside_a_gpu); `--device cuda` with 2 local ranks
+    is one line naming the numbers and the fix (exit 2), no group started."""
     import engram.apps.hf.train as H
     from engram.cli import main
 
@@ -179,9 +188,9 @@ def test_hf_train_distributed_device(hf_inputs, monkeypatch, capsys, keep_thread
         raise ValueError("stopped before training")
 
     monkeypatch.setattr(H, "train_folder", train_folder)
-    assert main([*hf_inputs, "--distributed"]) == 2
+    assert main([*hf_inputs, "--distributed", "--device", "cpu"]) == 2
     assert "stopped before training" in capsys.readouterr().err
-    assert seen == [(None, True, "gloo")] and not dist.is_initialized()
+    assert seen == [(CPU, True, "gloo")] and not dist.is_initialized()
     _ranks_env(monkeypatch, 0, 2)
     assert main([*hf_inputs, "--distributed", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
@@ -199,7 +208,8 @@ def test_hf_train_device_cuda_without_a_gpu(hf_inputs, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert (
         err.splitlines() == [err]
-        and "--device cuda but torch sees no CUDA device here: give --device cpu" in err
+        and "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); use --device cpu"
+        in err
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import engram
 
 SRC = Path(engram.__file__).parent
-LOWER = ("config", "rowformat", "addressing", "storage", "model", "kernels")  # single-device core
+LOWER = ("config", "device", "rowformat", "addressing", "storage", "model", "kernels")  # single-device core
 UPPER = ("systems", "distributed", "apps", "cli", "hf", "vllm", "benchmarks")  # wrap the core from outside
 
 
@@ -139,13 +139,15 @@ def layer_of(name: str) -> str:
 
 
 # The floors of src/engram, bottom first: a package may import only packages on lower floors (its own
-# modules aside). The row formats' vocabulary and the config at the bottom; the kernels speak the row
-# format; storage and addressing use the kernels; the single-device model uses both; checkpoint files
-# know the model; systems (tiers) and hf (attaching to HF models) wrap the model and read checkpoints;
-# distributed wraps hf models across processes; the programs (apps) and the vLLM plugin use the
-# library; the CLI registers commands over all of them; the benchmarks and `python -m engram` on top.
+# modules aside). The row formats' vocabulary, the config and the device choice at the bottom; the
+# kernels speak the row format; storage and addressing use the kernels; the single-device model uses
+# both; checkpoint files know the model; systems (tiers) and hf (attaching to HF models) wrap the model
+# and read checkpoints; distributed wraps hf models across processes; the programs (apps) and the vLLM
+# plugin use the library; the CLI registers commands over all of them; the benchmarks and
+# `python -m engram` on top.
 FLOORS: dict[str, int] = {
     "config": 0,
+    "device": 0,
     "rowformat": 0,
     "kernels": 1,
     "storage": 2,

@@ -3,6 +3,7 @@ and resumed; the plans hold what they promise; bad input is refused in one line.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -14,6 +15,7 @@ from engram.apps.lm.train import build_model, prepare_data
 from engram.apps.study.report import compare
 from engram.apps.study.studies import STUDIES, plan_study, run_key, run_study, study_base
 from engram.cli import main
+from engram.device import Precision
 from test_cli_hostile import refused
 from training_setup import tiny_cfg
 
@@ -96,6 +98,16 @@ def test_run_key(base):
     assert run_key(base.replace(seed=1), "fp") != k
     assert run_key(base, "other corpus") != k
     assert run_key(base.replace(row_hash="random"), "fp") != k
+    # float32 (no precision given) keys are those of runs cached before precisions; bf16's are others;
+    # the device is never in a key (a run cached on the GPU serves the CPU)
+    blob = {
+        k: v
+        for k, v in base.to_dict().items()
+        if k not in ("threads", "extra", "keep_checkpoints", "checkpoint_every")
+    }
+    old = hashlib.sha256(json.dumps({"v": 1, "config": {**blob, "corpus": "fp"}}, sort_keys=True).encode())
+    assert k == run_key(base, "fp", Precision.FLOAT32) == old.hexdigest()[:20]
+    assert run_key(base, "fp", Precision.BF16) != k
 
 
 def test_full_plans(base, corpus):

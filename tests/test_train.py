@@ -21,6 +21,7 @@ from engram.apps.lm.train import (
     load_trained_model,
     prepare_data,
 )
+from engram.device import Precision
 from engram.model.lm import EngramLM
 from engram.model.optim import SparseRowAdagrad
 from engram.model.sinkhorn import SparseSinkhorn
@@ -537,7 +538,7 @@ def test_presets_validate_and_demo_matches():
 def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
     import engram.apps.lm.demo as demo
 
-    monkeypatch.setattr(demo, "_time_steps", lambda cfg, data: 0.05)  # seconds per step pair, fixed
+    monkeypatch.setattr(demo, "_time_steps", lambda cfg, data, device, precision: 0.05)  # a fixed step pair
     cfg = tiny_cfg(corpus, eval_every=0)
     res = demo.run_demo(cfg, seeds=(0,), minutes=0.05, out_dir=tmp_path, progress=False)
     assert res["config"]["steps"] == int(0.05 * 60 / (0.05 * 1 * 1.15))  # 52: the budget decides
@@ -546,7 +547,8 @@ def test_demo_minutes_budget(corpus, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="give at least"):
         demo.run_demo(cfg, seeds=(0,), minutes=0.001, out_dir=tmp_path, progress=False)
     monkeypatch.undo()
-    assert 0 < demo._time_steps(cfg, prepare_data(cfg), n=2) < 10
+    cpu, fp32 = torch.device("cpu"), Precision.FLOAT32
+    assert 0 < demo._time_steps(cfg, prepare_data(cfg), cpu, fp32, n=2) < 10
 
 
 def test_eval_scans_large_tables_only_with_verify(corpus, data, tmp_path, monkeypatch, capsys):

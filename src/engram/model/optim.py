@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engram.model.saved_state import check_number, first_bad_row, saved_param_states
+from engram.model.saved_state import check_number, check_state_device, first_bad_row, saved_param_states
 from engram.model.table import TrainableTable
 from engram.storage import hugepages
 
@@ -134,12 +134,13 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Every gradient is read and checked before any table or state changes.
+        # Every gradient and state is read and checked before any table or state changes.
         work = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                check_state_device(self._name, p, self.state.get(p, {}))
                 sd = state_dtype(p)
                 rows, g = touched_rows(p, sd, self._name)  # (U,), (U, dim)
                 work.append((group, p, rows, g, sd))

@@ -2,8 +2,8 @@
 (one hyperparameter against its allowed range), `saved_param_states` (a `state_dict()`'s structure:
 its param groups, each checked by the optimizer's own group check, and its parameter ids) and
 `first_bad_row` (NaN, Inf or a negative value in a state tensor, found in chunks) and
-`check_active_state` (a state kept for the active rows only). Knows optimizer state dicts, nothing of
-any one optimizer's update.
+`check_active_state` (a state kept for the active rows only); at step time, `check_state_device` (the
+state where its table is). Knows optimizer state dicts, nothing of any one optimizer's update.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_active_state", "check_number", "first_bad_row", "saved_param_states"]
+__all__ = ["check_active_state", "check_number", "check_state_device", "first_bad_row", "saved_param_states"]
 
 _ACTIVE_KEYS = ("rows", "momentum")
 
@@ -185,4 +185,18 @@ def check_active_state(opt_name: str, pid: int, saved: Any, p: torch.Tensor, kep
             raise ValueError(
                 f"saved state 'momentum' of parameter {pid} holds NaN or Inf at its entry {bad} (row "
                 f"{int(r[bad])}): a damaged state"
+            )
+
+
+def check_state_device(opt_name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
+    """Refuse a step whose state is on another device than its table [num_rows, dim] (the model moved
+    after the optimizer made its state): ValueError naming both devices and the fix, before anything
+    changes. Compares devices only: no sync point."""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.device != p.device:
+            raise ValueError(
+                f"{opt_name}: state {key!r} of the {p.shape[0]} x {p.shape[1]} table is on {value.device}, "
+                f"the table on {p.device} (the model moved after the optimizer made its state); move the "
+                "state with it, optimizer.load_state_dict(optimizer.state_dict()) after model.to(device) "
+                "(a load puts the state where its parameters are), or build the optimizer after the move"
             )

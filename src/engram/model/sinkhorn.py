@@ -29,7 +29,12 @@ import torch
 from engram import kernels
 from engram.kernels import reference
 from engram.model.optim import check_table_param, state_dtype, touched_rows
-from engram.model.saved_state import check_active_state, check_number, saved_param_states
+from engram.model.saved_state import (
+    check_active_state,
+    check_number,
+    check_state_device,
+    saved_param_states,
+)
 
 __all__ = ["SparseSinkhorn"]
 
@@ -137,12 +142,13 @@ class SparseSinkhorn(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Every gradient is read and checked before any table or state changes.
+        # Every gradient and state is read and checked before any table or state changes.
         work = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None and not self._empty_grad_steps():
                     continue
+                check_state_device("SparseSinkhorn", p, self.state.get(p, {}))
                 sd = state_dtype(p)
                 rows, g = _gradient_rows(p, sd)
                 work.append((group, p, rows, g, sd))

@@ -17,6 +17,7 @@ from torch import nn
 
 from engram.apps.hf.corpus import HELD_OUT, read_corpus, read_documents
 from engram.checkpoint.input_files import path_kind
+from engram.device import Precision, autocast
 
 __all__ = [
     "EVAL_BLOCKS",
@@ -119,15 +120,20 @@ def load_model(folder: str) -> nn.Module:
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
-    """Mean next-token cross-entropy (nats/token) over `blocks` [n, T], and its perplexity."""
+def held_out_loss(
+    model: nn.Module, blocks: torch.Tensor, batch_size: int = 8, precision: Precision = Precision.FLOAT32
+) -> dict[str, float]:
+    """Mean next-token cross-entropy (nats/token) over `blocks` [n, T], and its perplexity, on the
+    model's device (`precision` bf16: the forwards under autocast; the loss in float64)."""
     was = model.training
     model.eval()
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for i in range(0, blocks.shape[0], batch_size):
         ids = blocks[i : i + batch_size].to(device)
-        logits = model(input_ids=ids).logits[:, :-1].double()
+        with autocast(device, precision):
+            logits = model(input_ids=ids).logits
+        logits = logits[:, :-1].double()
         total += float(
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
         )
@@ -147,11 +153,13 @@ def evaluate_folder(
     held_out: float | None = None,
     max_blocks: int | None = None,
     batch_size: int = 8,
+    device: torch.device | None = None,
+    precision: Precision = Precision.FLOAT32,
 ) -> dict[str, Any]:
     """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
     the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
     engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
-    `max_blocks=0`: every block."""
+    `max_blocks=0`: every block. On `device` (default the CPU) in `precision`."""
     docs = read_documents(corpus)
     check_folder(folder)
     run_file = Path(folder) / RUN_FILE
@@ -173,10 +181,14 @@ def evaluate_folder(
         from engram.hf import load_engram
 
         load_engram(model, folder, tokenizer=tok)
-    result = held_out_loss(model, blocks, batch_size)
+    if device is not None:
+        model.to(device)
+    result = held_out_loss(model, blocks, batch_size, precision)
     return {
         "folder": str(folder),
         "engram": has_engram,
+        "device": str(next(model.parameters()).device),
+        "precision": precision.value,
         "corpus": str(corpus),
         "seq_len": seq_len,
         "held_out": held_out,

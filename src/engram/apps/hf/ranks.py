@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["LAUNCH", "Ranks", "RefusedOnEveryRank"]
@@ -42,9 +43,14 @@ class Ranks:
         return self.rank == 0
 
     @property
-    def on_cpu(self) -> bool:
-        """Ranks on the CPU (gloo); one process: False (the Trainer's own choice of device)."""
-        return self.distributed and dist.get_backend() == "gloo"
+    def device(self) -> torch.device | None:
+        """Across processes, this rank's device: the CUDA device `init_distributed` made current under
+        NCCL, the CPU under gloo; one process: None (the caller's choice)."""
+        if not self.distributed:
+            return None
+        if dist.get_backend() == "gloo":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
     @classmethod
     def of_run(cls, distributed: bool) -> Ranks:

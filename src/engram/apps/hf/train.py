@@ -14,6 +14,7 @@ Engram-specific is `engram.hf`'s and `engram.distributed`'s: no second implement
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -52,6 +53,7 @@ from engram.apps.hf.settings import (
     table_bytes,
 )
 from engram.checkpoint.input_files import path_kind
+from engram.device import Precision, check_precision, resolve_device
 
 __all__ = [  # the settings and checks re-exported: `engram.apps.hf.train` is the command's one import
     "CARD_FILE",
@@ -181,9 +183,11 @@ def _record(s: HFTrainSettings, ranks: Ranks) -> dict[str, Any]:
     return {**s.to_dict(), "processes": ranks.world}
 
 
-def _check_and_load(s: HFTrainSettings, ranks: Ranks, resume: bool) -> _Run:
-    """Every check (nothing heavy read before they pass), then the model loaded with Engram attached,
-    its held-out loss, LoRA's adapters: this process's own work, no collective."""
+def _check_and_load(
+    s: HFTrainSettings, ranks: Ranks, resume: bool, device: torch.device, precision: Precision
+) -> _Run:
+    """Every check (nothing heavy read before they pass), then the model loaded with Engram attached and
+    moved to `device`, its held-out loss, LoRA's adapters: this process's own work, no collective."""
     check_out(s.out)
     work = partial_folder(s.out)
     if path_kind(work) is not None and not resume:
@@ -228,10 +232,17 @@ def _check_and_load(s: HFTrainSettings, ranks: Ranks, resume: bool) -> _Run:
     if s.engram:
         cfg = attach_engram(model, tok, layers, rows, s.heads, head_dim)
         engram_params = _engram_parameters(model)
+    # before the optimizer is built; across processes before the tables are sharded, so that their rows
+    # are drawn and exchanged on the rank's device (a lazy table moves as its recipe: nothing drawn)
+    model.to(device)
     held = corpus.held[: s.eval_blocks or None]
     # across processes, after prepare_data_parallel: a table still to be drawn (add_engram's lazy tables
     # under a process group) is then drawn as the rank's shard only, never whole
-    start_loss = held_out_loss(model, held, s.batch_size) if held.shape[0] and not ranks.distributed else None
+    start_loss = (
+        held_out_loss(model, held, s.batch_size, precision)
+        if held.shape[0] and not ranks.distributed
+        else None
+    )
     train_model: nn.Module = model
     if s.mode is TrainMode.LORA:
         import peft
@@ -258,9 +269,16 @@ def train_folder(
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
     distributed: bool = False,
     timeout: float | None = None,
-    device: str | None = None,
+    device: torch.device | None = None,
+    precision: Precision = Precision.FLOAT32,
 ) -> dict[str, Any]:
     """Run `engram hf-train`: every check first, then load, attach, train, write `s.out`; the summary.
+
+    `device` (one process): where to train, default the GPU when there is one (the HF Trainer's own
+    choice); across processes each rank's own (its GPU under NCCL, the CPU under gloo), whatever is
+    given. `precision` bf16: the Trainer's bf16 mixed precision (autocast; float32 weights and
+    optimizer state), the held-out losses under autocast too. Neither is among the settings a resume
+    must match: a run resumes on another device, in either precision.
 
     `distributed`: this process is one rank of a torchrun launch whose default process group is started
     (`engram.distributed.init_distributed`); every rank calls this with the same settings. The ranks
@@ -268,21 +286,38 @@ def train_folder(
     `engram.distributed.prepare_data_parallel` (`s.table_sync`: row-sharded by default, or replicated;
     the table exchanges bounded by `timeout` seconds, default 300), checkpoint them sharded
     (`EngramShardsCallback`), and rank 0 alone writes OUT; a check that fails on any rank fails on
-    every rank (`RefusedOnEveryRank`). `device`: 'cpu' or 'cuda' in one process (default: the Trainer's
-    choice); across processes the process group's backend decides (gloo: the CPU). Returns the summary
-    on every rank."""
-    import transformers
-
+    every rank (`RefusedOnEveryRank`). Returns the summary on every rank."""
     ranks = Ranks.of_run(distributed)
     if s.table_sync is not None and not ranks.distributed:
         raise ValueError(
             f"--table-sync {s.table_sync} applies across processes: add --distributed ({LAUNCH})"
         )
-    ranks.check_same({f"--{k.replace('_', '-')}": v for k, v in {**s.to_dict(), "resume": resume}.items()})
+    device = resolve_device(ranks.device or device or "auto", "device")
+    precision = check_precision(precision, device, "precision")
+    launch = {**s.to_dict(), "resume": resume, "dtype": precision.value}
+    ranks.check_same({f"--{k.replace('_', '-')}": v for k, v in launch.items()})
     if not ranks.is_main:
         say = _quiet
+    # one process on cuda:N: the Trainer places the model on the current CUDA device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _train_folder(s, ranks, resume, progress, say, timeout, device, precision)
+
+
+def _train_folder(
+    s: HFTrainSettings,
+    ranks: Ranks,
+    resume: bool,
+    progress: bool,
+    say: Callable[[str], None],
+    timeout: float | None,
+    device: torch.device,
+    precision: Precision,
+) -> dict[str, Any]:
+    """train_folder's work, its arguments checked."""
+    import transformers
+
     with ranks.agreed():
-        run = _check_and_load(s, ranks, resume)
+        run = _check_and_load(s, ranks, resume, device, precision)
     model, train_model, work = run.model, run.train_model, run.work
     sync = None
     if s.engram and ranks.distributed:
@@ -294,7 +329,7 @@ def train_folder(
         )
     sharded = sync is not None and sync.value == "sharded"
     if ranks.distributed and run.held.shape[0]:  # every rank: a forward of row-sharded tables is a collective
-        run.start_loss = held_out_loss(model, run.held, s.batch_size)
+        run.start_loss = held_out_loss(model, run.held, s.batch_size, precision)
     optimizers: tuple[Any, Any] = (None, None)
     if s.engram:
         from engram.hf import EngramCollator, build_optimizer
@@ -315,7 +350,6 @@ def train_folder(
             (work / _SETTINGS_FILE).write_text(json.dumps(_record(s, ranks), indent=1) + "\n")
     ckpt = ranks.from_main(latest_checkpoint(ckpts) if resume else None)  # one choice for every rank
     steps = s.num_steps
-    use_cpu = ranks.on_cpu if ranks.distributed else device == "cpu"
     args = transformers.TrainingArguments(
         output_dir=str(ckpts),
         max_steps=steps,
@@ -334,10 +368,11 @@ def train_folder(
         save_total_limit=2,  # a checkpoint holds the tables and their Adam state: keep the newest two
         report_to=[],
         disable_tqdm=True,
-        dataloader_pin_memory=not use_cpu and torch.cuda.is_available(),
-        # across processes on gloo: the CPU, or accelerate sees no distributed launch and every rank
-        # would train a model of its own on the whole batch
-        use_cpu=use_cpu,
+        dataloader_pin_memory=device.type == "cuda",
+        # the CPU by choice, or across processes on gloo (else accelerate sees no distributed launch and
+        # every rank would train a model of its own on the whole batch)
+        use_cpu=device.type == "cpu",
+        bf16=precision is Precision.BF16,
         # frozen and LoRA train Engram's and the adapters' parameters, all used by every forward: DDP
         # need not search the graph for unused ones (full: the architecture's own, so it searches)
         ddp_find_unused_parameters=s.mode is TrainMode.FULL,
@@ -375,7 +410,7 @@ def train_folder(
         model = train_model.merge_and_unload()  # type: ignore[operator]
     model.eval()
     # every rank: a forward of row-sharded tables is a collective
-    end_loss = held_out_loss(model, run.held, s.batch_size) if run.held.shape[0] else None
+    end_loss = held_out_loss(model, run.held, s.batch_size, precision) if run.held.shape[0] else None
     stage = work / "out"
     with ranks.agreed():
         if ranks.is_main:
@@ -399,6 +434,7 @@ def train_folder(
                     raise
                 raise ValueError(str(e)) from e  # rank 0 failed to write: its own error is the one agreed
     summary = _summary(s, run, model, ranks, sync, trainer.state.global_step, seconds, log, end_loss)
+    summary["device"], summary["precision"] = str(device), precision.value
     with ranks.agreed():
         if ranks.is_main:
             write_out(stage, s.out, summary, work)

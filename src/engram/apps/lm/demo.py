@@ -23,6 +23,7 @@ import torch
 from engram.apps.lm.data import KJV_HELD_OUT
 from engram.apps.lm.evaluation import perplexity
 from engram.apps.lm.train import TRAIN_PRESETS, DataBundle, TrainConfig, Trainer, build_model, prepare_data
+from engram.device import Precision
 
 __all__ = ["DEMO_CONFIG", "run_demo"]
 
@@ -36,15 +37,21 @@ GATE_SENTENCES = (
 )
 
 
-def _time_steps(cfg: TrainConfig, data: DataBundle, n: int = 3) -> float:
-    """Seconds per step of both models together (for --minutes), measured on throwaway models."""
-    trainers = [Trainer(cfg, data, build_model(cfg, data, with_engram=e)) for e in (False, True)]
+def _time_steps(
+    cfg: TrainConfig, data: DataBundle, device: torch.device, precision: Precision, n: int = 3
+) -> float:
+    """Seconds per step of both models together (for --minutes), measured on throwaway models on the
+    run's device in its precision."""
+    trainers = [
+        Trainer(cfg, data, build_model(cfg, data, with_engram=e), device=device, precision=precision)
+        for e in (False, True)
+    ]
     for t in trainers:
         t.train_step()  # warm-up: first-step allocations
     t0 = time.perf_counter()
     for _ in range(n):
         for t in trainers:
-            t.train_step()
+            t.train_step()  # returns the loss as a float: each step ends synced, so the time is the work
     return (time.perf_counter() - t0) / n
 
 
@@ -61,8 +68,8 @@ def _gates(trainer: Trainer, sentences: tuple[str, ...]) -> list[dict[str, Any]]
             ids = np.array(data.tokenizer.encode(s, add_special_tokens=False).ids, dtype=np.int64)[
                 : model.config.max_seq_len
             ]
-            rows = torch.from_numpy(hasher.hash(ids[None]))
-            _, gates = model(torch.from_numpy(ids[None]), rows, return_gates=True)
+            rows = torch.from_numpy(hasher.hash(ids[None])).to(trainer.device)
+            _, gates = model(torch.from_numpy(ids[None]).to(trainer.device), rows, return_gates=True)
             layer = min(gates)
             out.append(
                 {
@@ -182,7 +189,8 @@ def _write_report(results: dict[str, Any], out_dir: Path) -> None:
         f"{results['held_out_tokens']:,} tokens; tokenizer {results['tokenizer']} ({results['vocab_size']} ids, "
         f"{results['compressed_vocab_size']} after compression).",
         f"Each model: {cfg['steps']} steps x {cfg['batch_size']} x {cfg['seq_len']} tokens "
-        f"({results['tokens_per_run']:,} tokens), seeds {results['seeds']}. Backbone: {cfg['n_layers']} layers, "
+        f"({results['tokens_per_run']:,} tokens), seeds {results['seeds']}, on "
+        f"{results['device']} in {results['precision']}. Backbone: {cfg['n_layers']} layers, "
         f"dim {cfg['dim']}, hc {cfg['hc']}. Engram at layers {e['layer_ids']}: orders 2..{e['max_ngram_size']}, "
         f"{e['n_heads']} heads of {e['head_dim']}, base {bases[0] if len(bases) == 1 else e['engram_vocab_size']}.",
         "",
@@ -232,8 +240,11 @@ def run_demo(
     out_dir: str | Path = "reports/demo",
     progress: bool = True,
     command: str = "engram demo",
+    device: torch.device | None = None,
+    precision: Precision = Precision.FLOAT32,
 ) -> dict[str, Any]:
-    """Train baseline and Engram models for each seed; return (and write) the results."""
+    """Train baseline and Engram models for each seed on `device` (default the CPU) in `precision`;
+    return (and write) the results."""
     from tqdm.auto import tqdm
 
     if cfg.engram is None:
@@ -246,9 +257,10 @@ def run_demo(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
+    device = torch.device("cpu") if device is None else device
     data = prepare_data(cfg)
     if minutes is not None:  # fit the step count to the time budget
-        per_step = _time_steps(cfg, data)
+        per_step = _time_steps(cfg, data, device, precision)
         eval_share = 1.15  # periodic and final evaluations
         steps = int(minutes * 60 / (per_step * len(seeds) * eval_share))
         if steps < 10:
@@ -268,7 +280,13 @@ def run_demo(
     for seed in seeds:
         c = cfg.replace(seed=seed)
         trainers = {
-            kind: Trainer(c, data, build_model(c, data, with_engram=(kind == "engram")))
+            kind: Trainer(
+                c,
+                data,
+                build_model(c, data, with_engram=kind == "engram"),
+                device=device,
+                precision=precision,
+            )
             for kind in ("baseline", "engram")
         }
         while trainers["engram"].step < c.steps:
@@ -338,6 +356,8 @@ def run_demo(
         "held_out_tokens": len(data.held_out),
         "tokens_per_run": cfg.steps * cfg.batch_size * cfg.seq_len,
         "seeds": list(seeds),
+        "device": str(device),
+        "precision": precision.value,
         "config": cfg.to_dict(),
         "runs": runs,
         "summary": summary,

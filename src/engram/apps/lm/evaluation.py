@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engram.apps.lm.data import TokenStream
+from engram.device import Precision, autocast, to_device
 from engram.model.lm import EngramLM
 
 __all__ = ["MAX_LOSS", "eval_summary", "evaluate", "perplexity", "score_windows", "window_rows"]
@@ -45,8 +46,10 @@ def evaluate(
     max_tokens: int | None = None,
     batch_size: int = 32,
     engram_scale: float = 1.0,
+    precision: Precision = Precision.FLOAT32,
 ) -> dict[str, Any]:
-    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category.
+    """Mean next-token loss (nats) over non-overlapping windows of `stream`, overall and per category,
+    on the model's device (`precision` bf16: the forwards under autocast, the losses summed in float64).
     `max_tokens`: score a fixed sample of about that many tokens, windows spread over every document
     (`TokenStream.sample_starts`: the periodic evaluation's estimate of the full one); None: all."""
     was_training = model.training
@@ -56,10 +59,11 @@ def evaluate(
     loss_sum = torch.zeros(n_cat, dtype=torch.float64)
     count = torch.zeros(n_cat, dtype=torch.float64)
     use_rows = rows if model.needs_rows else None
-    for i in range(0, len(starts), batch_size):
-        score_windows(
-            model, stream, use_rows, starts[i : i + batch_size], seq_len, loss_sum, count, engram_scale
-        )
+    device = next(model.parameters()).device
+    with autocast(device, precision):
+        for i in range(0, len(starts), batch_size):
+            s = starts[i : i + batch_size]
+            score_windows(model, stream, use_rows, s, seq_len, loss_sum, count, engram_scale, device)
     model.train(was_training)
     return eval_summary(stream, loss_sum, count)
 
@@ -81,8 +85,8 @@ def score_windows(
     r = window_rows(rows, starts, seq_len)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     if device is not None:
-        xt, yt = xt.to(device), yt.to(device)
-        r = None if r is None else r.to(device)
+        xt, yt = to_device(xt, device), to_device(yt, device)
+        r = None if r is None else to_device(r, device)
     logits = model(xt, r, engram_scale=engram_scale)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), yt.flatten(), reduction="none")
     cats = torch.from_numpy(stream.category_ids[starts[:, None] + 1 + np.arange(seq_len)].astype(np.int64))

@@ -17,6 +17,7 @@ import torch
 
 from engram.addressing.hashing import NgramHasher, check_token_ids
 from engram.addressing.stream import HashStream
+from engram.device import Precision, autocast
 from engram.model.lm import EngramLM
 
 __all__ = [
@@ -97,6 +98,7 @@ def generate(
     batch_size: int = 1,
     seed: int = 0,
     engram_scale: float = 1.0,
+    precision: Precision = Precision.FLOAT32,
 ) -> Generation:
     """Continue `prompt_ids` (1-D tokenizer ids) by `max_new_tokens` tokens in `batch_size` sequences.
 
@@ -104,7 +106,8 @@ def generate(
     when `greedy` or `temperature == 0`; else sampling with a `torch.Generator` seeded by `seed`,
     on the model's device (the same seed gives the same tokens). `engram_scale=0` masks Engram's
     output (the paper's ablation). A prompt longer than `max_seq_len` is hashed whole; the forward
-    sees its last `max_seq_len` tokens.
+    sees its last `max_seq_len` tokens. Runs on the model's device; `precision` bf16: the forwards
+    under autocast.
     """
     check_options(max_new_tokens, temperature, top_k, batch_size)
     c = model.config
@@ -150,7 +153,8 @@ def generate(
     for t in range(t0, t0 + n):
         lo = max(0, t - s)  # sliding window: the model has no cache and sees max_seq_len tokens
         window_rows = None if rows is None else rows[:, lo:t]
-        logits = model(tokens[:, lo:t], window_rows, engram_scale=engram_scale)  # (B, t - lo, V)
+        with autocast(device, precision):
+            logits = model(tokens[:, lo:t], window_rows, engram_scale=engram_scale)  # (B, t - lo, V)
         nxt = _sample(logits[:, -1], temperature, top_k, gen)  # (B,)
         tokens[:, t] = nxt
         if stream is not None:
@@ -163,10 +167,10 @@ def generate(
 
 
 def load_generator(
-    checkpoint: str | Path, *, verify: bool = False
+    checkpoint: str | Path, *, verify: bool = False, device: torch.device | None = None
 ) -> tuple[EngramLM, Any, NgramHasher | None, dict[str, Any]]:
-    """(model in eval mode, tokenizer, hasher or None, state.json) of a run folder or checkpoint folder,
-    checked as `load_trained_model(checkpoint, verify=verify)` checks it.
+    """(model in eval mode on `device`, default the CPU, tokenizer, hasher or None, state.json) of a run
+    folder or checkpoint folder, checked as `load_trained_model(checkpoint, verify=verify)` checks it.
 
     The tokenizer is the one the checkpoint saved (the run's own); a checkpoint without one gets it
     rebuilt by `prepare_data` from the run's config. The hasher is built from the model's Engram config
@@ -181,7 +185,7 @@ def load_generator(
             f"--checkpoint {checkpoint}: no such folder; give a run folder (`engram train --out DIR`) "
             "or one of its checkpoints/step-N folders"
         )
-    cfg, model, state = load_trained_model(checkpoint, verify=verify)
+    cfg, model, state = load_trained_model(checkpoint, verify=verify, device=device)
     tok = checkpoint_tokenizer(state["path"], model.config.vocab_size)  # checked as resume checks it
     if tok is None:
         tok = prepare_data(cfg, with_engram=False).tokenizer

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
@@ -270,11 +271,12 @@ def check_layout(ckpt: Path, lm_cfg: LMConfig) -> None:
 
 
 def load_trained_model(
-    path: str | Path, *, verify: bool = False
+    path: str | Path, *, verify: bool = False, device: torch.device | None = None
 ) -> tuple[TrainConfig, EngramLM, dict[str, Any]]:
     """(train config, model with its weights, state.json) of a checkpoint folder or a run folder (its
-    newest checkpoint). The checkpoint is checked (`read_checkpoint`: dtypes, NaN / Inf; `verify` scans
-    tables of any size)."""
+    newest checkpoint), on `device` (default the CPU), wherever it was trained: the files hold host
+    tensors. The checkpoint is checked (`read_checkpoint`: dtypes, NaN / Inf; `verify` scans tables of
+    any size)."""
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or checkpoints/step-*)")
@@ -284,5 +286,7 @@ def load_trained_model(
     tensors = read_checkpoint(ckpt, state, optimizer=False, dtypes=dtypes, verify=verify)[0]  # tables whole
     with weights_of(ckpt):  # missing, unexpected or misshaped tensors: one ValueError naming the file
         model.load_state_dict(tensors)
+    if device is not None:
+        model.to(device)
     state["path"] = str(ckpt)
     return cfg, model, state

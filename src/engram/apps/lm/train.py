@@ -56,6 +56,7 @@ from engram.checkpoint.files import save_tensors
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import read_checkpoint
 from engram.config import EngramConfig
+from engram.device import Precision, autocast, check_precision, resolve_device, to_device
 from engram.model.lm import EngramLM, LMConfig
 from engram.model.optim import DenseTableAdam, SparseRowAdagrad, SparseRowAdam, split_param_groups
 from engram.model.sinkhorn import SparseSinkhorn
@@ -168,11 +169,28 @@ def build_model(cfg: TrainConfig, data: DataBundle, *, with_engram: bool | None 
 
 # ---------------------------------------------------------------------------- training
 class Trainer:
-    """Trains one model of `cfg` on `data`; `out_dir` (optional) receives checkpoints."""
+    """Trains one model of `cfg` on `data`; `out_dir` (optional) receives checkpoints.
+
+    `device` (a torch.device or 'auto', 'cpu', 'cuda', 'cuda:N'; default: where the model is): the
+    model is moved there before its optimizers are built, and every batch goes there. `precision`
+    bf16: forwards under autocast, weights and optimizer state float32. Neither is part of the run:
+    checkpoints are written from host copies, and a run resumes on any device in either precision.
+    """
 
     def __init__(
-        self, cfg: TrainConfig, data: DataBundle, model: EngramLM, out_dir: str | Path | None = None
+        self,
+        cfg: TrainConfig,
+        data: DataBundle,
+        model: EngramLM,
+        out_dir: str | Path | None = None,
+        *,
+        device: torch.device | str | None = None,
+        precision: Precision | str = Precision.FLOAT32,
     ) -> None:
+        self.device = resolve_device(next(model.parameters()).device if device is None else device, "device")
+        self.precision = check_precision(precision, self.device, "precision")
+        if any(t.device != self.device for t in (*model.parameters(), *model.buffers())):
+            model.to(self.device)  # before the optimizers: their state is made where the parameters are
         self.cfg, self.data, self.model = cfg, data, model
         self.out_dir = Path(out_dir) if out_dir is not None else None
         dense, tables = self._param_groups()
@@ -230,8 +248,9 @@ class Trainer:
             for g in self.embed_opt.param_groups:
                 g["lr"] = self._embedding_lr * f
         x, y, rows = self._batch(self.step)
-        logits = self.model(x, rows)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        with autocast(self.device, self.precision):  # the forward and the loss; the backward outside
+            logits = self.model(x, rows)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         self.opt.zero_grad(set_to_none=True)
         for opt in (self.table_opt, self.embed_opt):
             if opt is not None:
@@ -281,10 +300,13 @@ class Trainer:
         return self.data.train.batch_starts(step, c.batch_size, c.seq_len, c.seed)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(inputs (B, T), targets (B, T), Engram rows (B, T, layers, heads) or None) of step `step`."""
+        """(inputs (B, T), targets (B, T), Engram rows (B, T, layers, heads) or None) of step `step`, on
+        the trainer's device (copied without blocking: no sync point)."""
         starts = self._batch_starts(step)
         x, y = self.data.train.windows(starts, self.cfg.seq_len)
-        return torch.from_numpy(x), torch.from_numpy(y), window_rows(self.rows[0], starts, self.cfg.seq_len)
+        rows = window_rows(self.rows[0], starts, self.cfg.seq_len)
+        x_t, y_t, d = torch.from_numpy(x), torch.from_numpy(y), self.device
+        return to_device(x_t, d), to_device(y_t, d), None if rows is None else to_device(rows, d)
 
     def _backward(self, loss: torch.Tensor) -> float:
         """Backward pass of the step's loss (gradient sync, when there is one); returns the loss."""
@@ -299,6 +321,7 @@ class Trainer:
             self.cfg.seq_len,
             max_tokens=max_tokens,
             engram_scale=engram_scale,
+            precision=self.precision,
         )
 
     def run(self, on_step: Callable[[Trainer, float], None] | None = None, until: int | None = None) -> None:
@@ -349,7 +372,8 @@ class Trainer:
         return self._write_checkpoint(model_tensors, opt_tensors, groups)
 
     def _checkpoint_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-        """(model state, optimizer state tensors, optimizer groups) as a checkpoint stores them."""
+        """(model state, optimizer state tensors, optimizer groups) as a checkpoint stores them (on the
+        trainer's device; the files hold host copies)."""
         model_tensors = {k: v.contiguous() for k, v in self.model.state_dict().items()}
         opt_tensors, groups = optimizers_to_tensors(self._optimizers())
         return model_tensors, opt_tensors, groups
@@ -382,6 +406,8 @@ class Trainer:
         final = root / f"step-{self.step:07d}"
         if tmp is None:
             tmp = self._checkpoint_tmp(str(os.getpid()))
+        # a checkpoint names no device (save_tensors copies device tensors to the host), so it loads on
+        # any: read_checkpoint reads to the host, the loads copy into the model and the optimizers
         save_tensors(tmp / "model.safetensors", model_tensors, layout_metadata(self.model.config))
         save_tensors(tmp / "optimizer.safetensors", opt_tensors)
         state = {
@@ -391,6 +417,8 @@ class Trainer:
             "optimizer_groups": groups,
             "history": self.history,
             "train_seconds": self.train_seconds,
+            "device": str(self.device),  # where it was trained, and how: a record, never a requirement
+            "precision": self.precision.value,
             **(extra_state or {}),
         }
         (tmp / "state.json").write_text(json.dumps(state))
@@ -503,6 +531,7 @@ class Trainer:
     def _restore_tensors(
         self, model_tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], groups: dict
     ) -> None:
-        """Load a checkpoint's model and optimizer tensors into this trainer's model and optimizers."""
+        """Load a checkpoint's model and optimizer tensors (host tensors) into this trainer's model and
+        optimizers, on the trainer's device: the optimizers' loads move their state to its parameters."""
         self.model.load_state_dict(model_tensors)
         optimizers_from_tensors(self._optimizers(), opt_tensors, groups)

@@ -25,6 +25,7 @@ from engram.apps.lm.evaluation import eval_summary, score_windows, window_rows
 from engram.apps.lm.train import DataBundle, TableOptimizer, TrainConfig, Trainer, build_model
 from engram.checkpoint.shard_format import ShardIdentity, TableRange
 from engram.checkpoint.shards import SHARDS_KEY, read_checkpoint, shards_of_state, write_shard
+from engram.device import Precision, autocast, to_device
 from engram.distributed.guard import describe, disagreements, named_failures
 from engram.distributed.memory_budget import check_engram_shards_fit
 from engram.distributed.parallelize import (
@@ -94,7 +95,8 @@ class DistributedTrainer(Trainer):
     `settings`: how the ranks were launched beyond cfg, by name (the CLI passes --until,
     --table-init, --table-ranks, --resume); checked with cfg, the data, the table layout and the
     initial model to be the same on every rank (else ValueError on every rank, naming what differs).
-    A failed or timed-out collective raises RankError naming the rank and the step.
+    A failed or timed-out collective raises RankError naming the rank and the step. `precision`: as
+    Trainer's (bf16: each rank's forwards under autocast; the exchanges and reductions in float32).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class DistributedTrainer(Trainer):
         owners: Iterable[int] | None = None,
         sharded_checkpoints: bool = False,
         settings: dict[str, Any] | None = None,
+        precision: Precision | str = Precision.FLOAT32,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError(
@@ -130,7 +133,7 @@ class DistributedTrainer(Trainer):
             shard_engram_tables(model, group, owners=owners)
         self.tables = sharded_tables(model)
         self.sharded_checkpoints = bool(sharded_checkpoints)
-        super().__init__(cfg, data, model, out_dir)
+        super().__init__(cfg, data, model, out_dir, device=self.device, precision=precision)
         self._check_ranks_agree(data, dict(settings or {}))
         # the run's name (rank 0's), which its sharded checkpoints' files record; a resumed run keeps it
         self.run_id = run_name(group)
@@ -154,7 +157,11 @@ class DistributedTrainer(Trainer):
             crc = zlib.crc32(key.encode(), crc)
             crc = zlib.crc32(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
         config = {f"config {k}": v for k, v in self.cfg.to_dict().items()}
-        launch = {"sharded_checkpoints": self.sharded_checkpoints, **settings}
+        launch = {
+            "sharded_checkpoints": self.sharded_checkpoints,
+            "precision": self.precision.value,
+            **settings,
+        }
         checks = {"data": _data_checksum(data), "layout": [t.bounds for t in self.tables], "model": crc}
         with named_failures(self.rank, lambda: "checking that the ranks agree (before step 1)"):
             diff = disagreements({**config, **launch, **checks}, self.group)
@@ -207,9 +214,7 @@ class DistributedTrainer(Trainer):
         return starts[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        x, y, rows = super()._batch(step)  # (B/W, T), (B/W, T), (B/W, T, layers, heads)
-        x, y = x.to(self.device), y.to(self.device)
-        rows = None if rows is None else rows.to(self.device)
+        x, y, rows = super()._batch(step)  # (B/W, T), (B/W, T), (B/W, T, layers, heads) on the device
         if self.tables:
             prefetch_model_rows(self.model, rows)  # the step's one row exchange, before the forward
         return x, y, rows
@@ -267,9 +272,10 @@ class DistributedTrainer(Trainer):
             s = mine[i * _EVAL_BATCH : (i + 1) * _EVAL_BATCH]
             if self.tables:  # a rank out of windows still takes part in the exchange, with no rows
                 r = window_rows(rows, s, seq) if len(s) else None
-                prefetch_model_rows(model, None if r is None else r.to(self.device))
+                prefetch_model_rows(model, None if r is None else to_device(r, self.device))
             if len(s):
-                score_windows(model, stream, rows, s, seq, loss_sum, count, engram_scale, self.device)
+                with autocast(self.device, self.precision):
+                    score_windows(model, stream, rows, s, seq, loss_sum, count, engram_scale, self.device)
             release_tables(self.tables)
         both = torch.cat([loss_sum, count]).to(self.device)
         dist.all_reduce(both, group=self.group)

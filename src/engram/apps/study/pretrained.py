@@ -61,6 +61,7 @@ from engram.apps.study.probes import (
     split_accuracy,
 )
 from engram.checkpoint.input_files import path_kind
+from engram.device import Precision, autocast, check_precision, resolve_device
 
 __all__ = [
     "ARMS",
@@ -273,16 +274,22 @@ def _held(folder: str, train: Path, held: Path, plan: PretrainedPlan) -> _Held:
     return _Held(blocks, mask, items, phrases, len(train_ids), len(held_ids))
 
 
-def _evaluate(folder: str, h: _Held, batch_size: int) -> dict[str, Any]:
-    """Held-out loss and both probes of an HF folder (with its Engram part when it has one)."""
+def _evaluate(
+    folder: str, h: _Held, batch_size: int, device: torch.device, precision: Precision
+) -> dict[str, Any]:
+    """Held-out loss and both probes of an HF folder (with its Engram part when it has one), on `device`
+    in `precision`."""
     model = load_model(folder)
     if path_kind(Path(folder) / "engram") == "a folder":
         from engram.hf import load_engram
 
         load_engram(model, folder, tokenizer=load_tokenizer(folder))
-    pred, loss = greedy_predictions_and_loss(model, h.blocks, batch_size)
+    model.to(device)
+    with autocast(device, precision):
+        pred, loss = greedy_predictions_and_loss(model, h.blocks, batch_size)
+        cloze = cloze_accuracy(model, h.items, batch_size)
     acc = split_accuracy(pred, h.blocks, h.mask)
-    return {"held_out": loss, "next_token": acc, "cloze": cloze_accuracy(model, h.items, batch_size)}
+    return {"held_out": loss, "next_token": acc, "cloze": cloze}
 
 
 def lora_parameters(folder: str, rank: int) -> int:
@@ -326,6 +333,8 @@ class _Ctx:
     held: _Held
     progress: bool
     say: Callable[[str], None]
+    device: torch.device
+    precision: Precision
     fresh: int = 0
 
 
@@ -364,9 +373,10 @@ def _run(
         else {k: v for k, v in settings.to_dict().items() if k not in ("out", "folder", "corpus")}
     )
     probe = {k: v for k, v in asdict(p).items() if k.startswith(("cloze", "ngram", "eval", "held", "seq"))}
-    blob = json.dumps(
-        {"v": _RECORD_VERSION, "arm": arm.name, "s": d, "fp": ctx.fp, "probe": probe}, sort_keys=True
-    )
+    what = {"v": _RECORD_VERSION, "arm": arm.name, "s": d, "fp": ctx.fp, "probe": probe}
+    if ctx.precision is not Precision.FLOAT32:  # float32 keys stay those of runs cached before precisions
+        what["precision"] = ctx.precision.value
+    blob = json.dumps(what, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:20]
     runs = ctx.out / "runs"
     rec = _read(runs / f"{key}.json")
@@ -382,8 +392,15 @@ def _run(
             resume = path_kind(partial_folder(run_dir)) is not None
             ctx.say(f"{arm.name}, seed {seed}: training {steps} steps" + (" (resuming)" if resume else ""))
             run_dir.parent.mkdir(parents=True, exist_ok=True)
-            summary = train_folder(settings, resume=resume, progress=ctx.progress, say=ctx.say)
-    ev = _evaluate(str(run_dir) if summary else ctx.folder, ctx.held, p.batch_size)
+            summary = train_folder(
+                settings,
+                resume=resume,
+                progress=ctx.progress,
+                say=ctx.say,
+                device=ctx.device,
+                precision=ctx.precision,
+            )
+    ev = _evaluate(str(run_dir) if summary else ctx.folder, ctx.held, p.batch_size, ctx.device, ctx.precision)
     rec = {
         "version": _RECORD_VERSION,
         "key": key,
@@ -452,9 +469,13 @@ def run_pretrained(
     command: str = "engram study pretrained",
     plan: PretrainedPlan | None = None,
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+    device: torch.device | None = None,
+    precision: Precision = Precision.FLOAT32,
 ) -> dict[str, Any]:
     """Run (or take from `<out_dir>/runs/`) the pilot and every arm x seed; write `<out_dir>/pretrained/`.
-    `progress` False: no bar, transformers' loading bars too."""
+    `progress` False: no bar, transformers' loading bars too. Trained and evaluated on `device`
+    (default: the GPU when there is one) in `precision`; a run's cache key holds a bf16 precision, never
+    the device."""
     import transformers.utils.logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -472,7 +493,10 @@ def run_pretrained(
         folder = base_folder(out, model, progress)
         depth, hidden = model_depth(check_folder(folder))
         fp = _fingerprint(Path(folder), train, held)
-        ctx = _Ctx(out, folder, train, plan, fp, _held(folder, train, held, plan), progress, say)
+        device = resolve_device("auto" if device is None else device, "device")
+        held_blocks = _held(folder, train, held, plan)
+        place = (device, check_precision(precision, device, "precision"))
+        ctx = _Ctx(out, folder, train, plan, fp, held_blocks, progress, say, *place)
         backbone = sum(p.numel() for p in load_model(folder).parameters())
         rows0 = default_table_rows(backbone, len(default_layers(depth)), default_head_dim(hidden))
         # ---- the pilot: Engram alone, the first seed, shorter

@@ -23,6 +23,7 @@ import torch
 from engram.apps.lm.data import load_corpus
 from engram.apps.lm.train import DataBundle, TrainConfig, Trainer, build_model, prepare_data
 from engram.apps.study.plans import STUDIES, RunSpec, plan_study, study_base, table_rows
+from engram.device import Precision
 from engram.model.optim import split_param_groups
 from engram.model.sinkhorn import SparseSinkhorn
 
@@ -49,12 +50,16 @@ def corpus_fingerprint(corpus: str | None) -> str:
     return h.hexdigest()[:16]
 
 
-def run_key(cfg: TrainConfig, corpus_fp: str) -> str:
-    """The cache key of a run: its config (threads aside: they change speed only) and its corpus."""
+def run_key(cfg: TrainConfig, corpus_fp: str, precision: Precision = Precision.FLOAT32) -> str:
+    """The cache key of a run: its config (threads aside: they change speed only), its corpus, and its
+    precision when not float32 (bf16 results are not float32's; the device is no part of it: a run
+    cached on the GPU serves the CPU, within float rounding)."""
     d = cfg.to_dict()
     for k in ("threads", "extra", "keep_checkpoints", "checkpoint_every"):
         d.pop(k, None)
     d["corpus"] = corpus_fp
+    if precision is not Precision.FLOAT32:  # float32 keys stay those of runs cached before precisions
+        d["precision"] = precision.value
     blob = json.dumps({"v": _RECORD_VERSION, "config": d}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -117,8 +122,14 @@ def _optimizer_state(
     }
 
 
-def _train_pair(specs: list[RunSpec], cache: dict[str, DataBundle], on_step: Any) -> list[dict[str, Any]]:
-    """Train `specs` (one or two runs) in lock-step and return their records."""
+def _train_pair(
+    specs: list[RunSpec],
+    cache: dict[str, DataBundle],
+    on_step: Any,
+    device: torch.device,
+    precision: Precision,
+) -> list[dict[str, Any]]:
+    """Train `specs` (one or two runs) in lock-step on `device` in `precision`; return their records."""
     trainers = []
     for spec in specs:
         key = _data_key(spec.cfg)
@@ -126,7 +137,8 @@ def _train_pair(specs: list[RunSpec], cache: dict[str, DataBundle], on_step: Any
             cache[key] = prepare_data(spec.cfg)
             _check_data(cache[key], spec.cfg)
         data = cache[key]
-        trainers.append(Trainer(spec.cfg, data, build_model(spec.cfg, data)))
+        model = build_model(spec.cfg, data)
+        trainers.append(Trainer(spec.cfg, data, model, device=device, precision=precision))
     while any(t.step < t.cfg.steps for t in trainers):
         for t in trainers:
             if t.step < t.cfg.steps:
@@ -144,6 +156,8 @@ def _train_pair(specs: list[RunSpec], cache: dict[str, DataBundle], on_step: Any
                 "note": spec.note,
                 "x": spec.x,
                 "config": c.to_dict(),
+                "device": str(t.device),
+                "precision": t.precision.value,
                 "held_out": ev,
                 "held_out_loss": ev["loss"],
                 "params": t.model.num_params(),
@@ -174,9 +188,12 @@ def run_study(
     out_dir: str | Path = "reports/study",
     progress: bool = True,
     command: str = "engram study",
+    device: torch.device | None = None,
+    precision: Precision = Precision.FLOAT32,
 ) -> dict[str, Any]:
     """Run (or take from the cache) every run of `study` and write `<out_dir>/<study>/`: report.md,
-    results.json and plots. Runs are cached in `<out_dir>/runs/`. Returns the results."""
+    results.json and plots. Runs are cached in `<out_dir>/runs/`, trained on `device` (default the
+    CPU) in `precision`. Returns the results."""
     from tqdm.auto import tqdm
 
     from engram.apps.study.report import write_study_report
@@ -195,7 +212,8 @@ def run_study(
     data0 = prepare_data(base, with_engram=False)
     _check_data(data0, base)
     specs = plan_study(study, base, seeds, quick=quick, vocab=data0.vocab_size)
-    keys = [run_key(s.cfg, corpus_fp) for s in specs]
+    keys = [run_key(s.cfg, corpus_fp, precision) for s in specs]
+    device = torch.device("cpu") if device is None else device
     records: dict[str, dict[str, Any]] = {}
     for k in keys:
         rec = _read_record(runs_dir / f"{k}.json")
@@ -216,7 +234,9 @@ def run_study(
     for i in range(0, len(pending), 2):
         pair = pending[i : i + 2]
         for (k, _), rec in zip(
-            pair, _train_pair([s for _, s in pair], cache, lambda: bar.update(1)), strict=True
+            pair,
+            _train_pair([s for _, s in pair], cache, lambda: bar.update(1), device, precision),
+            strict=True,
         ):
             rec["key"] = k
             _write_record(runs_dir / f"{k}.json", rec)
@@ -256,6 +276,8 @@ def run_study(
         "vocab_size": data0.vocab_size,
         "seeds": list(seeds),
         "quick": quick,
+        "device": str(device),
+        "precision": precision.value,
         "base_config": base.to_dict(),
         "runs": runs,
         "new_runs": len(pending),
