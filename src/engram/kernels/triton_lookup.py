@@ -109,7 +109,7 @@ def fp8_gather(
 
 @triton.jit
 def _int_gather_kernel(
-    v_ptr,  # (R, W) uint8: int8 bytes (W = D), or two 4-bit ints a byte (W = D / 2, FOUR)
+    v_ptr,  # (R, W) uint8: int8 bytes (W = D), or two 4-bit ints a byte (W = D / 2, FOUR; docs/storage.md)
     s_ptr,  # (R, NB) int16 bfloat16 bits
     rows_ptr,  # (n,) int64 / int32
     out_ptr,  # (n, D) float32 / int16 (bfloat16 bits) / float16
@@ -118,6 +118,7 @@ def _int_gather_kernel(
     W: tl.constexpr,
     NB: tl.constexpr,
     FOUR: tl.constexpr,
+    HALF: tl.constexpr,  # values a block / 2 (4-bit)
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     OUT_KIND: tl.constexpr,
@@ -126,8 +127,7 @@ def _int_gather_kernel(
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (i < n)[:, None] & (c < D)[None, :]
     r = tl.load(rows_ptr + i, mask=i < n, other=0).to(tl.int64)
-    if FOUR:  # value j of a block: byte j % half of its half bytes, low nibble for j < half, else high
-        HALF: tl.constexpr = D // NB // 2
+    if FOUR:  # value j of a block: byte j % HALF of its HALF bytes, low nibble for j < HALF, else high
         j = c % (2 * HALF)
         at = (c // (2 * HALF)) * HALF + j % HALF
         byte = tl.load(v_ptr + r[:, None] * W + at[None, :], mask=mask, other=0).to(tl.int32)
@@ -194,6 +194,7 @@ def int_gather(
         W=width,
         NB=nb,
         FOUR=four,
+        HALF=dim // nb // 2,
         BLOCK_N=_BLOCK_N,
         BLOCK_D=block_d,
         OUT_KIND=_OUT_KINDS[dtype],

@@ -97,6 +97,14 @@ class RowFormat(enum.StrEnum):
         """Bytes one stored row takes: 264 (FP8), 272 (INT8), 258 (INT8_ROW), 144 (INT4) at D = 256."""
         return self.value_bytes(dim) + self.scale_bytes(dim)
 
+    def same_bytes(self, other: RowFormat, dim: int) -> bool:
+        """Whether rows of width `dim` are the same bytes in both formats (int8 and int8-row at D = 32)."""
+        return self is other or (
+            self.value_dtype == other.value_dtype
+            and self.scale_dtype == other.scale_dtype
+            and self.block(dim) == other.block(dim)
+        )
+
     def dim_of(self, value_width: int) -> int:
         """The row width a values tensor of last dimension `value_width` holds."""
         return value_width * self.values_per_byte
