@@ -35,6 +35,7 @@ __all__ = ["LookupBackend", "dequantize_gather", "gather_rows"]
 # Below this many rows `threads=None` stays on the calling thread: handing a chunk to the pool costs
 # tens of microseconds, about what the kernel needs for a thousand rows.
 _PARALLEL_MIN_ROWS = 2048
+_BYTE_TABLES = (torch.int8, torch.uint8)  # gather_rows also copies the integer formats' values (as bytes)
 
 
 class LookupBackend(enum.StrEnum):
@@ -216,16 +217,19 @@ def gather_rows(
     backend: LookupBackend | str = LookupBackend.AUTO,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """Rows ``rows`` (int64/int32, any shape ``[...]``) of a plain table ``weight [N, D]`` (fp32, bf16, ...)
-    -> ``[..., D]`` in the table's dtype, into ``out`` if given.
+    """Rows ``rows`` (int64/int32, any shape ``[...]``) of a plain table ``weight [N, D]`` (fp32, bf16, ...; or
+    the int8 / uint8 values of quantised rows) -> ``[..., D]`` in the table's dtype, into ``out`` if given.
 
     The no-dequantisation twin of ``dequantize_gather`` (same backends and ``threads``), for inference
     and prefetch: the result carries no autograd history (train through ``F.embedding``).  The torch
     backend is ``index_select``.  Raises ValueError for row ids outside [0, N).
     """
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+    plain = isinstance(weight, torch.Tensor) and (weight.is_floating_point() or weight.dtype in _BYTE_TABLES)
+    if not plain or weight.dim() != 2:
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight)
-        raise TypeError(f"weight must be a floating-point table [N, D], got {found}")
+        raise TypeError(
+            f"weight must be a floating-point table [N, D] (or the int8 / uint8 values of quantised rows), got {found}"
+        )
     check_row_ids(rows, weight.device)
     threads = check_threads(threads)
     weight = weight.detach()
