@@ -150,7 +150,11 @@ def format_problems(plans: Mapping[int, LayerPlan], metas: Mapping[Path, Mapping
     problems = []
     for layer_id, plan in sorted(plans.items()):
         recorded = metas.get(plan.weight.path, {}).get(f"{TABLE_FORMAT_KEY}.{layer_id}")
-        if recorded is not None and recorded != plan.fmt.value:
+        rf = plan.fmt.row_format
+        if recorded is None or rf is None:
+            continue
+        known = recorded in {f.value for f in RowFormat}
+        if not known or not RowFormat(recorded).same_bytes(rf, rf.dim_of(plan.weight.shape[1])):
             problems.append(
                 f"{plan.weight.path.name}: layer {layer_id}'s table is recorded as format {recorded!r} "
                 f"({TABLE_FORMAT_KEY}.{layer_id}) but its tensors are {plan.fmt.value} ({plan.weight.name}: "
@@ -239,8 +243,9 @@ def plan_layers(
         else:
             if w.dtype in _QUANT_DTYPES:
                 fmt = _QUANT_DTYPES[w.dtype]
-                if fmt is TableFormat.INT8 and s is not None and len(s.shape) == 2 and s.shape[1] == 1:
-                    fmt = TableFormat.INT8_ROW  # one scale a row
+                one_scale = s is not None and len(s.shape) == 2 and s.shape[1] == 1
+                if fmt is TableFormat.INT8 and one_scale and dim != block:
+                    fmt = TableFormat.INT8_ROW  # one scale a row (a row of one block: int8, the same bytes)
             elif w.dtype in FLOAT_DTYPES:
                 fmt = TableFormat.FLOAT
             else:
