@@ -30,7 +30,7 @@ def test_export_served_from_a_memory_mapped_table(tmp_path, fmt: str) -> None:
     model = _trained()
     x = S.batch(2, 9)
     part = export_quantised(model, tmp_path / fmt, fmt)
-    served = load_engram(S.llama(), part, mmap=True)
+    served = load_engram(S.llama(), part, mmap=True, tokenizer=S.tokenizer())
     table = served.engram.module(0).table
     assert isinstance(table, MmapQuantTable)
     # head_dim 32: one block a row, so int8-row is int8's bytes (and loads under that name)

@@ -52,3 +52,29 @@ def test_every_mode_serves_the_formats_rows(folder, mode: str) -> None:
         rows = torch.randint(0, t.num_rows, (3, 40))
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(t.gather(rows, dtype), want[lid].table.gather(rows, dtype))
+
+
+@pytest.mark.parametrize("fmt", ["int8-row", "int4"])
+def test_tensor_parallel_shards_an_integer_table(fmt: str) -> None:
+    """`shard_tables` splits a QuantTable's rows over ranks; the ranks' partial gathers sum to the table's."""
+    import copy
+
+    from engram.addressing.layout import Layout
+    from engram.config import EngramConfig
+    from engram.model.module import Engram
+    from engram.model.table import QuantTable
+    from engram.vllm.tensor_parallel import shard_tables
+
+    config = EngramConfig.preset("tiny")
+    lid = config.layer_ids[0]
+    n = Layout(config).layer(lid).num_embeddings
+    full = Engram(config, lid, table=QuantTable.from_float(torch.randn(n, config.head_dim), fmt))
+    rows = torch.randint(0, n, (4, 9))
+    want = full.table.gather(rows)
+    partial = []
+    for rank in range(3):
+        mods = {lid: copy.deepcopy(full)}
+        shard_tables(mods, rank, 3, lambda x: x)  # each rank's share, its all-reduce left to the sum below
+        assert mods[lid].table.shard.row_format is RowFormat(fmt)
+        partial.append(mods[lid].table.gather(rows))
+    assert torch.equal(sum(partial), want)
