@@ -316,15 +316,15 @@ def test_misshaped_tensors_all_reported(bad, v41):
 def test_wrong_dtypes(bad):
     def edit(t):
         t["layers.1.engram.embed.scale"] = t["layers.1.engram.embed.scale"].view(torch.uint8)
-        t["layers.14.engram.embed.weight"] = t["layers.14.engram.embed.weight"].view(torch.int8)
+        t["layers.14.engram.embed.weight"] = t["layers.14.engram.embed.weight"].view(torch.int16)
         t["layers.14.engram.k_weight"] = torch.ones(4, 32, dtype=torch.int64)
 
     rewrite(shard_of(bad), edit)
     msg = load_error(bad)
     assert "layers.1.engram.embed.scale: dtype U8, expected F8_E8M0" in msg
     assert (
-        "layers.14.engram.embed.weight: dtype I8, expected F8_E4M3 (or F32/BF16/F16/F64 for a float table)"
-        in msg
+        "layers.14.engram.embed.weight: dtype I16, expected F8_E4M3, I8 (int8), U8 (int4) "
+        "(or F32/BF16/F16/F64 for a float table)" in msg
     )
     assert "layers.14.engram.k_weight: dtype I64, expected one of F32, BF16, F16, F64" in msg
 
@@ -608,8 +608,11 @@ def test_convert_fp8_float_round_trip(v41, v41_modules, tmp_path):
 
 def test_convert_refuses(v41, tmp_path):
     src = v41[0]
-    with pytest.raises(ValueError, match="to='int4': choose one of fp8, float"):
-        convert_table(src, tmp_path / "x", to="int4")
+    with pytest.raises(
+        ValueError,
+        match="format 'int3' is not one engram writes: choose one of fp8, int8, int8-row, int4, float",
+    ):
+        convert_table(src, tmp_path / "x", to="int3")
     with pytest.raises(ValueError, match="same directory"):
         convert_table(src, src, to="float")
 

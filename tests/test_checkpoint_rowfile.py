@@ -82,7 +82,11 @@ def test_cli_refuses_row_file_for_float(converted, tmp_path, capsys) -> None:
     src, _ = converted
     code = main(["convert", str(src), str(tmp_path / "f"), "--to", "float", "--row-file"])
     err = capsys.readouterr().err
-    assert code == 2 and "Traceback" not in err and "--row-file needs --to fp8" in err
+    assert (
+        code == 2
+        and "Traceback" not in err
+        and "--row-file needs --format fp8, int8, int8-row or int4" in err
+    )
 
 
 def test_row_file_of_another_checkpoint_of_the_same_layout_refused(converted, tmp_path) -> None:

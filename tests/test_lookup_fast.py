@@ -110,10 +110,10 @@ def test_kernel_modes(stream: bool, dedup: bool, dtype: torch.dtype) -> None:
 
 
 def test_streaming_chosen_for_large_aligned_outputs() -> None:
-    assert kernels._streams(torch.empty(1 << 13, 256))  # 8 MiB, 1 KiB rows
-    assert not kernels._streams(torch.empty(64, 256))  # small: left in the cache for its consumer
-    assert not kernels._streams(torch.empty(1 << 15, 40))  # 160-byte rows are not whole cache lines
-    assert not kernels._streams(torch.empty((1 << 22) + 1)[1:].view(1 << 14, 256))  # base 4 bytes off
+    assert kernels.stream_out(torch.empty(1 << 13, 256))  # 8 MiB, 1 KiB rows
+    assert not kernels.stream_out(torch.empty(64, 256))  # small: left in the cache for its consumer
+    assert not kernels.stream_out(torch.empty(1 << 15, 40))  # 160-byte rows are not whole cache lines
+    assert not kernels.stream_out(torch.empty((1 << 22) + 1)[1:].view(1 << 14, 256))  # base 4 bytes off
 
 
 @pytest.mark.parametrize("block", [16, 64])

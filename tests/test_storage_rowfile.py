@@ -191,16 +191,17 @@ def test_nan_scale_byte_and_tables_field(tmp_path) -> None:
         RowFile(path)
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 2**32 - 1])
+@pytest.mark.parametrize("version", [0, 1, 4, 2**32 - 1])
 def test_other_header_versions_refused_with_a_valid_checksum(tmp_path, version) -> None:
-    """Only VERSION (2: the table fingerprint in the header) is read; another version is refused by
-    number before its fields are parsed, even with the checksum recomputed over the edited header."""
+    """Versions 2 (the table fingerprint in the header; what an FP8 file is written as) and VERSION (3:
+    the row format joined it) are read; another version is refused by number before its fields are
+    parsed, even with the checksum recomputed over the edited header."""
     import struct
     import zlib
 
     from engram.storage.rowfile import VERSION
 
-    assert VERSION == 2
+    assert VERSION == 3
     t = _table(40)
     raw = bytearray(write_row_file(tmp_path / "t.rows", t.weight, t.scale).read_bytes())
     assert struct.unpack("<I", raw[8:12]) == (2,)
@@ -208,5 +209,7 @@ def test_other_header_versions_refused_with_a_valid_checksum(tmp_path, version) 
     fixed = struct.calcsize("<8sIIQIIIIIIIi64s64s128s")  # docs/storage.md's fields; then their crc32
     raw[fixed : fixed + 4] = struct.pack("<I", zlib.crc32(bytes(raw[:fixed])))
     (tmp_path / "v.rows").write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=f"row file version {version}, this engram reads version 2; rewrite"):
+    with pytest.raises(
+        ValueError, match=f"row file version {version}, this engram reads versions 2 and 3; rewrite"
+    ):
         RowFile(tmp_path / "v.rows")

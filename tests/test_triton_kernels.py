@@ -194,6 +194,44 @@ def test_fp8_gather_table(kernels, idt: torch.dtype) -> None:
     assert kernels.lookup.fp8_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, 96)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int8-row", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int_gather_every_byte(kernels, fmt: str, dtype: torch.dtype) -> None:
+    """The integer formats: every value byte (int8, or 512 nibbles) under bfloat16 scales from subnormals
+    to 2^120, D = 256 / 512; exact against the numba-free torch backend and the plain twin."""
+    from engram.rowformat.formats import RowFormat
+
+    rf = RowFormat(fmt)
+    g = torch.Generator().manual_seed(2)
+    dim = 256 * rf.values_per_byte
+    values = torch.randperm(256, generator=g).to(torch.uint8).repeat(40, 1)
+    if rf is not RowFormat.INT4_BLOCK32:
+        values = values.view(torch.int8)
+    exps = torch.randint(-133, 121, (40, rf.scales_per_row(dim)), generator=g).double()
+    scales = ((1 + torch.randint(0, 128, exps.shape, generator=g).double() / 128) * 2.0**exps).to(
+        torch.bfloat16
+    )
+    rows = torch.randint(0, 40, (3, 17), generator=g)
+    want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
+    got = kernels.lookup.int_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype).cpu()
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(reference.int_gather(values, scales, rows, dtype)), bits(want))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int8-row", "int4"])
+def test_int_gather_table(kernels, fmt: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    values, scales = quant.quantize(torch.randn(300, 96, generator=g) * 0.1, fmt)  # D = 96: a masked tile
+    rows = torch.randint(0, 300, (7, 24), generator=g).to(torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
+        got = kernels.lookup.int_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype)
+        assert torch.equal(bits(got.cpu()), bits(want))
+    assert kernels.lookup.int_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, 96)
+    with pytest.raises(TypeError, match="int8 or uint8/bfloat16"):
+        kernels.lookup.int_gather(values.float(), scales, rows)
+
+
 # ------------------------------------------------------------------------------------------------ gate
 def gate_inputs(b: int, t: int, hc: int, dim: int, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -358,6 +396,11 @@ def test_dispatch_gather_and_gate(kernels, monkeypatch):
         assert torch.equal(got.cpu(), want)
     with pytest.raises(ValueError, match="row id 300"):
         lookup.dequantize_gather(values, scales, torch.full_like(rows, 300))
+    for fmt in ("int8", "int4"):  # the integer formats take the Triton gather too
+        v, s = quant.quantize(torch.randn(300, 64, generator=gen), fmt)
+        got = lookup.dequantize_gather(v.to(DEVICE), s.to(DEVICE), rows, torch.bfloat16)
+        want = lookup.dequantize_gather(v, s, rows.cpu(), torch.bfloat16, backend="torch")
+        assert torch.equal(got.cpu(), want)
 
     config = EngramConfig.preset("tiny")
     m = Engram(config, 1).to(DEVICE)

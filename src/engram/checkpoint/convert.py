@@ -1,5 +1,6 @@
-"""Making and converting Engram checkpoints: FP8 <-> float tables, and a scaled-down random V4.1
-checkpoint for tests, examples and `engram run-layer`. The format itself is `engram.checkpoint.v41`'s;
+"""Making and converting Engram checkpoints: tables in any row format (FP8, INT8, 4-bit) <-> float, the
+SSD row files beside them, and a scaled-down random V4.1 checkpoint for tests, examples and
+`engram run-layer`. The format itself is `engram.checkpoint.v41`'s;
 `engram convert` is `engram.cli`'s. Design: docs/checkpoint.md.
 """
 
@@ -13,7 +14,7 @@ import torch
 
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import member_file, open_tensors
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.checkpoint.tokenizer_fit import check_tokenizer_fit
 from engram.checkpoint.v41 import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -24,7 +25,7 @@ from engram.checkpoint.v41 import (
 )
 from engram.config import EngramConfig, Variant
 from engram.model.module import Engram
-from engram.model.table import FP8Table
+from engram.model.table import FP8Table, QuantTable
 from engram.storage.integrity import SCAN_LIMIT_BYTES, table_fingerprint
 from engram.storage.rowfile import RowFile, write_row_file
 
@@ -50,32 +51,45 @@ def convert_table(
     verify: bool = False,
     row_file: bool = False,
 ) -> list[Path]:
-    """Rewrite a checkpoint with FP8 tables (quantised, `to="fp8"`) or float ones (`to="float"`, in `dtype`).
+    """Rewrite a checkpoint with quantised tables (`to` a row format: "fp8", "int8", "int8-row", "int4")
+    or float ones (`to="float"`, in `dtype`).
 
-    `row_file`: also write each layer's FP8 table as an SSD row file (`write_row_files`; FP8 only).
+    `row_file`: also write each layer's quantised table as an SSD row file (`write_row_files`).
 
     The source is loaded (and checked) as `load_engram_modules` does; `verify` scans tables of any size
     for NaN / Inf (by default only those up to `SCAN_LIMIT_BYTES`), so damage is not copied on.
 
     The module weights keep their stored dtypes; config.json is carried over. Returns the shards written.
-    FP8 -> float dequantises exactly (float32); float -> FP8 rounds each value to e4m3 within its block's
-    power-of-two scale (relative error <= 2**-4 for all but the block's smallest values).
+    Quantised -> float dequantises (float32: exactly); float -> FP8 rounds each value to e4m3 within its
+    block's power-of-two scale (relative error <= 2**-4 for all but the block's smallest values), float
+    -> INT8 / 4-bit to an integer times its block's (or row's) bfloat16 scale (error <= half a scale); a
+    quantised table goes to another row format through float32, chunk by chunk (docs/storage.md).
     """
     try:
         fmt = TableFormat(to)
     except ValueError:
-        raise ValueError(f"to={to!r}: choose one of {', '.join(f.value for f in TableFormat)}") from None
+        raise ValueError(
+            f"format {to!r} is not one engram writes: choose one of {', '.join(f.value for f in TableFormat)}"
+        ) from None
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype={dtype}: a float table is stored as float32, bfloat16 or float16")
-    if row_file and fmt is not TableFormat.FP8:
-        raise ValueError("row files hold FP8 rows: --row-file needs --to fp8")
+    if row_file and fmt is TableFormat.FLOAT:
+        raise ValueError(
+            "row files hold quantised rows: --row-file needs --format fp8, int8, int8-row or int4"
+        )
     src, dst = Path(src_dir), Path(dst_dir)
     if dst.exists() and src.resolve() == dst.resolve():
         raise ValueError(f"src and dst are the same directory {src}; convert into a new directory")
     config, modules = load_engram_modules(src, mmap=True, dtype=None, verify=verify)
     check_tokenizer_fit(src, config)  # as `engram run-layer` checks it: a config its tokenizer contradicts
     shards = save_checkpoint(
-        dst, config, modules, fp8=fmt is TableFormat.FP8, max_shard_bytes=max_shard_bytes, float_dtype=dtype
+        dst,
+        config,
+        modules,
+        fp8=fmt is not TableFormat.FLOAT,
+        max_shard_bytes=max_shard_bytes,
+        float_dtype=dtype,
+        row_format=fmt.row_format,
     )
     return shards + (write_row_files(dst) if row_file else [])
 
@@ -89,7 +103,8 @@ def row_file_path(ckpt_dir: str | os.PathLike[str], layer_id: int) -> Path:
 
 
 def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write a row file beside an FP8 checkpoint for each of its layers, from the stored bytes; returns them.
+    """Write a row file beside a checkpoint of quantised tables (any row format) for each of its layers,
+    from the stored bytes; returns them.
 
     Each records the layout fingerprint and the fingerprint of the table it was copied from (the one
     the checkpoint records, else computed from the bytes), which `open_row_file` checks."""
@@ -99,9 +114,10 @@ def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
     out = []
     for layer_id, module in modules.items():
         table = module.table
-        if not isinstance(table, FP8Table | MmapFP8Table):
+        if not isinstance(table, QuantTable | MmapQuantTable):
             raise ValueError(
-                f"{ckpt_dir}: layer {layer_id} has a {type(table).__name__}, not FP8; convert it with --to fp8 first"
+                f"{ckpt_dir}: layer {layer_id} has a {type(table).__name__}, not a quantised table; convert it "
+                "with --format fp8 (or int8, int8-row, int4) first"
             )
         tables_fp = stored[layer_id].fingerprint or table_fingerprint(table.weight, table.scale)
         path = row_file_path(ckpt_dir, layer_id)
@@ -114,6 +130,7 @@ def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:
                 identity=layout_fp,
                 tables=tables_fp,
                 label=config.name,
+                fmt=table.row_format,
             )
         )
     return out
@@ -144,8 +161,8 @@ def open_row_file(
         )
     if layer_id not in stored:
         raise ValueError(
-            f"{ckpt_dir}: layer {layer_id}'s table is a float table; row files hold FP8 rows: convert "
-            "with `engram convert SRC DST --to fp8 --row-file`"
+            f"{ckpt_dir}: layer {layer_id}'s table is a float table; row files hold quantised rows: convert "
+            "with `engram convert SRC DST --format fp8 --row-file` (or int8, int8-row, int4)"
         )
     table = stored[layer_id]
     name = row_file_path(ckpt_dir, layer_id).name
@@ -160,7 +177,7 @@ def open_row_file(
         f = open_tensors(table.weight.path)
         w = f.mapped(table.weight.name)
         s = open_tensors(table.scale.path).mapped(table.scale.name)
-        nbytes = w.numel() + s.numel()
+        nbytes = w.numel() * w.element_size() + s.numel() * s.element_size()
         if nbytes <= SCAN_LIMIT_BYTES or verify:
             tables_fp = table_fingerprint(w, s)
         else:
@@ -177,6 +194,7 @@ def open_row_file(
         expect_identity=layout_fingerprint(Layout(config)),
         expect_tables=tables_fp,
         expect_layer_id=layer_id,
+        expect_format=table.row_format,
         direct=direct,
         io_threads=io_threads,
         verify=verify,

@@ -1,6 +1,7 @@
 """`engram convert` and `engram run-layer`: checkpoints from the command line.
 
-`convert` rewrites a checkpoint's tables as FP8 or float (`engram.checkpoint.convert.convert_table`);
+`convert` rewrites a checkpoint's tables in a row format (FP8, INT8, 4-bit) or as float
+(`engram.checkpoint.convert.convert_table`);
 `run-layer` runs the V4.1 Engram layers of a checkpoint, or of a scaled one it builds, over a text
 (`engram.apps.tools.run_layer.run_layer`) and prints the report. Only argument handling and printing here.
 """
@@ -32,17 +33,29 @@ __all__ = ["register"]
 
 def register(sub: Any) -> None:
     """Add convert and run-layer to the `engram` subparsers."""
-    p = sub.add_parser("convert", help="rewrite a checkpoint with FP8 (e4m3 + ue8m0) or float Engram tables")
+    p = sub.add_parser(
+        "convert",
+        help="rewrite a checkpoint's Engram tables in a row format (fp8, int8, int8-row, int4) or as float",
+    )
     p.add_argument(
         "src", type=input_folder, help="checkpoint directory to read (config.json + *.safetensors)"
     )
     p.add_argument("dst", type=output_folder, help="directory to write (created; must differ from src)")
-    p.add_argument("--to", choices=[f.value for f in TableFormat], default=TableFormat.FP8.value)
+    p.add_argument(
+        "--format",
+        "--to",
+        dest="to",
+        choices=[f.value for f in TableFormat],
+        default=TableFormat.FP8.value,
+        help="how the tables are stored (bytes a 256-wide row): fp8 = V4.1's e4m3 + ue8m0 per 32 (264), "
+        "int8 = int8 + a bfloat16 scale per 32 (272), int8-row = one scale a row (258), int4 = 4-bit + a "
+        "bfloat16 scale per 32 (144), float (see --dtype); default fp8",
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
-        help="float table dtype (--to float)",
+        help="float table dtype (--format float)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -53,7 +66,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--row-file",
         action="store_true",
-        help="also write each layer's FP8 table as an SSD row file (engram_layer<L>.rows: one page per row read)",
+        help="also write each layer's quantised table as an SSD row file (engram_layer<L>.rows: one page per "
+        "row read)",
     )
     add_verify_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")

@@ -2,8 +2,8 @@
 
 `add_engram` attaches Engram modules to decoder layers of a decoder-only model; `EngramCollator`
 hashes rows in the data pipeline; `build_optimizer` gives the tables sparse row optimizers and the
-rest AdamW (usable with the HF `Trainer`); `save_engram` / `load_engram` / `export_fp8` write and
-read the Engram part alone; `gguf_to_folder` turns a GGUF file into a plain HF folder. Design and
+rest AdamW (usable with the HF `Trainer`); `save_engram` / `load_engram` / `export_fp8` /
+`export_quantised` (INT8, 4-bit) write and read the Engram part alone; `gguf_to_folder` turns a GGUF file into a plain HF folder. Design and
 usage: notes/README-hf.md.
 """
 
@@ -19,7 +19,7 @@ from engram.hf.attach import (
 )
 from engram.hf.collator import EngramCollator
 from engram.hf.gguf import gguf_to_folder, smollm2_gguf_path
-from engram.hf.io import export_fp8, load_engram, save_engram
+from engram.hf.io import export_fp8, export_quantised, load_engram, save_engram
 from engram.hf.optim import EngramOptimizer, build_optimizer
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "add_engram",
     "build_optimizer",
     "export_fp8",
+    "export_quantised",
     "find_decoder_layers",
     "get_attachment",
     "gguf_to_folder",

@@ -3,8 +3,9 @@
 `save_engram` writes the modules (float tables and projections) as safetensors with a config.json
 of DeepSeek-V4.1's `engram_*` keys (`engram.checkpoint.v41`), the tokenizer compression map and
 the attachment options (into `engram/` when the folder is an HF model's: HF's files are never
-touched); `export_fp8` writes the same with FP8 tables (values + ue8m0 scales),
-which `MmapFP8Table` and the `engram.systems` tiers serve from host memory or SSD; `load_engram`
+touched); `export_fp8` writes the same with FP8 tables (values + ue8m0 scales), `export_quantised`
+in another row format (INT8, 4-bit), which `MmapFP8Table` / `MmapQuantTable` and the `engram.systems`
+tiers serve from host memory or SSD; `load_engram`
 attaches either to a backbone. `check_part` is the one check of a part against a backbone (hidden
 size, layers, vocabulary, compression map and tokenizer, attachment options) that `load_engram` and
 the vLLM plugin (`engram.vllm.folder`) both run before anything is loaded.
@@ -37,6 +38,7 @@ from engram.hf.attach import (
     get_attachment,
     model_hidden_size,
 )
+from engram.rowformat.formats import RowFormat, as_row_format
 
 __all__ = [
     "COMPRESSION_FILE",
@@ -48,6 +50,7 @@ __all__ = [
     "check_part",
     "engram_part",
     "export_fp8",
+    "export_quantised",
     "load_engram",
     "read_options",
     "save_engram",
@@ -71,7 +74,9 @@ def engram_part(directory: str | os.PathLike[str]) -> Path:
     return d / PART_FOLDER if foreign_config(d) else d
 
 
-def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Path:
+def _save(
+    model: nn.Module, directory: str | os.PathLike[str], fp8: bool, row_format: RowFormat | None = None
+) -> Path:
     att = get_attachment(model)
     for lid, m in att.layers.items():
         w = getattr(m.table, "weight", None)
@@ -82,7 +87,7 @@ def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Pat
             )
     out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}
-    save_checkpoint(out, att.config, modules, fp8=fp8)
+    save_checkpoint(out, att.config, modules, fp8=fp8, row_format=row_format)
     att.compression.save(out / COMPRESSION_FILE)
     options = {"boundaries": att.rows.boundaries, "eos_token_id": att.rows.eos_token_id}
     (out / OPTIONS_FILE).write_text(json.dumps(options, indent=2) + "\n")
@@ -102,6 +107,13 @@ def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     32), readable by `MmapFP8Table` and `engram.systems.offload_engram`; return the part's folder (as
     `save_engram`: `directory/engram/` inside an HF model folder)."""
     return _save(model, directory, fp8=True)
+
+
+def export_quantised(model: nn.Module, directory: str | os.PathLike[str], fmt: RowFormat | str) -> Path:
+    """`export_fp8` in row format `fmt` (`engram.rowformat.formats.RowFormat`: "fp8", "int8", "int8-row",
+    "int4"; the bytes a row and the rounding rule are in docs/storage.md), readable by `MmapQuantTable`,
+    the tiers and the vLLM plugin; an unknown name is refused listing the formats."""
+    return _save(model, directory, fp8=True, row_format=as_row_format(fmt))
 
 
 def read_options(part: str | os.PathLike[str]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 `engram.storage.lookup.gather_rows`.
 
 `fp8_gather` fuses gather and ue8m0 dequantisation (staged rows, a dedup window, non-temporal
-stores for large outputs), bit-exact to torch; `rows_gather` copies rows of a plain table. Both
+stores for large outputs), bit-exact to torch; `rows_gather` copies rows of a plain table (the integer formats' gather,
+`cpu_lookup_int`, shares the streaming stores and the chunking below). Both
 split the rows over threads and never depend on the thread count. Knows the FP8 row format's
 bytes, nothing of tables or tiers. Compiles on first call (cached on disk). Design: docs/kernels.md.
 """
@@ -32,6 +33,10 @@ __all__ = [
     "gather_fp8_range",
     "gather_rows_range",
     "rows_gather",
+    "run_gather_chunks",
+    "store_fence",
+    "stream_copy",
+    "stream_out",
     "torch_nan_bits",
 ]
 
@@ -58,7 +63,7 @@ _jit = numba.njit(cache=True, nogil=True)
 
 # ----------------------------------------------------------------------------------------- intrinsics
 @intrinsic
-def _stream_copy(typingctx, dst, dst_off, src, src_off, n_vec):
+def stream_copy(typingctx, dst, dst_off, src, src_off, n_vec):
     """dst[dst_off:] = src[src_off:], n_vec blocks of 64 bytes, with non-temporal stores (1-D arrays,
     element offsets). dst + dst_off must be 64-byte aligned; src needs only its element alignment."""
     sig = types.void(dst, dst_off, src, src_off, n_vec)
@@ -83,7 +88,7 @@ def _stream_copy(typingctx, dst, dst_off, src, src_off, n_vec):
 
 
 @intrinsic
-def _store_fence(typingctx):
+def store_fence(typingctx):
     """A full fence: orders the weakly ordered non-temporal stores before whatever follows."""
     sig = types.void()
 
@@ -219,7 +224,7 @@ def gather_fp8_range(values, scales, ids, out, nan_pos, nan_neg, bf16_nan, dedup
             if src[k] >= 0:
                 fb = np.uint64(src[k]) * udim
                 if stream:
-                    _stream_copy(o1, np.int64(ob), o1, np.int64(fb), lines)
+                    stream_copy(o1, np.int64(ob), o1, np.int64(fb), lines)
                 else:
                     for c in range(udim):
                         o1[ob + c] = o1[fb + c]
@@ -237,7 +242,7 @@ def gather_fp8_range(values, scales, ids, out, nan_pos, nan_neg, bf16_nan, dedup
                         row[base + c] = _decode(
                             stage_v[k * udim + base + c], s, nan_pos, nan_neg, bf16_nan, kind
                         )
-                _stream_copy(o1, np.int64(ob), row, np.int64(0), lines)
+                stream_copy(o1, np.int64(ob), row, np.int64(0), lines)
             else:
                 for j in range(nb):
                     sbyte = stage_s[k * nb + j]
@@ -254,7 +259,7 @@ def gather_fp8_range(values, scales, ids, out, nan_pos, nan_neg, bf16_nan, dedup
         if code != OK:
             break
     if stream:
-        _store_fence()
+        store_fence()
     return code, bad_at
 
 
@@ -279,23 +284,23 @@ def gather_rows_range(table, ids, out, stream, start, end):
         src = np.uint64(r) * uw
         dst = np.uint64(i) * uw
         if stream:
-            _stream_copy(o1, np.int64(dst), t1, np.int64(src), lines)
+            stream_copy(o1, np.int64(dst), t1, np.int64(src), lines)
         else:
             for c in range(uw):
                 o1[dst + c] = t1[src + c]
     if stream:
-        _store_fence()
+        store_fence()
     return code, bad_at
 
 
-def _streams(out: torch.Tensor) -> bool:
+def stream_out(out: torch.Tensor) -> bool:
     """Whether to write `out` (n, D) with non-temporal stores: large, 64-byte aligned rows and base."""
     row_bytes = out.shape[1] * out.element_size()
     return out.nbytes >= STREAM_MIN_BYTES and row_bytes % 64 == 0 and out.data_ptr() % 64 == 0
 
 
 # ------------------------------------------------------------------------------------------ threading
-def _run_chunks(kernel, args: tuple, threads: int) -> tuple[int, int]:
+def run_gather_chunks(kernel, args: tuple, threads: int) -> tuple[int, int]:
     """Run kernel(*args, start, end) over the ids args[2] in `threads` contiguous chunks; the first error
     (lowest position) wins."""
     results = run_chunks(kernel, args, args[2].shape[0], threads)
@@ -332,8 +337,8 @@ def fp8_gather(
     nan_pos, nan_neg, bf16_nan = (np.uint32(x) for x in torch_nan_bits())
     if out.dtype != torch.float16:
         o = out.numpy() if out.dtype == torch.float32 else out.view(torch.uint16).numpy()
-        args = (v, s, idx, o, nan_pos, nan_neg, np.uint16(bf16_nan), True, _streams(out))
-        return _run_chunks(gather_fp8_range, args, threads)[0] == OK
+        args = (v, s, idx, o, nan_pos, nan_neg, np.uint16(bf16_nan), True, stream_out(out))
+        return run_gather_chunks(gather_fp8_range, args, threads)[0] == OK
     n, dim = out.shape
     step = min(n, _FP16_CHUNK_ROWS)
     scratch = torch.empty((step, dim), dtype=torch.float32)  # (step, D), bounded whatever n is
@@ -341,7 +346,7 @@ def fp8_gather(
         stop = min(start + step, n)
         tmp = scratch[: stop - start]
         args = (v, s, idx[start:stop], tmp.numpy(), nan_pos, nan_neg, np.uint16(bf16_nan), True, False)
-        if _run_chunks(gather_fp8_range, args, threads)[0] != OK:
+        if run_gather_chunks(gather_fp8_range, args, threads)[0] != OK:
             return False
         out[start:stop].copy_(tmp)
     return True
@@ -355,6 +360,6 @@ def rows_gather(weight: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, thre
         weight.view(torch.uint8).numpy(),
         ids.contiguous().numpy(),
         out_bytes.numpy(),
-        _streams(out_bytes),
+        stream_out(out_bytes),
     )
-    return _run_chunks(gather_rows_range, args, threads)[0] == OK
+    return run_gather_chunks(gather_rows_range, args, threads)[0] == OK

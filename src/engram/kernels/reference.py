@@ -1,7 +1,8 @@
 """Plain torch twins of the Triton kernels of `engram.kernels`: what each kernel must equal, and the
 eager path on devices without triton.
 
-The hash (`hash_rows`), the FP8 gather (`fp8_gather`, no checks, so no device sync) and the V4.1
+The hash (`hash_rows`), the FP8 and integer-format gathers (`fp8_gather`, `int_gather`: no checks, so
+no device sync) and the V4.1
 gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
 module's own code), plus the gate nonlinearity both Engram variants share; the passes of the
 Sinkhorn-balanced table update (`sinkhorn_*`, twins of `cpu_sinkhorn`). Design: docs/kernels.md.
@@ -18,6 +19,7 @@ __all__ = [
     "fp8_gather",
     "gate",
     "hash_rows",
+    "int_gather",
     "signed_sqrt_gate",
     "sinkhorn_blend",
     "sinkhorn_cols_rows",
@@ -78,6 +80,22 @@ def fp8_gather(
     v = values.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()  # (..., D)
     s = scale_bytes_to_float(scales.view(torch.uint8)[rows])  # (..., nb)
     return (v.unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
+
+
+def int_gather(
+    values: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """(..., D) in `dtype`: the integers of the rows (int8 values, or uint8 bytes of two 4-bit ints: byte j
+    of a block holds its value j in the low nibble, value j + block / 2 in the high one) times their
+    blocks' bfloat16 scales, in float32, then cast."""
+    nb = scales.shape[1]
+    b = values[rows].to(torch.int32)  # (..., W)
+    if values.dtype == torch.uint8:
+        b = b.unflatten(-1, (nb, -1))  # (..., nb, block / 2)
+        b = torch.stack((b & 0xF, b >> 4), dim=-2).flatten(-3)  # (..., D) nibbles, block by block
+        b = b - ((b & 8) << 1)  # 4-bit two's complement
+    s = scales[rows].float()  # (..., nb)
+    return (b.float().unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
 
 
 def gate(

@@ -1,8 +1,9 @@
 """Engram tables: one physical table per Engram layer, rows addressed by `NgramHasher` rows.
 
 `EngramTable` is the interface every table kind implements (`num_rows`, `dim`, `gather`);
-`TrainableTable` (a parameter with sparse gradients) and `FP8Table` (frozen FP8 buffers) implement it
-here; the file-backed `MmapFP8Table` lives where files are known (`engram.checkpoint.mmap_table`).
+`TrainableTable` (a parameter with sparse gradients), `FP8Table` (frozen FP8 buffers) and `QuantTable`
+(frozen buffers of any row format: FP8, INT8, 4-bit) implement it here; the file-backed `MmapFP8Table`
+and `MmapQuantTable` live where files are known (`engram.checkpoint.mmap_table`).
 This file only stores tables and routes rows to them: dequantisation is `engram.storage.quant`'s, row
 gathers `engram.storage.lookup`'s. Design: docs/model.md.
 """
@@ -18,11 +19,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.model.table_init import RowInit
+from engram.rowformat.formats import RowFormat, as_row_format, check_pair, format_of
 from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 from engram.storage import hugepages, lookup, quant
 from engram.storage.outpool import OutputPool
 
-__all__ = ["EngramTable", "FP8Table", "TrainableTable", "dequantize_table", "fp8_table_shape", "gather_fp8"]
+__all__ = [
+    "EngramTable",
+    "FP8Table",
+    "QuantTable",
+    "TrainableTable",
+    "dequantize_table",
+    "fp8_table_shape",
+    "gather_fp8",
+    "quant_table_shape",
+    "quantize_table",
+    "requantize_table",
+]
 
 # Rows per chunk when quantising / dequantising a whole table: bounds the float temporaries to a
 # few tens of MiB whatever the table size.
@@ -223,71 +236,127 @@ def gather_fp8(
     dtype: torch.dtype | None,
     pool: OutputPool | None = None,
 ) -> torch.Tensor:
-    """lookup.dequantize_gather, plus float64 output (dequantised exactly in fp32, then widened); a CPU
-    output comes from `pool` (no fresh pages to fault in: see engram.storage.outpool)."""
+    """lookup.dequantize_gather (rows of any row format, the format the pair's dtypes say), plus float64
+    output (dequantised exactly in fp32, then widened); a CPU output comes from `pool` (no fresh pages to
+    fault in: see engram.storage.outpool)."""
     dtype = torch.float32 if dtype is None else dtype
     if dtype == torch.float64:
         return lookup.dequantize_gather(values, scales, rows, torch.float32).double()
     out = None
     cpu = values.device.type == "cpu" and values.dim() == 2 and isinstance(rows, torch.Tensor)
     if pool is not None and cpu and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        out = pool.empty((*rows.shape, values.shape[1]), dtype)
+        out = pool.empty((*rows.shape, format_of(values, scales).dim_of(values.shape[1])), dtype)
     return lookup.dequantize_gather(values, scales, rows, dtype, out)
 
 
 def dequantize_table(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole table [rows, dim] in `dtype`, dequantised chunk by chunk (bounded temporaries)."""
-    n, dim = values.shape
+    """The whole table [rows, dim] in `dtype`, dequantised chunk by chunk (bounded temporaries); any row
+    format (the pair's dtypes say which)."""
+    fmt = format_of(values, scales)
+    n, dim = values.shape[0], fmt.dim_of(values.shape[1])
     work = torch.float32 if dtype == torch.float64 else dtype
     out = torch.empty((n, dim), dtype=dtype, device=values.device)
     for start in range(0, n, _CHUNK_ROWS):
         stop = min(start + _CHUNK_ROWS, n)
+        v, sc = values[start:stop], scales[start:stop]
         if work == dtype:
-            quant.dequantize_rows(values[start:stop], scales[start:stop], dtype, out=out[start:stop])
+            quant.dequantize(v, sc, dtype, out=out[start:stop], fmt=fmt)
         else:
-            out[start:stop] = quant.dequantize_rows(values[start:stop], scales[start:stop], work)
+            out[start:stop] = quant.dequantize(v, sc, work, fmt=fmt)
     return out
 
 
-class FP8Table(EngramTable):
-    """A frozen table of FP8 e4m3 values [rows, dim] with one ue8m0 scale per 32 values [rows, dim // 32].
+def quantize_table(weight: torch.Tensor, fmt: RowFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float table [rows, dim] (fp32/bf16/fp16/fp64) quantised to row format `fmt` in chunks (bounded
+    temporaries): (values, scales) on the table's device."""
+    fmt = as_row_format(fmt)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"quantising needs a float table [rows, dim], got {found}")
+    weight = weight.detach()
+    n, dim = weight.shape
+    if dim % BLOCK or dim == 0:
+        raise ValueError(
+            f"row width {dim} is not a multiple of {BLOCK}; {fmt.value} rows need dim % 32 == 0 and dim > 0"
+        )
+    values = torch.empty((n, fmt.value_width(dim)), dtype=fmt.value_dtype, device=weight.device)
+    scales = torch.empty((n, fmt.scales_per_row(dim)), dtype=fmt.scale_dtype, device=weight.device)
+    for start in range(0, n, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, n)
+        v, sc = quant.quantize(weight[start:stop], fmt)
+        values[start:stop].copy_(v)
+        scales[start:stop].copy_(sc)
+    return values, scales
 
-    `weight` and `scale` are buffers, so `.to(device)` moves them and a state_dict holds them under
-    those names. `.to(torch.bfloat16)` / `.half()` / `.float()` on a parent model change the device only:
-    the stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
+
+def requantize_table(
+    values: torch.Tensor, scales: torch.Tensor, fmt: RowFormat | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored table (any row format, e.g. memory-mapped) in row format `fmt`: each chunk of rows
+    dequantised to float32 (exact for FP8) and quantised again, so the whole table is never float; the
+    bytes as they are when it already is `fmt`."""
+    fmt, src = as_row_format(fmt), format_of(values, scales)
+    n, dim = values.shape[0], src.dim_of(values.shape[1])
+    if src.same_bytes(fmt, dim):
+        return values.view(fmt.value_dtype), scales
+    out_v = torch.empty((n, fmt.value_width(dim)), dtype=fmt.value_dtype, device=values.device)
+    out_s = torch.empty((n, fmt.scales_per_row(dim)), dtype=fmt.scale_dtype, device=values.device)
+    for start in range(0, n, _CHUNK_ROWS):
+        stop = min(start + _CHUNK_ROWS, n)
+        x = quant.dequantize(values[start:stop], scales[start:stop], torch.float32, fmt=src)
+        out_v[start:stop], out_s[start:stop] = quant.quantize(x, fmt)
+    return out_v, out_s
+
+
+def quant_table_shape(
+    values: torch.Tensor, scales: torch.Tensor, fmt: RowFormat, what: str
+) -> tuple[int, int]:
+    """Validate a stored table pair of row format `fmt`; return (num_rows, dim). `what` names it in errors."""
+    if fmt is RowFormat.FP8:
+        return fp8_table_shape(values, scales, what)
+    try:
+        dim, _ = check_pair(fmt, values, scales)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{what}: {e}") from None
+    if values.dim() != 2 or values.shape[0] < 1:
+        raise ValueError(f"{what}: values must be a table [rows >= 1, width], got shape {list(values.shape)}")
+    return int(values.shape[0]), int(dim)
+
+
+class QuantTable(EngramTable):
+    """A frozen table of any row format (`engram.rowformat.formats.RowFormat`): values [rows, width] and
+    scales [rows, scales a row] as buffers `weight` / `scale`, as `FP8Table` keeps FP8 (which this also
+    holds). INT8 rows: int8 values, one bfloat16 scale per 32 values or per row; 4-bit rows: uint8 bytes
+    of two values, one bfloat16 scale per 32. `.half()` / `.to(bf16)` on a parent move the device only.
     """
 
     weight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        fmt: RowFormat | str | None = None,
+        *,
+        what: str = "",
+    ) -> None:
         super().__init__()
-        self.num_rows, self.dim = fp8_table_shape(values, scales, "FP8Table")
-        self.register_buffer("weight", values)  # (rows, dim) float8_e4m3fn
-        self.register_buffer("scale", scales)  # (rows, dim // 32) float8_e8m0fnu
+        self.row_format = format_of(values, scales) if fmt is None else as_row_format(fmt)
+        what = what or f"QuantTable({self.row_format.value})"
+        self.num_rows, self.dim = quant_table_shape(values, scales, self.row_format, what)
+        self.register_buffer("weight", values)  # (rows, width) in the format's value dtype
+        self.register_buffer("scale", scales)  # (rows, scales a row) in its scale dtype
         self.out_pool = OutputPool()  # reused CPU outputs of gather (a plain attribute, not state)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> FP8Table:
-        """Quantise a float table [rows, dim] (fp32/bf16/fp16/fp64) with `quant.quantize_rows`, in chunks."""
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise ValueError(f"from_float needs a float table [rows, dim], got {found}")
-        weight = weight.detach()
-        n, dim = weight.shape
-        if dim % BLOCK:
-            raise ValueError(f"row width {dim} is not a multiple of {BLOCK}; FP8 rows need dim % 32 == 0")
-        values = torch.empty((n, dim), dtype=VALUE_DTYPE, device=weight.device)
-        scales = torch.empty((n, dim // BLOCK), dtype=SCALE_DTYPE, device=weight.device)
-        for start in range(0, n, _CHUNK_ROWS):
-            stop = min(start + _CHUNK_ROWS, n)
-            v, s = quant.quantize_rows(weight[start:stop])
-            values[start:stop].copy_(v)
-            scales[start:stop].copy_(s)
-        return cls(values, scales)
+    def from_float(cls, weight: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> QuantTable:
+        """Quantise a float table [rows, dim] to row format `fmt` (`quant.quantize`'s rule), in chunks."""
+        fmt = as_row_format(fmt)
+        return cls(*quantize_table(weight, fmt), fmt)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole table [rows, dim] dequantised to `dtype` (exact in float32), chunk by chunk."""
+        """The whole table [rows, dim] dequantised to `dtype`, chunk by chunk."""
         return dequantize_table(self.weight, self.scale, dtype)
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -297,12 +366,35 @@ class FP8Table(EngramTable):
         """
         return gather_fp8(self.weight, self.scale, rows, dtype, self.out_pool)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FP8Table:
-        # Probe what `fn` does on an empty tensor of the same kind: if it changes the dtype (a parent's
-        # .to(bf16) / .half()), only take its device; otherwise apply it (e.g. .cuda(), .to(device)).
-        for name in ("weight", "scale"):
+    def extra_repr(self) -> str:
+        return f"num_rows={self.num_rows}, dim={self.dim}, format={self.row_format.value}"
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> QuantTable:
+        for name in ("weight", "scale"):  # as FP8Table: a dtype change takes only the device
             t = self._buffers[name]
             assert t is not None
             probe = fn(torch.empty((0, *t.shape[1:]), dtype=t.dtype, device=t.device))
             self._buffers[name] = fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
         return self
+
+
+class FP8Table(QuantTable):
+    """A frozen table of FP8 e4m3 values [rows, dim] with one ue8m0 scale per 32 values [rows, dim // 32]:
+    the `QuantTable` of V4.1's own format.
+
+    `weight` and `scale` are buffers, so `.to(device)` moves them and a state_dict holds them under
+    those names. `.to(torch.bfloat16)` / `.half()` / `.float()` on a parent model change the device only:
+    the stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
+    """
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__(values, scales, RowFormat.FP8, what="FP8Table")
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> FP8Table:
+        """Quantise a float table [rows, dim] (fp32/bf16/fp16/fp64) with `quant.quantize_rows`, in chunks."""
+        if as_row_format(fmt) is not RowFormat.FP8:
+            raise ValueError(
+                f"an FP8Table holds fp8 rows; quantise to {fmt} with QuantTable.from_float(weight, {fmt!r})"
+            )
+        return cls(*quantize_table(weight, RowFormat.FP8))

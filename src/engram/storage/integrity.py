@@ -1,4 +1,5 @@
-"""What a loaded checkpoint's tensors hold: NaN / Inf scans (float and FP8 bytes) shared by every loader,
+"""What a loaded checkpoint's tensors hold: NaN / Inf scans (float and FP8 bytes; the integer row formats'
+scales, which must be finite and positive: `check_quant_table`) shared by every loader,
 in chunks, of a whole table or one read in pieces (a row file); tables over `SCAN_LIMIT_BYTES` only
 when asked; and `table_fingerprint`, the content hash that ties a row file to the table it was written
 from. Knows no checkpoint formats, configs or models. Design: docs/checkpoint.md.
@@ -13,12 +14,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from engram.rowformat.formats import RowFormat
+
 __all__ = [
     "SCAN_LIMIT_BYTES",
     "UnscannedTableWarning",
     "check_finite",
     "check_fp8_rows",
     "check_fp8_table",
+    "check_quant_rows",
+    "check_quant_table",
     "fingerprint_blocks",
     "scan_table",
     "table_fingerprint",
@@ -120,6 +125,55 @@ def check_fp8_rows(
             raise ValueError(
                 f"{where}: {bad[k]} of its {total[k]} {name} are the byte {nan} (the first at {first[k]}); {fix}"
             )
+
+
+def _bad_int_scale(s: torch.Tensor) -> torch.Tensor:
+    """bfloat16 bits (int16 / uint16 view, any shape) -> bool: not a finite positive number (0, NaN,
+    inf, negative: the bits 0 and 0x7F80..0xFFFF)."""
+    b = s.view(torch.int16).to(torch.int32) & 0xFFFF
+    return (b == 0) | (b >= 0x7F80)
+
+
+def _int_scale_problem(t: torch.Tensor, first: int, bad: int, shape_txt: str) -> str:
+    value = float(t.reshape(-1)[first])
+    return f"{bad} of its {t.numel()} scales are not finite and positive (the first, {value}, at {shape_txt})"
+
+
+def check_quant_table(weight: torch.Tensor, scale: torch.Tensor, fmt: RowFormat, where: str) -> None:
+    """`check_fp8_table` for any row format: an integer format's values are all valid, its bfloat16
+    scales must be finite and positive (NaN, inf, zero or negative: the file is damaged)."""
+    if fmt is RowFormat.FP8:
+        check_fp8_table(weight, scale, where)
+        return
+    flat = scale.reshape(-1)
+    bad, first = _count(flat, _bad_int_scale)
+    if bad:
+        raise ValueError(
+            f"{where}: {_int_scale_problem(flat, first, bad, _position(first, scale.shape))}; {_FIX}"
+        )
+
+
+def check_quant_rows(
+    pieces: Iterable[tuple[int, torch.Tensor, torch.Tensor]], fmt: RowFormat, where: str, fix: str = _FIX
+) -> None:
+    """`check_fp8_rows` for any row format: pieces (first row, values, scales) of a table read in pieces
+    (a row file), the scales of an integer format as bfloat16 (or their bytes, two a scale)."""
+    if fmt is RowFormat.FP8:
+        check_fp8_rows(pieces, where, fix)
+        return
+    bad, total, first = 0, 0, ""
+    for row0, _, scales in pieces:
+        s = scales if scales.dtype == torch.bfloat16 else scales.contiguous().view(torch.bfloat16)
+        flat = s.reshape(-1)
+        n, i = _count(flat, _bad_int_scale)
+        total += flat.numel()
+        if n and not bad:
+            first = f"{float(flat[i])} at row {row0 + i // s.shape[1]}, block {i % s.shape[1]}"
+        bad += n
+    if bad:
+        raise ValueError(
+            f"{where}: {bad} of its {total} scales are not finite and positive (the first, {first}); {fix}"
+        )
 
 
 def table_fingerprint(weight: torch.Tensor, scale: torch.Tensor) -> str:

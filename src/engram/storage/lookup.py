@@ -1,7 +1,7 @@
 """Row lookups: gather selected rows of a whole (possibly huge or memory-mapped) Engram table.
 
-`dequantize_gather` decodes FP8 rows (`engram.rowformat.fp8`'s format) without converting the rest of
-the table; `gather_rows` is the same for plain float tables. Backends (`LookupBackend`) give identical
+`dequantize_gather` decodes rows of any row format (`engram.rowformat.formats`: FP8, INT8, 4-bit) without
+converting the rest of the table; `gather_rows` is the same for plain float tables. Backends (`LookupBackend`) give identical
 bits: the fused numba kernels of `engram.kernels.cpu_lookup` (CPU), the Triton gather (CUDA) and the
 torch reference twin. Row ids are checked on every call. Knows nothing of modules or tiers.
 Design: docs/storage.md.
@@ -16,6 +16,7 @@ import torch
 
 from engram import kernels
 from engram.kernels.threads import check_threads, resolve_threads
+from engram.rowformat.formats import RowFormat, as_row_format, check_int_scales, check_pair, format_of
 from engram.rowformat.fp8 import (
     BLOCK,
     check_dequant_dtype,
@@ -26,6 +27,7 @@ from engram.rowformat.fp8 import (
     prepare_out,
 )
 from engram.storage.quant import dequantize_into
+from engram.storage.quant_int import dequantize_int_into
 
 __all__ = ["LookupBackend", "dequantize_gather", "gather_rows"]
 
@@ -33,6 +35,7 @@ __all__ = ["LookupBackend", "dequantize_gather", "gather_rows"]
 # Below this many rows `threads=None` stays on the calling thread: handing a chunk to the pool costs
 # tens of microseconds, about what the kernel needs for a thousand rows.
 _PARALLEL_MIN_ROWS = 2048
+_BYTE_TABLES = (torch.int8, torch.uint8)  # gather_rows also copies the integer formats' values (as bytes)
 
 
 class LookupBackend(enum.StrEnum):
@@ -80,6 +83,7 @@ def dequantize_gather(
     block: int = BLOCK,
     backend: LookupBackend | str = LookupBackend.AUTO,
     threads: int | None = None,
+    fmt: RowFormat | str | None = None,
 ) -> torch.Tensor:
     """Dequantise the table rows ``rows`` (int64/int32, any shape ``[...]``) of a whole table
     ``values [N, D]`` / ``scales [N, D // block]`` -> ``[..., D]`` in ``dtype``.
@@ -92,7 +96,14 @@ def dequantize_gather(
     with triton the Triton gather (`engram.kernels.fp8_gather`, which skips the NaN-scale check).  All
     give identical bits for finite tables.  Raises ValueError for row ids outside [0, N), plus the
     checks of ``dequantize_rows``; after such an error ``out``'s contents are unspecified.
+
+    ``fmt``: the row format (None: what the pair's dtypes say, `format_of`); the integer formats
+    (``values [N, W]`` int8 or uint8 of 4-bit pairs, bfloat16 ``scales``) take `_gather_int`, the same
+    backends with their own kernels, and refuse scales that are not finite and positive.
     """
+    fmt = format_of(values, scales) if fmt is None else as_row_format(fmt)
+    if fmt is not RowFormat.FP8:
+        return _gather_int(fmt, values, scales, rows, dtype, out, backend, threads)
     dim, _ = check_fp8_pair(values, scales, block)
     check_dequant_dtype(dtype)
     if values.dim() != 2:
@@ -142,6 +153,62 @@ def dequantize_gather(
     return result
 
 
+def _gather_int(
+    fmt: RowFormat,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+    backend: LookupBackend | str,
+    threads: int | None,
+) -> torch.Tensor:
+    """`dequantize_gather` for the integer formats: numba, Triton or the torch twin, identical bits."""
+    dim, nb = check_pair(fmt, values, scales)
+    check_dequant_dtype(dtype)
+    if values.dim() != 2:
+        raise ValueError(f"values must be a table [N, W], got shape {tuple(values.shape)}")
+    check_row_ids(rows, values.device)
+    threads = check_threads(threads)
+    n_table = values.shape[0]
+    result = prepare_out(out, (*rows.shape, dim), dtype, values.device)
+    n = rows.numel()
+    out2d = result.view(n, dim)  # [n, D]
+    flat = rows.reshape(n)
+    if n == 0:
+        return result
+    auto = backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16)
+    if auto and kernels.use_triton(values, scales, flat):
+        check_row_range(rows, n_table)  # sync point: the boundary check
+        kernels.int_gather(values, scales, flat, dtype, out=out2d)  # scales are not checked
+        return result
+    if _cpu_kernels(backend, values, scales) is not None:
+        from engram.kernels import cpu_lookup_int  # numba, on the first CPU gather
+
+        four = fmt is RowFormat.INT4_BLOCK32
+        if cpu_lookup_int.int_gather(
+            values, scales, flat, out2d, four, resolve_threads(threads, n, _PARALLEL_MIN_ROWS)
+        ):
+            return result  # else a bad row id or scale: the torch path raises the reference's error
+
+    check_row_range(rows, n_table)
+    ids, inverse = flat, None
+    if n > 1:
+        uniq, inv = torch.unique(flat, return_inverse=True)
+        if 2 * uniq.numel() <= n:
+            ids, inverse = uniq, inv
+    g_v = values.index_select(0, ids)  # [u, W], only the requested rows
+    g_s = scales.index_select(0, ids)  # [u, nb]
+    check_int_scales(g_s, lambda r: f"table row {int(ids[r])}", dim // nb)
+    if inverse is None:
+        dequantize_int_into(g_v, g_s, fmt, out2d)
+    else:
+        uniq_rows = torch.empty((ids.numel(), dim), dtype=dtype, device=values.device)
+        dequantize_int_into(g_v, g_s, fmt, uniq_rows)
+        torch.index_select(uniq_rows, 0, inverse, out=out2d)
+    return result
+
+
 def gather_rows(
     weight: torch.Tensor,
     rows: torch.Tensor,
@@ -150,16 +217,19 @@ def gather_rows(
     backend: LookupBackend | str = LookupBackend.AUTO,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """Rows ``rows`` (int64/int32, any shape ``[...]``) of a plain table ``weight [N, D]`` (fp32, bf16, ...)
-    -> ``[..., D]`` in the table's dtype, into ``out`` if given.
+    """Rows ``rows`` (int64/int32, any shape ``[...]``) of a plain table ``weight [N, D]`` (fp32, bf16, ...; or
+    the int8 / uint8 values of quantised rows) -> ``[..., D]`` in the table's dtype, into ``out`` if given.
 
     The no-dequantisation twin of ``dequantize_gather`` (same backends and ``threads``), for inference
     and prefetch: the result carries no autograd history (train through ``F.embedding``).  The torch
     backend is ``index_select``.  Raises ValueError for row ids outside [0, N).
     """
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+    plain = isinstance(weight, torch.Tensor) and (weight.is_floating_point() or weight.dtype in _BYTE_TABLES)
+    if not plain or weight.dim() != 2:
         found = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight)
-        raise TypeError(f"weight must be a floating-point table [N, D], got {found}")
+        raise TypeError(
+            f"weight must be a floating-point table [N, D] (or the int8 / uint8 values of quantised rows), got {found}"
+        )
     check_row_ids(rows, weight.device)
     threads = check_threads(threads)
     weight = weight.detach()

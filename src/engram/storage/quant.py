@@ -1,7 +1,8 @@
 """FP8 quantisation of Engram rows, bit-exact to the layout DeepSeek-V4.1 stores (SPEC §5).
 
 `quantize_rows` turns float rows [..., D] into (e4m3 values, ue8m0 scales per 32 values);
-`dequantize_rows` / `dequantize_into` decode them, exact in float32. The format's constants and checks
+`dequantize_rows` / `dequantize_into` decode them, exact in float32. `quantize` / `dequantize` take any
+row format (`engram.rowformat.formats.RowFormat`), the integer ones through `engram.storage.quant_int`. The format's constants and checks
 are `engram.rowformat.fp8`'s, gathering rows of a whole table `engram.storage.lookup`'s. The rounding
 decisions (scale clamp, the 240 cap near float32's max, zero blocks) are in docs/storage.md.
 """
@@ -12,6 +13,7 @@ import math
 
 import torch
 
+from engram.rowformat.formats import RowFormat, as_row_format, format_of
 from engram.rowformat.fp8 import (
     BLOCK,
     SCALE_DTYPE,
@@ -24,8 +26,16 @@ from engram.rowformat.fp8 import (
     prepare_out,
     scale_bytes_to_float,
 )
+from engram.storage.quant_int import dequantize_int_rows, quantize_int_rows
 
-__all__ = ["dequantize_into", "dequantize_rows", "quantize_rows", "scale_bytes_to_float"]
+__all__ = [
+    "dequantize",
+    "dequantize_into",
+    "dequantize_rows",
+    "quantize",
+    "quantize_rows",
+    "scale_bytes_to_float",
+]
 
 
 # Scale exponent range the quantiser emits: byte = exponent + 127 lies in [1, 254] (see docs/storage.md).
@@ -188,3 +198,26 @@ def dequantize_rows(
     check_scale_bytes(s_u8, lambda r: _row_name(r, lead), block)
     dequantize_into(v_u8, s_u8, block, result.view(n_rows, dim))
     return result
+
+
+def quantize(x: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float rows ``x [..., D]`` -> (values, scales) in row format ``fmt`` (``quantize_rows`` for fp8,
+    ``quant_int.quantize_int_rows`` for int8 / int8-row / int4); an unknown name raises, listing them."""
+    fmt = as_row_format(fmt)
+    return quantize_rows(x) if fmt is RowFormat.FP8 else quantize_int_rows(x, fmt)
+
+
+def dequantize(
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    *,
+    fmt: RowFormat | str | None = None,
+) -> torch.Tensor:
+    """Rows of any row format -> ``[..., D]`` in ``dtype``; ``fmt`` None: the format the pair's dtypes
+    say (`format_of`), else checked against them."""
+    fmt = format_of(values, scales) if fmt is None else as_row_format(fmt)
+    if fmt is RowFormat.FP8:
+        return dequantize_rows(values, scales, dtype, out)
+    return dequantize_int_rows(values, scales, fmt, dtype, out)

@@ -1,11 +1,14 @@
-"""The SSD row file: one FP8 table laid out so that a missed row costs one page read (SPEC §5).
+"""The SSD row file: one stored table laid out so that a missed row costs one page read (SPEC §5).
 
 A safetensors table keeps a row's 256 value bytes and its 8 scale bytes in two tensors, and a
 264-byte row may straddle a 4 KiB page, so a cold row costs 2-3 page reads. Here each row's value
 bytes and scale bytes sit together, and rows are packed `page_bytes // row_bytes` to a page (15 for
-264-byte rows, the rest padding), so no row crosses a page. The first page is a header: magic,
-version, rows, dim, row stride, rows per page, layer id, the fingerprint of the layout the rows were
-hashed with and that of the table they were copied from (both checked against the checkpoint's).
+264-byte FP8 rows, 28 for 144-byte 4-bit rows, the rest padding), so no row crosses a page. Any row
+format (`engram.rowformat.formats.RowFormat`) is stored; the header records it. The first page is a
+header: magic, version, rows, dim, row stride, rows per page, layer id, the fingerprint of the layout
+the rows were hashed with and that of the table they were copied from (both checked against the
+checkpoint's), and (version 3) the row format; an FP8 file is written as version 2, byte for byte as
+before, and a version 2 file reads as FP8.
 Opening scans the rows for NaN bytes as a checkpoint's tables are scanned (by size, always with
 `verify`). `RowFile` reads rows with batched positional reads
 (`os.preadv`, one per run of consecutive pages, offsets ascending), optionally `O_DIRECT`, never a
@@ -36,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_fp8_pair, fp8_row_bytes
-from engram.storage.integrity import check_fp8_rows, scan_table
+from engram.rowformat.formats import RowFormat, as_row_format, check_pair, format_of
+from engram.storage.integrity import check_quant_rows, scan_table
 
 __all__ = [
     "MAGIC",
@@ -53,12 +56,12 @@ __all__ = [
 ]
 
 MAGIC = b"ENGRMROW"
-VERSION = 2  # 2: the table fingerprint (`tables`) joined the header
+VERSION = 3  # 2: the table fingerprint (`tables`) joined the header; 3: the row format (FP8 files stay 2)
 PAGE_BYTES = 4096  # the page a read costs (and O_DIRECT's alignment)
 # magic, version, header bytes, rows, dim, block, row bytes, row stride, rows per group, pages per group,
-# page bytes, layer id, identity (64 ascii), tables (64 ascii), label (128 utf-8); then a crc32 of those
-_FMT = "<8sIIQIIIIIIIi64s64s128s"
-_FIXED = struct.calcsize(_FMT)
+# page bytes, layer id, identity (64 ascii), tables (64 ascii), label (128 utf-8), (version 3) the row
+# format's code (`RowFormat.code`); then a crc32 of those
+_FMTS = {2: "<8sIIQIIIIIIIi64s64s128s", 3: "<8sIIQIIIIIIIi64s64s128sI"}
 _WRITE_CHUNK_ROWS = 1 << 16
 _SCAN_CHUNK_BYTES = 64 * 2**20  # bytes read at a time by the NaN scan
 _FIX = "rewrite the row file from this checkpoint with `engram convert SRC DST --row-file`"
@@ -66,13 +69,15 @@ _FIX = "rewrite the row file from this checkpoint with `engram convert SRC DST -
 
 class RowFileHeader:
     """The geometry of a row file: where row r's bytes are. Rows are packed `rows_per_group` to a group
-    of `pages_per_group` pages (15 rows to 1 page for 264-byte rows; a row over a page takes whole pages)."""
+    of `pages_per_group` pages (15 rows to 1 page for 264-byte rows; a row over a page takes whole pages).
+    A row is its `value_bytes` value bytes, then its `scale_bytes` scale bytes, in row format `fmt`."""
 
     def __init__(
         self,
         rows: int,
         dim: int,
         *,
+        fmt: RowFormat | str = RowFormat.FP8,
         page_bytes: int = PAGE_BYTES,
         layer_id: int = -1,
         identity: str = "",
@@ -82,9 +87,11 @@ class RowFileHeader:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"a row file needs rows >= 1, got {rows!r}")
         self.rows, self.dim = rows, dim
-        self.row_bytes = fp8_row_bytes(dim)
-        if dim < 1:
-            raise ValueError(f"a row file needs dim >= {BLOCK}, got {dim}")
+        self.fmt = as_row_format(fmt)
+        self.fmt.check_dim(dim)
+        self.value_bytes, self.scale_bytes = self.fmt.value_bytes(dim), self.fmt.scale_bytes(dim)
+        self.row_bytes = self.fmt.row_bytes(dim)
+        self.version = 2 if self.fmt is RowFormat.FP8 else VERSION
         self.page_bytes = page_bytes
         self.row_stride = self.row_bytes
         if self.row_bytes <= page_bytes:
@@ -109,11 +116,14 @@ class RowFileHeader:
         return self.page_bytes + g * self.group_bytes + k * self.row_stride
 
     def pack(self) -> bytes:
-        fixed = struct.pack(
-            _FMT, MAGIC, VERSION, self.page_bytes, self.rows, self.dim, BLOCK, self.row_bytes, self.row_stride,
-            self.rows_per_group, self.pages_per_group, self.page_bytes, self.layer_id,
+        fields = [
+            MAGIC, self.version, self.page_bytes, self.rows, self.dim, self.fmt.block(self.dim), self.row_bytes,
+            self.row_stride, self.rows_per_group, self.pages_per_group, self.page_bytes, self.layer_id,
             self.identity.encode(), self.tables.encode(), self.label.encode(),
-        )  # fmt: skip
+        ]  # fmt: skip
+        if self.version >= 3:
+            fields.append(self.fmt.code)
+        fixed = struct.pack(_FMTS[self.version], *fields)
         raw = fixed + struct.pack("<I", zlib.crc32(fixed))
         return raw + bytes(self.page_bytes - len(raw))
 
@@ -121,20 +131,24 @@ class RowFileHeader:
     def unpack(cls, raw: bytes, path: Path) -> RowFileHeader:
         """Parse and check a header page; ValueError naming the file and the fix for anything else."""
         fix = "rewrite it with `engram convert SRC DST --row-file`"
-        if len(raw) < _FIXED + 4 or raw[:8] != MAGIC:
+        if len(raw) < 12 or raw[:8] != MAGIC:
             raise ValueError(f"{path} is not an engram row file (no {MAGIC!r} header); {fix}")
         (version,) = struct.unpack("<I", raw[8:12])
-        if version != VERSION:  # before the checksum: another version's header has another layout
+        if version not in _FMTS:  # before the checksum: another version's header has another layout
             raise ValueError(
-                f"{path}: row file version {version}, this engram reads version {VERSION}; {fix}"
+                f"{path}: row file version {version}, this engram reads versions 2 and {VERSION}; {fix}"
             )
-        fields = struct.unpack(_FMT, raw[:_FIXED])
-        (crc,) = struct.unpack("<I", raw[_FIXED : _FIXED + 4])
-        if crc != zlib.crc32(raw[:_FIXED]):
+        layout = _FMTS[version]
+        fixed_len = struct.calcsize(layout)
+        if len(raw) < fixed_len + 4:
+            raise ValueError(f"{path} is not an engram row file (its header is cut short); {fix}")
+        fields = struct.unpack(layout, raw[:fixed_len])
+        (crc,) = struct.unpack("<I", raw[fixed_len : fixed_len + 4])
+        if crc != zlib.crc32(raw[:fixed_len]):
             raise ValueError(f"{path}: the row file header is damaged (checksum mismatch); {fix}")
         (
             _,
-            version,
+            _,
             header_bytes,
             rows,
             dim,
@@ -148,33 +162,51 @@ class RowFileHeader:
             ident,
             tables,
             label,
-        ) = fields
-        h = cls(
-            rows, dim, page_bytes=page, layer_id=layer_id, identity=ident.rstrip(b"\0").decode(),
-            tables=tables.rstrip(b"\0").decode(), label=label.rstrip(b"\0").decode(errors="replace"),
-        )  # fmt: skip
+        ) = fields[:15]
+        fmt = RowFormat.FP8
+        if version >= 3:
+            code = fields[15]
+            found = RowFormat.from_code(code)
+            if found is None:
+                raise ValueError(
+                    f"{path}: the row file's format code {code} is no row format this engram knows "
+                    f"({', '.join(f'{f.code} {f.value}' for f in RowFormat)}); {fix}"
+                )
+            fmt = found
+        try:
+            h = cls(
+                rows, dim, fmt=fmt, page_bytes=page, layer_id=layer_id, identity=ident.rstrip(b"\0").decode(),
+                tables=tables.rstrip(b"\0").decode(), label=label.rstrip(b"\0").decode(errors="replace"),
+            )  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"{path}: the row file header does not describe a table ({e}); {fix}") from None
         got = (header_bytes, block, row_bytes, stride, rpg, ppg)
-        want = (h.page_bytes, BLOCK, h.row_bytes, h.row_stride, h.rows_per_group, h.pages_per_group)
+        want = (h.page_bytes, fmt.block(dim), h.row_bytes, h.row_stride, h.rows_per_group, h.pages_per_group)
         if got != want:
             raise ValueError(
                 f"{path}: header geometry (header, block, row bytes, stride, rows/group, pages/group) = {got} "
-                f"does not follow from rows={rows}, dim={dim}: expected {want}; {fix}"
+                f"does not follow from rows={rows}, dim={dim}, format {fmt.value}: expected {want}; {fix}"
             )
         return h
 
 
 def _packed(h: RowFileHeader, values: np.ndarray, scales: np.ndarray, k: int = 0) -> np.ndarray:
-    """The groups (groups, group_bytes) uint8 that rows values (n, dim) / scales (n, dim // 32), as bytes,
-    fill from slot `k` of their first group on: each row in its slot, every other slot and the padding
-    zero (what the file holds there)."""
+    """The groups (groups, group_bytes) uint8 that rows values (n, value_bytes) / scales (n, scale_bytes),
+    as bytes, fill from slot `k` of their first group on: each row in its slot, every other slot and the
+    padding zero (what the file holds there)."""
     per, n = h.rows_per_group, values.shape[0]
     groups = -(-(k + n) // per)
     slots = np.zeros((groups * per, h.row_stride), dtype=np.uint8)
-    slots[k : k + n, : h.dim] = values
-    slots[k : k + n, h.dim : h.row_bytes] = scales
+    slots[k : k + n, : h.value_bytes] = values
+    slots[k : k + n, h.value_bytes : h.row_bytes] = scales
     buf = np.zeros((groups, h.group_bytes), dtype=np.uint8)
     buf[:, : per * h.row_stride] = slots.reshape(groups, per * h.row_stride)
     return buf
+
+
+def _row_bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A host table's rows (n, k) as their bytes (n, k * itemsize) uint8, no copy when contiguous."""
+    return t.contiguous().view(torch.uint8).numpy()
 
 
 def write_row_file(
@@ -186,24 +218,26 @@ def write_row_file(
     identity: str = "",
     tables: str = "",
     label: str = "",
+    fmt: RowFormat | str | None = None,
 ) -> Path:
-    """Write the FP8 table values (N, dim) float8_e4m3fn / scales (N, dim // 32) float8_e8m0fnu as a row
-    file at `path` (through a temporary file, fsynced, then renamed); returns the path.
+    """Write the table values / scales of row format `fmt` (None: what their dtypes say, `format_of`; FP8:
+    values (N, dim) float8_e4m3fn / scales (N, dim // 32) float8_e8m0fnu) as a row file at `path`
+    (through a temporary file, fsynced, then renamed); returns the path.
 
     `identity` (<= 64 ASCII bytes) names the layout the rows were hashed with and `tables` the table they
     were copied from (`engram.storage.integrity.table_fingerprint`), so a reader can refuse a file made
     for another layout or another checkpoint of the same layout; `label` is free text (the config's name)."""
-    check_fp8_pair(values, scales)
+    fmt = format_of(values, scales) if fmt is None else as_row_format(fmt)
+    dim, _ = check_pair(fmt, values, scales)
     if values.dim() != 2 or values.device.type != "cpu":
         raise ValueError(
             f"write_row_file needs a 2-D host table, got {tuple(values.shape)} on {values.device}"
         )
     h = RowFileHeader(
-        int(values.shape[0]), int(values.shape[1]), layer_id=layer_id, identity=identity, tables=tables,
-        label=label,
-    )  # fmt: skip
-    v = values.view(torch.uint8).numpy()
-    s = scales.view(torch.uint8).numpy()
+        int(values.shape[0]), dim, fmt=fmt, layer_id=layer_id, identity=identity, tables=tables, label=label
+    )
+    v = _row_bytes_of(values)
+    s = _row_bytes_of(scales)
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     per = h.rows_per_group
@@ -235,22 +269,23 @@ def write_row_range(
     values: torch.Tensor,
     scales: torch.Tensor,
 ) -> None:
-    """Write the FP8 rows values (n, dim) / scales (n, dim // 32) as rows [first_row, first_row + n) of
-    the row file `create_row_file` made at `path` (pwrite at each row's slot, then fsync), so that other
-    processes may write other rows of it at the same time: the range need not start or end on a group,
-    and only its own slots are written (the padding between groups is written as the zeros it holds)."""
-    check_fp8_pair(values, scales)
+    """Write the rows values (n, width) / scales (n, scales a row) of the header's row format (FP8:
+    (n, dim) / (n, dim // 32)) as rows [first_row, first_row + n) of the row file `create_row_file`
+    made at `path` (pwrite at each row's slot, then fsync), so that other processes may write other
+    rows of it at the same time: the range need not start or end on a group, and only its own slots are
+    written (the padding between groups is written as the zeros it holds)."""
     h = header
+    dim, _ = check_pair(h.fmt, values, scales)
     n = int(values.shape[0])
-    if values.dim() != 2 or int(values.shape[1]) != h.dim or values.device.type != "cpu":
+    if values.dim() != 2 or dim != h.dim or values.device.type != "cpu":
         raise ValueError(
-            f"{path}: rows to write must be a host table (n, {h.dim}), got {tuple(values.shape)} on "
-            f"{values.device}"
+            f"{path}: rows to write must be a host table of {h.dim}-wide {h.fmt.value} rows, got "
+            f"{tuple(values.shape)} on {values.device}"
         )
     if not 0 <= first_row <= first_row + n <= h.rows:
         raise ValueError(f"{path}: rows [{first_row}, {first_row + n}) of a row file of {h.rows} rows")
-    v = values.contiguous().view(torch.uint8).numpy()
-    s = scales.contiguous().view(torch.uint8).numpy()
+    v = _row_bytes_of(values)
+    s = _row_bytes_of(scales)
     per = h.rows_per_group
     fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -271,7 +306,7 @@ def write_row_range(
 
 
 def set_row_file_tables(path: str | os.PathLike[str], tables: str) -> None:
-    """Record `tables` (the fingerprint of the FP8 table the rows hold, <= 64 ASCII bytes) in the
+    """Record `tables` (the fingerprint of the table the rows hold, <= 64 ASCII bytes) in the
     header of the row file at `path`, rewritten in place (fixed width: no row moves), fsynced."""
     path = Path(path)
     with open(path, "rb") as f:
@@ -310,10 +345,12 @@ class RowFile:
         expect_identity: str | None = None,
         expect_tables: str | None = None,
         expect_layer_id: int | None = None,
+        expect_format: RowFormat | str | None = None,
         direct: bool = False,
         io_threads: int = 1,
         verify: bool = False,
     ) -> None:
+        want_fmt = None if expect_format is None else as_row_format(expect_format, "expect_format")
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads={io_threads!r} must be an int >= 1 (reads in flight at once)")
         self.io_threads = io_threads
@@ -331,6 +368,12 @@ class RowFile:
             self.header = RowFileHeader.unpack(f.read(PAGE_BYTES), self.path)
         h = self.header
         fix = _FIX
+        if want_fmt is not None and not want_fmt.same_bytes(h.fmt, h.dim):
+            raise ValueError(
+                f"{self.path}: the row file holds {h.fmt.value} rows ({h.row_bytes} B each) but it is read as "
+                f"{want_fmt.value} ({want_fmt.row_bytes(h.dim)} B each): a file written for another format; "
+                f"open it as {h.fmt.value}, or {fix}"
+            )
         for name, want, got, why in (
             ("rows", expect_rows, h.rows, "another checkpoint or layer"),
             ("dim", expect_dim, h.dim, "another checkpoint"),
@@ -345,16 +388,26 @@ class RowFile:
                 )
         size = self.path.stat().st_size
         if size != h.file_bytes:
-            raise ValueError(
-                f"{self.path}: the row file is {size} bytes but its header ({h.rows} rows x {h.row_bytes} B, "
-                f"{h.rows_per_group} rows per {h.group_bytes} B) needs {h.file_bytes} (truncated or "
-                f"damaged?); {fix}"
+            fits = [
+                f.value
+                for f in RowFormat
+                if f is not h.fmt
+                and RowFileHeader(h.rows, h.dim, fmt=f, page_bytes=h.page_bytes).file_bytes == size
+            ]
+            why = (
+                f"the size of a {' / '.join(fits)} file of these rows: the header's format disagrees with the data"
+                if fits
+                else "truncated or damaged?"
             )
-        self.rows, self.dim, self.row_bytes = h.rows, h.dim, h.row_bytes
+            raise ValueError(
+                f"{self.path}: the row file is {size} bytes but its header ({h.rows} {h.fmt.value} rows x "
+                f"{h.row_bytes} B, {h.rows_per_group} rows per {h.group_bytes} B) needs {h.file_bytes} ({why}); {fix}"
+            )
+        self.rows, self.dim, self.row_bytes, self.row_format = h.rows, h.dim, h.row_bytes, h.fmt
         self.verify = bool(verify)
         where = f"row file {self.path}"
         if scan_table(h.rows * h.row_bytes, self.verify, where):
-            check_fp8_rows(self._pieces(), where, fix)
+            check_quant_rows(self._pieces(), h.fmt, where, fix)
         self.direct = False
         self._direct_asked = direct
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -380,7 +433,7 @@ class RowFile:
         self.reset_stats()
 
     def _pieces(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(first row, values (n, dim), scales (n, dim // 32)) uint8 of every row, about
+        """(first row, values (n, value_bytes), scales (n, scale_bytes)) uint8 of every row, about
         _SCAN_CHUNK_BYTES at a time, read through the page cache (for the scan at open)."""
         h = self.header
         per = max(1, _SCAN_CHUNK_BYTES // h.group_bytes)  # groups a piece
@@ -395,7 +448,11 @@ class RowFile:
                 groups = raw.reshape(n, h.group_bytes)[:, : h.rows_per_group * h.row_stride]
                 r0 = g0 * h.rows_per_group
                 slots = groups.reshape(-1, h.row_stride)[: min(n * h.rows_per_group, h.rows - r0)]
-                yield r0, torch.from_numpy(slots[:, : h.dim]), torch.from_numpy(slots[:, h.dim : h.row_bytes])
+                yield (
+                    r0,
+                    torch.from_numpy(slots[:, : h.value_bytes]),
+                    torch.from_numpy(slots[:, h.value_bytes : h.row_bytes]),
+                )
 
     def reset_stats(self) -> None:
         self.reads = 0  # preadv calls
@@ -437,6 +494,7 @@ class RowFile:
             "expect_identity": h.identity,
             "expect_tables": h.tables,
             "expect_layer_id": h.layer_id,
+            "expect_format": h.fmt,
             "direct": self._direct_asked,
             "io_threads": self.io_threads,
             "verify": self.verify,
@@ -446,15 +504,17 @@ class RowFile:
     def read_rows(
         self, rows: np.ndarray, out_values: np.ndarray, out_scales: np.ndarray, *, count: bool = True
     ) -> None:
-        """out_values (M, dim) / out_scales (M, dim // 32) uint8 <- the bytes of rows (M,) int64 (any order).
+        """out_values (M, value_bytes) / out_scales (M, scale_bytes) uint8 <- the bytes of rows (M,) int64 (any
+        order); FP8: (M, dim) / (M, dim // 32).
 
         The distinct page groups are read in ascending order, one `os.preadv` per run of consecutive
         groups; `count=False` leaves the counters alone (verify reads)."""
         rows = np.asarray(rows, dtype=np.int64)
         m = rows.shape[0]
-        if out_values.shape != (m, self.dim) or out_scales.shape != (m, self.dim // BLOCK):
+        vb, sb = self.header.value_bytes, self.header.scale_bytes
+        if out_values.shape != (m, vb) or out_scales.shape != (m, sb):
             raise ValueError(
-                f"read_rows: out buffers must be ({m}, {self.dim}) and ({m}, {self.dim // BLOCK}), got "
+                f"read_rows: out buffers must be ({m}, {vb}) and ({m}, {sb}) bytes, got "
                 f"{out_values.shape} and {out_scales.shape}"
             )
         if m == 0:
@@ -504,8 +564,8 @@ class RowFile:
             page, shape=(n_groups, h.rows_per_group, h.row_stride), strides=(h.group_bytes, h.row_stride, 1)
         )
         got_rows = slots[gpos, rows % h.rows_per_group]  # (M, stride) copy
-        out_values[...] = got_rows[:, : self.dim]
-        out_scales[...] = got_rows[:, self.dim : self.row_bytes]
+        out_values[...] = got_rows[:, :vb]
+        out_scales[...] = got_rows[:, vb : self.row_bytes]
         if count:
             self.reads += starts.shape[0]
             self.pages_read += n_groups * h.pages_per_group
@@ -513,15 +573,20 @@ class RowFile:
             self.rows_read += m
 
     def gather_bytes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored (values, scales) of rows (M,) as float8 tensors (M, dim) / (M, dim // 32)."""
+        """The stored (values, scales) of rows (M,) in the file's format's dtypes (FP8: float8 tensors
+        (M, dim) / (M, dim // 32))."""
         r = rows.reshape(-1).cpu().numpy().astype(np.int64, copy=False)
-        v = np.empty((r.shape[0], self.dim), dtype=np.uint8)
-        s = np.empty((r.shape[0], self.dim // BLOCK), dtype=np.uint8)
+        h = self.header
+        v = np.empty((r.shape[0], h.value_bytes), dtype=np.uint8)
+        s = np.empty((r.shape[0], h.scale_bytes), dtype=np.uint8)
         self.read_rows(r, v, s)
-        return torch.from_numpy(v).view(VALUE_DTYPE), torch.from_numpy(s).view(SCALE_DTYPE)
+        return torch.from_numpy(v).view(h.fmt.value_dtype), torch.from_numpy(s).view(h.fmt.scale_dtype)
 
     def __repr__(self) -> str:
-        return f"RowFile({str(self.path)!r}, rows={self.rows}, dim={self.dim}, direct={self.direct})"
+        return (
+            f"RowFile({str(self.path)!r}, rows={self.rows}, dim={self.dim}, format={self.row_format.value}, "
+            f"direct={self.direct})"
+        )
 
 
 def split_layout_pages(
@@ -531,7 +596,7 @@ def split_layout_pages(
     in a safetensors table) touches for `rows`: (sum over rows of each row's own pages, distinct pages
     of the whole set). A row costs 2 pages, 3 when its values straddle a page boundary."""
     rows = np.asarray(rows, dtype=np.int64)
-    nb = dim // BLOCK
+    nb = dim // 32  # one ue8m0 byte per 32 values
     pages = []
     for base, width in ((value_offset, dim), (scale_offset, nb)):
         first = (base + rows * width) // page_bytes

@@ -1,6 +1,7 @@
-"""A hot-row cache of FP8 table rows on the compute device, under a chosen replacement policy.
+"""A hot-row cache of stored table rows on the compute device, under a chosen replacement policy.
 
-`RowCache` holds raw FP8 bytes in slots on the device and a host-side index row -> slot (a
+`RowCache` holds a row format's raw bytes (FP8 by default; `engram.rowformat.formats.RowFormat`) in
+slots on the device and a host-side index row -> slot (a
 `engram.systems.policies.Policy`: exact LRU, CLOCK, LFU with aging, pinned, pinned + LRU); `plan`
 is the host half of a call, `read` / `write` the device half, and hits, misses, evictions and bytes
 fetched are first-class counters. A cached row is bit-for-bit the stored row. Knows slots and bytes, nothing of tiers or staging; holds no locks
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 from engram.kernels import cpu_cache
-from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
+from engram.rowformat.formats import RowFormat, as_row_format
+from engram.rowformat.fp8 import BLOCK
 from engram.storage import lookup
 from engram.systems.policies import LRU, CachePolicy, default_policy, make_policy
 
@@ -35,7 +37,8 @@ class CachePlan(NamedTuple):
 
 
 class RowCache:
-    """`capacity` rows of FP8 bytes on `device` with a host index under `policy` (see docs/systems.md).
+    """`capacity` rows of `fmt`'s bytes (FP8 by default) on `device` with a host index under `policy`
+    (see docs/systems.md): per slot the row's value bytes (`fmt.value_bytes(dim)`) and scale bytes.
 
     `policy`: a `CachePolicy` or its name ('lru', 'clock', 'lfu', 'pinned', 'pinned+lru'); None:
     `default_policy` ('pinned+lru' given `pinned_rows`, else 'lru'). `pinned_rows` (hottest first,
@@ -50,16 +53,20 @@ class RowCache:
         policy: CachePolicy | str | None = None,
         pinned_rows: np.ndarray | None = None,
         pinned_fraction: float = 0.5,
+        fmt: RowFormat | str = RowFormat.FP8,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"a RowCache needs capacity >= 1 rows, got {capacity!r} (use no cache for 0)")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1 or dim % BLOCK:
             raise ValueError(f"row width dim={dim!r} must be a positive multiple of {BLOCK}")
         self.capacity, self.dim = capacity, dim
-        self.row_bytes = fp8_row_bytes(dim)  # dim value bytes + dim // 32 scale bytes
+        self.row_format = as_row_format(fmt)
+        self.value_bytes = self.row_format.value_bytes(dim)  # FP8: dim
+        self.scale_bytes = self.row_format.scale_bytes(dim)  # FP8: dim // 32
+        self.row_bytes = self.value_bytes + self.scale_bytes
         self.device = torch.device(device)
-        self._values = torch.empty((capacity, dim), dtype=torch.uint8, device=self.device)  # (C, dim)
-        self._scales = torch.empty((capacity, dim // BLOCK), dtype=torch.uint8, device=self.device)
+        self._values = torch.empty((capacity, self.value_bytes), dtype=torch.uint8, device=self.device)
+        self._scales = torch.empty((capacity, self.scale_bytes), dtype=torch.uint8, device=self.device)
         policy = default_policy(pinned_rows is not None) if policy is None else policy
         self.policy = make_policy(policy, capacity, pinned_rows, pinned_fraction)
         self._slot_of = np.empty(0, dtype=np.int64)  # (U,) per-call scratch, grown as needed
@@ -152,30 +159,33 @@ class RowCache:
     # ------------------------------------------------------------------ device half
     @property
     def values(self) -> torch.Tensor:
-        """(C, dim) float8_e4m3fn view of the cached value bytes (rows of empty slots are garbage)."""
-        return self._values.view(VALUE_DTYPE)
+        """The cached values in the format's dtype (FP8: (C, dim) float8_e4m3fn; rows of empty slots are
+        garbage)."""
+        return self._values.view(self.row_format.value_dtype)
 
     @property
     def scales(self) -> torch.Tensor:
-        """(C, dim // 32) float8_e8m0fnu view of the cached scale bytes."""
-        return self._scales.view(SCALE_DTYPE)
+        """The cached scales in the format's dtype (FP8: (C, dim // 32) float8_e8m0fnu)."""
+        return self._scales.view(self.row_format.scale_dtype)
 
     def read(self, slots: torch.Tensor, out_values: torch.Tensor, out_scales: torch.Tensor) -> None:
-        """out_values (H, dim) / out_scales (H, nb) uint8 <- the cached rows in `slots` (H,) int64.
+        """out_values (H, value_bytes) / out_scales (H, scale_bytes) uint8 (FP8: (H, dim) / (H, nb)) <- the
+        cached rows in `slots` (H,) int64.
 
         On the CPU through `lookup.gather_rows`' numba byte copy (GIL released, slots checked), else
         index_select (which checks them on the device).
         """
         self._check_rows_args("read", slots, out_values, out_scales)
         if self.device.type == "cpu":
-            lookup.gather_rows(self.values, slots, out_values.view(VALUE_DTYPE))
-            lookup.gather_rows(self.scales, slots, out_scales.view(SCALE_DTYPE))
+            lookup.gather_rows(self._values, slots, out_values)
+            lookup.gather_rows(self._scales, slots, out_scales)
         else:
             torch.index_select(self._values, 0, slots, out=out_values)
             torch.index_select(self._scales, 0, slots, out=out_scales)
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-        """Store rows values (I, dim) / scales (I, nb) uint8 into `slots` (I,) int64 (from `plan`)."""
+        """Store rows values (I, value_bytes) / scales (I, scale_bytes) uint8 into `slots` (I,) int64 (from
+        `plan`)."""
         self._check_rows_args("write", slots, values, scales)
         if self.device.type == "cpu":  # numba, GIL released (index_copy_ on byte rows is ~10x slower)
             s = slots.numpy()
@@ -194,17 +204,18 @@ class RowCache:
     def _check_rows_args(
         self, op: str, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
     ) -> None:
-        """Shapes, dtypes and devices only (no device sync): slots (I,) int64, values (I, dim), scales (I, nb)."""
-        nb = self.dim // BLOCK
+        """Shapes, dtypes and devices only (no device sync): slots (I,) int64, values (I, value_bytes), scales
+        (I, scale_bytes)."""
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             found = f"{slots.dtype} {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots)
             raise TypeError(f"{op}: slots must be a 1-D int64 tensor, got {found}")
         i = slots.shape[0]
-        for name, t, width in (("values", values, self.dim), ("scales", scales, nb)):
+        for name, t, width in (("values", values, self.value_bytes), ("scales", scales, self.scale_bytes)):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or tuple(t.shape) != (i, width):
                 found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
-                    f"{op}: {name} must be uint8 ({i}, {width}) for {i} slots of a dim={self.dim} cache, got {found}"
+                    f"{op}: {name} must be uint8 ({i}, {width}) for {i} slots of a dim={self.dim} "
+                    f"{self.row_format.value} cache, got {found}"
                 )
         for name, t in (("slots", slots), ("values", values), ("scales", scales)):
             if t.device != self._values.device:
@@ -219,7 +230,7 @@ class RowCache:
 
     def __repr__(self) -> str:
         return (
-            f"RowCache(capacity={self.capacity}, dim={self.dim}, device={self.device}, "
+            f"RowCache(capacity={self.capacity}, dim={self.dim}, format={self.row_format.value}, device={self.device}, "
             f"policy={self.policy.name.value!r}, "
             f"hits={self.hits}, misses={self.misses}, evictions={self.evictions})"
         )

@@ -1,7 +1,8 @@
-"""Three levels of an FP8 table by row frequency: hot rows on the device, warm in host DRAM, the rest on SSD.
+"""Three levels of a quantised table by row frequency: hot rows on the device, warm in host DRAM, the rest on SSD.
 
 `LevelTable` is an `EngramTable` whose `gather` returns exactly (bitwise) what `FP8Table.gather`
-returns for the stored table: each call's distinct rows are looked up in the device cache (level 1,
+(`QuantTable.gather` for the INT8 and 4-bit row formats: every level moves the format's bytes) returns
+for the stored table: each call's distinct rows are looked up in the device cache (level 1,
 a `RowCache` on the compute device), its misses in the host cache (level 2, a `RowCache` in DRAM),
 and what both miss is read from the backing store (level 3: a `RowFile` read with positional reads,
 a memory-mapped safetensors `MmapFP8Table`, or an in-memory `FP8Table`). Each level has its own
@@ -23,10 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.kernels import cpu_cache
-from engram.model.table import EngramTable, FP8Table
-from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_row_ids, check_rows, fp8_row_bytes
+from engram.model.table import EngramTable, QuantTable
+from engram.rowformat.formats import RowFormat
+from engram.rowformat.fp8 import check_row_ids, check_rows
 from engram.storage import lookup
 from engram.storage.outpool import OutputPool
 from engram.storage.rowfile import RowFile
@@ -78,7 +80,13 @@ def _budget(name: str, value: object, num_rows: int, *, allow_zero: bool = False
 
 
 def _cache(
-    level: str, capacity: int, dim: int, device: torch.device, policy: Any, pinned_rows: np.ndarray | None
+    level: str,
+    capacity: int,
+    dim: int,
+    device: torch.device,
+    policy: Any,
+    pinned_rows: np.ndarray | None,
+    fmt: RowFormat,
 ) -> RowCache:
     """A RowCache, given `policy` / `pinned_rows` only when set (RowCache's default policy otherwise)."""
     kwargs = {k: v for k, v in (("policy", policy), ("pinned_rows", pinned_rows)) if v is not None}
@@ -88,14 +96,14 @@ def _cache(
             raise ValueError(
                 f"{level}_{k} is set, but this RowCache has one policy (exact LRU); leave it None"
             )
-    return RowCache(capacity, dim, device, **kwargs)
+    return RowCache(capacity, dim, device, fmt=fmt, **kwargs)
 
 
 class LevelTable(EngramTable):
-    """A frozen FP8 table in three levels: `device_rows` on `device`, `host_rows` in DRAM, `backing` below.
+    """A frozen quantised table in three levels: `device_rows` on `device`, `host_rows` in DRAM, `backing` below.
 
-    `backing`: a `RowFile` (SSD, positional reads), an `MmapFP8Table` (SSD, memory-mapped) or an
-    `FP8Table` on the host. `host_rows=0` leaves the host level out (on a CPU-only machine level 1
+    `backing`: a `RowFile` (SSD, positional reads), an `MmapFP8Table` / `MmapQuantTable` (SSD,
+    memory-mapped) or an `FP8Table` / `QuantTable` on the host, of any row format (`row_format`). `host_rows=0` leaves the host level out (on a CPU-only machine level 1
     is already in DRAM: a second DRAM level behind it only repeats its work). `device_policy` / `host_policy`: the caches' replacement policies (None: the
     `RowCache` default); `*_pinned_rows`: the rows a pinned policy pins (`RowCache(pinned_rows=...)`). `verify`: re-read every served row from `backing` and count
     mismatches (`stats()["verify_mismatches"]`); off by default (it reads every row twice).
@@ -103,7 +111,7 @@ class LevelTable(EngramTable):
 
     def __init__(
         self,
-        backing: RowFile | MmapFP8Table | FP8Table,
+        backing: RowFile | MmapQuantTable | QuantTable,
         *,
         device_rows: int,
         host_rows: int,
@@ -115,28 +123,36 @@ class LevelTable(EngramTable):
         verify: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(backing, RowFile | MmapFP8Table | FP8Table):
+        if not isinstance(backing, RowFile | MmapQuantTable | QuantTable):
             raise TypeError(
-                f"backing must be a RowFile, an MmapFP8Table or an FP8Table, got {type(backing).__name__}; "
-                "write a row file with `engram convert SRC DST --row-file` and open it with RowFile(path)"
+                f"backing must be a RowFile, an MmapFP8Table or an FP8Table (or an MmapQuantTable / QuantTable of "
+                f"another row format), got {type(backing).__name__}; write a row file with `engram convert SRC DST "
+                "--row-file` and open it with RowFile(path)"
             )
-        if isinstance(backing, FP8Table) and backing.weight.device.type != "cpu":
-            raise ValueError(f"an FP8Table backing must be in host memory, it is on {backing.weight.device}")
+        if isinstance(backing, QuantTable) and backing.weight.device.type != "cpu":
+            raise ValueError(
+                f"an {type(backing).__name__} backing must be in host memory, it is on {backing.weight.device}"
+            )
         self.__dict__["backing"] = backing  # not a submodule: .to() must not move the backing store
         self.num_rows, self.dim = (
             backing.num_rows if not isinstance(backing, RowFile) else backing.rows,
             backing.dim,
         )
-        self.row_bytes = fp8_row_bytes(self.dim)
+        self.row_format = backing.row_format
+        fmt = self.row_format
+        self.value_bytes, self.scale_bytes = fmt.value_bytes(self.dim), fmt.scale_bytes(self.dim)
+        self.row_bytes = self.value_bytes + self.scale_bytes
         self.device = as_device(device)
         d = _budget("device_rows", device_rows, self.num_rows)
         h = _budget("host_rows", host_rows, self.num_rows, allow_zero=True)
         if not h and (host_policy is not None or host_pinned_rows is not None):
             raise ValueError("host_rows=0 leaves out the host level: drop host_policy / host_pinned_rows")
         self.verify = bool(verify)
-        self.l1 = _cache("device", d, self.dim, self.device, device_policy, device_pinned_rows)
+        self.l1 = _cache("device", d, self.dim, self.device, device_policy, device_pinned_rows, fmt)
         self.l2 = (
-            _cache("host", h, self.dim, torch.device("cpu"), host_policy, host_pinned_rows) if h else None
+            _cache("host", h, self.dim, torch.device("cpu"), host_policy, host_pinned_rows, fmt)
+            if h
+            else None
         )
         self.levels = [LevelStats("device", d), LevelStats("host", h), LevelStats("backing", self.num_rows)]
         self.out_pool = OutputPool()  # reused CPU outputs (engram.storage.outpool)
@@ -180,16 +196,17 @@ class LevelTable(EngramTable):
 
     # ------------------------------------------------------------------ the backing store
     def _read_backing(self, rows: np.ndarray, v: np.ndarray, s: np.ndarray, *, count: bool = True) -> None:
-        """v (M, dim) / s (M, nb) uint8 <- rows (M,) (any order) from the backing store."""
+        """v (M, value bytes) / s (M, scale bytes) uint8 (FP8: (M, dim) / (M, nb)) <- rows (M,) (any order)
+        from the backing store."""
         b = self.backing
         if isinstance(b, RowFile):
             b.read_rows(rows, v, s, count=count)
             return
-        if isinstance(b, MmapFP8Table):
+        if isinstance(b, MmapQuantTable):
             b.check_files()  # a truncated file raises here, not as a SIGBUS
         idx = torch.from_numpy(rows)
-        lookup.gather_rows(b.weight, idx, torch.from_numpy(v).view(VALUE_DTYPE))
-        lookup.gather_rows(b.scale, idx, torch.from_numpy(s).view(SCALE_DTYPE))
+        lookup.gather_rows(b.weight, idx, torch.from_numpy(v).view(self.row_format.value_dtype))
+        lookup.gather_rows(b.scale, idx, torch.from_numpy(s).view(self.row_format.scale_dtype))
 
     # ------------------------------------------------------------------ gather
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -205,7 +222,7 @@ class LevelTable(EngramTable):
             check_rows(host, self.num_rows)  # raises, naming the first bad id and its position
         u = uniq.shape[0]
         self.rows_distinct += u
-        nb = self.dim // BLOCK
+        vb, sb = self.value_bytes, self.scale_bytes  # bytes a row (FP8: dim, dim // 32)
         dev, l1, l2 = self.device, self.l1, self.l2
         lv1, lv2, lv3 = self.levels
 
@@ -215,8 +232,8 @@ class LevelTable(EngramTable):
         lv1.misses += m1
         miss1 = uniq[p1.miss_idx]  # (M1,) ascending (a pinned policy: admitted ones first)
         t0 = time.perf_counter()
-        v1 = np.empty((m1, self.dim), dtype=np.uint8)  # level-1 misses' bytes, assembled on the host
-        s1 = np.empty((m1, nb), dtype=np.uint8)
+        v1 = np.empty((m1, vb), dtype=np.uint8)  # level-1 misses' bytes, assembled on the host
+        s1 = np.empty((m1, sb), dtype=np.uint8)
         if m1 and l2 is None:  # no host level: level 1's misses come from the backing store (timed in lv1)
             self._read_backing(miss1, v1, s1)
             lv3.hits += m1
@@ -233,8 +250,8 @@ class LevelTable(EngramTable):
             at_miss = p2.miss_idx if order is None else order[p2.miss_idx]  # their rows in v1 / s1
             at_hit = p2.hit_idx if order is None else order[p2.hit_idx]
             miss2 = sorted1[p2.miss_idx]
-            v2 = np.empty((m2, self.dim), dtype=np.uint8)
-            s2 = np.empty((m2, nb), dtype=np.uint8)
+            v2 = np.empty((m2, vb), dtype=np.uint8)
+            s2 = np.empty((m2, sb), dtype=np.uint8)
             t1 = time.perf_counter()
             self._read_backing(miss2, v2, s2)  # level 3
             lv2.seconds += time.perf_counter() - t1
@@ -247,8 +264,8 @@ class LevelTable(EngramTable):
             v1[at_miss], s1[at_miss] = v2, s2
             h2 = p2.hit_idx.shape[0]
             if h2:
-                hv = torch.empty((h2, self.dim), dtype=torch.uint8)
-                hs = torch.empty((h2, nb), dtype=torch.uint8)
+                hv = torch.empty((h2, vb), dtype=torch.uint8)
+                hs = torch.empty((h2, sb), dtype=torch.uint8)
                 l2.read(torch.from_numpy(p2.hit_slots), hv, hs)
                 v1[at_hit], s1[at_hit] = hv.numpy(), hs.numpy()
         k1 = p1.ins_slots.shape[0]
@@ -267,8 +284,8 @@ class LevelTable(EngramTable):
             values, scales = l1.values, l1.scales
         else:  # some misses did not fit (budget below this call's distinct rows): a block [misses; hits]
             h1 = p1.hit_idx.shape[0]
-            values = torch.empty((u, self.dim), dtype=torch.uint8, device=dev)
-            scales = torch.empty((u, nb), dtype=torch.uint8, device=dev)
+            values = torch.empty((u, vb), dtype=torch.uint8, device=dev)
+            scales = torch.empty((u, sb), dtype=torch.uint8, device=dev)
             values[:m1], scales[:m1] = miss_v, miss_s
             if h1:
                 l1.read(torch.from_numpy(p1.hit_slots).to(dev), values[m1:], scales[m1:])
@@ -276,11 +293,14 @@ class LevelTable(EngramTable):
             pos[p1.miss_idx] = np.arange(m1)
             pos[p1.hit_idx] = np.arange(m1, u)
             index = torch.from_numpy(pos[inverse_np]).view(host.shape).to(dev)
-            values, scales = values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE)
+            values, scales = (
+                values.view(self.row_format.value_dtype),
+                scales.view(self.row_format.scale_dtype),
+            )
         if self.verify:
             self._verify(uniq, values, scales, index, inverse)
         dtype = torch.float32 if dtype is None else dtype
-        if dtype == torch.float64:  # as FP8Table: exact in float32, then widened
+        if dtype == torch.float64:  # as QuantTable: float32, then widened
             return lookup.dequantize_gather(values, scales, index, torch.float32).double()
         out = self.out_pool.empty((*index.shape, self.dim), dtype) if dev.type == "cpu" else None
         return lookup.dequantize_gather(values, scales, index, dtype, out)
@@ -301,8 +321,8 @@ class LevelTable(EngramTable):
         src = index.reshape(-1).cpu()[first]  # the slot / block row each distinct row is read from
         served_v = values.view(torch.uint8).index_select(0, src.to(values.device)).cpu().numpy()
         served_s = scales.view(torch.uint8).index_select(0, src.to(scales.device)).cpu().numpy()
-        v = np.empty((u, self.dim), dtype=np.uint8)
-        s = np.empty((u, self.dim // BLOCK), dtype=np.uint8)
+        v = np.empty((u, self.value_bytes), dtype=np.uint8)
+        s = np.empty((u, self.scale_bytes), dtype=np.uint8)
         self._read_backing(uniq, v, s, count=False)
         bad = (served_v != v).any(axis=1) | (served_s != s).any(axis=1)
         self.verify_rows += u
@@ -310,6 +330,7 @@ class LevelTable(EngramTable):
 
     def extra_repr(self) -> str:
         return (
-            f"num_rows={self.num_rows}, dim={self.dim}, device={self.device}, device_rows={self.l1.capacity}, "
+            f"num_rows={self.num_rows}, dim={self.dim}, format={self.row_format.value}, device={self.device}, "
+            f"device_rows={self.l1.capacity}, "
             f"host_rows={0 if self.l2 is None else self.l2.capacity}, backing={type(self.backing).__name__}, verify={self.verify}"
         )

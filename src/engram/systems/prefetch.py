@@ -20,9 +20,10 @@ from torch import nn
 
 from engram.addressing.hashing import NgramHasher
 from engram.checkpoint.files import save_tensors
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapFP8Table, MmapQuantTable
 from engram.model.module import Engram
-from engram.model.table import FP8Table, TrainableTable
+from engram.model.table import FP8Table, QuantTable, TrainableTable, quantize_table
+from engram.rowformat.formats import RowFormat, as_row_format
 from engram.systems.background import PrefetchHandle
 from engram.systems.placement import Placement, as_placement
 from engram.systems.tiered import TieredTable
@@ -43,8 +44,13 @@ def engram_modules(model: nn.Module) -> dict[int, Engram]:
     return dict(sorted(found.items()))
 
 
-def _as_fp8(table: Any, layer_id: int, quantize: bool) -> FP8Table | MmapFP8Table:
-    if isinstance(table, FP8Table | MmapFP8Table):
+def _in_memory(values: torch.Tensor, scales: torch.Tensor, fmt: RowFormat) -> QuantTable:
+    """The in-memory table of `fmt` over values / scales: an FP8Table for FP8, else a QuantTable."""
+    return FP8Table(values, scales) if fmt is RowFormat.FP8 else QuantTable(values, scales, fmt)
+
+
+def _as_stored(table: Any, layer_id: int, quantize: bool, fmt: RowFormat) -> QuantTable | MmapQuantTable:
+    if isinstance(table, QuantTable | MmapQuantTable):  # FP8Table / MmapFP8Table included
         return table
     if isinstance(table, TieredTable):
         raise ValueError(f"layer {layer_id}'s table is already a TieredTable; offload a model once")
@@ -52,9 +58,10 @@ def _as_fp8(table: Any, layer_id: int, quantize: bool) -> FP8Table | MmapFP8Tabl
         if not quantize:
             raise TypeError(
                 f"layer {layer_id}'s table is a float TrainableTable ({table.weight.dtype}); tiered tables are "
-                "frozen FP8 (inference only): pass quantize=True to quantise it (lossy: e4m3 + ue8m0 scales)"
+                "frozen quantised tables (inference only): pass quantize=True to quantise it (lossy: FP8 e4m3 + "
+                "ue8m0 scales, or row_format='int8' / 'int4')"
             )
-        return FP8Table.from_float(table.weight.detach().cpu())
+        return _in_memory(*quantize_table(table.weight.detach().cpu(), fmt), fmt)
     raise TypeError(f"layer {layer_id}'s table is a {type(table).__name__}, not an FP8Table / MmapFP8Table")
 
 
@@ -68,23 +75,26 @@ def offload_engram(
     ssd_dir: str | os.PathLike[str] | None = None,
     max_inflight: int = 2,
     fetch_threads: int | None = None,
+    row_format: RowFormat | str = RowFormat.FP8,
 ) -> dict[int, TieredTable]:
     """Swap every Engram module's table in `model` for a TieredTable on `placement`; returns them by layer.
 
     `device`: where the model computes (default: where each table is now, host tables: the CPU).
     `cache_rows`: hot-row cache slots per table (HOST / SSD). A float (trainable) table needs
-    `quantize=True`. SSD: an MmapFP8Table is used as is; an in-memory table is first written to
+    `quantize=True` (to `row_format`: FP8 by default, or int8, int8-row, int4; a table already quantised
+    keeps its format). SSD: an MmapFP8Table (MmapQuantTable) is used as is; an in-memory table is first written to
     `ssd_dir/engram_layer{L}.safetensors` (which `ssd_dir` must name). HOST with an MmapFP8Table reads
     the file into memory.
     """
     where = as_placement(placement)
     if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
         raise ValueError(f"cache_rows={cache_rows!r} must be an int >= 0 (0: no cache)")
+    fmt = as_row_format(row_format, "row_format")
     modules = engram_modules(model)
-    plans: dict[int, FP8Table | MmapFP8Table] = {}
+    plans: dict[int, QuantTable | MmapQuantTable] = {}
     for lid, m in modules.items():  # check everything before changing anything
-        table = _as_fp8(m.table, lid, quantize)
-        if where is Placement.SSD and not isinstance(table, MmapFP8Table) and ssd_dir is None:
+        table = _as_stored(m.table, lid, quantize, fmt)
+        if where is Placement.SSD and not isinstance(table, MmapQuantTable) and ssd_dir is None:
             raise ValueError(
                 f"placement SSD needs the table of layer {lid} in a file: pass ssd_dir=<folder> to write it "
                 "there, or give the module an MmapFP8Table"
@@ -92,17 +102,22 @@ def offload_engram(
         plans[lid] = table
     out: dict[int, TieredTable] = {}
     for lid, table in plans.items():
-        if where is Placement.SSD and not isinstance(table, MmapFP8Table):
+        if where is Placement.SSD and not isinstance(table, MmapQuantTable):
             assert ssd_dir is not None
             path = Path(ssd_dir) / f"engram_layer{lid}.safetensors"
             path.parent.mkdir(parents=True, exist_ok=True)
             save_tensors(path, {"weight": table.weight, "scale": table.scale})
-            table = MmapFP8Table(path, "weight", "scale")
+            fp8 = table.row_format is RowFormat.FP8
+            table = (
+                MmapFP8Table(path, "weight", "scale")
+                if fp8
+                else MmapQuantTable(path, "weight", "scale", table.row_format)
+            )
         elif where is Placement.HOST:
-            if isinstance(table, MmapFP8Table):
-                table = FP8Table(table.weight.clone(), table.scale.clone())
+            if isinstance(table, MmapQuantTable):
+                table = _in_memory(table.weight.clone(), table.scale.clone(), table.row_format)
             elif table.weight.device.type != "cpu":
-                table = FP8Table(table.weight.cpu(), table.scale.cpu())
+                table = _in_memory(table.weight.cpu(), table.scale.cpu(), table.row_format)
         target = (
             device if device is not None else (table.weight.device if where is Placement.DEVICE else "cpu")
         )

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from engram.rowformat.formats import RowFormat
 from engram.systems.cache import RowCache
 
 __all__ = [
@@ -37,10 +37,10 @@ def align(n: int) -> int:
 
 
 class FetchedBlock(NamedTuple):
-    """Distinct rows' FP8 bytes on the compute device, ready for `dequantize_gather`."""
+    """Distinct rows' stored bytes on the compute device, ready for `dequantize_gather`."""
 
-    values: torch.Tensor  # (U, dim) float8_e4m3fn
-    scales: torch.Tensor  # (U, dim // 32) float8_e8m0fnu
+    values: torch.Tensor  # (U, width) in the row format's value dtype (FP8: (U, dim) float8_e4m3fn)
+    scales: torch.Tensor  # (U, scales a row) in its scale dtype (FP8: (U, dim // 32) float8_e8m0fnu)
     inverse: torch.Tensor  # rows.shape int64: each requested row's position in the block
     ready: torch.cuda.Event | None  # recorded on the fetch stream when the block is complete (CUDA)
     out: torch.Tensor | None = None  # (*rows.shape, dim) already dequantised, for prefetch(rows, dtype)
@@ -75,9 +75,10 @@ class Staging:
         return self.buf[:nbytes]
 
 
-def cpu_block_bytes(u: int, dim: int) -> int:
-    """Bytes of a CPU block of u rows: values (u, dim) | scales (u, dim // 32), 64-aligned regions."""
-    return align(u * dim) + u * (dim // BLOCK)
+def cpu_block_bytes(u: int, dim: int, fmt: RowFormat = RowFormat.FP8) -> int:
+    """Bytes of a CPU block of u rows of `fmt`: values (u, value bytes) | scales (u, scale bytes), 64-aligned
+    regions (FP8: (u, dim) | (u, dim // 32))."""
+    return align(u * fmt.value_bytes(dim)) + u * fmt.scale_bytes(dim)
 
 
 def assemble_cpu(
@@ -86,14 +87,15 @@ def assemble_cpu(
     gather_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
     plan: FetchPlan,
     dim: int,
+    fmt: RowFormat = RowFormat.FP8,
 ) -> FetchedBlock:
-    """The block [misses; hits] (U rows) in host bytes `buf` (>= cpu_block_bytes(u, dim)); arguments
+    """The block [misses; hits] (U rows) in host bytes `buf` (>= cpu_block_bytes(u, dim, fmt)); arguments
     as `assemble_cuda`."""
     miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
-    nb, m = dim // BLOCK, miss_rows.numel()
-    off_s = align(u * dim)
-    values = buf[: u * dim].view(u, dim)  # (U, dim) bytes: [misses; hits]
-    scales = buf[off_s : off_s + u * nb].view(u, nb)
+    vb, sb, m = fmt.value_bytes(dim), fmt.scale_bytes(dim), miss_rows.numel()
+    off_s = align(u * vb)
+    values = buf[: u * vb].view(u, vb)  # (U, value bytes): [misses; hits]
+    scales = buf[off_s : off_s + u * sb].view(u, sb)
     gather_misses(miss_rows, values[:m], scales[:m])
     if cache is not None:
         if hit_slots.shape[0]:
@@ -102,7 +104,7 @@ def assemble_cpu(
             k = ins_slots.shape[0]
             cache.write(torch.from_numpy(ins_slots), values[:k], scales[:k])
     inv = torch.from_numpy(inverse).view(shape)
-    return FetchedBlock(values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE), inv, None)
+    return FetchedBlock(values.view(fmt.value_dtype), scales.view(fmt.scale_dtype), inv, None)
 
 
 def assemble_cuda(
@@ -113,22 +115,23 @@ def assemble_cuda(
     gather_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
     plan: FetchPlan,
     dim: int,
+    fmt: RowFormat = RowFormat.FP8,
 ) -> FetchedBlock:
-    """The block [misses; hits] (U rows) on `device` (see docs/systems.md).
+    """The block [misses; hits] (U rows of row format `fmt`) on `device` (see docs/systems.md).
 
     miss_rows (M,) are gathered by `gather_misses(rows, out_values, out_scales)` straight into the
     pinned staging; inverse (n,) indexes the block; hit_slots (H,) are read from `cache`; the first
     len(ins_slots) misses are written to the cache at ins_slots.
     """
     miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
-    nb, m, n = dim // BLOCK, miss_rows.numel(), inverse.shape[0]
+    vb, sb, m, n = fmt.value_bytes(dim), fmt.scale_bytes(dim), miss_rows.numel(), inverse.shape[0]
     h, k = hit_slots.shape[0], ins_slots.shape[0]
     # staging layout (bytes, each region 64-aligned): miss values | miss scales | inverse | hits | admits
-    off_s = align(m * dim)
-    off_i = align(off_s + m * nb)
+    off_s = align(m * vb)
+    off_i = align(off_s + m * sb)
     nbytes = off_i + 8 * (n + h + k)
     buf = staging.take(nbytes)  # pinned host bytes
-    gather_misses(miss_rows, buf[: m * dim].view(m, dim), buf[off_s : off_s + m * nb].view(m, nb))
+    gather_misses(miss_rows, buf[: m * vb].view(m, vb), buf[off_s : off_s + m * sb].view(m, sb))
     idx = buf[off_i:nbytes].view(torch.int64)  # (n + h + k,)
     idx[:n] = torch.from_numpy(inverse)
     idx[n : n + h] = torch.from_numpy(hit_slots)
@@ -137,16 +140,18 @@ def assemble_cuda(
         dev = buf.to(device, non_blocking=True)  # the one host -> device copy
         staging.copied = torch.cuda.Event()
         staging.copied.record(stream)
-        miss_v = dev[: m * dim].view(m, dim)
-        miss_s = dev[off_s : off_s + m * nb].view(m, nb)
+        miss_v = dev[: m * vb].view(m, vb)
+        miss_s = dev[off_s : off_s + m * sb].view(m, sb)
         dev_idx = dev[off_i:nbytes].view(torch.int64)
         inv = dev_idx[:n].view(shape)
         if h == 0:  # no hits: the misses are the block as copied
             values, scales = miss_v, miss_s
         else:
             assert cache is not None
-            values = torch.empty((u, dim), dtype=torch.uint8, device=device)  # (U, dim): [misses; hits]
-            scales = torch.empty((u, nb), dtype=torch.uint8, device=device)
+            values = torch.empty(
+                (u, vb), dtype=torch.uint8, device=device
+            )  # (U, value bytes): [misses; hits]
+            scales = torch.empty((u, sb), dtype=torch.uint8, device=device)
             values[:m].copy_(miss_v)
             scales[:m].copy_(miss_s)
             cache.read(dev_idx[n : n + h], values[m:], scales[m:])
@@ -155,4 +160,4 @@ def assemble_cuda(
             cache.write(dev_idx[n + h :], miss_v[:k], miss_s[:k])
         ready = torch.cuda.Event()
         ready.record(stream)
-    return FetchedBlock(values.view(VALUE_DTYPE), scales.view(SCALE_DTYPE), inv, ready)
+    return FetchedBlock(values.view(fmt.value_dtype), scales.view(fmt.scale_dtype), inv, ready)

@@ -1,7 +1,7 @@
-"""A frozen FP8 Engram table stored on a tier (device, host DRAM or SSD), with a hot-row cache and prefetch.
+"""A frozen quantised Engram table stored on a tier (device, host DRAM or SSD), with a hot-row cache and prefetch.
 
 `TieredTable` is an `EngramTable` whose `gather` returns exactly (bitwise) what `FP8Table.gather`
-returns for the same stored table and rows, on the compute device, whatever tier the bytes come
+(`QuantTable.gather`, for the INT8 and 4-bit row formats) returns for the same stored table and rows, on the compute device, whatever tier the bytes come
 from: each distinct row is fetched once, hits come from the `RowCache`, misses from the backing
 tier through staging, and `prefetch` does that ahead on a background thread. Inference only (no
 parameters, no autograd). Design, the gather's steps and the decisions (prefetch matching,
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.kernels import cpu_cache
-from engram.model.table import EngramTable, FP8Table
-from engram.rowformat.fp8 import SCALE_DTYPE, VALUE_DTYPE, check_rows, fp8_row_bytes
+from engram.model.table import EngramTable, QuantTable
+from engram.rowformat.fp8 import check_rows
 from engram.storage import lookup
 from engram.storage.outpool import OutputPool
 from engram.systems.background import FetchWorker, PrefetchHandle, claim
@@ -63,10 +63,11 @@ def _ascending(idx: np.ndarray) -> bool:
 
 
 class TieredTable(EngramTable):
-    """A frozen FP8 table on `placement`, computed on `device` (see docs/systems.md).
+    """A frozen quantised table on `placement`, computed on `device` (see docs/systems.md).
 
-    `table`: an `FP8Table` (DEVICE or HOST: moved to the device, resp. kept on the host) or an
-    `MmapFP8Table` (SSD; DEVICE reads it whole onto the device). `policy` / `pinned_rows`: the cache's
+    `table`: an `FP8Table` / `QuantTable` of any row format (DEVICE or HOST: moved to the device, resp.
+    kept on the host) or an `MmapFP8Table` / `MmapQuantTable` (SSD; DEVICE reads it whole onto the
+    device); the cache, staging and gathers move the format's bytes (`row_format`). `policy` / `pinned_rows`: the cache's
     eviction policy and a profile's hottest rows, as `RowCache` takes them. `cache_rows`: slots of the device-side
     hot-row cache (HOST / SSD only; 0 = none). `max_inflight`: prefetches in flight at once.
     `fetch_threads`: threads of the host gather (None: 1 below 2048 rows, every core above).
@@ -74,7 +75,7 @@ class TieredTable(EngramTable):
 
     def __init__(
         self,
-        table: FP8Table | MmapFP8Table,
+        table: QuantTable | MmapQuantTable,
         placement: Placement | str = Placement.HOST,
         *,
         device: torch.device | str | None = None,
@@ -88,17 +89,18 @@ class TieredTable(EngramTable):
     ) -> None:
         super().__init__()
         self.placement = as_placement(placement)
-        if not isinstance(table, FP8Table | MmapFP8Table):
+        if not isinstance(table, QuantTable | MmapQuantTable):
             raise TypeError(
-                f"a TieredTable wraps an FP8Table or an MmapFP8Table, got {type(table).__name__}; quantise "
-                "a float table with FP8Table.from_float(weight) (or offload_engram(..., quantize=True))"
+                f"a TieredTable wraps an FP8Table or an MmapFP8Table (or a QuantTable / MmapQuantTable of another "
+                f"row format), got {type(table).__name__}; quantise a float table with FP8Table.from_float(weight) "
+                "(or offload_engram(..., quantize=True))"
             )
-        if self.placement is Placement.SSD and not isinstance(table, MmapFP8Table):
+        if self.placement is Placement.SSD and not isinstance(table, MmapQuantTable):
             raise TypeError(
                 "placement SSD reads rows from a memory-mapped file: pass an MmapFP8Table (write the table "
                 "with engram.checkpoint.files.save_tensors, then MmapFP8Table(path, weight_name, scale_name))"
             )
-        if self.placement is Placement.HOST and isinstance(table, MmapFP8Table):
+        if self.placement is Placement.HOST and isinstance(table, MmapQuantTable):
             raise TypeError(
                 "placement HOST keeps the table in DRAM but this is an MmapFP8Table: use placement SSD, or "
                 "load it: FP8Table(table.weight.clone(), table.scale.clone())"
@@ -122,7 +124,8 @@ class TieredTable(EngramTable):
         ):
             raise ValueError(f"fetch_threads={fetch_threads!r} must be None or an int >= 1")
         self.num_rows, self.dim = table.num_rows, table.dim
-        self.row_bytes = fp8_row_bytes(self.dim)
+        self.row_format = table.row_format
+        self.row_bytes = self.row_format.row_bytes(self.dim)
         self.device = as_device(device)
         if (policy is not None or pinned_rows is not None) and not cache_rows:
             raise ValueError(
@@ -134,8 +137,8 @@ class TieredTable(EngramTable):
         self.verify = bool(verify)  # re-read every fetched row from the backing tier and compare (debug)
         # plain attributes, not a submodule: model.to(...) must not drag a host / SSD table along
         self.__dict__["backing"] = table
-        self._host_values = table.weight  # (N, dim) float8_e4m3fn on the host (file-backed for SSD)
-        self._host_scales = table.scale  # (N, dim // 32) float8_e8m0fnu
+        self._host_values = table.weight  # (N, width) the format's values on the host (file-backed for SSD)
+        self._host_scales = table.scale  # (N, scales a row) FP8: (N, dim // 32) float8_e8m0fnu
         self._start_runtime(max_inflight)
         self.cache: RowCache | None = None
         self._rehome(self.device)
@@ -202,14 +205,19 @@ class TieredTable(EngramTable):
         self._pending.clear()
         self.device = device
         if self.placement is Placement.DEVICE:
-            if isinstance(self.backing, MmapFP8Table):
+            if isinstance(self.backing, MmapQuantTable):
                 self.backing.check_files()  # a truncated file: an error, not a SIGBUS
             self._dev_values = self._host_values.to(device)
             self._dev_scales = self._host_scales.to(device)
         elif self.cache_rows:
             if self.cache is None:
                 self.cache = RowCache(
-                    self.cache_rows, self.dim, device, policy=self.policy, pinned_rows=self.pinned_rows
+                    self.cache_rows,
+                    self.dim,
+                    device,
+                    policy=self.policy,
+                    pinned_rows=self.pinned_rows,
+                    fmt=self.row_format,
                 )
             else:
                 self.cache.to(device)
@@ -437,7 +445,7 @@ class TieredTable(EngramTable):
             self.bytes_fetched += m * self.row_bytes
             fetch = FetchPlan(miss_rows, inverse, hit_slots, ins_slots, u, host.shape)
             if self.device.type == "cpu":
-                nbytes = cpu_block_bytes(u, self.dim)
+                nbytes = cpu_block_bytes(u, self.dim, self.row_format)
                 if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
                     if self._cpu_block.numel() < nbytes:
                         self._cpu_block = torch.empty(align(max(nbytes, self._cpu_block.numel() * 3 // 2)),
@@ -445,7 +453,7 @@ class TieredTable(EngramTable):
                     buf = self._cpu_block
                 else:  # a prefetched block lives until its gather: its own buffer
                     buf = self.out_pool.empty((nbytes,), torch.uint8)  # reused once its gather let go of it
-                block = assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim)
+                block = assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim, self.row_format)
                 if self.verify:
                     self._verify(uniq, miss_idx, hit_idx, block.values, block.scales)
                 return block
@@ -453,7 +461,14 @@ class TieredTable(EngramTable):
             staging = self._staging[self._next_staging]  # alternate: the other one may still be copying
             self._next_staging ^= 1
             block = assemble_cuda(
-                staging, self._stream, self.device, self.cache, self._gather_misses, fetch, self.dim
+                staging,
+                self._stream,
+                self.device,
+                self.cache,
+                self._gather_misses,
+                fetch,
+                self.dim,
+                self.row_format,
             )
             if self.verify:
                 assert block.ready is not None
@@ -497,15 +512,15 @@ class TieredTable(EngramTable):
         self.rows_distinct += uniq.shape[0]
         self.bytes_fetched += m * self.row_bytes
         if m:
-            nbytes = cpu_block_bytes(m, self.dim)
+            nbytes = cpu_block_bytes(m, self.dim, self.row_format)
             if self._cpu_block.numel() < nbytes:
                 self._cpu_block = torch.empty(
                     align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
                 )
-            nb = self.dim // 32
-            off_s = align(m * self.dim)
-            mv = self._cpu_block[: m * self.dim].view(m, self.dim)
-            ms = self._cpu_block[off_s : off_s + m * nb].view(m, nb)
+            vb, sb = self.row_format.value_bytes(self.dim), self.row_format.scale_bytes(self.dim)
+            off_s = align(m * vb)
+            mv = self._cpu_block[: m * vb].view(m, vb)
+            ms = self._cpu_block[off_s : off_s + m * sb].view(m, sb)
             self._gather_misses(torch.from_numpy(uniq[plan.miss_idx]), mv, ms)
             self.cache.write(torch.from_numpy(plan.ins_slots), mv, ms)
         slot = np.empty(uniq.shape[0], dtype=np.int64)  # (U,) each distinct row's slot
@@ -520,19 +535,21 @@ class TieredTable(EngramTable):
         return FetchedBlock(self.cache.values, self.cache.scales, index, None, out)
 
     def _gather_misses(self, miss_rows: torch.Tensor, out_v: torch.Tensor, out_s: torch.Tensor) -> None:
-        """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, dim) / out_s (M, nb) uint8."""
+        """Raw bytes of rows miss_rows (M,) from the backing tier into out_v (M, value bytes) / out_s (M, scale
+        bytes) uint8 (FP8: (M, dim) / (M, nb))."""
         if miss_rows.numel() == 0:
             return
         if self.placement is Placement.SSD:
             self.backing.check_files()  # one fstat: a file truncated since it was opened raises, no SIGBUS
         # numba byte copies (GIL released; file pages fault in for SSD), rows ascending for locality
         threads = self.fetch_threads
-        lookup.gather_rows(self._host_values, miss_rows, out_v.view(VALUE_DTYPE), threads=threads)
-        lookup.gather_rows(self._host_scales, miss_rows, out_s.view(SCALE_DTYPE), threads=threads)
+        fmt = self.row_format
+        lookup.gather_rows(self._host_values, miss_rows, out_v.view(fmt.value_dtype), threads=threads)
+        lookup.gather_rows(self._host_scales, miss_rows, out_s.view(fmt.scale_dtype), threads=threads)
 
     def extra_repr(self) -> str:
         cache = f", cache_rows={self.cache_rows}" if self.cache_rows else ""
         return (
-            f"num_rows={self.num_rows}, dim={self.dim}, placement={self.placement.value}, "
+            f"num_rows={self.num_rows}, dim={self.dim}, format={self.row_format.value}, placement={self.placement.value}, "
             f"device={self.device}{cache}, max_inflight={self.max_inflight}"
         )

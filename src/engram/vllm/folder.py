@@ -35,7 +35,7 @@ class EngramPart:
     compression: TokenizerCompression
     boundaries: str | None
     eos_token_id: int | None
-    fp8: bool  # the part stores its tables in FP8 (export_fp8), else float (save_engram)
+    fp8: bool  # the part stores its tables quantised (export_fp8, or export_quantised: INT8 / 4-bit), else float
     tokenizer: str | None = None  # the tokenizer.json the compression map was checked against; None: none
 
 
@@ -102,7 +102,7 @@ def read_part(
         raise PartError(str(e)) from None
     fp8 = bool(fp8_tables)
     if fp8 and len(fp8_tables) != len(config.layer_ids):
-        raise PartError(f"{part}: some layers' tables are FP8 and some float; save the part again")
+        raise PartError(f"{part}: some layers' tables are quantised and some float; save the part again")
     return EngramPart(
         d, part, config, checked.compression, checked.boundaries, checked.eos_token_id, fp8, checked.tokenizer
     )

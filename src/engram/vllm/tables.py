@@ -1,5 +1,5 @@
-"""Where the served model's Engram tables live, chosen by an option: in memory, or FP8 from the systems
-layer (`engram.systems`).
+"""Where the served model's Engram tables live, chosen by an option: in memory, or quantised (FP8, or the
+INT8 / 4-bit row formats of `engram.hf.export_quantised`) from the systems layer (`engram.systems`).
 
 | `tables`  | the table                                                     | needs                       |
 |-----------|---------------------------------------------------------------|-----------------------------|
@@ -10,8 +10,9 @@ layer (`engram.systems`).
 
 `cache_fraction` sizes the hot-row cache of `mmap` and `rowfile` (default 5 % of each table's rows).
 The options come from the served model's config (`hf_overrides={"vllm_engram": {...}}` in vLLM),
-are checked by `engram.vllm.options`, and apply to every Engram layer. An FP8 table serves exactly what
-`engram.hf` serves from the same FP8 part; nothing is quantised here (a float part asked to serve
+are checked by `engram.vllm.options`, and apply to every Engram layer. A quantised table serves exactly what
+`engram.hf` serves from the same part (an INT8 / 4-bit part the same way as an FP8 one: the tiers move
+its format's bytes); nothing is quantised here (a float part asked to serve
 FP8 is refused, naming `export_fp8`). No vLLM import.
 """
 
@@ -24,10 +25,10 @@ import torch
 from torch import nn
 
 from engram.checkpoint.convert import open_row_file
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.checkpoint.v41 import load_engram_modules
 from engram.model.module import Engram
-from engram.model.table import FP8Table
+from engram.model.table import QuantTable
 from engram.systems import LevelTable, TieredTable, offload_engram
 from engram.vllm.folder import EngramPart
 from engram.vllm.options import OPTIONS_KEY, ServeOptions, ServePlan, TableMode, serve_options, serve_plan
@@ -63,11 +64,11 @@ def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
         offload_engram(holder, "host")
     elif mode is TableMode.MMAP:
         for m in modules.values():
-            assert isinstance(m.table, MmapFP8Table)
+            assert isinstance(m.table, MmapQuantTable)  # MmapFP8Table, or another row format's
             m.table = TieredTable(m.table, "ssd", cache_rows=_cache_rows(m.table.num_rows, options))
     elif mode is TableMode.ROWFILE:
         for lid, m in modules.items():
-            assert isinstance(m.table, MmapFP8Table | FP8Table)
+            assert isinstance(m.table, MmapQuantTable | QuantTable)
             rows = _cache_rows(m.table.num_rows, options)
             # one cache: on a CPU level 1 is in DRAM already, and a second DRAM level behind it repeats
             # its work for no hits (measured: 0 of 139K lookups hit it in bench_vllm)

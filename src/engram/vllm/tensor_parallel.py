@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from engram.model.module import Engram
-from engram.model.table import EngramTable, FP8Table, TrainableTable
+from engram.model.table import EngramTable, FP8Table, QuantTable, TrainableTable
 
 __all__ = ["TensorParallelTable", "shard_rows", "shard_tables"]
 
@@ -52,12 +52,14 @@ class TensorParallelTable(EngramTable):
 def _slice(table: EngramTable, lo: int, hi: int) -> EngramTable:
     if isinstance(table, FP8Table):
         return FP8Table(table.weight[lo:hi].clone(), table.scale[lo:hi].clone())
+    if isinstance(table, QuantTable):  # an INT8 / 4-bit table (export_quantised)
+        return QuantTable(table.weight[lo:hi].clone(), table.scale[lo:hi].clone(), table.row_format)
     if isinstance(table, TrainableTable):
         shard = TrainableTable.from_weight(table.weight.detach()[lo:hi].clone())
         shard.requires_grad_(False)
         return shard
     raise ValueError(
-        f"tensor parallelism shards tables served from memory (FP8Table, TrainableTable), not "
+        f"tensor parallelism shards tables served from memory (FP8Table, QuantTable, TrainableTable), not "
         f"{type(table).__name__}: serve with tables='memory' or tensor_parallel_size=1"
     )
 

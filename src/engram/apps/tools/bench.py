@@ -36,6 +36,7 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     ),
     "lookup": ("bench_lookup", {}, {"repeats": 1}),
     "lookup-fast": ("bench_lookup_fast", {}, {"repeats": 2}),
+    "formats": ("bench_formats", {}, {"rows": 1 << 18, "tokens": 1024, "repeats": 2}),
     "optim": ("bench_optim", {}, {"large_rows": 16 << 20}),
     "sinkhorn": (
         "bench_sinkhorn",

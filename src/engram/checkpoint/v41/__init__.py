@@ -3,7 +3,8 @@
 `format` holds the format itself (file and tensor names, shard metadata, which tensors a config
 expects and the layout fingerprint rule), `writer` writes it atomically (`save_checkpoint`), `reader`
 checks every tensor and fingerprint before it builds modules (`load_engram_modules`, `stored_tables`).
-Each shard we write records the layout fingerprint (and each FP8 table's content fingerprint), so
+Each shard we write records the layout fingerprint (and each quantised table's content fingerprint and,
+beside FP8, its row format), so
 tables are never loaded under another layout; DeepSeek's files record none and load as they are.
 Conversions are `engram.checkpoint.convert`'s. Design: docs/checkpoint.md.
 """
@@ -14,6 +15,7 @@ from engram.checkpoint.v41.format import (
     INDEX_FILE,
     LAYOUT_FINGERPRINT_KEY,
     TABLE_FINGERPRINT_KEY,
+    TABLE_FORMAT_KEY,
     TableFormat,
     foreign_config,
     layer_prefix,
@@ -32,6 +34,7 @@ __all__ = [
     "INDEX_FILE",
     "LAYOUT_FINGERPRINT_KEY",
     "TABLE_FINGERPRINT_KEY",
+    "TABLE_FORMAT_KEY",
     "StoredTable",
     "TableFormat",
     "engram_state_dict",

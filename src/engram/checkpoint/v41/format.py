@@ -22,6 +22,7 @@ from engram.checkpoint.files import TensorEntry
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable
+from engram.rowformat.formats import RowFormat, format_of
 from engram.rowformat.fp8 import BLOCK
 from engram.storage.integrity import table_fingerprint
 
@@ -32,10 +33,12 @@ __all__ = [
     "INDEX_FILE",
     "LAYOUT_FINGERPRINT_KEY",
     "TABLE_FINGERPRINT_KEY",
+    "TABLE_FORMAT_KEY",
     "LayerPlan",
     "TableFormat",
     "config_diffs",
     "foreign_config",
+    "format_problems",
     "is_shard_name",
     "layer_prefix",
     "layout_problems",
@@ -48,17 +51,32 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size
 LAYOUT_FINGERPRINT_KEY = "engram_layout_fingerprint"  # shard metadata: `layout_fingerprint` of the config
-TABLE_FINGERPRINT_KEY = "engram_table_fingerprint"  # + ".{layer_id}": `table_fingerprint` of an FP8 table
+TABLE_FINGERPRINT_KEY = "engram_table_fingerprint"  # + ".{layer_id}": `table_fingerprint` of a stored table
+TABLE_FORMAT_KEY = (
+    "engram_table_format"  # + ".{layer_id}": the RowFormat of a table not in FP8 (int8, int4, ...)
+)
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # the safetensors dtypes a float tensor may have
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _ENGRAM_RE = re.compile(r"^layers\.(\d+)\.engram\.(.+)$")
 
 
 class TableFormat(enum.StrEnum):
-    """How a checkpoint stores a table."""
+    """How a checkpoint stores a table: in a row format (`RowFormat`), or as one float tensor."""
 
     FP8 = "fp8"  # F8_E4M3 values + F8_E8M0 scales (V4.1)
+    INT8 = "int8"  # I8 values [rows, dim] + BF16 scales [rows, dim / 32]
+    INT8_ROW = "int8-row"  # I8 values [rows, dim] + BF16 scales [rows, 1]
+    INT4 = "int4"  # U8 values [rows, dim / 2] (two 4-bit ints a byte) + BF16 scales [rows, dim / 32]
     FLOAT = "float"  # one float embed.weight (a trainable table)
+
+    @property
+    def row_format(self) -> RowFormat | None:
+        """The row format of a quantised table, None for a float one."""
+        return None if self is TableFormat.FLOAT else RowFormat(self.value)
+
+
+# a quantised table's values dtype -> its format (I8 with one scale a row: INT8_ROW)
+_QUANT_DTYPES = {"F8_E4M3": TableFormat.FP8, "I8": TableFormat.INT8, "U8": TableFormat.INT4}
 
 
 def layer_prefix(layer_id: int) -> str:
@@ -109,16 +127,41 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
 
 
 def shard_metadata(layout_fp: str, shard: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """A shard's metadata: the layout fingerprint `layout_fp` (`layout_fingerprint` of the config), and
-    the content fingerprint of each FP8 table the shard holds (one pass over the table's bytes: what a
-    row file written from it records)."""
+    """A shard's metadata: the layout fingerprint `layout_fp` (`layout_fingerprint` of the config), the
+    content fingerprint of each quantised table the shard holds (one pass over the table's bytes: what a
+    row file written from it records) and the row format of each that is not FP8 (checked at load
+    against its tensors' dtypes and shapes: `format_problems`)."""
     meta = {LAYOUT_FINGERPRINT_KEY: layout_fp}
     for name, scale in shard.items():
         mt = _ENGRAM_RE.match(name)
         if mt and mt.group(2) == "embed.scale":  # a table's values always sit beside its scales
             weight = shard[name.removesuffix("scale") + "weight"]
             meta[f"{TABLE_FINGERPRINT_KEY}.{mt.group(1)}"] = table_fingerprint(weight, scale)
+            fmt = format_of(weight, scale)
+            if fmt is not RowFormat.FP8:  # FP8 files stay as they were (V4.1's own carry no such key)
+                meta[f"{TABLE_FORMAT_KEY}.{mt.group(1)}"] = fmt.value
     return meta
+
+
+def format_problems(plans: Mapping[int, LayerPlan], metas: Mapping[Path, Mapping[str, str]]) -> list[str]:
+    """One problem for each table whose file records another row format than its tensors are (a file
+    edited or damaged since it was written); a file that records none (DeepSeek's, an FP8 table) has
+    nothing to compare."""
+    problems = []
+    for layer_id, plan in sorted(plans.items()):
+        recorded = metas.get(plan.weight.path, {}).get(f"{TABLE_FORMAT_KEY}.{layer_id}")
+        rf = plan.fmt.row_format
+        if recorded is None or rf is None:
+            continue
+        known = recorded in {f.value for f in RowFormat}
+        if not known or not RowFormat(recorded).same_bytes(rf, rf.dim_of(plan.weight.shape[1])):
+            problems.append(
+                f"{plan.weight.path.name}: layer {layer_id}'s table is recorded as format {recorded!r} "
+                f"({TABLE_FORMAT_KEY}.{layer_id}) but its tensors are {plan.fmt.value} ({plan.weight.name}: "
+                f"{plan.weight.dtype} {list(plan.weight.shape)}); the file was changed since it was written: "
+                "re-convert it from the source checkpoint (`engram convert SRC DST --format ...`)"
+            )
+    return problems
 
 
 def layout_problems(config: EngramConfig, metas: Mapping[Path, Mapping[str, str]]) -> list[str]:
@@ -198,36 +241,55 @@ def plan_layers(
             missing(wname, f"F8_E4M3 {rows_txt} (with {sname}) or a float table of that shape")
             ok = False
         else:
-            if w.dtype == "F8_E4M3":
-                fmt = TableFormat.FP8
+            if w.dtype in _QUANT_DTYPES:
+                fmt = _QUANT_DTYPES[w.dtype]
+                one_scale = s is not None and len(s.shape) == 2 and s.shape[1] == 1
+                if fmt is TableFormat.INT8 and one_scale and dim != block:
+                    fmt = TableFormat.INT8_ROW  # one scale a row (a row of one block: int8, the same bytes)
             elif w.dtype in FLOAT_DTYPES:
                 fmt = TableFormat.FLOAT
             else:
                 problem(
                     wname,
-                    f"dtype {w.dtype}, expected F8_E4M3 (or {'/'.join(FLOAT_DTYPES)} for a float table)",
+                    f"dtype {w.dtype}, expected F8_E4M3, I8 (int8), U8 (int4) "
+                    f"(or {'/'.join(FLOAT_DTYPES)} for a float table)",
                 )
                 ok = False
-            if len(w.shape) != 2 or w.shape[1] != dim or w.shape[0] not in rows_ok:
-                problem(wname, f"shape {list(w.shape)}, expected {rows_txt}")
+            rf = fmt.row_format
+            width = dim if rf is None or dim % rf.values_per_byte else dim // rf.values_per_byte
+            width_rows_txt = (
+                rows_txt
+                if width == dim
+                else " or ".join(f"[{r}, {width}] ({why})" for r, why in rows_ok.items())
+            )
+            if len(w.shape) != 2 or w.shape[1] != width or w.shape[0] not in rows_ok:
+                problem(
+                    wname,
+                    f"shape {list(w.shape)}, expected {width_rows_txt}"
+                    + ("" if rf is None else f" ({rf.value})"),
+                )
                 ok = False
-        if w is not None and fmt is TableFormat.FP8:
+        rf = fmt.row_format
+        if w is not None and rf is not None:
             if dim % block:
-                problem(wname, f"an FP8 table needs head_dim % {block} == 0, but head_dim={dim}")
+                problem(wname, f"a {rf.value} table needs head_dim % {block} == 0, but head_dim={dim}")
                 ok = False
-            nb = dim // block
+            nb = rf.scales_per_row(dim) if dim % block == 0 and dim > 0 else max(1, dim // block)
+            sdt = "F8_E8M0" if rf is RowFormat.FP8 else "BF16"
+            what = "ue8m0 scale" if rf is RowFormat.FP8 else "bfloat16 scale"
+            per = "row" if rf is RowFormat.INT8_ROW else f"{block} values"
             if len(w.shape) == 2 and w.shape[0] in rows_ok:
-                want_txt = f"[{w.shape[0]}, {nb}] (one ue8m0 scale per {block} values of {wname})"
+                want_txt = f"[{w.shape[0]}, {nb}] (one {what} per {per} of {wname})"
                 want_rows = {w.shape[0]}
             else:
                 want_txt = " or ".join(f"[{r}, {nb}] ({why})" for r, why in rows_ok.items())
                 want_rows = set(rows_ok)
             if s is None:
-                missing(sname, f"F8_E8M0 {want_txt}")
+                missing(sname, f"{sdt} {want_txt}")
                 ok = False
             else:
-                if s.dtype != "F8_E8M0":
-                    problem(sname, f"dtype {s.dtype}, expected F8_E8M0")
+                if s.dtype != sdt:
+                    problem(sname, f"dtype {s.dtype}, expected {sdt} (the scales of a {rf.value} table)")
                     ok = False
                 if len(s.shape) != 2 or s.shape[0] not in want_rows or s.shape[1] != nb:
                     problem(sname, f"shape {list(s.shape)}, expected {want_txt}")
@@ -257,7 +319,7 @@ def plan_layers(
                 ok = False
             others[key] = e
         if ok and w is not None:
-            plans[layer_id] = LayerPlan(fmt, w, s if fmt is TableFormat.FP8 else None, others)
+            plans[layer_id] = LayerPlan(fmt, w, s if fmt.row_format is not None else None, others)
 
     for name in sorted(found):
         mt = _ENGRAM_RE.match(name)

@@ -16,21 +16,22 @@ from torch import nn
 from engram.checkpoint.files import TensorEntry, TensorFile, listed_names, member_file, open_tensors
 from engram.checkpoint.hf_config import from_hf_dict
 from engram.checkpoint.json_file import read_json
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapFP8Table, MmapQuantTable
 from engram.checkpoint.v41.format import (
     CONFIG_FILE,
     INDEX_FILE,
     TABLE_FINGERPRINT_KEY,
     LayerPlan,
-    TableFormat,
     config_diffs,
+    format_problems,
     layout_problems,
     plan_layers,
 )
 from engram.config import EngramConfig
 from engram.model.module import Engram
-from engram.model.table import FP8Table, TrainableTable
-from engram.storage.integrity import check_finite, check_fp8_table, scan_table
+from engram.model.table import FP8Table, QuantTable, TrainableTable
+from engram.rowformat.formats import RowFormat
+from engram.storage.integrity import check_finite, check_quant_table, scan_table
 
 __all__ = ["StoredTable", "load_engram_modules", "read_checkpoint_config", "stored_tables"]
 
@@ -142,6 +143,7 @@ def _plan(
     found, problems, explained, metas = _scan(ckpt_dir)
     plans = plan_layers(config, found, problems, explained)
     problems += layout_problems(config, metas)
+    problems += format_problems(plans, metas)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
@@ -153,26 +155,30 @@ def _plan(
 
 @dataclasses.dataclass(frozen=True)
 class StoredTable:
-    """One layer's FP8 table as a checkpoint stores it: its two tensors (nothing read) and the content
-    fingerprint save_checkpoint recorded (`table_fingerprint`; None in a file it did not write)."""
+    """One layer's quantised table as a checkpoint stores it: its two tensors (nothing read), the content
+    fingerprint save_checkpoint recorded (`table_fingerprint`; None in a file it did not write) and its
+    row format."""
 
     weight: TensorEntry
     scale: TensorEntry
     fingerprint: str | None
+    row_format: RowFormat = RowFormat.FP8
 
 
 def stored_tables(
     ckpt_dir: str | os.PathLike[str], config: EngramConfig | None = None
 ) -> tuple[EngramConfig, dict[int, StoredTable]]:
-    """(config, {layer_id: StoredTable}) of a checkpoint's FP8 tables (float tables are left out), checked
-    as `load_engram_modules` checks them (every tensor, the layout fingerprint); no data is read."""
+    """(config, {layer_id: StoredTable}) of a checkpoint's quantised tables (FP8, INT8, 4-bit; float tables
+    are left out), checked as `load_engram_modules` checks them (every tensor, the layout fingerprint, the
+    recorded row format); no data is read."""
     config, plans, metas = _plan(Path(ckpt_dir), config)
     out = {}
     for layer_id, plan in plans.items():
-        if plan.fmt is TableFormat.FP8:
+        rf = plan.fmt.row_format
+        if rf is not None:
             assert plan.scale is not None
             fp = metas.get(plan.weight.path, {}).get(f"{TABLE_FINGERPRINT_KEY}.{layer_id}")
-            out[layer_id] = StoredTable(plan.weight, plan.scale, fp)
+            out[layer_id] = StoredTable(plan.weight, plan.scale, fp, rf)
     return config, out
 
 
@@ -190,8 +196,10 @@ def load_engram_modules(
     tensor is checked (present, dtype, shape) before anything is built, and so is the layout fingerprint
     each file we wrote records (a config.json whose seed was edited is refused); all problems are
     reported in one ValueError. FP8 tables load as `MmapFP8Table` (mmap=True) or `FP8Table` (in
-    memory), float tables as `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
-    NaN / Inf (for FP8 tables, NaN bytes) is refused in every module weight and in every table up to
+    memory), tables of the other row formats (INT8, 4-bit) as `MmapQuantTable` / `QuantTable`, float
+    tables as `TrainableTable`. The module weights (and float tables) are cast to `dtype`; None keeps the stored dtypes.
+    NaN / Inf (for FP8 tables, NaN bytes; for the integer formats, scales that are not finite and
+    positive) is refused in every module weight and in every table up to
     `SCAN_LIMIT_BYTES`; larger tables are scanned with `verify=True` only (else an `UnscannedTableWarning`).
     """
     config, plans, _ = _plan(Path(ckpt_dir), config)
@@ -210,20 +218,24 @@ def load_engram_modules(
     modules: dict[int, Engram] = {}
     for layer_id, plan in plans.items():
         state = {k: check(e, read(e, dtype)) for k, e in plan.others.items()}  # wkv, q_weight, k_weight
-        table: FP8Table | MmapFP8Table | TrainableTable
-        if plan.fmt is TableFormat.FP8:
+        table: QuantTable | MmapQuantTable | TrainableTable
+        rf = plan.fmt.row_format
+        if rf is not None:
             assert plan.scale is not None
-            if mmap:
-                table = MmapFP8Table(
-                    plan.weight.path, plan.weight.name, plan.scale.name, scale_path=plan.scale.path
-                )
+            w, sc = plan.weight, plan.scale
+            if mmap and rf is RowFormat.FP8:
+                table = MmapFP8Table(w.path, w.name, sc.name, scale_path=sc.path)
+            elif mmap:
+                table = MmapQuantTable(w.path, w.name, sc.name, rf, scale_path=sc.path)
+            elif rf is RowFormat.FP8:
+                table = FP8Table(read(w), read(sc))
             else:
-                table = FP8Table(read(plan.weight), read(plan.scale))
+                table = QuantTable(read(w), read(sc), rf)
             assert isinstance(table.weight, torch.Tensor) and isinstance(table.scale, torch.Tensor)
-            nbytes = table.weight.numel() + table.scale.numel()  # one byte each
-            where = f"{plan.weight.path}: table {plan.weight.name!r} (with {plan.scale.name!r})"
+            nbytes = sum(t.numel() * t.element_size() for t in (table.weight, table.scale))
+            where = f"{w.path}: table {w.name!r} (with {sc.name!r})"
             if scan_table(nbytes, verify, where):
-                check_fp8_table(table.weight, table.scale, where)
+                check_quant_table(table.weight, table.scale, rf, where)
         else:
             data = read(plan.weight)
             where = f"{plan.weight.path}: table {plan.weight.name!r}"

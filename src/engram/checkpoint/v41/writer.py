@@ -15,7 +15,7 @@ import torch
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import save_tensors
 from engram.checkpoint.hf_config import to_hf_dict
-from engram.checkpoint.mmap_table import MmapFP8Table
+from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.checkpoint.v41.format import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
@@ -29,21 +29,29 @@ from engram.checkpoint.v41.format import (
 )
 from engram.config import EngramConfig
 from engram.model.module import Engram
-from engram.model.table import FP8Table, TrainableTable
+from engram.model.table import QuantTable, TrainableTable, quantize_table, requantize_table
+from engram.rowformat.formats import RowFormat, as_row_format
 
 __all__ = ["engram_state_dict", "save_checkpoint"]
 
 
 def engram_state_dict(
-    modules: Mapping[int, Engram], fp8: bool, *, float_dtype: torch.dtype | None = None
+    modules: Mapping[int, Engram],
+    fp8: bool,
+    *,
+    float_dtype: torch.dtype | None = None,
+    row_format: RowFormat | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """{checkpoint name: tensor} for the modules {layer_id: Engram}.
 
-    fp8=True stores every table as FP8 values + scales (quantising a trainable table with
-    `FP8Table.from_float`); fp8=False stores one float `embed.weight` (a trainable table as is, or cast
-    to `float_dtype`; an FP8 table dequantised to `float_dtype`, default float32). Tensors are detached
-    and may share memory with the modules (an `MmapFP8Table`'s are views of its file).
+    fp8=True stores every table quantised, values + scales: in `row_format` (`RowFormat`: fp8, int8,
+    int8-row, int4; a trainable table quantised, a stored table of another format requantised chunk by
+    chunk), or with None a stored table in its own format and a trainable one in FP8
+    (`FP8Table.from_float`). fp8=False stores one float `embed.weight` (a trainable table as is, or cast
+    to `float_dtype`; a quantised table dequantised to `float_dtype`, default float32). Tensors are
+    detached and may share memory with the modules (an `MmapFP8Table`'s are views of its file).
     """
+    target = None if row_format is None else as_row_format(row_format, "row_format")
     out: dict[str, torch.Tensor] = {}
     for layer_id in sorted(modules):
         m = modules[layer_id]
@@ -57,13 +65,16 @@ def engram_state_dict(
             )
         p = layer_prefix(layer_id)
         table = m.table
-        if not isinstance(table, FP8Table | MmapFP8Table | TrainableTable):
+        if not isinstance(table, QuantTable | MmapQuantTable | TrainableTable):
             raise TypeError(f"layer {layer_id}: cannot store a table of type {type(table).__name__}")
         if fp8:
             if isinstance(table, TrainableTable):
-                table = FP8Table.from_float(table.weight)
-            assert isinstance(table, FP8Table | MmapFP8Table)
-            out[p + "embed.weight"], out[p + "embed.scale"] = table.weight, table.scale
+                values, scales = quantize_table(table.weight, target or RowFormat.FP8)
+            elif target is not None:
+                values, scales = requantize_table(table.weight, table.scale, target)
+            else:
+                values, scales = table.weight, table.scale
+            out[p + "embed.weight"], out[p + "embed.scale"] = values, scales
         elif isinstance(table, TrainableTable):
             w = table.weight.detach()
             out[p + "embed.weight"] = w if float_dtype is None else w.to(float_dtype)
@@ -114,12 +125,13 @@ def save_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     *,
     float_dtype: torch.dtype | None = None,
+    row_format: RowFormat | str | None = None,
 ) -> list[Path]:
     """Write `config.json`, the safetensors shard(s) and (for several shards) the index; return the shards.
 
     Each file is written to a temporary name in `ckpt_dir` and moved into place with os.replace, so a
     reader never sees a half-written file; shards of an earlier save that this one does not write are
-    removed afterwards. `fp8` and `float_dtype` as in `engram_state_dict`.
+    removed afterwards. `fp8`, `float_dtype` and `row_format` as in `engram_state_dict`.
     """
     if set(modules) != set(config.layer_ids):
         raise ValueError(
@@ -132,7 +144,7 @@ def save_checkpoint(
             raise ValueError(f"modules[{layer_id}] was built for another config: " + "; ".join(diffs))
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
-    state = engram_state_dict(modules, fp8, float_dtype=float_dtype)
+    state = engram_state_dict(modules, fp8, float_dtype=float_dtype, row_format=row_format)
     shards = _shard(state, max_shard_bytes)
 
     out_dir = Path(ckpt_dir)
