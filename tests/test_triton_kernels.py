@@ -166,30 +166,65 @@ def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) ->
 
 
 # ---------------------------------------------------------------------------------------------- lookup
+# the gather's variants: the default; the ids sorted first (`dedup_order`: repeated rows read once);
+# small programs; the integer conversions and the GPU's (sm_89+). Under the interpreter the GPU's are
+# numpy's: its e4m3 NaN differs and its bf16 cast truncates, so there the every-byte test takes them on
+# finite bytes and products that are normal floats (exact in bf16) only
+GATHER_VARIANTS = ["default", "dedup", "block_n=4,num_warps=2", "hw_convert=False", "hw_convert=True"]
+
+
+def gather_kw(kernels, variant: str, rows: torch.Tensor) -> dict:
+    if variant == "default":
+        return {}
+    if variant == "dedup":
+        return {"order": kernels.lookup.dedup_order(rows)}
+    if variant.startswith("block_n"):
+        return {"block_n": 4, "num_warps": 2}
+    hw = variant.endswith("True")
+    if hw and CUDA and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the GPU's e4m3 conversion needs sm_89 or later")
+    return {"hw_convert": hw}
+
+
+@pytest.mark.parametrize("variant", GATHER_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_gather_every_byte(kernels, dtype: torch.dtype) -> None:
+def test_fp8_gather_every_byte(kernels, dtype: torch.dtype, variant: str) -> None:
     """Row b: all 256 value bytes under scale byte b (0..254); exact, NaN bytes NaN."""
-    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1).view(VALUE_DTYPE)
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1)
     scales = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(SCALE_DTYPE)
     rows = torch.randperm(255, generator=torch.Generator().manual_seed(0)).view(5, 51)
+    if variant == "hw_convert=True" and not CUDA:
+        values[(values & 0x7F) == 0x7F] = 0  # the interpreter's e4m3 NaN is not the GPU's
+        rows = rows[rows >= 10].view(5, 49)  # scale >= 2^-117: every product a normal float
+    values = values.view(VALUE_DTYPE)
     want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
-    got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype).cpu()
+    kw = gather_kw(kernels, variant, rows.to(DEVICE))
+    got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype, **kw).cpu()
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(bits(got)[~nan], bits(want)[~nan])
 
 
-@pytest.mark.parametrize("idt", [torch.int64, torch.int32])
-def test_fp8_gather_table(kernels, idt: torch.dtype) -> None:
+@pytest.mark.parametrize("variant", GATHER_VARIANTS)
+@pytest.mark.parametrize(
+    ("idt", "dim", "block"), [(torch.int64, 96, 32), (torch.int32, 256, 32), (torch.int64, 96, 48)]
+)
+def test_fp8_gather_table(kernels, idt: torch.dtype, dim: int, block: int, variant: str) -> None:
+    """Random tables: 96 wide (3 blocks: a masked tile), V4.1's 256 (8 x 32) with int32 ids, and
+    blocks of 48 (not a power of two), repeated ids among them."""
     g = torch.Generator().manual_seed(1)
-    values, scales = quant.quantize_rows(torch.randn(300, 96, generator=g) * 10)  # D = 96: a masked tile
+    values, scales = quant.quantize_rows(torch.randn(300, dim, generator=g) * 10, block=block)
     rows = torch.randint(0, 300, (7, 24), generator=g).to(idt)
+    rows[3] = rows[0]  # repeated rows
+    kw = gather_kw(kernels, variant, rows.to(DEVICE))
     for dtype in (torch.float32, torch.bfloat16):
-        want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
-        got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype)
+        want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch", block=block)
+        got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype, **kw)
         assert torch.equal(bits(got.cpu()), bits(want))
         assert torch.equal(bits(reference.fp8_gather(values, scales, rows, dtype)), bits(want))
-    assert kernels.lookup.fp8_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, 96)
+    assert kernels.lookup.fp8_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, dim)
+    with pytest.raises(ValueError, match="order must be"):
+        kernels.lookup.fp8_gather(values, scales, rows, order=(rows.reshape(-1)[:5], rows.reshape(-1)[:5]))
 
 
 # ------------------------------------------------------------------------------------------------ gate
@@ -321,6 +356,7 @@ def test_dispatch_gather_and_gate(kernels, monkeypatch):
         got = lookup.dequantize_gather(values, scales, rows, dtype)
         want = lookup.dequantize_gather(values.cpu(), scales.cpu(), rows.cpu(), dtype, backend="torch")
         assert torch.equal(got.cpu(), want)
+        assert torch.equal(lookup.dequantize_gather(values, scales, rows, dtype, dedup=True).cpu(), want)
     with pytest.raises(ValueError, match="row id 300"):
         lookup.dequantize_gather(values, scales, torch.full_like(rows, 300))
 

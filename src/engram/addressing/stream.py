@@ -83,6 +83,7 @@ class HashStream:
         # it is the stream's state and the host arrays above are stale
         self._device: DeviceState | None = None
         self._resident = False
+        self._out_checked: torch.Tensor | None = None  # the last `out` a device step validated
         # step() scratch: the kernel's look-back values, and a stand-in for an absent dead mask
         self._look = np.zeros(hasher.config.max_ngram_size, dtype=np.uint64)
         self._no_dead = np.zeros(1, dtype=np.bool_)
@@ -333,15 +334,24 @@ class HashStream:
         return result
 
     def _step_device(self, ids: torch.Tensor, dead_mask: Any, out: Any, starts: Any = None) -> Any:
-        """step() on the ids' device: one `kernels.stream_hash` launch on the state kept there."""
+        """step() on the ids' device: one `kernels.stream_hash` launch on the state kept there (the
+        decode hot path: a launch-bound step, so the checks are the cheap ones, done once per `out`)."""
         b = self._batch_size
         if ids.dim() != 1 or ids.shape[0] != b:
             raise ValueError(f"step() takes one token per sequence, shape [{b}], got {tuple(ids.shape)}")
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
             check_token_ids(ids, self.hasher.config.vocab_size)  # raises the CPU path's TypeError
-        dead, st = device_masks(ids, dead_mask, starts)
-        out = device_out(self.hasher, out, self._shape, ids.device)
-        self._on_device(ids.device).hash(ids.view(b, 1), dead, st, None, out, draft=False)
+        dead, st = (
+            (None, None) if dead_mask is None and starts is None else device_masks(ids, dead_mask, starts)
+        )
+        if out is None:
+            out = torch.empty(self._shape, dtype=torch.int64, device=ids.device)
+        elif out is not self._out_checked or out.shape != self._shape or out.device != ids.device:
+            self._out_checked = device_out(self.hasher, out, self._shape, ids.device)
+        ds = self._device
+        if ds is None or not self._resident or ds.device != ids.device:
+            ds = self._on_device(ids.device)
+        ds.hash(ids, dead, st, None, out, draft=False)
         return out
 
     def _step_mask(

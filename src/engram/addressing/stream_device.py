@@ -79,10 +79,11 @@ class DeviceState:
         *,
         draft: bool,
     ) -> None:
-        """`kernels.stream_hash` of ids (n, T) (dead, starts like them or None) on this state: one launch."""
+        """`kernels.stream_hash` of ids (n, T) or (n,) (dead, starts like them or None) on this state:
+        one launch."""
         shape = ids.shape
         kernels.stream_hash(
-            ids.contiguous(),
+            ids if ids.is_contiguous() else ids.contiguous(),
             None if dead is None else dead.view(shape),
             None if starts is None else starts.view(shape),
             seqs,

@@ -2,8 +2,8 @@
 
 CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over the
 cores by `threads`. CUDA (Triton): `hash_rows`, the decode step on a packed stream state
-(`stream_hash`, `stream_commit`; its layout in `stream_state`), `fp8_gather`, `fused_gate`, and the passes of the
-Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
+(`stream_hash`, `stream_commit`; its layout in `stream_state`), `fp8_gather` (with `dedup_order`),
+`fused_gate`, and the passes of the Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
 `sinkhorn_apply`), with their torch twins in `reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where
 they are needed, the Triton entries load through the lazy names below on first use (under
@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from engram.kernels.triton_gate import fused_gate
     from engram.kernels.triton_hash import hash_rows, stream_commit, stream_hash
-    from engram.kernels.triton_lookup import fp8_gather
+    from engram.kernels.triton_lookup import dedup_order, fp8_gather
     from engram.kernels.triton_sinkhorn import (
         sinkhorn_apply,
         sinkhorn_blend,
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "dedup_order",
     "fp8_gather",
     "fused_gate",
     "hash_rows",
@@ -49,6 +50,7 @@ _TRITON_ENTRIES = {
     "stream_hash": "triton_hash",
     "stream_commit": "triton_hash",
     "fp8_gather": "triton_lookup",
+    "dedup_order": "triton_lookup",
     "fused_gate": "triton_gate",
     "sinkhorn_blend": "triton_sinkhorn",
     "sinkhorn_rows": "triton_sinkhorn",

@@ -11,6 +11,8 @@ graph; `stream_commit` keeps n drafted tokens. All int64 arithmetic. Imports tri
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -213,11 +215,14 @@ def _hash_token(
             tl.store(ptr, rows.to(ptr.dtype.element_ty), mask=mask[:, None] & hmask[None, :])
 
 
-@triton.jit
+# The integers vary from call to call (batch, tokens, strides): one compiled kernel serves them all.
+@triton.jit(
+    do_not_specialize=["n", "T", "dead_sb", "dead_st", "starts_sb", "starts_st", "vocab", "pad", "restart_id"]
+)
 def _stream_kernel(
     ids_ptr,  # (n, T) raw token ids, any integer dtype
-    dead_ptr,  # (n, T) uint8, read if HAS_DEAD
-    starts_ptr,  # (n, T) uint8, read if HAS_STARTS: the token begins a new window
+    dead_ptr,  # uint8 dead flags, element [i, j] at i * dead_sb + j * dead_st (strides 0: one zero byte)
+    starts_ptr,  # uint8 window starts (the token begins a new window), the same way
     seq_ptr,  # (n,) int64: the state row of each input row, read if HAS_SEQS (else row i is sequence i)
     lut_ptr,  # (vocab,) int64 compression map
     state_ptr,  # (B, F) int64 packed state (stream_state.StreamLayout), updated in place
@@ -227,6 +232,10 @@ def _stream_kernel(
     out_ptr,  # (n, T, L*(N_GRAM-1)*K) int64 or int32
     n,
     T,
+    dead_sb,
+    dead_st,
+    starts_sb,
+    starts_st,
     vocab,
     pad,
     restart_id,
@@ -238,8 +247,6 @@ def _stream_kernel(
     W_P2: tl.constexpr,
     C: tl.constexpr,
     F: tl.constexpr,
-    HAS_DEAD: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
     HAS_SEQS: tl.constexpr,
     HAS_RESTART: tl.constexpr,
     DRAFT: tl.constexpr,
@@ -300,15 +307,9 @@ def _stream_kernel(
     for j in range(0, T):
         tok = tl.load(ids_ptr + lane * T + j, mask=live, other=0).to(tl.int64)
         x = tl.load(lut_ptr + tok, mask=ok & (tok >= 0) & (tok < vocab), other=pad)
-        if HAS_DEAD:
-            dead = tl.load(dead_ptr + lane * T + j, mask=live, other=0) != 0
-        else:
-            dead = none
+        dead = tl.load(dead_ptr + lane * dead_sb + j * dead_st, mask=live, other=0) != 0
         dead = dead | ~ok  # a sequence left unchanged gets a dead token's rows (in range)
-        if HAS_STARTS:
-            start = tl.load(starts_ptr + lane * T + j, mask=live, other=0) != 0
-        else:
-            start = none
+        start = tl.load(starts_ptr + lane * starts_sb + j * starts_st, mask=live, other=0) != 0
         start = start | prev_end
         if HAS_RESTART:
             end = tok == restart_id
@@ -347,7 +348,7 @@ def _stream_kernel(
         tl.store(row + W, pos + T, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seq", "pad"])
 def _commit_kernel(
     n_ptr,  # (B,) int64: drafted tokens to keep; -1 leaves the sequence as it is
     state_ptr,  # (B, F) int64 packed state, updated in place
@@ -414,19 +415,17 @@ def stream_hash(
     hasher's device tables (`NgramHasher.device_tables`); out: contiguous int64/int32 of that shape.
     Checks nothing and never syncs (the caller, `HashStream`, validates): a bad id, drafts in the
     way of a step, or a draft past `layout.max_draft` leaves that sequence unchanged, gives it a dead
-    token's rows and is recorded in its error columns.
+    token's rows and is recorded in its error columns. 1-D ids (and masks) are one token a sequence.
     """
-    n, t = ids.shape
+    n, t = (ids.shape[0], 1) if ids.dim() == 1 else ids.shape
     if n == 0 or t == 0:
         return out
-    n_layers, n_gram = multipliers.shape
-    k = primes.shape[-1]
-    w = layout.window
+    zero = _zero_byte(ids.device)  # an absent mask: strides 0 over one zero byte (no extra variant)
     _stream_kernel[(triton.cdiv(n, _STREAM_BLOCK),)](
         ids,
-        ids if dead is None else dead.view(torch.uint8),  # any pointer when unused
-        ids if starts is None else starts.view(torch.uint8),
-        ids if seqs is None else seqs,
+        zero if dead is None else dead.view(torch.uint8),
+        zero if starts is None else starts.view(torch.uint8),
+        ids if seqs is None else seqs,  # any pointer when unused
         lut,
         state,
         multipliers,
@@ -435,25 +434,48 @@ def stream_hash(
         out,
         n,
         t,
+        0 if dead is None else t,
+        0 if dead is None else 1,
+        0 if starts is None else t,
+        0 if starts is None else 1,
         lut.shape[0],
         pad,
         -1 if restart_id is None else restart_id,
-        N_GRAM=n_gram,
-        N_LAYERS=n_layers,
-        K=k,
-        K_P2=triton.next_power_of_2(k),
-        W=w,
-        W_P2=triton.next_power_of_2(w),
-        C=layout.max_draft,
-        F=layout.columns,
-        HAS_DEAD=dead is not None,
-        HAS_STARTS=starts is not None,
+        **_stream_consts(layout, tuple(multipliers.shape), primes.shape[-1]),
         HAS_SEQS=seqs is not None,
         HAS_RESTART=restart_id is not None,
         DRAFT=draft,
-        BLOCK=_STREAM_BLOCK,
     )
     return out
+
+
+@functools.cache
+def _stream_consts(layout: StreamLayout, mult_shape: tuple[int, int], k: int) -> dict[str, int]:
+    """The decode kernel's shape constants (computed once per layout: the step is launch-bound)."""
+    n_layers, n_gram = mult_shape
+    w = layout.window
+    return {
+        "N_GRAM": n_gram,
+        "N_LAYERS": n_layers,
+        "K": k,
+        "K_P2": triton.next_power_of_2(k),
+        "W": w,
+        "W_P2": triton.next_power_of_2(w),
+        "C": layout.max_draft,
+        "F": layout.columns,
+        "BLOCK": _STREAM_BLOCK,
+    }
+
+
+_ZERO_BYTES: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero_byte(device: torch.device) -> torch.Tensor:
+    """One zero byte on `device`, made on first use (before any graph capture: the warm-up run)."""
+    z = _ZERO_BYTES.get(device)
+    if z is None:
+        z = _ZERO_BYTES[device] = torch.zeros(1, dtype=torch.uint8, device=device)
+    return z
 
 
 def stream_commit(n_accepted: torch.Tensor, state: torch.Tensor, layout: StreamLayout, pad: int) -> None:

@@ -80,6 +80,7 @@ def dequantize_gather(
     block: int = BLOCK,
     backend: LookupBackend | str = LookupBackend.AUTO,
     threads: int | None = None,
+    dedup: bool = False,
 ) -> torch.Tensor:
     """Dequantise the table rows ``rows`` (int64/int32, any shape ``[...]``) of a whole table
     ``values [N, D]`` / ``scales [N, D // block]`` -> ``[..., D]`` in ``dtype``.
@@ -90,8 +91,10 @@ def dequantize_gather(
     once per window of 1024 positions); ``"torch"`` is the reference twin (repeated ids are dequantised
     once when that halves the work or better, then expanded); ``"auto"`` takes numba where it can, and on CUDA
     with triton the Triton gather (`engram.kernels.fp8_gather`, which skips the NaN-scale check).  All
-    give identical bits for finite tables.  Raises ValueError for row ids outside [0, N), plus the
-    checks of ``dequantize_rows``; after such an error ``out``'s contents are unspecified.
+    give identical bits for finite tables.  ``dedup`` (the Triton gather only): sort the ids first, on the
+    device without a sync (`kernels.dedup_order`), so that each repeated row is read once.  Raises
+    ValueError for row ids outside [0, N), plus the checks of ``dequantize_rows``; after such an error
+    ``out``'s contents are unspecified.
     """
     dim, _ = check_fp8_pair(values, scales, block)
     check_dequant_dtype(dtype)
@@ -110,7 +113,8 @@ def dequantize_gather(
     auto = backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16)
     if auto and kernels.use_triton(values, scales, flat):  # CUDA + triton: the fused Triton gather
         check_row_range(rows, n_table)  # sync point: the boundary check
-        kernels.fp8_gather(values, scales, flat, dtype, out=out2d)  # scale bytes are not checked
+        order = kernels.dedup_order(flat) if dedup else None
+        kernels.fp8_gather(values, scales, flat, dtype, out=out2d, order=order)  # scale bytes are not checked
         return result
     module = _cpu_kernels(backend, values, scales)
     if module is not None and module.fp8_gather(
