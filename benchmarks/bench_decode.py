@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engram import EngramConfig, HashStream, NgramHasher, TokenizerCompression
+from engram.addressing.stream_device import StreamGraph
 
 
 class TorchHistoryDecoder:
@@ -143,7 +144,7 @@ def run_cuda(
     `HashStream.step` of CUDA ids is one Triton launch on the state kept on the device (no host sync):
     timed eagerly (a new rows tensor each step, then into a preallocated `out`, int64 and int32) and
     replayed as a CUDA graph (`HashStream.capture("step")`: the ids copied into the graph's buffer,
-    then one replay). Microseconds a step: `steps` consecutive steps with one sync at the end, divided
+    then one replay; and the replay alone, the ids already in the buffer). Microseconds a step: `steps` consecutive steps with one sync at the end, divided
     by `steps` (the launch rate when the host is the bottleneck). Two more rows: the device time of one
     step alone (100 steps captured in one graph, replayed once) and a speculative round (a captured
     draft of 4 tokens and a captured commit), per round. Every variant's rows are checked against
@@ -211,6 +212,14 @@ def run_cuda(
     for r in results:
         r.update(ratio=base / r["us_per_step"], ratio_vs_per_head=per_head / r["us_per_step"])
         r["baseline"] = "torch history on CUDA, one broadcast %"
+    if cuda:  # the graph's replay alone: the ids written into its buffer in place (by a sampler's graph)
+        graph = stream("graph")()
+        assert isinstance(graph, StreamGraph)
+        graph.inputs["ids"].copy_(ids[0])  # type: ignore[union-attr]
+        us = 1e6 * min(loop(lambda graph=graph: lambda x: graph.replay(), check=False) for _ in range(3))
+        results.append({"variant": "graph.replay(), ids already in place", "us_per_step": us, "device": name})
+        results[-1].update(ratio=base / us, ratio_vs_per_head=per_head / us)
+        results[-1]["baseline"] = results[0]["baseline"]
     if cuda:  # no ratio: not the same quantity as a step timed from the host
         gpu_us = _device_step_us(hasher, batch, ids)
         results.append({"variant": "GPU time/step (100 in one graph)", "us_per_step": gpu_us})
