@@ -13,7 +13,8 @@ For each batch size: microseconds per step (median over `steps` steps after a wa
   with `out` as int32.
 Every variant's rows are checked equal to `NgramHasher.hash` of the whole sequence. The torch
 baselines run on `--torch-threads` intra-op threads (default 1, like `step`; with more, OpenMP
-spin-waits make the larger batches erratic on a busy machine).
+spin-waits make the larger batches erratic on a busy machine). `run_cuda` is the GPU half (eager
+step, CUDA graph replay and the torch baselines on the device, in one run; `gpu_check.py` calls it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from engram import EngramConfig, HashStream, NgramHasher, TokenizerCompression
+from engram.addressing.stream_device import StreamGraph
 
 
 class TorchHistoryDecoder:
@@ -134,23 +136,39 @@ def run(preset: str, batch: int, steps: int, warmup: int = 20) -> list[dict]:
     return rows
 
 
-def run_cuda(preset: str = "deepseek-v4.1", batch: int = 256, steps: int = 200) -> list[dict]:
-    """Decode steps on the GPU: `HashStream.step` of CUDA ids (the Triton kernel, window on the device)
-    against the torch history decoder on the same GPU. Microseconds per step are the time of `steps`
-    consecutive steps (one sync at the end, as a generation loop runs them) divided by `steps`."""
+def run_cuda(
+    preset: str = "deepseek-v4.1", batch: int = 256, steps: int = 200, device: str = "cuda"
+) -> list[dict]:
+    """Decode steps on the GPU, against the torch history decoder on the same GPU, in one run.
+
+    `HashStream.step` of CUDA ids is one Triton launch on the state kept on the device (no host sync):
+    timed eagerly (a new rows tensor each step, then into a preallocated `out`, int64 and int32) and
+    replayed as a CUDA graph (`HashStream.capture("step")`: the ids copied into the graph's buffer,
+    then one replay; and the replay alone, the ids already in the buffer). Microseconds a step: `steps` consecutive steps with one sync at the end, divided
+    by `steps` (the launch rate when the host is the bottleneck). Two more rows: the device time of one
+    step alone (100 steps captured in one graph, replayed once) and a speculative round (a captured
+    draft of 4 tokens and a captured commit), per round. Every variant's rows are checked against
+    `NgramHasher.hash` of the whole sequences first. Ratios are against the stronger torch baseline
+    (one broadcast `%` over the heads); `ratio_vs_per_head` against the V4.1-reference style one.
+    `device="cpu"` (a test, with the kernels interpreted) runs the eager rows only."""
     hasher = NgramHasher(EngramConfig.preset(preset), TokenizerCompression.from_tokenizer("deepseek-v4"))
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.randint(0, hasher.config.vocab_size, (steps, batch), device=dev, generator=g)
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    g = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, hasher.config.vocab_size, (steps, batch), device=device, generator=g)
     want = hasher.hash(ids.T.cpu().numpy())  # (B, steps, L, heads)
     shape = hasher.output_shape((batch,))
 
     def loop(make: Callable[[], Callable[[torch.Tensor], torch.Tensor]], check: bool) -> float:
         step = make()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        got = [step(ids[t]) for t in range(steps)]
-        torch.cuda.synchronize()
+        if check:
+            got = [step(ids[t]).clone() for t in range(steps)]  # a graph's out is overwritten each step
+        else:
+            for t in range(steps):
+                step(ids[t])
+        sync()
         seconds = time.perf_counter() - t0
         if check:
             rows = torch.stack([r.long() for r in got], dim=1).cpu().numpy()  # (B, steps, L, heads)
@@ -159,40 +177,112 @@ def run_cuda(preset: str = "deepseek-v4.1", batch: int = 256, steps: int = 200) 
         return seconds / steps
 
     def history(per_head: bool) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
-        return lambda: TorchHistoryDecoder(hasher, batch, steps, per_head=per_head, device=dev).step
+        return lambda: TorchHistoryDecoder(hasher, batch, steps, per_head=per_head, device=device).step
 
-    def stream(check_ids: bool, int32: bool) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
+    def stream(kind: str) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
         def make() -> Callable[[torch.Tensor], torch.Tensor]:
             s = HashStream(hasher, batch)
-            if not int32:
-                return lambda x: s.step(x, check_ids=check_ids)
-            out = torch.empty(shape, dtype=torch.int32, device=dev)
-            return lambda x: s.step(x, out=out, check_ids=check_ids).clone()
+            s.to_device(device)
+            if kind == "new":
+                return s.step
+            if kind == "graph":
+                return s.capture("step")
+            out = torch.empty(shape, dtype=torch.int32 if kind == "int32" else torch.int64, device=device)
+            return lambda x: s.step(x, out=out)
 
         return make
 
     variants = [
-        ("torch history on CUDA, % per head (baseline)", history(True)),
-        ("torch history on CUDA, one broadcast %", history(False)),
-        ("HashStream.step, CUDA ids, id check (1 sync)", stream(True, False)),
-        ("HashStream.step, CUDA ids, check_ids=False", stream(False, False)),
-        ("HashStream.step, CUDA ids, check_ids=False, out= int32", stream(False, True)),
+        ("torch history % per head", history(True)),
+        ("torch broadcast % (baseline)", history(False)),
+        ("HashStream.step eager, new rows", stream("new")),
+        ("HashStream.step eager, out=int64", stream("int64")),
+        ("HashStream.step eager, out=int32", stream("int32")),
     ]
+    if cuda:
+        variants.append(("capture('step') graph replay", stream("graph")))
     results = []
-    for name, make in variants:
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    for variant, make in variants:
         loop(make, check=True)  # warm-up (compiles the kernel) and the exactness check
         us = 1e6 * min(loop(make, check=False) for _ in range(3))
-        results.append({"variant": name, "us_per_step": us, "device": torch.cuda.get_device_name()})
-    base = results[0]["us_per_step"]
+        results.append({"variant": variant, "us_per_step": us, "device": name})
+    per_head = results[0]["us_per_step"]
+    base = results[1]["us_per_step"]
     for r in results:
+        r.update(ratio=base / r["us_per_step"], ratio_vs_per_head=per_head / r["us_per_step"])
+        r["baseline"] = "torch history on CUDA, one broadcast %"
+    if cuda:  # the graph's replay alone: the ids written into its buffer in place (by a sampler's graph)
+        graph = stream("graph")()
+        assert isinstance(graph, StreamGraph)
+        graph.inputs["ids"].copy_(ids[0])  # type: ignore[union-attr]
+        us = 1e6 * min(loop(lambda graph=graph: lambda x: graph.replay(), check=False) for _ in range(3))
+        results.append({"variant": "graph.replay(), ids already in place", "us_per_step": us, "device": name})
+        results[-1].update(ratio=base / us, ratio_vs_per_head=per_head / us)
+        results[-1]["baseline"] = results[0]["baseline"]
+    if cuda:  # no ratio: not the same quantity as a step timed from the host
+        gpu_us = _device_step_us(hasher, batch, ids)
+        results.append({"variant": "GPU time/step (100 in one graph)", "us_per_step": gpu_us})
+        results.append(
+            {"variant": "spec round draft(4)+commit graphs", "us_per_step": _spec_round_us(hasher, batch)}
+        )
+    for r in results:
+        unit = "us/round" if r["variant"].startswith("spec") else "us/step"
         r.update(
-            op=f"CUDA decode step, B={batch}: {r['variant']}",
+            op=f"CUDA decode B={batch}, {r['variant']}: {r['us_per_step']:.1f} {unit}",
             batch=batch,
-            baseline="torch history on CUDA, % per head",
-            ratio=base / r["us_per_step"],
-            tokens_per_s=batch / (r["us_per_step"] * 1e-6),
+            device=name,
+            tokens_per_s=batch * (4 if r["variant"].startswith("spec") else 1) / (r["us_per_step"] * 1e-6),
         )
     return results
+
+
+def _device_step_us(hasher: NgramHasher, batch: int, ids: torch.Tensor, n: int = 100) -> float:
+    """Microseconds of GPU time per step: `n` steps captured in one graph, replayed (launch cost gone)."""
+    s = HashStream(hasher, batch)
+    s.to_device(ids.device)
+    out = torch.empty(hasher.output_shape((batch,)), dtype=torch.int64, device=ids.device)
+    for t in range(3):  # compile outside the capture
+        s.step(ids[t], out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for t in range(n):
+            s.step(ids[t % ids.shape[0]], out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / n)
+    s.check()
+    return best
+
+
+def _spec_round_us(hasher: NgramHasher, batch: int, rounds: int = 100) -> float:
+    """Microseconds per speculative round: a captured draft of 4 tokens, then a captured commit of a
+    device tensor of accepted counts (1..4), as a verifier leaves them."""
+    s = HashStream(hasher, batch)
+    draft = s.capture("draft", tokens=4)
+    commit = s.capture("commit")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    drafts = torch.randint(0, hasher.config.vocab_size, (rounds, batch, 4), device="cuda", generator=g)
+    accepted = torch.randint(1, 5, (rounds, batch), device="cuda", generator=g)
+    for r in range(3):
+        draft(drafts[r])
+        commit(accepted[r])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        draft(drafts[r])
+        commit(accepted[r])
+    torch.cuda.synchronize()
+    s.check()
+    return 1e6 * (time.perf_counter() - t0) / rounds
 
 
 def main() -> None:

@@ -11,19 +11,24 @@ several times larger than the last-level cache, against two baselines measured i
 Prints rows/s and GB/s of table bytes read (264 B a 256-wide row) of each, and the ratios
 (baseline time / our time: > 1 means ours is faster). Every variant is checked against the reference
 first (exactly equal). The default table holds 4x the last-level cache (at least 2M rows).
+`run_cuda` is the GPU half (`gpu_check.py` calls it): the Triton gather as a fraction of a device
+copy measured in the same run, fp32 and bf16, uniform and Zipf ids, with and without dedup.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engram.benchmarks.timing import best_time, cuda_time
+from engram.benchmarks.timing import best_time
 from engram.model.table import FP8Table
 from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 
@@ -104,6 +109,62 @@ def make_ids(rows: int, tokens: int, per_token: int, zipf: float | None, seed: i
     return torch.from_numpy(ids.astype(np.int64))
 
 
+def _event_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None], cuda: bool) -> float:
+    """Best seconds of fn() over `repeats` calls after a warm-up: CUDA events on a GPU, else a timer."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# (rows per program, warps, GPU e4m3 conversion) tried by the sweep of run_cuda
+SWEEP = [(8, 4, True), (16, 4, True), (16, 8, True), (32, 8, True), (64, 8, True), (16, 4, False)]
+
+
+class _Gathers:
+    """The kernel's variants on one table and one set of ids, each checked exactly, then timed."""
+
+    def __init__(self, table: FP8Table, ids: torch.Tensor, repeats: int, cuda: bool) -> None:
+        self.table, self.ids, self.flat = table, ids, ids.reshape(-1)
+        self.repeats, self.cuda = repeats, cuda
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def time(self, fn: Callable[[], object]) -> float:
+        return _event_time(fn, self.repeats, self.sync, self.cuda)
+
+    def kernel(self, dtype: torch.dtype, want: torch.Tensor, what: str, **kw: object) -> float:
+        """Seconds of `kernels.fp8_gather` with `kw`; `sort=True` times `dedup_order` in the call."""
+        from engram import kernels
+
+        t = self.table
+        out = torch.empty_like(want)
+        sort = kw.pop("sort", False)
+
+        def fn() -> object:
+            order = kernels.dedup_order(self.flat) if sort else kw.get("order")
+            rest = {k: v for k, v in kw.items() if k != "order"}
+            return kernels.fp8_gather(
+                t.weight, t.scale, self.flat, dtype, out.view(-1, t.dim), order=order, **rest
+            )
+
+        fn()
+        if not torch.equal(out, want):
+            raise AssertionError(f"fp8_gather ({what}) disagrees with the torch reference")
+        return self.time(fn)
+
+
 def run_cuda(
     rows: int = 16 << 20,
     dim: int = 256,
@@ -111,38 +172,76 @@ def run_cuda(
     per_token: int = 24,
     repeats: int = 10,
     seed: int = 0,
+    zipf: float = 1.2,
+    device: str = "cuda",
+    sweep: bool = True,
 ) -> list[dict]:
-    """The same comparison with the table resident on the GPU (the Triton gather on CUDA)."""
+    """The FP8 gather with the table resident on the GPU (the Triton kernel), as a fraction of the
+    device-to-device copy bandwidth measured in the same run: output float32 and bfloat16, uniform and
+    Zipf ids, without dedup, with the dedup order precomputed (the ids sorted when they were hashed,
+    as a prefetch planner would) and with the sort timed too (`dedup_order` + gather). Bytes moved per
+    row: the 264 B read (256 fp8 values + 8 scale bytes) plus the row written (1024 B fp32, 512 B
+    bf16): the traffic a copy of the same bytes would need. `FP8Table.gather` (the public path: the id
+    range check, one sync, plus the kernel) against `F.embedding` + dequantise gives the ratio. The
+    sweep times the kernel's (rows per program, warps, e4m3 decode) choices on uniform ids and reports
+    the best. Every variant is checked exactly against the torch reference first. `device="cpu"` (a
+    test, the kernel interpreted) runs the same code on small sizes."""
+    from engram import kernels
+    from engram.apps.tools.bench import device_copy_gb_per_s
+
+    cuda = torch.device(device).type == "cuda"
+    copy = device_copy_gb_per_s() if cuda else None
     row_bytes = fp8_row_bytes(dim)
-    table = make_table(rows, dim, seed).cuda()
-    ids = make_ids(rows, tokens, per_token, None, seed).cuda()
-    n = ids.numel()
+    host = make_table(rows, dim, seed)
+    table = FP8Table(host.weight.to(device), host.scale.to(device))
+    name = torch.cuda.get_device_name() if cuda else "cpu"
     results = []
-    raw_t = cuda_time(lambda: raw_gather(table, ids), repeats)
-    for dtype in (torch.float32, torch.bfloat16):
-        if not torch.equal(table.gather(ids, dtype), torch_reference(table, ids, dtype)):
-            raise AssertionError(f"FP8Table.gather and the torch reference disagree on CUDA ({dtype})")
-        ours = cuda_time(lambda dtype=dtype: table.gather(ids, dtype), repeats)
-        ref = cuda_time(lambda dtype=dtype: torch_reference(table, ids, dtype), repeats)
-        # bytes moved: the rows read plus the dequantised rows written
-        moved = n * (row_bytes + dim * (4 if dtype == torch.float32 else 2))
-        results.append(
-            {
-                "op": f"CUDA FP8Table.gather -> {str(dtype).removeprefix('torch.')}, uniform ids",
-                "rows_per_s": n / ours,
-                "gb_per_s": moved / ours / 1e9,
-                "baseline": "F.embedding + dequantise (torch, CUDA)",
-                "baseline_rows_per_s": n / ref,
-                "ratio": ref / ours,
-                "raw_rows_per_s": n / raw_t,
-                "raw_gb_per_s": n * row_bytes / raw_t / 1e9,
-                "ratio_vs_raw": raw_t / ours,
-                "table_mb": rows * row_bytes / 1e6,
-                "llc_mb": 0.0,
-                "threads": 0,
-                "device": torch.cuda.get_device_name(),
-            }
-        )
+
+    def row(op: str, n: int, dtype: torch.dtype, seconds: float, **extra: object) -> dict:
+        gbs = n * (row_bytes + dim * (4 if dtype == torch.float32 else 2)) / seconds / 1e9
+        pct = f": {gbs / copy:.0%} of copy" if copy else ""
+        frac = None if copy is None else gbs / copy
+        return {"op": f"{op}{pct}", "rows_per_s": n / seconds, "gb_per_s": gbs, "copy_gb_per_s": copy,
+                "fraction_of_copy": frac, "device": name, **extra}  # fmt: skip
+
+    for dist in ("uniform", f"zipf {zipf}"):
+        ids = make_ids(rows, tokens, per_token, None if dist == "uniform" else zipf, seed).to(device)
+        g = _Gathers(table, ids, repeats, cuda)
+        n = ids.numel()
+        order = kernels.dedup_order(g.flat)
+        label = f"{dist.split()[0]} ({int(torch.unique(g.flat).numel()) / n:.0%} distinct)"
+        for dtype in (torch.float32, torch.bfloat16):
+            dn = "fp32" if dtype == torch.float32 else "bf16"
+            want = torch_reference(table, ids, dtype)
+            for variant, kw in (
+                ("no dedup", {}),
+                ("dedup", {"order": order}),
+                ("dedup+sort", {"sort": True}),
+            ):
+                t = g.kernel(dtype, want, f"{variant}, {dn}, {dist}", **kw)
+                results.append(row(f"CUDA fp8_gather->{dn} {label} {variant}", n, dtype, t))
+            if dist != "uniform":
+                continue
+            if not torch.equal(table.gather(ids, dtype), want):  # the public path against the plain torch one
+                raise AssertionError(f"FP8Table.gather and the torch reference disagree ({dtype})")
+            ours = g.time(functools.partial(table.gather, ids, dtype))
+            ref = g.time(functools.partial(torch_reference, table, ids, dtype))
+            results.append(
+                row(f"CUDA FP8Table.gather->{dn} uniform, id check+kernel", n, dtype, ours,
+                    baseline="F.embedding + dequantise (torch, CUDA)", baseline_rows_per_s=n / ref, ratio=ref / ours)
+            )  # fmt: skip
+            if not sweep:
+                continue
+            timed = []
+            for bn, warps, hw in SWEEP if cuda else SWEEP[:2]:
+                kw = {"block_n": bn, "num_warps": warps, "hw_convert": hw and cuda}
+                timed.append((g.kernel(dtype, want, f"sweep {kw}", **kw), bn, warps, hw and cuda))
+            t, bn, warps, hw = min(timed)
+            results.append(
+                row(f"CUDA fp8_gather->{dn} uniform, sweep best {bn}x{warps}w hw={int(hw)}", n, dtype, t,
+                    block_n=bn, num_warps=warps, hw_convert=hw, sweep=[(b, w, h, n / s) for s, b, w, h in timed])
+            )  # fmt: skip
+            del want
     return results
 
 
@@ -192,7 +291,7 @@ def run(
                 }
             )
     if torch.cuda.is_available():
-        results += run_cuda(dim=dim, repeats=max(repeats, 5), seed=seed)
+        results += run_cuda(dim=dim, repeats=max(repeats, 5), seed=seed, sweep=False)
     return results
 
 

@@ -3,9 +3,12 @@
     python benchmarks/gpu_check.py [--json PATH]
 
 Runs, each against its baseline measured in the same run: the hash on CUDA (`bench_hash.run_cuda`:
-the Triton path against the demo algorithm in torch on the GPU), the decode step with the window on
-the device (`bench_decode.run_cuda`: against the torch history decoder on the GPU), the FP8 gather with the table on
-the device (`bench_lookup.run_cuda`: against `F.embedding` + dequantise, and a raw byte gather),
+the Triton path against the demo algorithm in torch on the GPU), the decode step with the state on
+the device (`bench_decode.run_cuda`: the eager step, its CUDA graph replay, its GPU time alone and a
+speculative round, against the torch history decoder on the GPU), the FP8 gather with the table on
+the device (`bench_lookup.run_cuda`: % of a device copy measured there, fp32 and bf16, uniform and
+Zipf ids, with and without dedup, a sweep of the kernel's block sizes; `FP8Table.gather` against
+`F.embedding` + dequantise),
 the fused gate forward and backward (`bench_gate.run`: against eager torch), and the host tier with
 its device cache and prefetch (`bench_tiers.run_cuda`: against a host gather + copy). Prints one table
 with each GB/s as a fraction of a device-to-device copy measured first. A benchmark that fails is

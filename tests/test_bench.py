@@ -152,6 +152,44 @@ def test_tiers_cuda_bench_runs_on_cpu():
     assert rows[1]["fetched_bytes_per_row"] < rows[0]["fetched_bytes_per_row"]  # the cache saves reads
 
 
+@pytest.mark.triton
+def test_decode_cuda_bench_runs_on_cpu(monkeypatch):
+    """bench_decode.run_cuda's eager rows (the GPU's, checked against the hash) run here with the
+    device kernels interpreted (TRITON_INTERPRET=1, set by conftest.py without CUDA)."""
+    pytest.importorskip("triton")
+    import torch
+
+    import engram.kernels as kmod
+    from engram.benchmarks import bench_decode
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA triton compiles for the GPU: gpu_check.py runs the real benchmark")
+
+    monkeypatch.setattr(kmod, "use_triton", lambda *tensors: True)
+    rows = bench_decode.run_cuda(batch=4, steps=3, device="cpu")
+    assert len(rows) == 5 and all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["variant"].endswith("(baseline)") and abs(rows[1]["ratio"] - 1) < 1e-9
+
+
+@pytest.mark.triton
+def test_lookup_cuda_bench_runs_on_cpu():
+    """bench_lookup.run_cuda (fp32/bf16, uniform/Zipf, with and without dedup, the sweep) runs here on a
+    small table with the Triton gather interpreted; every variant is checked exactly inside."""
+    pytest.importorskip("triton")
+    import torch
+
+    from engram.benchmarks import bench_lookup
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA triton compiles for the GPU: gpu_check.py runs the real benchmark")
+
+    rows = bench_lookup.run_cuda(rows=4096, tokens=16, per_token=4, repeats=1, device="cpu")
+    ops = [r["op"] for r in rows]
+    assert len(rows) == 2 * 2 * 3 + 2 * 2  # 3 gathers per (ids, dtype); uniform: the public path + sweep
+    assert any("zipf" in op and "dedup+sort" in op for op in ops)
+    assert all(r["rows_per_s"] > 0 and r["fraction_of_copy"] is None for r in rows)  # no copy peak on a CPU
+
+
 # `python SCRIPT --help` for each SCRIPT in argv, in one process: its folder first on sys.path and run as
 # __main__, as the interpreter runs a script; one start-up (torch, transformers) for all, not one each
 _AS_SCRIPTS = r"""

@@ -168,30 +168,65 @@ def test_hash_golden_vectors(kernels, v41_hasher: NgramHasher, vectors: dict) ->
 
 
 # ---------------------------------------------------------------------------------------------- lookup
+# the gather's variants: the default; the ids sorted first (`dedup_order`: repeated rows read once);
+# small programs; the integer conversions and the GPU's (sm_89+). Under the interpreter the GPU's are
+# numpy's: its e4m3 NaN differs and its bf16 cast truncates, so there the every-byte test takes them on
+# finite bytes and products that are normal floats (exact in bf16) only
+GATHER_VARIANTS = ["default", "dedup", "block_n=4,num_warps=2", "hw_convert=False", "hw_convert=True"]
+
+
+def gather_kw(kernels, variant: str, rows: torch.Tensor) -> dict:
+    if variant == "default":
+        return {}
+    if variant == "dedup":
+        return {"order": kernels.lookup.dedup_order(rows)}
+    if variant.startswith("block_n"):
+        return {"block_n": 4, "num_warps": 2}
+    hw = variant.endswith("True")
+    if hw and CUDA and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the GPU's e4m3 conversion needs sm_89 or later")
+    return {"hw_convert": hw}
+
+
+@pytest.mark.parametrize("variant", GATHER_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fp8_gather_every_byte(kernels, dtype: torch.dtype) -> None:
+def test_fp8_gather_every_byte(kernels, dtype: torch.dtype, variant: str) -> None:
     """Row b: all 256 value bytes under scale byte b (0..254); exact, NaN bytes NaN."""
-    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1).view(VALUE_DTYPE)
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(255, 1)
     scales = torch.arange(255, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).view(SCALE_DTYPE)
     rows = torch.randperm(255, generator=torch.Generator().manual_seed(0)).view(5, 51)
+    if variant == "hw_convert=True" and not CUDA:
+        values[(values & 0x7F) == 0x7F] = 0  # the interpreter's e4m3 NaN is not the GPU's
+        rows = rows[rows >= 10].view(5, 49)  # scale >= 2^-117: every product a normal float
+    values = values.view(VALUE_DTYPE)
     want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
-    got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype).cpu()
+    kw = gather_kw(kernels, variant, rows.to(DEVICE))
+    got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype, **kw).cpu()
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)
     assert torch.equal(bits(got)[~nan], bits(want)[~nan])
 
 
-@pytest.mark.parametrize("idt", [torch.int64, torch.int32])
-def test_fp8_gather_table(kernels, idt: torch.dtype) -> None:
+@pytest.mark.parametrize("variant", GATHER_VARIANTS)
+@pytest.mark.parametrize(
+    ("idt", "dim", "block"), [(torch.int64, 96, 32), (torch.int32, 256, 32), (torch.int64, 96, 48)]
+)
+def test_fp8_gather_table(kernels, idt: torch.dtype, dim: int, block: int, variant: str) -> None:
+    """Random tables: 96 wide (3 blocks: a masked tile), V4.1's 256 (8 x 32) with int32 ids, and
+    blocks of 48 (not a power of two), repeated ids among them."""
     g = torch.Generator().manual_seed(1)
-    values, scales = quant.quantize_rows(torch.randn(300, 96, generator=g) * 10)  # D = 96: a masked tile
+    values, scales = quant.quantize_rows(torch.randn(300, dim, generator=g) * 10, block=block)
     rows = torch.randint(0, 300, (7, 24), generator=g).to(idt)
+    rows[3] = rows[0]  # repeated rows
+    kw = gather_kw(kernels, variant, rows.to(DEVICE))
     for dtype in (torch.float32, torch.bfloat16):
-        want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch")
-        got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype)
+        want = lookup.dequantize_gather(values, scales, rows, dtype, backend="torch", block=block)
+        got = kernels.lookup.fp8_gather(values.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), dtype, **kw)
         assert torch.equal(bits(got.cpu()), bits(want))
         assert torch.equal(bits(reference.fp8_gather(values, scales, rows, dtype)), bits(want))
-    assert kernels.lookup.fp8_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, 96)
+    assert kernels.lookup.fp8_gather(values, scales, torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3, dim)
+    with pytest.raises(ValueError, match="order must be"):
+        kernels.lookup.fp8_gather(values, scales, rows, order=(rows.reshape(-1)[:5], rows.reshape(-1)[:5]))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int8-row", "int4"])
@@ -394,6 +429,7 @@ def test_dispatch_gather_and_gate(kernels, monkeypatch):
         got = lookup.dequantize_gather(values, scales, rows, dtype)
         want = lookup.dequantize_gather(values.cpu(), scales.cpu(), rows.cpu(), dtype, backend="torch")
         assert torch.equal(got.cpu(), want)
+        assert torch.equal(lookup.dequantize_gather(values, scales, rows, dtype, dedup=True).cpu(), want)
     with pytest.raises(ValueError, match="row id 300"):
         lookup.dequantize_gather(values, scales, torch.full_like(rows, 300))
     for fmt in ("int8", "int4"):  # the integer formats take the Triton gather too
@@ -432,72 +468,6 @@ def test_hasher_triton_path(kernels, ds_compression):
         hasher._hash_triton(torch.tensor([[1, 2, 129280]], device=DEVICE), None, np.dtype(np.int64))
     with pytest.raises(TypeError, match="integer token ids"):
         hasher._hash_triton(torch.zeros(3, device=DEVICE), None, np.dtype(np.int64))
-
-
-def test_stream_device_step(kernels, ds_compression):
-    """`HashStream.step` of CUDA ids runs `_step_device` (the Triton kernel with the window kept on the
-    device); driven here on CPU tensors, it must give the host stream's rows through prefill, steps with
-    dead tokens, drafts (which bring the state back to the host) and more steps."""
-    from engram import HashStream
-
-    hasher = NgramHasher(EngramConfig.preset("deepseek-v4.1"), ds_compression)
-    gen = torch.Generator().manual_seed(8)
-    b, steps = 3, 9
-    prefix = torch.randint(0, 129280, (b, 5), generator=gen)
-    ids = torch.randint(0, 129280, (steps, b), generator=gen).to(DEVICE)
-    dead = (torch.rand(steps, b, generator=gen) < 0.25).to(DEVICE)
-    host, dev = HashStream(hasher, b), HashStream(hasher, b)
-    host.feed(prefix.numpy())
-    dev.feed(prefix.numpy())
-    out32 = torch.empty((b, 2, 24), dtype=torch.int32, device=DEVICE)
-    for t in range(steps):
-        if t == 4:  # a draft round in the middle: the state comes back to the host and goes out again
-            for s in (host, dev):
-                s.draft(np.array([[7, 8], [9, 10], [11, 12]]))
-                s.commit([0, 1, 2])
-        want = host.step(ids[t].cpu().numpy(), dead[t].cpu().numpy())
-        if t % 2:
-            got = dev._step_device(ids[t], dead[t], out32, True)
-        else:
-            got = dev._step_device(ids[t], None if not dead[t].any() else dead[t], None, t != 2)
-        assert got.device == ids.device
-        assert np.array_equal(got.cpu().numpy(), want), t
-        assert dev._dev is not None  # the state stays on the device between steps
-    assert np.array_equal(dev.window, host.window) and np.array_equal(dev.position, host.position)
-    assert dev._dev is None  # reading the window brought it back
-
-    with pytest.raises(ValueError, match=r"id 129280 at position \(1,\)"):
-        dev._step_device(torch.tensor([1, 129280, 2], device=DEVICE), None, None, True)
-    with pytest.raises(ValueError, match="one token per sequence"):
-        dev._step_device(torch.zeros(2, dtype=torch.int64, device=DEVICE), None, None, True)
-    with pytest.raises(ValueError, match="out must be"):
-        dev._step_device(ids[0], None, torch.empty(3, 2, 5, dtype=torch.int64, device=DEVICE), True)
-    assert np.array_equal(dev.position, host.position)  # failed steps changed nothing
-    dev.draft(np.array([[1], [2], [3]]))
-    with pytest.raises(RuntimeError, match="drafted tokens are pending"):
-        dev._step_device(ids[0], None, None, True)
-
-
-def test_stream_device_step_restarts(kernels):
-    """`_step_device` with `starts` and `restart_after_id`: the host stream's rows, step by step."""
-    from engram import HashStream
-
-    config = EngramConfig.preset("tiny").replace(
-        vocab_size=20, compressed_vocab_size=20, pad_token_id=2, restart_after_id=2
-    )
-    hasher = NgramHasher(config)
-    gen = torch.Generator().manual_seed(9)
-    b, steps = 3, 12
-    ids = torch.randint(0, 6, (steps, b), generator=gen).to(DEVICE)  # id 2 (the restart id) often
-    starts = (torch.rand(steps, b, generator=gen) < 0.2).to(DEVICE)
-    host, dev = HashStream(hasher, b), HashStream(hasher, b)
-    for s in (host, dev):
-        s.feed(np.array([[1, 2], [3, 4], [2, 5]]))
-    for t in range(steps):
-        want = host.step(ids[t].cpu().numpy(), starts=starts[t].cpu().numpy())
-        got = dev._step_device(ids[t], None, None, True, starts[t])
-        assert np.array_equal(got.cpu().numpy(), want), t
-    assert np.array_equal(dev.window, host.window)
 
 
 def test_hasher_triton_path_restarts(kernels):

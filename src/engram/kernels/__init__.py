@@ -1,8 +1,10 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
-CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_lookup_int`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over the
-cores by `threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `int_gather`, `fused_gate`, and the passes of the
-Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
+CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_lookup_int`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over
+the cores by `threads`. CUDA (Triton): `hash_rows`, the decode step on a packed stream state
+(`stream_hash`, `stream_commit`; its layout in `stream_state`), `fp8_gather` (with `dedup_order`),
+`int_gather`, `fused_gate`, and the passes of the Sinkhorn-balanced table update (`sinkhorn_blend`,
+`sinkhorn_rows`, `sinkhorn_cols_rows`,
 `sinkhorn_apply`), with their torch twins in `reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where
 they are needed, the Triton entries load through the lazy names below on first use (under
@@ -19,8 +21,8 @@ import torch
 
 if TYPE_CHECKING:
     from engram.kernels.triton_gate import fused_gate
-    from engram.kernels.triton_hash import hash_rows
-    from engram.kernels.triton_lookup import fp8_gather, int_gather
+    from engram.kernels.triton_hash import hash_rows, stream_commit, stream_hash
+    from engram.kernels.triton_lookup import dedup_order, fp8_gather, int_gather
     from engram.kernels.triton_sinkhorn import (
         sinkhorn_apply,
         sinkhorn_blend,
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "dedup_order",
     "fp8_gather",
     "fused_gate",
     "hash_rows",
@@ -37,6 +40,8 @@ __all__ = [
     "sinkhorn_blend",
     "sinkhorn_cols_rows",
     "sinkhorn_rows",
+    "stream_commit",
+    "stream_hash",
     "triton_available",
     "use_triton",
 ]
@@ -44,8 +49,11 @@ __all__ = [
 # name -> the module that defines it (imported, with triton, on first access)
 _TRITON_ENTRIES = {
     "hash_rows": "triton_hash",
+    "stream_hash": "triton_hash",
+    "stream_commit": "triton_hash",
     "fp8_gather": "triton_lookup",
     "int_gather": "triton_lookup",
+    "dedup_order": "triton_lookup",
     "fused_gate": "triton_gate",
     "sinkhorn_blend": "triton_sinkhorn",
     "sinkhorn_rows": "triton_sinkhorn",

@@ -1,8 +1,9 @@
 """Plain torch twins of the Triton kernels of `engram.kernels`: what each kernel must equal, and the
 eager path on devices without triton.
 
-The hash (`hash_rows`), the FP8 and integer-format gathers (`fp8_gather`, `int_gather`: no checks, so
-no device sync) and the V4.1
+The hash (`hash_rows`) and the decode step on the packed stream state (`stream_hash`,
+`stream_commit`), the FP8 and integer-format gathers (`fp8_gather`, `int_gather`: no checks, so no
+device sync) and the V4.1
 gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
 module's own code), plus the gate nonlinearity both Engram variants share; the passes of the
 Sinkhorn-balanced table update (`sinkhorn_*`, twins of `cpu_sinkhorn`). Design: docs/kernels.md.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engram.kernels.stream_state import StreamLayout
 from engram.rowformat.fp8 import scale_bytes_to_float
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "sinkhorn_blend",
     "sinkhorn_cols_rows",
     "sinkhorn_rows",
+    "stream_commit",
+    "stream_hash",
 ]
 
 
@@ -70,6 +74,127 @@ def hash_rows(
             torch.remainder(mix[..., None], primes[li, i - 1], out=dst)
             dst += offsets[li, i - 1]
     return out
+
+
+def _advance(
+    win: torch.Tensor, x: torch.Tensor, start: torch.Tensor, clear: torch.Tensor, pad: int
+) -> torch.Tensor:
+    """The (n, W) windows after tokens x (n,): x most recent, older pad after a start, all pad if clear."""
+    new = torch.cat([x[:, None], win[:, :-1]], dim=1)
+    new[:, 1:] = torch.where(start[:, None], pad, new[:, 1:])
+    return torch.where(clear[:, None], pad, new)
+
+
+def stream_hash(
+    ids: torch.Tensor,
+    dead: torch.Tensor | None,
+    starts: torch.Tensor | None,
+    seqs: torch.Tensor | None,
+    state: torch.Tensor,
+    layout: StreamLayout,
+    lut: torch.Tensor,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor,
+    pad: int,
+    restart_id: int | None,
+    out: torch.Tensor,
+    *,
+    draft: bool = False,
+) -> torch.Tensor:
+    """The twin of `triton_hash.stream_hash`: rows (n, T, L, orders*K) into `out`, `state` updated in place."""
+    n, t = ids.shape
+    w, c = layout.window, layout.max_draft
+    sb = torch.arange(n, device=ids.device) if seqs is None else seqs.long()
+    st = state[sb]  # (n, F) copy
+    pos, nd, err = st[:, layout.position], st[:, layout.n_draft], st[:, layout.err : layout.err + 4]
+    x_all = ids.long()
+    bad = (x_all < 0) | (x_all >= lut.shape[0])  # (n, T)
+    has_bad = bad.any(dim=1)
+    first_bad = torch.where(has_bad, bad.int().argmax(dim=1), -1).long()
+    bad_id = x_all.gather(1, first_bad.clamp_min(0)[:, None])[:, 0]
+    code = torch.where(has_bad, 1, 0)
+    if draft:
+        code = torch.where((code == 0) & (nd + t > c), 3, code)
+        tok_pos = pos + nd + first_bad
+    else:
+        code = torch.where((code == 0) & (nd != 0), 2, code)
+        tok_pos = pos + first_bad
+    ok = code == 0
+    record = (code != 0) & (err[:, 0] == 0)
+    new_err = torch.stack(
+        [
+            code,
+            torch.where(code == 1, tok_pos, pos),
+            torch.where(code == 1, bad_id, nd),
+            torch.where(code == 1, first_bad, t),
+        ],
+        dim=1,
+    )
+    err[record] = new_err[record]
+    win = st[:, :w].clone()
+    prev_end = torch.zeros(n, dtype=torch.bool, device=ids.device)
+    if draft:
+        for d in range(c):
+            act = ok & (d < nd)
+            v = st[:, layout.vals + d]
+            fl = st[:, layout.flags + d]
+            ended = (fl & 4) != 0
+            stepped = _advance(win, v, (fl & 2) != 0, ((fl & 1) != 0) | ended, pad)
+            win = torch.where(act[:, None], stepped, win)
+            prev_end = torch.where(act, ended, prev_end)
+    n_layers, n_gram = multipliers.shape
+    k = primes.shape[-1]
+    rows = out.view(n, t, n_layers, (n_gram - 1) * k)
+    for j in range(t):
+        tok = x_all[:, j]
+        x = lut[tok.clamp(0, lut.shape[0] - 1)]
+        dead_j = ~ok if dead is None else dead[:, j] | ~ok
+        start = torch.zeros_like(ok) if starts is None else starts[:, j].clone()
+        start |= prev_end
+        end = torch.zeros_like(ok) if restart_id is None else tok == restart_id
+        prev_end = end
+        x = torch.where(dead_j, pad, x)
+        look = torch.where((dead_j | start)[:, None], pad, win)  # (n, W)
+        rows[:, j] = hash_rows(x[:, None], None, look, multipliers, primes, offsets, pad)[:, 0].to(out.dtype)
+        if draft:
+            slot = (nd + j).clamp_max(c - 1)[:, None]
+            flags = dead_j.long() | (start.long() << 1) | (end.long() << 2)
+            vals_c = st[:, layout.vals : layout.vals + c]
+            flags_c = st[:, layout.flags : layout.flags + c]
+            vals_c.scatter_(1, slot, torch.where(ok, x, vals_c.gather(1, slot)[:, 0])[:, None])
+            flags_c.scatter_(1, slot, torch.where(ok, flags, flags_c.gather(1, slot)[:, 0])[:, None])
+        win = torch.where(ok[:, None], _advance(win, x, start, dead_j | end, pad), win)
+    if draft:
+        st[:, layout.n_draft] = torch.where(ok, nd + t, nd)
+    else:
+        st[:, :w] = torch.where(ok[:, None], win, st[:, :w])
+        st[:, layout.position] = torch.where(ok, pos + t, pos)
+    st[:, layout.err : layout.err + 4] = err
+    state[sb] = st
+    return out
+
+
+def stream_commit(n_accepted: torch.Tensor, state: torch.Tensor, layout: StreamLayout, pad: int) -> None:
+    """The twin of `triton_hash.stream_commit`: keep n_accepted[b] drafts of each sequence (-1: none touched)."""
+    w = layout.window
+    k = n_accepted.long()
+    pos, nd = state[:, layout.position].clone(), state[:, layout.n_draft].clone()
+    err = state[:, layout.err : layout.err + 4]
+    act = k >= 0
+    bad = act & (k > nd)
+    record = bad & (err[:, 0] == 0)
+    err[record] = torch.stack([torch.full_like(k, 4), pos, k, nd], dim=1)[record]
+    ok = act & ~bad
+    win = state[:, :w].clone()
+    for d in range(layout.max_draft):
+        a = ok & (d < k)
+        v = state[:, layout.vals + d]
+        fl = state[:, layout.flags + d]
+        win = torch.where(a[:, None], _advance(win, v, (fl & 2) != 0, (fl & 5) != 0, pad), win)
+    state[:, :w] = win
+    state[:, layout.position] = torch.where(ok, pos + k, pos)
+    state[:, layout.n_draft] = torch.where(ok, 0, nd)
 
 
 def fp8_gather(

@@ -84,6 +84,7 @@ def dequantize_gather(
     backend: LookupBackend | str = LookupBackend.AUTO,
     threads: int | None = None,
     fmt: RowFormat | str | None = None,
+    dedup: bool = False,
 ) -> torch.Tensor:
     """Dequantise the table rows ``rows`` (int64/int32, any shape ``[...]``) of a whole table
     ``values [N, D]`` / ``scales [N, D // block]`` -> ``[..., D]`` in ``dtype``.
@@ -94,8 +95,10 @@ def dequantize_gather(
     once per window of 1024 positions); ``"torch"`` is the reference twin (repeated ids are dequantised
     once when that halves the work or better, then expanded); ``"auto"`` takes numba where it can, and on CUDA
     with triton the Triton gather (`engram.kernels.fp8_gather`, which skips the NaN-scale check).  All
-    give identical bits for finite tables.  Raises ValueError for row ids outside [0, N), plus the
-    checks of ``dequantize_rows``; after such an error ``out``'s contents are unspecified.
+    give identical bits for finite tables.  ``dedup`` (the Triton FP8 gather only): sort the ids first, on
+    the device without a sync (`kernels.dedup_order`), so that each repeated row is read once.  Raises
+    ValueError for row ids outside [0, N), plus the checks of ``dequantize_rows``; after such an error
+    ``out``'s contents are unspecified.
 
     ``fmt``: the row format (None: what the pair's dtypes say, `format_of`); the integer formats
     (``values [N, W]`` int8 or uint8 of 4-bit pairs, bfloat16 ``scales``) take `_gather_int`, the same
@@ -121,7 +124,8 @@ def dequantize_gather(
     auto = backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16)
     if auto and kernels.use_triton(values, scales, flat):  # CUDA + triton: the fused Triton gather
         check_row_range(rows, n_table)  # sync point: the boundary check
-        kernels.fp8_gather(values, scales, flat, dtype, out=out2d)  # scale bytes are not checked
+        order = kernels.dedup_order(flat) if dedup else None
+        kernels.fp8_gather(values, scales, flat, dtype, out=out2d, order=order)  # scale bytes are not checked
         return result
     module = _cpu_kernels(backend, values, scales)
     if module is not None and module.fp8_gather(
