@@ -1,7 +1,8 @@
 """Plain torch twins of the Triton kernels of `engram.kernels`: what each kernel must equal, and the
 eager path on devices without triton.
 
-The hash (`hash_rows`), the FP8 gather (`fp8_gather`, no checks, so no device sync) and the V4.1
+The hash (`hash_rows`), the FP8 gather (`fp8_gather`, no checks, so no device sync), the masked row
+copy of a device-indexed cache's fill (`copy_rows`) and the V4.1
 gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
 module's own code), plus the gate nonlinearity both Engram variants share; the passes of the
 Sinkhorn-balanced table update (`sinkhorn_*`, twins of `cpu_sinkhorn`). Design: docs/kernels.md.
@@ -15,6 +16,7 @@ from engram.rowformat.fp8 import scale_bytes_to_float
 
 __all__ = [
     "check_gate_inputs",
+    "copy_rows",
     "fp8_gather",
     "gate",
     "hash_rows",
@@ -78,6 +80,13 @@ def fp8_gather(
     v = values.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()  # (..., D)
     s = scale_bytes_to_float(scales.view(torch.uint8)[rows])  # (..., nb)
     return (v.unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
+
+
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """dst[dst_idx[i]] <- src[src_idx[i]] where dst_idx[i] >= 0, in place (`triton_rows.copy_rows`'s twin;
+    the boolean mask syncs on CUDA, which the kernel avoids)."""
+    keep = dst_idx >= 0
+    dst[dst_idx[keep].long()] = src[src_idx[keep].long().to(src.device)].to(dst.device)
 
 
 def gate(

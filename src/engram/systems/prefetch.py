@@ -24,7 +24,7 @@ from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.model.module import Engram
 from engram.model.table import FP8Table, TrainableTable
 from engram.systems.background import PrefetchHandle
-from engram.systems.placement import Placement, as_placement
+from engram.systems.placement import CacheIndex, Placement, as_placement
 from engram.systems.tiered import TieredTable
 
 __all__ = ["PrefetchedBatch", "Prefetcher", "engram_modules", "offload_engram"]
@@ -68,6 +68,7 @@ def offload_engram(
     ssd_dir: str | os.PathLike[str] | None = None,
     max_inflight: int = 2,
     fetch_threads: int | None = None,
+    cache_index: CacheIndex | str | None = None,
 ) -> dict[int, TieredTable]:
     """Swap every Engram module's table in `model` for a TieredTable on `placement`; returns them by layer.
 
@@ -75,7 +76,8 @@ def offload_engram(
     `cache_rows`: hot-row cache slots per table (HOST / SSD). A float (trainable) table needs
     `quantize=True`. SSD: an MmapFP8Table is used as is; an in-memory table is first written to
     `ssd_dir/engram_layer{L}.safetensors` (which `ssd_dir` must name). HOST with an MmapFP8Table reads
-    the file into memory.
+    the file into memory; HOST_UVA also pins it (a pinned copy of a pageable table: TieredTable itself
+    refuses pageable tables). `cache_index`: as `TieredTable` takes it.
     """
     where = as_placement(placement)
     if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
@@ -98,11 +100,18 @@ def offload_engram(
             path.parent.mkdir(parents=True, exist_ok=True)
             save_tensors(path, {"weight": table.weight, "scale": table.scale})
             table = MmapFP8Table(path, "weight", "scale")
-        elif where is Placement.HOST:
+        elif where in (Placement.HOST, Placement.HOST_UVA):
             if isinstance(table, MmapFP8Table):
                 table = FP8Table(table.weight.clone(), table.scale.clone())
             elif table.weight.device.type != "cpu":
                 table = FP8Table(table.weight.cpu(), table.scale.cpu())
+            if where is Placement.HOST_UVA and not table.weight.is_pinned():
+                if not torch.cuda.is_available():
+                    raise ValueError(
+                        "placement HOST_UVA reads a pinned host table from CUDA kernels, but CUDA is not "
+                        "available here; use placement HOST"
+                    )
+                table = FP8Table(table.weight.pin_memory(), table.scale.pin_memory())
         target = (
             device if device is not None else (table.weight.device if where is Placement.DEVICE else "cpu")
         )
@@ -113,6 +122,7 @@ def offload_engram(
             cache_rows=cache_rows,
             max_inflight=max_inflight,
             fetch_threads=fetch_threads,
+            cache_index=cache_index if cache_rows else None,
         )
         modules[lid].table = tiered
         out[lid] = tiered
