@@ -170,7 +170,7 @@ def test_refuses_cache_larger_than_free_device_memory(monkeypatch):
     cuda = torch.device("cuda", 0)
     with pytest.raises(
         ValueError,
-        match=r"needs 5\.22 GiB \(5,600,000,000 bytes\) on cuda:0, but only 3\.00 GiB of its 80\.00 GiB are free",
+        match=r"needs 5\.36 GiB \(5,760,000,000 bytes\) on cuda:0, but only 3\.00 GiB of its 80\.00 GiB are free",
     ):
         DeviceRowCache(20_000_000, 256, 384_000_000, cuda)  # refused before any CUDA allocation
     with pytest.raises(ValueError, match="fewer cache_rows"):

@@ -4,8 +4,9 @@
 (which row each slot holds) and `stamps` (the call that last used it), all device tensors. A row may
 only live in the `ways` slots of its set (a hash of the row id), so a lookup compares `ways` tags per
 row and the whole `plan` of a call (lookup, LRU admission of the call's distinct misses, where each
-position's bytes will be) is a fixed sequence of torch ops over the call's n rows: no host sync, no
-pass over the capacity. FBGEMM's LXU cache is the same idea; this one is written in torch ops so the
+position's bytes will be) is torch ops over the call's rows, never a pass over the capacity: the
+lookup has no host sync, one sync reads the number of missing positions, and the admission (a sort)
+runs over those alone, so a call that hits everywhere costs a lookup and the gather. FBGEMM's LXU cache is the same idea; this one is written in torch ops so the
 CPU runs the very same plan (tests), with the Triton row copy for the fill on CUDA. Misses a set
 cannot take (more distinct misses than unprotected ways) go to a per-call scratch region after the
 slots, so every row of a call has a place and a gather is one `fp8_gather` over the storage.
@@ -55,7 +56,7 @@ class DeviceRowCache:
 
     `regions`: scratch regions for unplaced misses (region 0 for calls consumed at once, the others taken
     in turn by calls consumed later, e.g. prefetches); each holds as many rows as the largest call so far.
-    Memory: slots * (row bytes + 16) plus regions * (largest call) * row bytes; refused (naming the
+    Memory: slots * (row bytes + 24) plus regions * (largest call) * row bytes; refused (naming the
     numbers) when more than the device has free.
     """
 
@@ -90,7 +91,7 @@ class DeviceRowCache:
         check_device_memory(
             self.index_bytes(self.capacity, dim),
             self.device,
-            f"a device row cache of {self.capacity:,} rows x {self.row_bytes} bytes (+16 bytes of index a row)",
+            f"a device row cache of {self.capacity:,} rows x {self.row_bytes} bytes (+24 bytes of index a row)",
             "use fewer cache_rows (or free device memory first)",
         )
         c = self.capacity
@@ -98,6 +99,7 @@ class DeviceRowCache:
         # slot c is a trash slot: scatters of positions that write nothing go there
         self.tags = torch.full((c + 1,), -1, dtype=torch.int64, device=self.device)  # row held, -1 empty
         self.stamps = torch.full((c + 1,), _NEVER, dtype=torch.int64, device=self.device)  # last call
+        self._owner = torch.zeros(c + 1, dtype=torch.int64, device=self.device)  # scratch: hit dedup
         self._values = torch.empty((c, dim), dtype=torch.uint8, device=self.device)  # (C + R*X, dim)
         self._scales = torch.empty((c, nb), dtype=torch.uint8, device=self.device)
         self._way = torch.arange(ways, device=self.device)  # (W,)
@@ -109,8 +111,8 @@ class DeviceRowCache:
 
     @staticmethod
     def index_bytes(capacity: int, dim: int) -> int:
-        """Device bytes of `capacity` slots: the rows and their 16 bytes of index (tag, stamp)."""
-        return capacity * (fp8_row_bytes(dim) + 16)
+        """Device bytes of `capacity` slots: the rows and their 24 bytes of index (tag, stamp, owner)."""
+        return capacity * (fp8_row_bytes(dim) + 24)
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:
@@ -199,7 +201,7 @@ class DeviceRowCache:
     def to(self, device: torch.device | str) -> DeviceRowCache:
         """Move slots, index and counters to `device`; outstanding plans become invalid."""
         self.device = torch.device(device)
-        for name in ("tags", "stamps", "_values", "_scales", "_way", "_counts"):
+        for name in ("tags", "stamps", "_owner", "_values", "_scales", "_way", "_counts"):
             setattr(self, name, getattr(self, name).to(self.device))
         self.generations = [g + 1 for g in self.generations]
         return self
@@ -207,64 +209,80 @@ class DeviceRowCache:
     # ------------------------------------------------------------------ the plan of a call
     def plan(self, rows: torch.Tensor, *, region: int = 0, protect_from: int | None = None) -> DevicePlan:
         """Look up rows (n,) int64 on the device (ids already checked to be in [0, num_rows)), admit the
-        distinct misses and place every position; returns the plan. No host sync. `region` is the
-        scratch region `reserve` claimed for this call (calls made without `reserve` use its rows as they
-        are: only for a caller that consumes each plan before the next).
+        distinct misses and place every position; returns the plan. `region` is the scratch region
+        `reserve` claimed for this call (calls made without `reserve` use its rows as they are: only for
+        a caller that consumes each plan before the next).
 
-        Hits are touched (stamped with this call). Each set takes its distinct misses in ascending row
-        order into its least recently used ways, never a way stamped at or after `protect_from` (None:
-        this call), so no call evicts a row it uses, nor one a pending plan relies on. Misses beyond a
-        set's free ways take rows of scratch `region`. The caller fills `fill_dst` from the table
-        (`fill`, or staged bytes through `write`) before reading `final`.
+        The lookup (compare the `ways` tags of each row's set, touch the hits) has no host sync; then ONE
+        sync reads how many positions missed (M: data), and the admission runs over those M alone, so a
+        call that hits everywhere costs the lookup and nothing more. Each set takes its distinct misses in
+        ascending row order into its least recently used ways, never a way stamped at or after
+        `protect_from` (None: this call), so no call evicts a row it uses, nor one a pending plan relies
+        on. Misses beyond a set's free ways take rows of scratch `region`. The caller fills `fill_dst`
+        from the table (`fill`, or staged bytes through `write`) before reading `final`.
         """
         n = rows.numel()
         self._ensure_scratch(n)
         self._stamp += 1
         t = self._stamp
         floor = t if protect_from is None else min(protect_from, t)
-        w, c, big_n = self.ways, self.capacity, self.num_rows
+        w, c = self.ways, self.capacity
         rows = rows.reshape(-1).long()
-        if n == 0:
-            return DevicePlan(rows, rows, rows, region, self.generations[region], t)
+        pos = torch.arange(n, device=rows.device)
         sets = set_of(rows, self.sets)  # (n,)
         base = sets * w
         eq = self.tags[base[:, None] + self._way] == rows[:, None]  # (n, W): a row sits in one way at most
         hit = eq.any(1)
         slot = base + (eq.long() * self._way).sum(1)  # (n,) valid where hit
-        self.stamps[torch.where(hit, slot, c)] = t  # touch (duplicates write the same stamp)
+        at = torch.where(hit, slot, c)  # c: the trash slot
+        self.stamps[at] = t  # touch (duplicates write the same stamp)
+        self._owner[at] = pos  # one position per cached row wins: the distinct hits
+        distinct_hits = (hit & (self._owner[at] == pos)).sum()
+        miss_pos = (~hit).nonzero().squeeze(1)  # sync point: M, the call's one
+        m = miss_pos.numel()
+        if m == 0:  # every row cached: no admission, nothing to fill
+            self._counts[0] += distinct_hits
+            none = rows[:0]
+            return DevicePlan(slot, none, none, region, self.generations[region], t)
+        fill_src, fill_dst, placed, counts = self._admit(rows[miss_pos], sets[miss_pos], t, floor, region)
+        final = slot.index_copy(0, miss_pos, placed)
+        self._counts += torch.cat([distinct_hits[None], counts])
+        return DevicePlan(final, fill_src, fill_dst, region, self.generations[region], t)
 
-        # the call's positions sorted by (set, row): distinct rows are runs, sets are runs of runs
-        key, perm = torch.sort(sets * big_n + rows)  # (n,)
-        s_rows, s_hit, s_set = rows[perm], hit[perm], key // big_n
-        first = torch.ones(n, dtype=torch.bool, device=rows.device)
-        lead = first.clone()
+    def _admit(
+        self, rows: torch.Tensor, sets: torch.Tensor, t: int, floor: int, region: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Admission of the missing positions rows (M,) of sets (M,): (fill_src (M,), fill_dst (M,), each
+        position's storage row (M,), counts [misses, evictions, spilled]); no sync."""
+        m, w, c = rows.numel(), self.ways, self.capacity
+        # sorted by (set, row): distinct rows are runs, sets are runs of runs
+        key, perm = torch.sort(sets * self.num_rows + rows)  # (M,)
+        s_rows, s_set = rows[perm], sets[perm]
+        lead = torch.ones(m, dtype=torch.bool, device=rows.device)
+        first = lead.clone()
         lead[1:] = key[1:] != key[:-1]  # first position of a distinct row
         first[1:] = s_set[1:] != s_set[:-1]  # first position of a set
-        miss = lead & ~s_hit  # (n,) one position per distinct miss
-        cum = torch.cumsum(miss, 0)
-        set_start = torch.cummax(torch.where(first, cum - miss.long(), 0), 0).values
+        cum = torch.cumsum(lead, 0)
+        set_start = torch.cummax(torch.where(first, cum - lead.long(), 0), 0).values
         rank = cum - 1 - set_start  # each distinct miss's rank among its set's misses
         s_base = s_set * w
-        st = self.stamps[s_base[:, None] + self._way]  # (n, W) after the touch above
+        st = self.stamps[s_base[:, None] + self._way]  # (M, W) after the hits' touch
         free = st < floor
         # ways by least recent use (then lowest way); protected ones last
         order = torch.argsort(torch.where(free, st, _PROTECTED), dim=1, stable=True)
-        admit = miss & (rank < free.sum(1))
+        admit = lead & (rank < free.sum(1))
         new_slot = s_base + order.gather(1, rank.clamp(0, w - 1)[:, None]).squeeze(1)
-        dst = torch.where(admit, new_slot, c)  # c: the trash slot
+        dst = torch.where(admit, new_slot, c)
         evicted = admit & (self.tags[dst] >= 0)
         self.tags[dst] = s_rows
         self.stamps[dst] = t
-        spill = miss & ~admit
+        spill = lead & ~admit
         scratch = c + region * self.scratch_rows + torch.cumsum(spill, 0) - 1
-        fill_dst = torch.where(admit, new_slot, torch.where(spill, scratch, -1))  # (n,) in sorted order
-
-        ar = torch.arange(n, device=rows.device)
-        lead_pos = torch.cummax(torch.where(lead, ar, 0), 0).values  # each position's distinct-row run start
-        placed = torch.where(s_hit, slot[perm], fill_dst[lead_pos])
-        final = torch.empty_like(placed).scatter_(0, perm, placed)
-        self._counts += torch.stack([(lead & s_hit).sum(), miss.sum(), evicted.sum(), spill.sum()])
-        return DevicePlan(final, s_rows, fill_dst, region, self.generations[region], t)
+        fill_dst = torch.where(admit, new_slot, torch.where(spill, scratch, -1))  # (M,) one per distinct row
+        ar = torch.arange(m, device=rows.device)
+        run = torch.cummax(torch.where(lead, ar, 0), 0).values  # each position's distinct-row run start
+        placed = torch.empty_like(fill_dst).scatter_(0, perm, fill_dst[run])
+        return s_rows, fill_dst, placed, torch.stack([lead.sum(), evicted.sum(), spill.sum()])
 
     # ------------------------------------------------------------------ fills
     def fill(self, plan: DevicePlan, values: torch.Tensor, scales: torch.Tensor) -> None:
@@ -276,11 +294,11 @@ class DeviceRowCache:
         copy(scales.view(torch.uint8), plan.fill_src, self._scales, plan.fill_dst)
 
     def missing(self, plan: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table rows (M,), storage rows (M,)) the plan must fill, int64 on the host: the staged path's
-        sync point (M is data), one per call."""
-        keep = plan.fill_dst >= 0
-        pairs = torch.stack([plan.fill_src[keep], plan.fill_dst[keep]]).cpu()  # sync point: (2, M)
-        return pairs[0], pairs[1]
+        """(table rows (D,), storage rows (D,)) the plan must fill, int64 on the host (the staged path's
+        copy back of its M missing positions, 16 bytes each; plan already synced on M)."""
+        pairs = torch.stack([plan.fill_src, plan.fill_dst]).cpu()  # (2, M)
+        keep = pairs[1] >= 0
+        return pairs[0][keep], pairs[1][keep]
 
     def write(self, dst: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
         """Storage rows dst (M,) int64 <- values (M, dim) / scales (M, dim // 32) uint8 on the device."""

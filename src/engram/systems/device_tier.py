@@ -4,12 +4,14 @@
 table and returns a `DeviceBlock`: where each position's bytes sit in the cache's storage, and the
 event that marks them there. `consume` dequantises a block on the caller's stream. How misses arrive:
 
-- UVA (placement HOST_UVA): the Triton row copy reads them from the pinned table in place. No sync.
-- staged (HOST / SSD on CUDA): the miss list comes to the host (the one sync point of a call, on the
-  fetching thread and stream only), the host gathers the rows into one of two pinned staging buffers
-  (alternating) and ONE non_blocking copy takes them, with their slots, to the device.
+- UVA (placement HOST_UVA): the Triton row copy reads them from the pinned table in place.
+- staged (HOST / SSD on CUDA): the miss list comes to the host, the host gathers the rows into one of
+  two pinned staging buffers (alternating) and ONE non_blocking copy takes them, with their slots, to
+  the device.
 - a CPU compute device: copied from the host table directly (the same plan, run by torch on the CPU).
 
+Sync points, all on the fetching thread (a prefetch's: the worker) and the fetch stream only: the miss
+count of each plan, and for the staged path the miss list's copy back (16 bytes a missing position).
 All cache work runs on the table's fetch stream, serialised by the table's fetch lock; consumers read on
 their own stream after waiting for the block's event (a device-side wait, not a host sync) and record
 a release event the next fetch waits for, so no fill overwrites bytes a consumer has yet to read.
@@ -96,7 +98,7 @@ class DeviceTier:
         self._protected: dict[int, int] = {}  # id(prefetch handle) -> stamp of its plan, while pending
         self._releases: list[torch.cuda.Event] = []  # consumers' reads the next fetch must wait for
         self.stale = 0  # blocks that could not serve their gather (region reused, other dtype): fetched again
-        self.staged_syncs = 0  # miss lists brought to the host (the staged path's sync point)
+        self.host_syncs = 0  # on the fetching thread: one per plan (the miss count), one per staged copy-back
 
     # ------------------------------------------------------------------ protection of pending prefetches
     def forget(self, handle: PrefetchHandle) -> None:
@@ -133,7 +135,10 @@ class DeviceTier:
                 region = self.cache.take_region() if ahead and dtype is None else 0
                 self.cache.reserve(region, n)  # bumps the region's generation: older plans of it are stale
             dev = self._rows_to_device(rows)
-            plan = self.cache.plan(dev, region=region, protect_from=protect_from)
+            plan = self.cache.plan(
+                dev, region=region, protect_from=protect_from
+            )  # sync point: the miss count
+            self.host_syncs += 1
             self._fill(plan)
             values, scales = self.cache.values, self.cache.scales
             out = None
@@ -167,6 +172,8 @@ class DeviceTier:
 
     def _fill(self, plan: DevicePlan) -> None:
         """The plan's missing rows into their storage rows (see the module doc for the three ways)."""
+        if plan.fill_src.numel() == 0:  # every row was cached
+            return
         if self.uva is not None:
             self.cache.fill(plan, *self.uva)  # the kernel reads the pinned table over the bus
             return
@@ -175,8 +182,8 @@ class DeviceTier:
         if self.stream is None:
             self.cache.fill(plan, *self.host)  # a CPU compute device reads the host table directly
             return
-        src, dst = self.cache.missing(plan)  # sync point (this thread, the fetch stream's work so far)
-        self.staged_syncs += 1
+        src, dst = self.cache.missing(plan)  # sync point: the miss list to the host (16 bytes a position)
+        self.host_syncs += 1
         m = src.numel()
         if m == 0:
             return
@@ -242,10 +249,10 @@ class DeviceTier:
         counters are updated on the fetch stream)."""
         if self.stream is not None:
             self.stream.synchronize()
-        return {**self.cache.stats(), "stale_prefetches": self.stale, "staged_syncs": self.staged_syncs}
+        return {**self.cache.stats(), "stale_prefetches": self.stale, "host_syncs": self.host_syncs}
 
     def reset_stats(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
         self.cache.reset_stats()
-        self.stale = self.staged_syncs = 0
+        self.stale = self.host_syncs = 0
