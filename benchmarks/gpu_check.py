@@ -6,8 +6,11 @@ Runs, each against its baseline measured in the same run: the hash on CUDA (`ben
 the Triton path against the demo algorithm in torch on the GPU), the decode step with the window on
 the device (`bench_decode.run_cuda`: against the torch history decoder on the GPU), the FP8 gather with the table on
 the device (`bench_lookup.run_cuda`: against `F.embedding` + dequantise, and a raw byte gather),
-the fused gate forward and backward (`bench_gate.run`: against eager torch), and the host tier with
-its device cache and prefetch (`bench_tiers.run_cuda`: against a host gather + copy). Prints one table
+the fused gate forward and backward (`bench_gate.run`: against eager torch), the host tiers
+(`bench_tiers.run_cuda`: the UVA gather against a pinned copy measured in the same run, the device-indexed
+cache at 100 / Zipf / 0 % hits against the table without a cache, a prefetched loop against max(compute,
+fetch)), and the sparse table optimizers (`bench_optim.run_cuda`: against dense AdamW and the dense
+Sinkhorn update, with their host syncs a step). Prints one table
 with each GB/s as a fraction of a device-to-device copy measured first. A benchmark that fails is
 reported as failed (with the error) and the others still run. `benchmarks/gpu_check.sh` wraps this
 with the CUDA tests for the `device` tool.
@@ -34,6 +37,7 @@ CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("gate bf16", "bench_gate", "run", {"dtype": "bf16"}),
     ("gate fp32", "bench_gate", "run", {"dtype": "fp32"}),
     ("tiers", "bench_tiers", "run_cuda", {}),
+    ("optim", "bench_optim", "run_cuda", {}),
 ]
 
 

@@ -154,6 +154,16 @@ def test_tiers_cuda_bench_runs_on_cpu():
     assert rows[4]["prefetch_hits"] == 2 and rows[4]["vs_bound"] > 0
 
 
+def test_optim_cuda_bench_runs_on_cpu():
+    """bench_optim.run_cuda (measured on a GPU by benchmarks/gpu_check.py) runs end to end here too."""
+    from engram.benchmarks import bench_optim
+
+    rows = bench_optim.run_cuda(num_rows=1 << 12, dim=16, touched=256, repeats=1, device="cpu")
+    assert [r["op"].split()[2] for r in rows] == ["SparseRowAdam", "SparseRowAdagrad", "SparseSinkhorn"]
+    assert all(r["ratio"] > 0 and r["host_syncs_per_step"] == 0 for r in rows)  # a CPU counts none
+    assert rows[2]["active_rows"] >= 256
+
+
 # `python SCRIPT --help` for each SCRIPT in argv, in one process: its folder first on sys.path and run as
 # __main__, as the interpreter runs a script; one start-up (torch, transformers) for all, not one each
 _AS_SCRIPTS = r"""
