@@ -13,7 +13,8 @@ import torch
 
 from engram.benchmarks.bench_lookup import make_table
 from engram.kernels import reference
-from engram.systems.device_cache import DeviceRowCache, set_of
+from engram.kernels.reference import set_of
+from engram.systems.device_cache import DeviceRowCache
 from engram.systems.placement import check_device_memory
 
 
@@ -170,7 +171,7 @@ def test_refuses_cache_larger_than_free_device_memory(monkeypatch):
     cuda = torch.device("cuda", 0)
     with pytest.raises(
         ValueError,
-        match=r"needs 5\.36 GiB \(5,760,000,000 bytes\) on cuda:0, but only 3\.00 GiB of its 80\.00 GiB are free",
+        match=r"needs 5\.22 GiB \(5,600,000,000 bytes\) on cuda:0, but only 3\.00 GiB of its 80\.00 GiB are free",
     ):
         DeviceRowCache(20_000_000, 256, 384_000_000, cuda)  # refused before any CUDA allocation
     with pytest.raises(ValueError, match="fewer cache_rows"):
@@ -207,6 +208,32 @@ def test_triton_copy_rows_equals_twin():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="one row width"):
         copy_rows(src, si, torch.zeros(4, width + 1, dtype=torch.uint8), di)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(("sets", "ways"), [(5, 4), (64, 16), (3, 1), (7, 5)])
+def test_triton_cache_lookup_equals_twin(sets, ways):
+    from engram.kernels import cache_lookup
+
+    g = torch.Generator().manual_seed(sets * ways)
+    c = sets * ways
+    cached = torch.randperm(1000, generator=g)[: c // 2]
+    tags = torch.full((c + 1,), -1, dtype=torch.int64)
+    for r in cached.tolist():  # each cached row in a free way of its own set
+        s = int(set_of(torch.tensor([r]), sets))
+        free = [k for k in range(ways) if tags[s * ways + k] < 0]
+        if free:
+            tags[s * ways + free[0]] = r
+    stamps = torch.randint(-1, 9, (c + 1,), generator=g)
+    rows = torch.cat([cached[:40], torch.randint(0, 1000, (60,), generator=g), cached[:10]])  # repeats
+    rows = rows[torch.randperm(rows.numel(), generator=g)]
+    got = (stamps.clone(), torch.zeros(4, dtype=torch.int64))
+    want = (stamps.clone(), torch.zeros(4, dtype=torch.int64))
+    slot = cache_lookup(rows, tags, got[0], got[1], sets, ways, 10)
+    ref = reference.cache_lookup(rows, tags, want[0], want[1], sets, ways, 10)
+    assert torch.equal(slot, ref) and torch.equal(got[0][:c], want[0][:c]) and torch.equal(got[1], want[1])
+    assert int(got[1][0]) == torch.unique(ref[ref >= 0]).numel() > 0
+    assert torch.equal(cache_lookup(rows[:0], tags, got[0], got[1], sets, ways, 11), rows[:0])
 
 
 def test_counters_are_distinct_rows_per_call(table):

@@ -1,7 +1,7 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
 CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over the
-cores by `threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `copy_rows`, `fused_gate`, and the passes of the
+cores by `threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `cache_lookup`, `copy_rows`, `fused_gate`, and the passes of the
 Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
 `sinkhorn_apply`), with their torch twins in `reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engram.kernels.triton_gate import fused_gate
     from engram.kernels.triton_hash import hash_rows
     from engram.kernels.triton_lookup import fp8_gather
-    from engram.kernels.triton_rows import copy_rows
+    from engram.kernels.triton_rows import cache_lookup, copy_rows
     from engram.kernels.triton_sinkhorn import (
         sinkhorn_apply,
         sinkhorn_blend,
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "cache_lookup",
     "copy_rows",
     "fp8_gather",
     "fused_gate",
@@ -47,6 +48,7 @@ _TRITON_ENTRIES = {
     "hash_rows": "triton_hash",
     "fp8_gather": "triton_lookup",
     "copy_rows": "triton_rows",
+    "cache_lookup": "triton_rows",
     "fused_gate": "triton_gate",
     "sinkhorn_blend": "triton_sinkhorn",
     "sinkhorn_rows": "triton_sinkhorn",

@@ -2,7 +2,7 @@
 eager path on devices without triton.
 
 The hash (`hash_rows`), the FP8 gather (`fp8_gather`, no checks, so no device sync), the masked row
-copy of a device-indexed cache's fill (`copy_rows`) and the V4.1
+copy of a device-indexed cache's fill (`copy_rows`) and its lookup (`cache_lookup`, `set_of`), the V4.1
 gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
 module's own code), plus the gate nonlinearity both Engram variants share; the passes of the
 Sinkhorn-balanced table update (`sinkhorn_*`, twins of `cpu_sinkhorn`). Design: docs/kernels.md.
@@ -15,11 +15,13 @@ import torch
 from engram.rowformat.fp8 import scale_bytes_to_float
 
 __all__ = [
+    "cache_lookup",
     "check_gate_inputs",
     "copy_rows",
     "fp8_gather",
     "gate",
     "hash_rows",
+    "set_of",
     "signed_sqrt_gate",
     "sinkhorn_blend",
     "sinkhorn_cols_rows",
@@ -80,6 +82,36 @@ def fp8_gather(
     v = values.view(torch.uint8)[rows].view(torch.float8_e4m3fn).float()  # (..., D)
     s = scale_bytes_to_float(scales.view(torch.uint8)[rows])  # (..., nb)
     return (v.unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
+
+
+def set_of(rows: torch.Tensor, sets: int) -> torch.Tensor:
+    """The set (0..sets-1) of each row id (int64 >= 0) in a set-associative cache: a 31-bit mix of the id
+    (no int64 overflow, so every device computes the same sets), modulo `sets`."""
+    h = (rows ^ (rows >> 29)) & 0x7FFFFFFF
+    h = (h * 0x5BD1E995) & 0x7FFFFFFF  # < 2^62: exact in int64
+    return (h ^ (h >> 15)) % sets
+
+
+def cache_lookup(
+    rows: torch.Tensor,
+    tags: torch.Tensor,
+    stamps: torch.Tensor,
+    counts: torch.Tensor,
+    sets: int,
+    ways: int,
+    t: int,
+) -> torch.Tensor:
+    """`triton_rows.cache_lookup`'s twin: slots (n,) of rows (n,) (-1: not cached), hits stamped `t`,
+    counts[0] += the distinct rows found (torch.unique: a sync on CUDA, which the kernel avoids)."""
+    way = torch.arange(ways, device=rows.device)
+    base = set_of(rows.reshape(-1), sets) * ways
+    eq = tags[base[:, None] + way] == rows.reshape(-1)[:, None]  # (n, W)
+    hit = eq.any(1)
+    slot = torch.where(hit, base + (eq.long() * way).sum(1), -1)
+    found = slot[hit]
+    counts[0] += torch.unique(found).numel()
+    stamps[found] = t
+    return slot
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:

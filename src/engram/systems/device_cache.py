@@ -1,17 +1,17 @@
-"""A hot-row cache whose index lives on the compute device: set-associative, LRU within a set, no host sync.
+"""A hot-row cache whose index lives on the compute device: set-associative, LRU within a set.
 
 `DeviceRowCache` holds FP8 row bytes in `sets * ways` slots and, beside them, the index: `tags`
 (which row each slot holds) and `stamps` (the call that last used it), all device tensors. A row may
 only live in the `ways` slots of its set (a hash of the row id), so a lookup compares `ways` tags per
-row and the whole `plan` of a call (lookup, LRU admission of the call's distinct misses, where each
-position's bytes will be) is torch ops over the call's rows, never a pass over the capacity: the
-lookup has no host sync, one sync reads the number of missing positions, and the admission (a sort)
-runs over those alone, so a call that hits everywhere costs a lookup and the gather. FBGEMM's LXU cache is the same idea; this one is written in torch ops so the
-CPU runs the very same plan (tests), with the Triton row copy for the fill on CUDA. Misses a set
-cannot take (more distinct misses than unprotected ways) go to a per-call scratch region after the
-slots, so every row of a call has a place and a gather is one `fp8_gather` over the storage.
-Counters are device tensors (`stats()` syncs). Knows bytes and slots, nothing of tiers or streams.
-Design and the sync points: docs/systems.md.
+row and a call's `plan` (lookup, LRU admission of its distinct misses, where each position's bytes
+will be) never passes over the capacity: the lookup is one Triton kernel on CUDA with no host sync
+(`engram.kernels.cache_lookup`; its torch twin on a CPU), one sync reads the number of missing
+positions, and the admission (a sort) runs over those alone, so a call that hits everywhere costs the
+lookup and the gather. FBGEMM's LXU cache is the same idea. Misses a set cannot take (more distinct
+misses than unprotected ways) go to a scratch region after the slots, so every row of a call has a
+place and a gather is one `fp8_gather` over the storage. Counters are device tensors (`stats()`
+syncs). Knows bytes and slots, nothing of tiers or streams. Design and the sync points:
+docs/systems.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from engram import kernels
 from engram.kernels import reference
+from engram.kernels.reference import set_of
 from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, fp8_row_bytes
 from engram.systems.placement import check_device_memory
 
@@ -30,14 +31,6 @@ __all__ = ["DEFAULT_WAYS", "DevicePlan", "DeviceRowCache", "set_of"]
 DEFAULT_WAYS = 16  # slots a row may live in: 16 tags (128 B) compared per lookup
 _NEVER = -1  # stamp of an empty slot: older than every call (calls are stamped 1, 2, ...)
 _PROTECTED = torch.iinfo(torch.int64).max  # sort key of a slot a call may not take
-
-
-def set_of(rows: torch.Tensor, sets: int) -> torch.Tensor:
-    """The set (0..sets-1) of each row id (int64 >= 0): a 31-bit mix of the id (no int64 overflow, so
-    every device computes the same sets), modulo `sets`."""
-    h = (rows ^ (rows >> 29)) & 0x7FFFFFFF
-    h = (h * 0x5BD1E995) & 0x7FFFFFFF  # < 2^62: exact in int64
-    return (h ^ (h >> 15)) % sets
 
 
 class DevicePlan(NamedTuple):
@@ -56,7 +49,7 @@ class DeviceRowCache:
 
     `regions`: scratch regions for unplaced misses (region 0 for calls consumed at once, the others taken
     in turn by calls consumed later, e.g. prefetches); each holds as many rows as the largest call so far.
-    Memory: slots * (row bytes + 24) plus regions * (largest call) * row bytes; refused (naming the
+    Memory: slots * (row bytes + 16) plus regions * (largest call) * row bytes; refused (naming the
     numbers) when more than the device has free.
     """
 
@@ -91,7 +84,7 @@ class DeviceRowCache:
         check_device_memory(
             self.index_bytes(self.capacity, dim),
             self.device,
-            f"a device row cache of {self.capacity:,} rows x {self.row_bytes} bytes (+24 bytes of index a row)",
+            f"a device row cache of {self.capacity:,} rows x {self.row_bytes} bytes (+16 bytes of index a row)",
             "use fewer cache_rows (or free device memory first)",
         )
         c = self.capacity
@@ -99,7 +92,6 @@ class DeviceRowCache:
         # slot c is a trash slot: scatters of positions that write nothing go there
         self.tags = torch.full((c + 1,), -1, dtype=torch.int64, device=self.device)  # row held, -1 empty
         self.stamps = torch.full((c + 1,), _NEVER, dtype=torch.int64, device=self.device)  # last call
-        self._owner = torch.zeros(c + 1, dtype=torch.int64, device=self.device)  # scratch: hit dedup
         self._values = torch.empty((c, dim), dtype=torch.uint8, device=self.device)  # (C + R*X, dim)
         self._scales = torch.empty((c, nb), dtype=torch.uint8, device=self.device)
         self._way = torch.arange(ways, device=self.device)  # (W,)
@@ -111,8 +103,8 @@ class DeviceRowCache:
 
     @staticmethod
     def index_bytes(capacity: int, dim: int) -> int:
-        """Device bytes of `capacity` slots: the rows and their 24 bytes of index (tag, stamp, owner)."""
-        return capacity * (fp8_row_bytes(dim) + 24)
+        """Device bytes of `capacity` slots: the rows and their 16 bytes of index (tag, stamp)."""
+        return capacity * (fp8_row_bytes(dim) + 16)
 
     # ------------------------------------------------------------------ counters
     def reset_stats(self) -> None:
@@ -201,7 +193,7 @@ class DeviceRowCache:
     def to(self, device: torch.device | str) -> DeviceRowCache:
         """Move slots, index and counters to `device`; outstanding plans become invalid."""
         self.device = torch.device(device)
-        for name in ("tags", "stamps", "_owner", "_values", "_scales", "_way", "_counts"):
+        for name in ("tags", "stamps", "_values", "_scales", "_way", "_counts"):
             setattr(self, name, getattr(self, name).to(self.device))
         self.generations = [g + 1 for g in self.generations]
         return self
@@ -226,27 +218,18 @@ class DeviceRowCache:
         self._stamp += 1
         t = self._stamp
         floor = t if protect_from is None else min(protect_from, t)
-        w, c = self.ways, self.capacity
         rows = rows.reshape(-1).long()
-        pos = torch.arange(n, device=rows.device)
-        sets = set_of(rows, self.sets)  # (n,)
-        base = sets * w
-        eq = self.tags[base[:, None] + self._way] == rows[:, None]  # (n, W): a row sits in one way at most
-        hit = eq.any(1)
-        slot = base + (eq.long() * self._way).sum(1)  # (n,) valid where hit
-        at = torch.where(hit, slot, c)  # c: the trash slot
-        self.stamps[at] = t  # touch (duplicates write the same stamp)
-        self._owner[at] = pos  # one position per cached row wins: the distinct hits
-        distinct_hits = (hit & (self._owner[at] == pos)).sum()
-        miss_pos = (~hit).nonzero().squeeze(1)  # sync point: M, the call's one
-        m = miss_pos.numel()
-        if m == 0:  # every row cached: no admission, nothing to fill
-            self._counts[0] += distinct_hits
+        # the lookup: one Triton kernel on CUDA (hits touched, counts[0] += distinct hits), else its twin
+        lookup = kernels.cache_lookup if kernels.use_triton(rows, self.tags) else reference.cache_lookup
+        slot = lookup(rows, self.tags, self.stamps, self._counts, self.sets, self.ways, t)  # (n,) -1: miss
+        miss_pos = (slot < 0).nonzero().squeeze(1)  # sync point: M, the call's one
+        if miss_pos.numel() == 0:  # every row cached: no admission, nothing to fill
             none = rows[:0]
             return DevicePlan(slot, none, none, region, self.generations[region], t)
-        fill_src, fill_dst, placed, counts = self._admit(rows[miss_pos], sets[miss_pos], t, floor, region)
+        missed = rows[miss_pos]
+        fill_src, fill_dst, placed, counts = self._admit(missed, set_of(missed, self.sets), t, floor, region)
+        self._counts[1:] += counts
         final = slot.index_copy(0, miss_pos, placed)
-        self._counts += torch.cat([distinct_hits[None], counts])
         return DevicePlan(final, fill_src, fill_dst, region, self.generations[region], t)
 
     def _admit(
