@@ -473,27 +473,32 @@ def run_cuda(
 def _overlap_row(
     t: TieredTable, fill: str, ids: list[torch.Tensor], dev: torch.device, matmul: int, repeats: int
 ) -> dict:
-    """Steps of compute (a GPU matmul) then the gather of the step's rows, each step ending in a sync:
+    """Steps of compute (a GPU matmul) then the gather of the step's rows, each step ending in a sync of
+    its stream (it reads its result, as a decode step does; a prefetch on the side stream runs on):
     prefetched one step ahead vs the longer of compute and fetch, each timed alone (same run)."""
     cuda = dev.type == "cuda"
     bf16 = torch.bfloat16
 
-    def sync() -> None:
+    def sync(everything: bool) -> None:
         if cuda:
-            torch.cuda.synchronize(dev)
+            if everything:
+                torch.cuda.synchronize(dev)
+            else:
+                torch.cuda.current_stream(dev).synchronize()
 
-    def per_step(step: Callable[[int], None]) -> float:
+    def per_step(step: Callable[[int], None], everything: bool = False) -> float:
         best = math.inf
         for _ in range(repeats):
-            sync()
+            sync(True)
             t0 = time.perf_counter()
             for i in range(len(ids)):
                 step(i)
-                sync()  # the step reads its result
+                sync(everything)  # the step reads its result
+            sync(True)
             best = min(best, (time.perf_counter() - t0) / len(ids))
         return best
 
-    fetch = per_step(lambda i: t.gather(ids[i], bf16))
+    fetch = per_step(lambda i: t.gather(ids[i], bf16), everything=True)
     a = torch.randn(matmul, matmul, device=dev, dtype=bf16 if cuda else torch.float32)
     one = per_step(lambda i: a @ a)
     reps = max(1, round(fetch / one))  # compute about as long as the fetch: the hardest case to hide

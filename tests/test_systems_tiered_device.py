@@ -340,7 +340,8 @@ def test_cuda_prefetch_overlaps_compute():
             for _ in range(reps):
                 a @ a
             outs.append(t.gather(b, torch.bfloat16))
-            torch.cuda.synchronize()  # each step ends reading its result, as a decode step does
+            torch.cuda.current_stream().synchronize()  # the step reads its result; the prefetch runs on
+        torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     sync = min(loop(False) for _ in range(3))

@@ -694,7 +694,9 @@ class TieredTable(EngramTable):
         lookup.gather_rows(self._host_scales, miss_rows, out_s.view(SCALE_DTYPE), threads=threads)
 
     def extra_repr(self) -> str:
-        cache = f", cache_rows={self.cache_rows}" if self.cache_rows else ""
+        cache = (
+            f", cache_rows={self.cache_rows}, cache_index={self.cache_index.value}" if self.cache_rows else ""
+        )
         return (
             f"num_rows={self.num_rows}, dim={self.dim}, placement={self.placement.value}, "
             f"device={self.device}{cache}, max_inflight={self.max_inflight}"
