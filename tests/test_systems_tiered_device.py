@@ -142,6 +142,37 @@ def test_reused_region_is_detected_and_refetched(fp8):
     assert s["cache_stale_prefetches"] == 1 and s["prefetch_hits"] == 3  # the first one, fetched again
 
 
+def test_guards_are_load_bearing(fp8, monkeypatch):
+    """Without the generation check, or without protection, the two scenarios above serve wrong rows:
+    those tests would catch a guard that stopped working."""
+    from engram.systems import device_cache
+
+    def served(t: TieredTable, batches: list[torch.Tensor], handles: list) -> list[bool]:
+        return [same(t.gather(b, prefetched=h), fp8.gather(b)) for b, h in zip(batches, handles, strict=True)]
+
+    with monkeypatch.context() as m:  # the region reused by a third prefetch ahead, served anyway
+        m.setattr(device_cache.DeviceRowCache, "valid", lambda self, plan: True)
+        t = dev_table(fp8, cache_rows=4, cache_ways=2)
+        batches = [torch.arange(50 * k, 50 * k + 40).view(2, 20) for k in range(3)]
+        handles = [t.prefetch(b) for b in batches]
+        t.synchronize()
+        assert served(t, batches, handles) == [False, True, True]
+    plan = device_cache.DeviceRowCache.plan
+    with monkeypatch.context() as m:  # later fetches free to evict a pending prefetch's rows
+        m.setattr(
+            device_cache.DeviceRowCache,
+            "plan",
+            lambda self, rows, region=0, protect_from=None: plan(self, rows, region=region),
+        )
+        t = dev_table(fp8, cache_rows=8, cache_ways=2)
+        mine = torch.arange(0, 60).view(3, 20)
+        h = t.prefetch(mine)
+        h.wait()
+        for k in range(6):
+            t.gather(torch.arange(100 + 50 * k, 150 + 50 * k))
+        assert served(t, [mine], [h]) == [False]
+
+
 def test_dropped_prefetch_is_refetched(fp8):
     t = dev_table(fp8, cache_rows=4, cache_ways=2, max_pending=2)
     batches = [torch.arange(60 * k, 60 * k + 30) for k in range(3)]
