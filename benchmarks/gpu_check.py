@@ -1,6 +1,6 @@
 """The GPU half of the benchmarks in one short run, for a session lent a CUDA device.
 
-    python benchmarks/gpu_check.py [--json PATH]
+    python benchmarks/gpu_check.py [--json PATH] [--only NAME ...]
 
 Runs, each against its baseline measured in the same run: the hash on CUDA (`bench_hash.run_cuda`:
 the Triton path against the demo algorithm in torch on the GPU), the decode step with the window on
@@ -44,6 +44,10 @@ CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--json", help="also write the rows here as JSON")
+    names = [name for name, *_ in CHECKS]
+    ap.add_argument(
+        "--only", nargs="+", choices=names, metavar="NAME", help=f"run only these: {', '.join(names)}"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (nothing measured)")
@@ -54,6 +58,8 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     failed = 0
     for name, module, fn, kwargs in CHECKS:
+        if args.only and name not in args.only:
+            continue
         try:
             rows += getattr(importlib.import_module(f"engram.benchmarks.{module}"), fn)(**kwargs)
         except Exception as e:  # report it and go on: one device run must return every number it can
