@@ -5,6 +5,9 @@ table, all measured in the same run.
     python benchmarks/bench_optim.py [--small-rows 1048576] [--large-rows 67108864] [--dim 16]
                                      [--touched 65536] [--repeats 20] [--threads 0]
 
+`run_cuda` (in `benchmarks/gpu_check.py`) runs SparseRowAdam, SparseRowAdagrad and SparseSinkhorn on
+CUDA against dense AdamW and the dense Sinkhorn-balanced update, 64K rows of a 16M-row table.
+
 Dim is 16 so that the 64M-row table fits: 64M x 16 fp32 is 4 GiB of weights + 4 GiB of momentum
 + 0.5 GiB of per-row state (peak about 9 GiB; 64M x 64 would need 32 GiB). Every step touches
 `touched` distinct rows drawn uniformly from the table's own range (the 64M table is also timed
@@ -27,7 +30,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engram.model.optim import SparseRowAdam
+from engram.model.optim import SparseRowAdagrad, SparseRowAdam
+from engram.model.sinkhorn import SparseSinkhorn
 
 N_ROW_SETS = 4
 
@@ -138,6 +142,108 @@ def run(
             "ratio": sparse_adam / ours_s,
         },
     ]
+
+
+def run_cuda(
+    num_rows: int = 16 << 20,
+    dim: int = 64,
+    touched: int = 1 << 16,
+    repeats: int = 10,
+    device: str = "cuda",
+) -> list[dict]:
+    """The table optimizers on CUDA (`benchmarks/gpu_check.py`): SparseRowAdam, SparseRowAdagrad and
+    SparseSinkhorn on a `num_rows` x `dim` fp32 table, each step touching `touched` distinct rows (4 row
+    sets cycled, as `TrainableTable.gather` gives them), against the dense updates of the same table
+    measured in the same run: torch AdamW (fused) and the Sinkhorn-balanced update in plain torch
+    (`bench_sinkhorn.DenseSinkhorn`), fed the same rows as a dense gradient (built outside the timing).
+    Reported: median seconds a step, ratio = dense / sparse (target >= 5), and the host syncs one step
+    makes (torch.cuda's sync debug mode): a few a step, never one a row. Each table is made, stepped and
+    freed in turn (the dense ones hold 4-5 tables' worth). `device="cpu"`: a smoke test, not a measurement.
+    """
+    import warnings
+
+    from engram.benchmarks.bench_sinkhorn import DenseSinkhorn  # numba's passes come with it
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    grads = [g.to(dev) for g in sparse_grads(num_rows, dim, touched, seed=0)]
+    dense_grad: list[torch.Tensor] = []
+
+    def dense(i: int) -> torch.Tensor:  # one buffer, refilled before each dense step (untimed)
+        if not dense_grad:
+            dense_grad.append(torch.zeros(num_rows, dim, device=dev))
+        g = grads[i % len(grads)]
+        buf = dense_grad[0].zero_()
+        buf.index_copy_(0, g._indices()[0], g._values())
+        return buf
+
+    def steps(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], grad_of) -> tuple[float, int, int]:
+        """(median seconds a step, host syncs in one step, active rows) of a fresh table."""
+        p = nn.Parameter(torch.full((num_rows, dim), 0.01, device=dev))
+        opt = make([p])
+        times = []
+        for i in range(repeats + 2):  # 2 untimed: compile, allocate the state
+            p.grad = grad_of(i)
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        syncs = 0
+        if cuda:
+            p.grad = grad_of(0)
+            sync()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+        active = opt.active_rows(p) if isinstance(opt, SparseSinkhorn) else touched
+        del opt, p
+        if cuda:
+            torch.cuda.empty_cache()
+        return statistics.median(times), syncs, active
+
+    def sparse(i: int) -> torch.Tensor:
+        return grads[i % len(grads)]
+
+    fused = {"fused": True} if cuda else {}
+    adam = steps(SparseRowAdam, sparse)
+    adagrad = steps(SparseRowAdagrad, sparse)
+    sink = steps(SparseSinkhorn, sparse)
+    adamw = steps(lambda ps: torch.optim.AdamW(ps, lr=1e-3, **fused), dense)
+    dense_sink = steps(DenseSinkhorn, dense)
+    shape = f"{num_rows / 2**20:g}M x {dim}"
+    k = f"{touched // 1024}K rows/step"
+    out = []
+    for name, (sec, syncs, active), (base_name, (base, base_syncs, _)) in (
+        ("SparseRowAdam", adam, ("AdamW (fused), dense grad", adamw)),
+        ("SparseRowAdagrad", adagrad, ("AdamW (fused), dense grad", adamw)),
+        ("SparseSinkhorn", sink, ("dense Sinkhorn-balanced update, torch", dense_sink)),
+    ):
+        out.append(
+            {
+                "op": f"optim CUDA: {name} {shape} fp32, {k} ({syncs} host syncs/step)",
+                "us_per_step": sec * 1e6,
+                "seconds": sec,
+                "ratio": base / sec,
+                "baseline": f"{base_name}, {base * 1e3:.2f} ms/step (target ratio >= 5)",
+                "baseline_seconds": base,
+                "host_syncs_per_step": syncs,
+                "baseline_host_syncs_per_step": base_syncs,
+                "active_rows": active,
+            }
+        )
+    return out
 
 
 def main() -> None:

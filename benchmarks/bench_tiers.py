@@ -10,9 +10,10 @@ over the table, batches of `tokens` tokens.
 - ssd: the table written to a temporary safetensors file (deleted afterwards), its pages dropped
   from the page cache (posix_fadvise DONTNEED) before each timed pass, so reads hit the device:
   `TieredTable(MmapFP8Table, SSD)` with and without a cache vs `MmapFP8Table.gather`.
-- CUDA (`run_cuda`, in `benchmarks/gpu_check.py`): the table in host DRAM and the rows needed on the
-  GPU, `TieredTable(HOST)` with and without a device cache against a host gather + copy, and the
-  overlap loop with a GPU matmul.
+- CUDA (`run_cuda`, in `benchmarks/gpu_check.py`): the pinned host -> device copy bandwidth and the UVA
+  gather as a fraction of it; the table in host DRAM, rows needed on the GPU: no cache (staged, UVA) and
+  a device-indexed cache at 100 % / Zipf / 0 % hits (UVA or staged fills) against the table without a
+  cache; a prefetched loop against max(compute, fetch) of a GPU matmul, all timed in the same run.
 - overlap: a loop of compute (a fixed matmul, torch on one thread) + gather of the next batch's rows:
   synchronous vs prefetched one batch ahead (`prefetch` on the background thread: the FP8 bytes
   only, or `prefetch(rows, torch.float32)`: bytes and dequantisation). Reports the ratio of loop
@@ -289,6 +290,24 @@ def bench_overlap(table: FP8Table, batches: list[torch.Tensor], fraction: float,
     ]
 
 
+def pinned_copy_gb_per_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bandwidth (GB/s) of one non_blocking copy of `nbytes` from pinned host memory to `device`, best of
+    `repeats` (CUDA events): the bus's practical peak that reads over UVA are measured against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best / 1e9
+
+
 def run_cuda(
     rows: int = 8_000_000,
     dim: int = 256,
@@ -302,112 +321,226 @@ def run_cuda(
     device: str = "cuda",
     matmul: int = 4096,
 ) -> list[dict]:
-    """The tiers with a CUDA compute device: the table in host DRAM, rows needed on the GPU.
+    """The tiers with a CUDA compute device, each row against a baseline measured in the same run:
 
-    Baseline (same run): `FP8Table.gather` on the host, then one copy of the dequantised bf16 rows to
-    the device (what a table without tiers does). Ours: `TieredTable(HOST)` (distinct FP8 rows cross
-    PCIe, dequantised on the device) without and with a device cache, then the overlap loop of a GPU
-    matmul + gather, synchronous vs prefetched one batch ahead. (`device="cpu"` runs the same code on
-    the CPU: a smoke test of this function, not a measurement.)
+    1. bandwidth: a pinned host -> device copy (the bus's peak), and the FP8 gather kernel reading the
+       rows of a pinned table in place over UVA (bytes of rows read per second, as a fraction of the
+       copy; uniform ids, then Zipf ids);
+    2. the table in host memory, rows needed on the GPU: no cache (staged through pinned memory, vs a
+       host FP8Table.gather + copy of bf16 rows; UVA), then a device-indexed cache of `fraction` of the
+       rows at 100 % hits (a hot set an eighth of the cache), Zipf ids (mixed) and 0 % hits (distinct
+       never-seen rows, the cache emptied before each pass), filled over UVA or staged, each vs the UVA
+       table without a cache on the same ids;
+    3. overlap: steps of a GPU matmul then the gather of that step's rows, each step ending in a device
+       sync (as a step that reads its result does); prefetched one step ahead vs max(compute, fetch),
+       each timed alone, and vs the synchronous loop.
+
+    Every tier is first checked bit-identical to FP8Table.gather. `device="cpu"` runs what a CPU can
+    (no UVA, no pinned copy): a smoke test of this function, not a measurement.
     """
     dev = torch.device(device)
+    cuda = dev.type == "cuda"
 
     def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize(dev)
 
-    table = make_table(rows, dim, seed)
-    host_ids = [make_ids(rows, tokens, per_token, zipf, seed + i) for i in range(batches)]
-    n_rows = sum(b.numel() for b in host_ids)
     bf16 = torch.bfloat16
+    row_bytes = fp8_row_bytes(dim)
+    table = make_table(rows, dim, seed)
+    pinned = FP8Table(table.weight.pin_memory(), table.scale.pin_memory()) if cuda else table
+    zipf_ids = [make_ids(rows, tokens, per_token, zipf, seed + i) for i in range(batches)]
+    uniform_ids = [make_ids(rows, tokens, per_token, None, seed + 100 + i) for i in range(batches)]
+    n_per_pass = sum(b.numel() for b in zipf_ids)
+    cache_rows = max(1, int(fraction * rows))
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.randperm(rows, generator=g)[: max(1, cache_rows // 8)]  # fits the cache's sets with room
+    hot_ids = [hot[torch.randint(0, hot.numel(), (tokens, per_token), generator=g)] for _ in range(batches)]
+    fresh = torch.randperm(rows, generator=g)[: min(rows, n_per_pass)]  # distinct rows, never repeated
+    cold_ids = [c.view(-1, per_token) for c in fresh.split(tokens * per_token) if c.numel() % per_token == 0]
 
-    def timed(fn: Callable[[torch.Tensor], object]) -> Callable[[], float]:
-        def one_pass() -> float:
+    def best_pass(fn: Callable[[torch.Tensor], object], ids: list[torch.Tensor], before=None) -> float:
+        """Best seconds of one pass of fn over `ids` (synced at its end), of `repeats` passes after one warm."""
+        times = []
+        for i in range(repeats + 1):
+            if before is not None:
+                before()
             sync()
             t0 = time.perf_counter()
-            for b in host_ids:
+            for b in ids:
                 fn(b)
             sync()
-            return time.perf_counter() - t0
+            if i:
+                times.append(time.perf_counter() - t0)
+        return min(times)
 
-        return one_pass
+    def check(t: TieredTable, ids: torch.Tensor) -> None:
+        if not torch.equal(_bits(t.gather(ids, bf16).cpu().float()), _bits(table.gather(ids, bf16).float())):
+            raise AssertionError(f"{t!r} disagrees with FP8Table.gather")
 
-    def baseline(b: torch.Tensor) -> torch.Tensor:
-        return table.gather(b, bf16).to(dev)
+    out: list[dict] = []
+    # ---- 1. bandwidth: the pinned copy and the UVA gather
+    copy_gbs = None
+    if cuda:
+        from engram import kernels
+        from engram.systems.uva import uva_view
 
-    tiered = {
-        "none": TieredTable(table, Placement.HOST, device=dev),
-        "cache": TieredTable(table, Placement.HOST, device=dev, cache_rows=int(fraction * rows)),
-    }
-    for t in tiered.values():
-        if not torch.equal(t.gather(host_ids[0], bf16), baseline(host_ids[0])):
-            raise AssertionError(f"{t!r} on CUDA disagrees with the host gather")
-        timed(lambda b, t=t: t.gather(b, bf16))()  # warm: kernels, staging buffers, the cache
-        t.reset_stats()
-    fns = {"plain": timed(baseline)} | {k: timed(lambda b, t=t: t.gather(b, bf16)) for k, t in tiered.items()}
-    best = _best(fns, repeats)
-    out = []
-    for key, label in (("none", "no cache"), ("cache", f"cache {fraction:.0%} of rows")):
-        st = tiered[key].stats()
+        copy_gbs = pinned_copy_gb_per_s(dev, min(1 << 30, rows * row_bytes))
         out.append(
             {
-                "op": f"tiers CUDA: host table -> GPU, {label} (hit rate {st.get('cache_hit_rate', 0.0):.0%})",
-                "rows_per_s": n_rows / best[key],
-                "baseline": "host FP8Table.gather + copy of bf16 rows",
-                "baseline_rows_per_s": n_rows / best["plain"],
-                "ratio": best["plain"] / best[key],
-                "fetched_bytes_per_row": st["bytes_fetched"] / max(1, st["rows_requested"]),
+                "op": "tiers CUDA: pinned host->device copy, one 1 GiB non_blocking copy",
+                "gb_per_s": copy_gbs,
+                "baseline": "the bus's peak: the UVA rows below are a fraction of it (ratio)",
             }
         )
+        uv, us = uva_view(pinned.weight, dev), uva_view(pinned.scale, dev)
+        for label, ids in (("uniform ids", uniform_ids), (f"Zipf({zipf}) ids", zipf_ids)):
+            on_dev = [b.to(dev) for b in ids]
+            sec = best_pass(lambda b, uv=uv, us=us: kernels.fp8_gather(uv, us, b, bf16), on_dev)
+            gbs = n_per_pass * row_bytes / sec / 1e9
+            out.append(
+                {
+                    "op": f"tiers CUDA: UVA gather kernel reads pinned host rows, {label}",
+                    "rows_per_s": n_per_pass / sec,
+                    "gb_per_s": gbs,
+                    "ratio": gbs / copy_gbs,
+                    "baseline": f"pinned H2D copy {copy_gbs:.1f} GB/s (ratio: row bytes/s over it; target >= 0.70)",
+                }
+            )
 
-    # overlap: a GPU matmul about as long as one gather, then the gather; prefetch one batch ahead
-    t = tiered["cache"]
-    gather_alone = timed(lambda b: t.gather(b, bf16))() / batches
-    a = torch.randn(matmul, matmul, device=dev, dtype=bf16)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    sync()
-    reps = max(1, round(gather_alone / ((time.perf_counter() - t0) / 10)))
-
-    def sync_loop() -> float:
-        sync()
-        t0 = time.perf_counter()
-        for b in host_ids:
-            for _ in range(reps):
-                a @ a
-            t.gather(b, bf16)
-        sync()
-        return time.perf_counter() - t0
-
-    def prefetch_loop() -> float:
-        sync()
-        t0 = time.perf_counter()
-        t.prefetch(host_ids[0])
-        for i, b in enumerate(host_ids):
-            if i + 1 < batches:
-                t.prefetch(host_ids[i + 1])
-            for _ in range(reps):
-                a @ a
-            t.gather(b, bf16)
-        sync()
-        return time.perf_counter() - t0
-
-    best = _best({"sync": sync_loop, "prefetch": prefetch_loop}, repeats)
+    # ---- 2. tiers without and with a device-indexed cache
+    staged = TieredTable(table, Placement.HOST, device=dev)
+    check(staged, zipf_ids[0])
+    plain = best_pass(lambda b: table.gather(b, bf16).to(dev), zipf_ids)
+    sec = best_pass(lambda b: staged.gather(b, bf16), zipf_ids)
     out.append(
         {
-            "op": f"tiers CUDA: overlap, GPU matmul + gather, prefetch 1 ahead (cache {fraction:.0%})",
-            "seconds": best["prefetch"] / batches,
-            "baseline": "the same loop, synchronous gathers",
-            "baseline_seconds": best["sync"] / batches,
-            "ratio": best["sync"] / best["prefetch"],
-            "gather_ms": gather_alone * 1e3,
+            "op": "tiers CUDA: host table -> GPU, no cache, staged (Zipf ids)",
+            "rows_per_s": n_per_pass / sec,
+            "ratio": plain / sec,
+            "baseline": f"host FP8Table.gather + copy of bf16 rows, {n_per_pass / plain / 1e6:.1f} M rows/s",
         }
     )
+    base_name, base = "staged host table, no cache", staged
+    if cuda:
+        uva = TieredTable(pinned, Placement.HOST_UVA, device=dev)
+        check(uva, zipf_ids[0])
+        sec_uva = best_pass(lambda b: uva.gather(b, bf16), zipf_ids)
+        out.append(
+            {
+                "op": "tiers CUDA: UVA table, no cache (Zipf ids)",
+                "rows_per_s": n_per_pass / sec_uva,
+                "ratio": sec / sec_uva,
+                "baseline": f"staged host table, no cache, {n_per_pass / sec / 1e6:.1f} M rows/s",
+            }
+        )
+        base_name, base = "UVA table, no cache", uva
+    fills = [("staged fill", table, Placement.HOST)]
+    if cuda:
+        fills.insert(0, ("UVA fill", pinned, Placement.HOST_UVA))
+    for fill, src, placement in fills:
+        t = TieredTable(src, placement, device=dev, cache_rows=cache_rows, cache_index="device")
+        check(t, zipf_ids[0])
+        for label, ids, before in (
+            ("100% hits", hot_ids, None),
+            ("Zipf ids", zipf_ids, None),
+            ("0% hits", cold_ids, t.device_cache.clear),
+        ):
+            n = sum(b.numel() for b in ids)
+            ref = best_pass(lambda b: base.gather(b, bf16), ids)
+            best_pass(lambda b, t=t: t.gather(b, bf16), ids[:1], before)  # warm (the cache too)
+            t.reset_stats()
+            sec = best_pass(lambda b, t=t: t.gather(b, bf16), ids, before)
+            s = t.stats()
+            out.append(
+                {
+                    "op": f"tiers CUDA: device cache {fraction:.0%}, {fill}, {label} (hit {s['cache_hit_rate']:.0%})",
+                    "rows_per_s": n / sec,
+                    "ratio": ref / sec,
+                    "baseline": f"{base_name}, same ids, {n / ref / 1e6:.1f} M rows/s",
+                    "hit_rate": s["cache_hit_rate"],
+                    "host_syncs_per_batch": s["cache_host_syncs"] / max(1, s["gathers"]),
+                    "fetched_bytes_per_row": s["bytes_fetched"] / max(1, s["rows_requested"]),
+                }
+            )
+        # ---- 3. overlap, on the Zipf ids (a real fetch each step)
+        out.append(_overlap_row(t, fill, zipf_ids, dev, matmul, repeats))
     for r in out:
-        r.update(table_mb=rows * fp8_row_bytes(dim) / 1e6, tokens=tokens, per_token=per_token)
+        r.update(table_mb=rows * row_bytes / 1e6, tokens=tokens, per_token=per_token)
     return out
+
+
+def _overlap_row(
+    t: TieredTable, fill: str, ids: list[torch.Tensor], dev: torch.device, matmul: int, repeats: int
+) -> dict:
+    """Steps of compute (a GPU matmul) then the gather of the step's rows, each step ending in a sync of
+    its stream (it reads its result, as a decode step does; a prefetch on the side stream runs on):
+    prefetched one step ahead vs the longer of compute and fetch, each timed alone (same run)."""
+    cuda = dev.type == "cuda"
+    bf16 = torch.bfloat16
+
+    def sync(everything: bool) -> None:
+        if cuda:
+            if everything:
+                torch.cuda.synchronize(dev)
+            else:
+                torch.cuda.current_stream(dev).synchronize()
+
+    def per_step(step: Callable[[int], None], everything: bool = False) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            sync(True)
+            t0 = time.perf_counter()
+            for i in range(len(ids)):
+                step(i)
+                sync(everything)  # the step reads its result
+            sync(True)
+            best = min(best, (time.perf_counter() - t0) / len(ids))
+        return best
+
+    fetch = per_step(lambda i: t.gather(ids[i], bf16), everything=True)
+    a = torch.randn(matmul, matmul, device=dev, dtype=bf16 if cuda else torch.float32)
+    one = per_step(lambda i: a @ a)
+    reps = max(1, round(fetch / one))  # compute about as long as the fetch: the hardest case to hide
+
+    def compute() -> None:
+        for _ in range(reps):
+            a @ a
+
+    comp = per_step(lambda i: compute())
+
+    def sync_step(i: int) -> None:
+        compute()
+        t.gather(ids[i], bf16)
+
+    def ahead_step(i: int) -> None:
+        if i == 0:
+            t.prefetch(ids[0])
+        if i + 1 < len(ids):
+            t.prefetch(ids[i + 1])  # fetched on the side stream while this step computes
+        compute()
+        t.gather(ids[i], bf16)
+
+    t.reset_stats()
+    ahead = per_step(ahead_step)
+    hits = t.stats()["prefetch_hits"]
+    both = per_step(sync_step)
+    bound = max(comp, fetch)
+    return {
+        "op": f"tiers CUDA: prefetch 1 ahead of a matmul, device cache, {fill}",
+        "us_per_step": ahead * 1e6,
+        "seconds": ahead,
+        "ratio": bound / ahead,
+        "baseline": (
+            f"max(compute {comp * 1e3:.2f}, fetch {fetch * 1e3:.2f}) ms/step, same run (loop/max "
+            f"{ahead / bound:.2f}, target <= 1.1; synchronous loop {both * 1e3:.2f} ms)"
+        ),
+        "vs_bound": ahead / bound,
+        "sync_loop_seconds": both,
+        "compute_seconds": comp,
+        "fetch_seconds": fetch,
+        "prefetch_hits": hits,
+    }
 
 
 def run(

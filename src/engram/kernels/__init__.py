@@ -3,8 +3,8 @@
 CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_lookup_int`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over
 the cores by `threads`. CUDA (Triton): `hash_rows`, the decode step on a packed stream state
 (`stream_hash`, `stream_commit`; its layout in `stream_state`), `fp8_gather` (with `dedup_order`),
-`int_gather`, `fused_gate`, and the passes of the Sinkhorn-balanced table update (`sinkhorn_blend`,
-`sinkhorn_rows`, `sinkhorn_cols_rows`,
+`int_gather`, the device-indexed cache's `cache_lookup` and `copy_rows`, `fused_gate`, and the passes
+of the Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
 `sinkhorn_apply`), with their torch twins in `reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where
 they are needed, the Triton entries load through the lazy names below on first use (under
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from engram.kernels.triton_gate import fused_gate
     from engram.kernels.triton_hash import hash_rows, stream_commit, stream_hash
     from engram.kernels.triton_lookup import dedup_order, fp8_gather, int_gather
+    from engram.kernels.triton_rows import cache_lookup, copy_rows
     from engram.kernels.triton_sinkhorn import (
         sinkhorn_apply,
         sinkhorn_blend,
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "cache_lookup",
+    "copy_rows",
     "dedup_order",
     "fp8_gather",
     "fused_gate",
@@ -54,6 +57,8 @@ _TRITON_ENTRIES = {
     "fp8_gather": "triton_lookup",
     "int_gather": "triton_lookup",
     "dedup_order": "triton_lookup",
+    "copy_rows": "triton_rows",
+    "cache_lookup": "triton_rows",
     "fused_gate": "triton_gate",
     "sinkhorn_blend": "triton_sinkhorn",
     "sinkhorn_rows": "triton_sinkhorn",

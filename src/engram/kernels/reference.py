@@ -3,7 +3,8 @@ eager path on devices without triton.
 
 The hash (`hash_rows`) and the decode step on the packed stream state (`stream_hash`,
 `stream_commit`), the FP8 and integer-format gathers (`fp8_gather`, `int_gather`: no checks, so no
-device sync) and the V4.1
+device sync), the masked row copy of a device-indexed cache's fill (`copy_rows`) and its lookup
+(`cache_lookup`, `set_of`), the V4.1
 gate (`gate`, the eager path of `Engram` itself, so the fused kernel is tested against the
 module's own code), plus the gate nonlinearity both Engram variants share; the passes of the
 Sinkhorn-balanced table update (`sinkhorn_*`, twins of `cpu_sinkhorn`). Design: docs/kernels.md.
@@ -17,11 +18,14 @@ from engram.kernels.stream_state import StreamLayout
 from engram.rowformat.fp8 import scale_bytes_to_float
 
 __all__ = [
+    "cache_lookup",
     "check_gate_inputs",
+    "copy_rows",
     "fp8_gather",
     "gate",
     "hash_rows",
     "int_gather",
+    "set_of",
     "signed_sqrt_gate",
     "sinkhorn_blend",
     "sinkhorn_cols_rows",
@@ -221,6 +225,43 @@ def int_gather(
         b = b - ((b & 8) << 1)  # 4-bit two's complement
     s = scales[rows].float()  # (..., nb)
     return (b.float().unflatten(-1, (nb, -1)) * s[..., None]).flatten(-2).to(dtype)
+
+
+def set_of(rows: torch.Tensor, sets: int) -> torch.Tensor:
+    """The set (0..sets-1) of each row id (int64 >= 0) in a set-associative cache: a 31-bit mix of the id
+    (no int64 overflow, so every device computes the same sets), modulo `sets`."""
+    h = (rows ^ (rows >> 29)) & 0x7FFFFFFF
+    h = (h * 0x5BD1E995) & 0x7FFFFFFF  # < 2^62: exact in int64
+    return (h ^ (h >> 15)) % sets
+
+
+def cache_lookup(
+    rows: torch.Tensor,
+    tags: torch.Tensor,
+    stamps: torch.Tensor,
+    counts: torch.Tensor,
+    sets: int,
+    ways: int,
+    t: int,
+) -> torch.Tensor:
+    """`triton_rows.cache_lookup`'s twin: slots (n,) of rows (n,) (-1: not cached), hits stamped `t`,
+    counts[0] += the distinct rows found (torch.unique: a sync on CUDA, which the kernel avoids)."""
+    way = torch.arange(ways, device=rows.device)
+    base = set_of(rows.reshape(-1), sets) * ways
+    eq = tags[base[:, None] + way] == rows.reshape(-1)[:, None]  # (n, W)
+    hit = eq.any(1)
+    slot = torch.where(hit, base + (eq.long() * way).sum(1), -1)
+    found = slot[hit]
+    counts[0] += torch.unique(found).numel()
+    stamps[found] = t
+    return slot
+
+
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """dst[dst_idx[i]] <- src[src_idx[i]] where dst_idx[i] >= 0, in place (`triton_rows.copy_rows`'s twin;
+    the boolean mask syncs on CUDA, which the kernel avoids)."""
+    keep = dst_idx >= 0
+    dst[dst_idx[keep].long()] = src[src_idx[keep].long().to(src.device)].to(dst.device)
 
 
 def gate(

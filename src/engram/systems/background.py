@@ -32,6 +32,7 @@ class PrefetchHandle:
         self.owner = owner  # the table it was made by (a handle only serves its own table)
         self.device = device  # the compute device the rows were fetched to (a later .to() outdates it)
         self.submitted_at = time.perf_counter()
+        self.forgotten = False  # set by its table once it is no longer pending (dropped, moved, claimed)
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None

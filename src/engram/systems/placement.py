@@ -1,7 +1,8 @@
 """Where an Engram table's bytes live (SPEC §5: hot rows on the device, warm in DRAM, the tail on SSD).
 
-`Placement` is an enum (`DEVICE`, `HOST`, `SSD`); `as_placement` and `as_device` check a user's
-value and name the choices when it is wrong. Knows nothing of tables. Design: docs/systems.md.
+`Placement` is an enum (`DEVICE`, `HOST`, `HOST_UVA`, `SSD`), `CacheIndex` where a hot-row cache keeps
+its index (`HOST`, `DEVICE`); `as_placement`, `as_cache_index` and `as_device` check a user's value and name the choices when it is wrong; `check_device_memory` refuses an allocation larger
+than a CUDA device's free memory, naming both. Knows nothing of tables. Design: docs/systems.md.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import enum
 
 import torch
 
-__all__ = ["Placement", "as_device", "as_placement"]
+__all__ = ["CacheIndex", "Placement", "as_cache_index", "as_device", "as_placement", "check_device_memory"]
 
 
 class Placement(enum.StrEnum):
@@ -18,7 +19,29 @@ class Placement(enum.StrEnum):
 
     DEVICE = "device"  # the whole FP8 table resident on the compute device: no fetching at all
     HOST = "host"  # an in-memory FP8Table in host DRAM; rows staged (pinned on CUDA) and copied over
+    HOST_UVA = "host-uva"  # a pinned FP8Table in host DRAM that the CUDA gather kernel reads in place (UVA)
     SSD = "ssd"  # a memory-mapped MmapFP8Table: rows read from the file's pages as touched
+
+
+class CacheIndex(enum.StrEnum):
+    """Where a hot-row cache keeps its row -> slot index (the cached bytes are on the compute device)."""
+
+    HOST = "host"  # RowCache: numba index on the host, exact policies (lru, clock, lfu, pinned ...)
+    DEVICE = "device"  # DeviceRowCache: set-associative LRU, index on the device, lookups without a host sync
+
+
+def as_cache_index(value: CacheIndex | str) -> CacheIndex:
+    """`value` as a CacheIndex; raises ValueError naming the choices for anything else."""
+    if isinstance(value, CacheIndex):
+        return value
+    if isinstance(value, str):
+        try:
+            return CacheIndex(value.lower())
+        except ValueError:
+            pass
+    raise ValueError(
+        f"cache_index={value!r} is not a CacheIndex; use 'host' or 'device' (or None: chosen for you)"
+    )
 
 
 def as_placement(value: Placement | str) -> Placement:
@@ -32,7 +55,7 @@ def as_placement(value: Placement | str) -> Placement:
             pass
     choices = ", ".join(repr(p.value) for p in Placement)
     raise ValueError(
-        f"placement={value!r} is not a Placement; use Placement.DEVICE/HOST/SSD or one of {choices}"
+        f"placement={value!r} is not a Placement; use Placement.DEVICE/HOST/HOST_UVA/SSD or one of {choices}"
     )
 
 
@@ -60,3 +83,16 @@ def as_device(value: torch.device | str | None) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"device={value!r}: tiered tables compute on 'cpu' or 'cuda' devices")
     return device
+
+
+def check_device_memory(nbytes: int, device: torch.device, what: str, fix: str) -> None:
+    """Refuse `nbytes` of new memory on a CUDA `device` when they exceed its free memory now
+    (torch.cuda.mem_get_info), naming both numbers, `what` asks for them and `fix`. A CPU passes."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if nbytes > free:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:,.2f} GiB ({nbytes:,} bytes) on {device}, but only "
+            f"{free / 2**30:,.2f} GiB of its {total / 2**30:,.2f} GiB are free; {fix}"
+        )

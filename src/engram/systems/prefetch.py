@@ -25,7 +25,7 @@ from engram.model.module import Engram
 from engram.model.table import FP8Table, QuantTable, TrainableTable, quantize_table
 from engram.rowformat.formats import RowFormat, as_row_format
 from engram.systems.background import PrefetchHandle
-from engram.systems.placement import Placement, as_placement
+from engram.systems.placement import CacheIndex, Placement, as_placement
 from engram.systems.tiered import TieredTable
 
 __all__ = ["PrefetchedBatch", "Prefetcher", "engram_modules", "offload_engram"]
@@ -76,6 +76,7 @@ def offload_engram(
     max_inflight: int = 2,
     fetch_threads: int | None = None,
     row_format: RowFormat | str = RowFormat.FP8,
+    cache_index: CacheIndex | str | None = None,
 ) -> dict[int, TieredTable]:
     """Swap every Engram module's table in `model` for a TieredTable on `placement`; returns them by layer.
 
@@ -84,7 +85,8 @@ def offload_engram(
     `quantize=True` (to `row_format`: FP8 by default, or int8, int8-row, int4; a table already quantised
     keeps its format). SSD: an MmapFP8Table (MmapQuantTable) is used as is; an in-memory table is first written to
     `ssd_dir/engram_layer{L}.safetensors` (which `ssd_dir` must name). HOST with an MmapFP8Table reads
-    the file into memory.
+    the file into memory; HOST_UVA also pins it (a pinned copy of a pageable table: TieredTable itself
+    refuses pageable tables). `cache_index`: as `TieredTable` takes it.
     """
     where = as_placement(placement)
     if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
@@ -113,11 +115,18 @@ def offload_engram(
                 if fp8
                 else MmapQuantTable(path, "weight", "scale", table.row_format)
             )
-        elif where is Placement.HOST:
+        elif where in (Placement.HOST, Placement.HOST_UVA):
             if isinstance(table, MmapQuantTable):
                 table = _in_memory(table.weight.clone(), table.scale.clone(), table.row_format)
             elif table.weight.device.type != "cpu":
                 table = _in_memory(table.weight.cpu(), table.scale.cpu(), table.row_format)
+            if where is Placement.HOST_UVA and not table.weight.is_pinned():
+                if not torch.cuda.is_available():
+                    raise ValueError(
+                        "placement HOST_UVA reads a pinned host table from CUDA kernels, but CUDA is not "
+                        "available here; use placement HOST"
+                    )
+                table = _in_memory(table.weight.pin_memory(), table.scale.pin_memory(), table.row_format)
         target = (
             device if device is not None else (table.weight.device if where is Placement.DEVICE else "cpu")
         )
@@ -128,6 +137,7 @@ def offload_engram(
             cache_rows=cache_rows,
             max_inflight=max_inflight,
             fetch_threads=fetch_threads,
+            cache_index=cache_index if cache_rows else None,
         )
         modules[lid].table = tiered
         out[lid] = tiered
