@@ -218,6 +218,42 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     assert "has no config.json" in _refused(capsys, "hf-eval", tmp_path, "--corpus", corpus)
 
 
+def test_seq_len_without_a_target_refused(folder, corpus, tmp_path, capsys):
+    """--seq-len 1 trained on no target (final loss 0.0, a model written) with --held-out 0, and blamed
+    the corpus's size with a held-out share: refused at the option, naming it; nothing written. The
+    library refuses it too (a block of one token has no next-token loss)."""
+    out = tmp_path / "out"
+    for held in ("0", "0.05"):
+        with pytest.raises(SystemExit) as e:
+            run(
+                "hf-train",
+                folder,
+                "--corpus",
+                corpus,
+                "--out",
+                out,
+                *FAST,
+                "--seq-len",
+                "1",
+                "--held-out",
+                held,
+            )
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (
+            "engram hf-train: error: argument --seq-len: 1 is out of range; give a whole number >= 2 "
+            "(a block of one token has no next token to predict)"
+        )
+    with pytest.raises(SystemExit) as e:
+        run("hf-eval", folder, "--corpus", corpus, "--seq-len", "1")
+    assert e.value.code == 2 and "argument --seq-len: 1 is out of range" in capsys.readouterr().err
+    assert not out.exists() and not H.partial_folder(out).exists()
+    with pytest.raises(ValueError, match="--seq-len 1: a block of one token has no next token"):
+        hf_folder.evaluate_folder(str(folder), str(corpus), seq_len=1)
+    with pytest.raises(ValueError, match="--seq-len 1: a block of one token"):
+        hf_corpus.split_blocks(list(range(10)), 1, 0.0)
+
+
 def test_several_processes_need_distributed(folder, corpus, tmp_path, capsys, monkeypatch):
     """Under torchrun without --distributed (N copies would train side by side), --distributed without
     torchrun's environment, and the options across processes without --distributed: refused, naming the
@@ -259,6 +295,7 @@ def test_settings_are_checked():
         ({"batch_size": 0}, "--batch-size 0: give a whole number >= 1"),
         ({"steps": 2, "tokens": 100}, "--steps or --tokens, not both"),
         ({"lr": float("nan")}, "--lr nan: give a finite number > 0"),
+        ({"seq_len": 1}, "--seq-len 1: a block of one token has no next token to predict"),
         ({"eval_blocks": -1}, "--eval-blocks -1"),
         ({"table_sync": "half"}, "--table-sync 'half': give one of sharded, replicated"),
         ({"table_sync": "sharded", "engram": False, "mode": "lora"}, "--table-sync describes Engram"),

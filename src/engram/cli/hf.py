@@ -20,12 +20,15 @@ from engram.cli.options import (
     seed,
     set_threads,
     threads,
+    whole_number,
 )
 
 __all__ = ["register"]
 
 MODES = ("frozen", "lora", "full")  # engram.apps.hf.train.TrainMode's values (apps imported only to run)
 TABLE_SYNCS = ("sharded", "replicated")  # engram.apps.hf.settings.TABLE_SYNCS
+# a block's loss predicts each token from those before it: one token has no next token to predict
+block_length = whole_number(2, fix=" (a block of one token has no next token to predict)")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -214,7 +217,9 @@ def register(sub: Any) -> None:
     p.add_argument("--steps", type=positive_int, help="training steps (default 200)")
     p.add_argument("--tokens", type=row_count, help="training tokens instead of --steps (e.g. 2M)")
     p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument(
+        "--seq-len", type=block_length, default=128, help="tokens a block (default 128; 2 or more)"
+    )
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--table-lr", type=positive_float, default=1e-2, help="table learning rate (default 1e-2)")
     p.add_argument("--seed", type=seed, default=0)
@@ -261,7 +266,7 @@ def register(sub: Any) -> None:
         "--held-out", type=fraction, help="fraction held out (default: the folder's run's, else 0.05; 0: all)"
     )
     p.add_argument(
-        "--seq-len", type=positive_int, help="block length (default: the folder's run's, else 128)"
+        "--seq-len", type=block_length, help="block length, 2 or more (default: the folder's run's, else 128)"
     )
     p.add_argument(
         "--max-blocks",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engram.apps.hf.corpus import HELD_OUT, read_corpus, read_documents
+from engram.apps.hf.corpus import HELD_OUT, SEQ_LEN_ONE, read_corpus, read_documents
 from engram.checkpoint.input_files import path_kind
 
 __all__ = [
@@ -152,6 +152,8 @@ def evaluate_folder(
     the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
     engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
     `max_blocks=0`: every block."""
+    if seq_len == 1:
+        raise ValueError(SEQ_LEN_ONE)
     docs = read_documents(corpus)
     check_folder(folder)
     run_file = Path(folder) / RUN_FILE
