@@ -123,8 +123,21 @@ def test_lora_trains_and_is_merged(folder, corpus, whole, capsys):
     assert (out / "engram").is_dir() and not (out / "adapter_config.json").exists()
 
 
-def test_full_trains_every_parameter(folder, corpus, tmp_path):
-    r = train(folder, corpus, tmp_path / "out", "--tokens", "384", "--mode", "full", "--lr", "3e-3")
+def test_full_trains_every_parameter(folder, corpus, tmp_path, capsys):
+    # --resume-if-possible with no earlier run: from the start, saying so
+    r = train(
+        folder,
+        corpus,
+        tmp_path / "out",
+        "--tokens",
+        "384",
+        "--mode",
+        "full",
+        "--lr",
+        "3e-3",
+        "--resume-if-possible",
+    )
+    assert f"no earlier run for {tmp_path / 'out'}" in capsys.readouterr().err
     assert r["steps"] == 3 and r["tokens"] == 384  # --tokens: steps of 4 x 32
     assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
     assert "model.embed_tokens.weight" in _changed(folder, tmp_path / "out")
@@ -160,7 +173,10 @@ def test_resume_equals_uninterrupted(folder, corpus, whole, tmp_path, capsys, mo
     other = ("--steps", "5", "--checkpoint-every", "2", "--lr", "1e-3", "--mode", mode, "--resume")
     assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *other) == 2
     assert "other settings (lr: 0.003)" in capsys.readouterr().err
-    resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume")
+    # --resume-if-possible where there is an earlier run: the same as --resume
+    resumed = train(
+        folder, corpus, tmp_path / "cut", *args, "--resume" if mode == "frozen" else "--resume-if-possible"
+    )
     assert (
         f"resuming from {H.partial_folder(tmp_path / 'cut')}/checkpoints/checkpoint-2"
         in capsys.readouterr().err
@@ -210,6 +226,12 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     (out / "x").parent.mkdir()
     (out / "x").write_text("x")
     assert "not empty" in _refused(capsys, *base, "--corpus", corpus)
+    typo = tmp_path / "typo"  # --resume with no earlier run (a mistyped --out): refused, nothing written
+    assert _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", typo, *FAST, "--resume") == (
+        f"engram hf-train: error: --resume: no earlier run for {typo} (looked in {H.partial_folder(typo)}): "
+        "check --out, or give --resume-if-possible to start afresh where there is none"
+    )
+    assert not typo.exists() and not H.partial_folder(typo).exists()
     assert "applies to --mode lora" in _refused(capsys, *base, "--corpus", corpus, "--lora-rank", "4")
     assert "--no-engram with --mode frozen" in _refused(
         capsys, "hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o2", "--no-engram"

@@ -114,6 +114,7 @@ def _train(s: Any, args: argparse.Namespace, *, distributed: bool) -> dict[str, 
     return train_folder(
         s,
         resume=args.resume,
+        resume_if_possible=args.resume_if_possible,
         progress=not args.no_progress,
         distributed=distributed,
         timeout=args.collective_timeout,
@@ -235,7 +236,17 @@ def register(sub: Any) -> None:
         default=64,
         help="held-out blocks evaluated before and after training (default 64; 0: all)",
     )
-    p.add_argument("--resume", action="store_true", help="continue the interrupted run for --out")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run for --out (refused where there is none)",
+    )
+    again.add_argument(
+        "--resume-if-possible",
+        action="store_true",
+        help="continue the interrupted run for --out if there is one, else start from the beginning",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--distributed",

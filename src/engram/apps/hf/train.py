@@ -186,6 +186,11 @@ def _check_and_load(s: HFTrainSettings, ranks: Ranks, resume: bool) -> _Run:
     its held-out loss, LoRA's adapters: this process's own work, no collective."""
     check_out(s.out)
     work = partial_folder(s.out)
+    if resume and path_kind(work) is None:  # a mistyped --out, most likely: nothing to continue there
+        raise ValueError(
+            f"--resume: no earlier run for {s.out} (looked in {work}): check --out, or give "
+            "--resume-if-possible to start afresh where there is none"
+        )
     if path_kind(work) is not None and not resume:
         raise ValueError(
             f"{work} holds an earlier run for {s.out} (interrupted?): pass --resume to continue it, or "
@@ -254,6 +259,7 @@ def train_folder(
     s: HFTrainSettings,
     *,
     resume: bool = False,
+    resume_if_possible: bool = False,
     progress: bool = True,
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
     distributed: bool = False,
@@ -275,9 +281,22 @@ def train_folder(
         raise ValueError(
             f"--table-sync {s.table_sync} applies across processes: add --distributed ({LAUNCH})"
         )
-    ranks.check_same({f"--{k.replace('_', '-')}": v for k, v in {**s.to_dict(), "resume": resume}.items()})
+    if resume and resume_if_possible:
+        raise ValueError("give --resume or --resume-if-possible, not both")
+    ranks.check_same(
+        {
+            f"--{k.replace('_', '-')}": v
+            for k, v in {**s.to_dict(), "resume": resume, "resume_if_possible": resume_if_possible}.items()
+        }
+    )
     if not ranks.is_main:
         say = _quiet
+    if resume_if_possible:  # continue an earlier run if there is one (every rank sees the same folder)
+        resume = path_kind(partial_folder(s.out)) is not None
+        if not resume:
+            say(
+                f"--resume-if-possible: no earlier run for {s.out} (in {partial_folder(s.out)}): training from the start"
+            )
     with ranks.agreed():
         run = _check_and_load(s, ranks, resume)
     model, train_model, work = run.model, run.train_model, run.work
