@@ -240,6 +240,68 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     assert "has no config.json" in _refused(capsys, "hf-eval", tmp_path, "--corpus", corpus)
 
 
+def _broken(folder: Path, d: Path, damage: str) -> Path:
+    """A copy of the tiny folder with one thing wrong (and an Engram part, for the links)."""
+    import shutil
+
+    from engram.hf import add_engram, save_engram
+
+    shutil.copytree(folder, d)
+    config = json.loads((d / "config.json").read_text())
+    weights = d / "model.safetensors"
+    kind, _, value = damage.partition("=")
+    if kind in ("hidden_size", "num_hidden_layers"):  # the tiny model: hidden 32, 4 heads, 3 layers
+        (d / "config.json").write_text(json.dumps({**config, kind: int(value)}))
+    elif kind == "truncate":
+        os.truncate(weights, weights.stat().st_size // 2 if value == "half" else weights.stat().st_size - 1)
+    else:  # a file linked from outside the folder
+        save_engram(add_engram(S.llama(layers=3), S.engram_config((1,)), compression=S.compression()), d)
+        outside = d.parent / f"{d.name}-outside"
+        outside.mkdir()
+        shutil.move(d / kind, outside / kind)
+        (d / kind).symlink_to(outside / kind)
+    return d
+
+
+BROKEN = {
+    "hidden_size=30": r"config.json cannot be read by transformers \(The hidden size \(30\) is not a multiple of the "
+    r"number of attention heads \(4\).\); restore the config.json",
+    "hidden_size=48": r"model.safetensors: tensor 'lm_head.weight' is \[\d+, 32\], but config.json \(vocab_size \d+, "
+    r"hidden_size 48, .*\) does not describe these weights: restore the config.json they were saved with",
+    "num_hidden_layers=4": r"model.safetensors: no tensor 'model.layers.3.input_layernorm.weight' and 8 more of the "
+    r"model, so transformers would draw them at random: config.json \(.*num_hidden_layers 4",
+    "num_hidden_layers=2": r"model.safetensors: the weights hold model.layers.2, which the model lacks \(model.layers "
+    r"0..1\), so transformers would drop them",
+    "truncate=half": r"model.safetensors: not a readable safetensors file \(\d+ bytes; .*file not fully covered\): "
+    r"truncated or damaged .*; re-copy or re-convert it",
+    "truncate=1": r"model.safetensors: not a readable safetensors file \(\d+ bytes; .*not fully covered",
+    "tokenizer.json": r"the model folder .* holds 'tokenizer.json', a symlink to .*-outside/tokenizer.json, outside the "
+    r"checkpoint folder .*; a checkpoint reads only files inside its folder: copy it in",
+    "engram": r"the model folder .* holds 'engram', a symlink to .*-outside/engram, outside the checkpoint folder",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(BROKEN))
+def test_broken_model_folder_refused(folder, corpus, tmp_path, capsys, damage):
+    """A model folder whose config.json does not fit its weights (hidden size not a multiple of the
+    heads, another hidden size, more or fewer layers), whose model.safetensors is truncated (to half,
+    by one byte), or that links a file from outside: `hf-train` and `hf-eval` printed a traceback
+    ending in "internal error" (or read the linked file); now one line naming the file, the value and
+    the fix, exit 2, before anything loads; nothing written."""
+    import re
+
+    d = _broken(folder, tmp_path / "model", damage)
+    out = tmp_path / "out"
+    for argv in (
+        ("hf-train", d, "--corpus", corpus, "--out", out, *FAST),
+        ("hf-eval", d, "--corpus", corpus, "--seq-len", "32"),
+    ):
+        err = _refused(capsys, *argv)
+        assert re.search(BROKEN[damage], err), err
+        assert err.startswith(f"engram {argv[0]}: error: ") and "internal error" not in err
+    assert not out.exists() and not H.partial_folder(out).exists()
+
+
 def test_seq_len_without_a_target_refused(folder, corpus, tmp_path, capsys):
     """--seq-len 1 trained on no target (final loss 0.0, a model written) with --held-out 0, and blamed
     the corpus's size with a held-out share: refused at the option, naming it; nothing written. The

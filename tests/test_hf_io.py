@@ -306,3 +306,37 @@ def test_load_refuses_a_part_for_a_larger_vocabulary(tmp_path):
     ):
         load_engram(small, tmp_path / "e")
     assert not hasattr(small, "engram")
+
+
+def test_nothing_is_read_through_a_link_out_of_the_folder(hf_folder, tmp_path):
+    """A symlinked table file was refused ("a checkpoint reads only files inside its folder"), but a
+    symlinked engram/ folder and tokenizer.json pointing outside were read: one rule for every file a
+    folder reader opens. A link that stays inside the folder is followed."""
+    import shutil
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    S.tokenizer().save(str(outside / "tokenizer.json"))
+    (hf_folder / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+    fresh = S.llama()
+    refusal = r"a symlink to .*elsewhere.*, outside the checkpoint folder .*a checkpoint reads only files inside its folder"
+    with pytest.raises(ValueError, match=rf"'tokenizer.json', {refusal}"):
+        load_engram(fresh, hf_folder)
+    assert not hasattr(fresh, "engram")
+    (hf_folder / "tokenizer.json").unlink()
+    S.tokenizer().save(str(hf_folder / "tok-real.json"))
+    (hf_folder / "tokenizer.json").symlink_to("tok-real.json")  # inside: read
+    assert hasattr(load_engram(S.llama(), hf_folder), "engram")
+    shutil.move(hf_folder / "engram", outside / "engram")
+    (hf_folder / "engram").symlink_to(outside / "engram")
+    with pytest.raises(ValueError, match=rf"holds its Engram part 'engram', {refusal}"):
+        load_engram(fresh, hf_folder)
+    assert not hasattr(fresh, "engram")
+    (hf_folder / "engram").unlink()
+    shutil.move(outside / "engram", hf_folder / "engram-real")
+    (hf_folder / "engram").symlink_to("engram-real")  # inside: read
+    assert hasattr(load_engram(S.llama(), hf_folder), "engram")
+    shutil.move(hf_folder / "config.json", outside / "config.json")
+    (hf_folder / "config.json").symlink_to(outside / "config.json")
+    with pytest.raises(ValueError, match=rf"'config.json', {refusal}"):
+        load_engram(fresh, hf_folder)

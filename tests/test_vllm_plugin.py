@@ -56,6 +56,29 @@ def test_refusals_name_the_value(float_folder, tmp_path):
         read_part(plain, **SHAPE)
 
 
+def test_part_linked_from_outside_the_folder_is_refused(float_folder, tmp_path):
+    """The served folder's engram/ and tokenizer.json: read only from inside the folder, as every file a
+    folder reader opens (a link that stays inside is followed)."""
+    import shutil
+
+    served = tmp_path / "served"
+    shutil.copytree(float_folder, served)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(served / "engram", outside / "engram")
+    (served / "engram").symlink_to(outside / "engram")
+    with pytest.raises(
+        PartError, match=r"'engram', a symlink to .*elsewhere/engram, outside the checkpoint folder"
+    ):
+        read_part(served, **SHAPE)
+    (served / "engram").unlink()
+    shutil.move(outside / "engram", served / "engram")
+    (outside / "tokenizer.json").write_text("{}")  # never opened: refused by its place alone
+    (served / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+    with pytest.raises(PartError, match=r"'tokenizer.json', a symlink to .*, outside the checkpoint folder"):
+        read_part(served, **SHAPE)
+
+
 def test_part_for_another_tokenizer_is_refused(float_folder, tmp_path):
     from engram.addressing.compression import resolve_tokenizer
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
-from engram.checkpoint.files import member_file
+from engram.checkpoint.files import member_file, member_folder, member_path
 from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
@@ -126,9 +126,12 @@ def read_options(part: str | os.PathLike[str]) -> dict[str, Any]:
     return options
 
 
-def part_folder(part: str | os.PathLike[str], missing: str) -> Path:
+def part_folder(
+    part: str | os.PathLike[str], missing: str, *, inside: str | os.PathLike[str] | None = None
+) -> Path:
     """`part` (an Engram part's folder) as a Path; FileNotFoundError(`missing`) when nothing is there,
-    ValueError naming what is there instead (a file, a FIFO: nothing is opened)."""
+    ValueError naming what is there instead (a file, a FIFO: nothing is opened). `inside`: the model
+    folder that holds it (`engram/`), which it must not leave by a symlink (`member_folder`'s rule)."""
     part = Path(part)
     kind = path_kind(part)
     if kind is None:
@@ -138,6 +141,8 @@ def part_folder(part: str | os.PathLike[str], missing: str) -> Path:
             f"{part} is {kind}, not the folder of an Engram part: remove it, then write the part with "
             f"engram.hf.save_engram(model, {str(part.parent)!r})"
         )
+    if inside is not None:
+        member_folder(inside, part.name, f"the model folder {inside} holds its Engram part")
     return part
 
 
@@ -174,6 +179,10 @@ def _check_tokenizer(
     """What the map was checked against: `tokenizer`, else `tokenizer_file` when there is one; None
     (with a TokenizerNotCheckedWarning) when there is neither."""
     if tokenizer is None and tokenizer_file is not None:
+        # a link out of the model folder is refused as every file a folder reader opens
+        member_path(
+            tokenizer_file.parent, tokenizer_file.name, f"{tokenizer_file.parent} holds the tokenizer"
+        )
         kind = path_kind(tokenizer_file)
         if kind is not None and kind != "a file":  # a folder, a FIFO (opening one blocks): never opened
             raise ValueError(
@@ -293,10 +302,12 @@ def load_engram(
         raise FileNotFoundError(f"{directory}: no such directory (write one with engram.hf.save_engram)")
     if kind != "a folder":
         raise ValueError(f"{directory} is {kind}, not a folder: give the folder save_engram wrote")
+    part = engram_part(directory)
     d = part_folder(
-        engram_part(directory),
+        part,
         f"{directory} is an HF model folder without an Engram part ({directory / PART_FOLDER} is missing): "
         f"save it with engram.hf.save_engram(model, {str(directory)!r})",
+        inside=directory if part != directory else None,
     )
     decoder = find_decoder_layers(model, decoder_layers)
     checked = check_part(

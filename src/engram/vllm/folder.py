@@ -79,7 +79,7 @@ def read_part(
         "backbone alone, drop the Engram architecture name from vLLM's hf_overrides"
     )
     try:
-        part = part_folder(d / PART_FOLDER, missing)
+        part = part_folder(d / PART_FOLDER, missing, inside=d)
         checked = check_part(
             part,
             backbone=f"the backbone in {d}",

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engram.addressing.layout import Layout, layout_fingerprint
-from engram.checkpoint.files import TensorEntry
+from engram.checkpoint.files import TensorEntry, member_path
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable
@@ -96,6 +96,7 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
     path = Path(directory) / CONFIG_FILE
     if not os.path.lexists(path):
         return False
+    member_path(directory, CONFIG_FILE, f"the folder {directory} holds")  # never read through a link out
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (reading one blocks): not ours
             return True
