@@ -302,6 +302,35 @@ def test_broken_model_folder_refused(folder, corpus, tmp_path, capsys, damage):
     assert not out.exists() and not H.partial_folder(out).exists()
 
 
+def test_hf_eval_refuses_a_damaged_part_and_warns_of_another_base(corpus, whole, tmp_path, capsys):
+    """A flipped byte in OUT's Engram part (a wkv weight from -0.0003 to 22925.3, say) was evaluated
+    without a word: refused by its CRC32, one line naming the file and tensor, exit 2. OUT's backbone
+    replaced by another model of the same sizes: evaluated, with one warning line."""
+    import shutil
+
+    from engram.checkpoint.files import read_header
+
+    out, _ = whole["frozen"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    shard = damaged / "engram" / "model-00001-of-00001.safetensors"
+    n, header = read_header(shard)
+    data = bytearray(shard.read_bytes())
+    data[8 + n + header["layers.1.engram.wkv.weight"]["data_offsets"][0] + 3] ^= 0x40  # an exponent bit
+    shard.write_bytes(bytes(data))
+    err = _refused(capsys, "hf-eval", damaged, "--corpus", corpus, "--threads", "1")
+    assert f"{shard}: tensor 'layers.1.engram.wkv.weight': its bytes do not match the CRC32" in err
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    S.llama(layers=3, seed=5).save_pretrained(other)  # another backbone of the same sizes, the part kept
+    capsys.readouterr()
+    assert run("hf-eval", other, "--corpus", corpus, "--json", "--threads", "1") == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engram")]
+    assert len(err) == 1 and err[0].startswith(
+        f"engram hf-eval: warning: {other / 'engram'} was trained on another base"
+    )
+
+
 def test_seq_len_without_a_target_refused(folder, corpus, tmp_path, capsys):
     """--seq-len 1 trained on no target (final loss 0.0, a model written) with --held-out 0, and blamed
     the corpus's size with a held-out share: refused at the option, naming it; nothing written. The

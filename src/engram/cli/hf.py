@@ -10,6 +10,7 @@ from typing import Any
 
 from engram.cli.options import (
     SIZE_HELP,
+    add_verify_option,
     input_file,
     input_folder,
     non_negative_int,
@@ -164,6 +165,7 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
         held_out=args.held_out,
         max_blocks=args.max_blocks,
         batch_size=args.batch_size,
+        verify=args.verify,
     )
     if args.json:
         print(json.dumps(r))
@@ -285,4 +287,5 @@ def register(sub: Any) -> None:
         help="blocks evaluated (default: the folder's run's, else 64; 0: all)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8)
+    add_verify_option(p)
     p.set_defaults(func=cmd_hf_eval)

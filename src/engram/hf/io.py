@@ -27,7 +27,14 @@ from engram.checkpoint.files import member_file, member_folder, member_path
 from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
-from engram.checkpoint.v41 import foreign_config, load_engram_modules, read_checkpoint_config, save_checkpoint
+from engram.checkpoint.v41 import (
+    BASE_MODEL_KEY,
+    foreign_config,
+    load_engram_modules,
+    read_checkpoint_config,
+    recorded_metadata,
+    save_checkpoint,
+)
 from engram.config import EngramConfig
 from engram.hf.attach import (
     add_engram,
@@ -37,6 +44,7 @@ from engram.hf.attach import (
     get_attachment,
     model_hidden_size,
 )
+from engram.hf.base import base_record, check_model_base
 
 __all__ = [
     "COMPRESSION_FILE",
@@ -44,11 +52,14 @@ __all__ = [
     "PART_FOLDER",
     "TOKENIZER_FILE",
     "CheckedPart",
+    "ReadPart",
     "TokenizerNotCheckedWarning",
+    "attach_part",
     "check_part",
     "engram_part",
     "export_fp8",
     "load_engram",
+    "read_engram",
     "read_options",
     "save_engram",
 ]
@@ -82,7 +93,8 @@ def _save(model: nn.Module, directory: str | os.PathLike[str], fp8: bool) -> Pat
             )
     out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}
-    save_checkpoint(out, att.config, modules, fp8=fp8)
+    # the model it was trained on, under the seal with every tensor's CRC32 (engram.hf.base)
+    save_checkpoint(out, att.config, modules, fp8=fp8, extra_metadata={BASE_MODEL_KEY: base_record(model)})
     att.compression.save(out / COMPRESSION_FILE)
     options = {"boundaries": att.rows.boundaries, "eos_token_id": att.rows.eos_token_id}
     (out / OPTIONS_FILE).write_text(json.dumps(options, indent=2) + "\n")
@@ -270,29 +282,32 @@ def _vocab_size(model: nn.Module) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def load_engram(
-    model: nn.Module,
+@dataclass(frozen=True)
+class ReadPart:
+    """An Engram part checked against a backbone's sizes and read (`read_engram`): its modules, ready
+    to attach (`attach_part`), and the base model it records (None: a part that records none)."""
+
+    checked: CheckedPart
+    modules: dict[int, Any]  # layer id -> engram.model.module.Engram
+    base: str | None
+
+
+def read_engram(
     directory: str | os.PathLike[str],
     *,
+    backbone: str,
+    hidden_size: int | None,
+    num_layers: int,
+    vocab_size: int | None = None,
     tokenizer: Any = None,
     mmap: bool = True,
-    decoder_layers: Any = None,
-    dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
-
-    `directory` is the part's folder, or an HF model folder whose `engram/` holds it (what
-    `save_pretrained` then `save_engram` into one folder give). `check_part` runs first: a part saved
-    for another hidden size, for more layers or a larger vocabulary than the model has, or with a
-    compression map built for another tokenizer (`tokenizer`, else `directory/tokenizer.json` when
-    there is one; with neither a TokenizerNotCheckedWarning says the map was not checked) is refused
-    with nothing attached. FP8 tables load memory-mapped (`mmap=True`) or into memory; float tables
-    load trainable. The modules take `dtype` (default: the model's, float32 / bfloat16 / float64;
-    float32 for another), so a float64 model computes Engram in float64.
-    """
-    if dtype is None:
-        dtype = engram_dtype(model)
-    elif dtype not in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+    dtype: torch.dtype | None = torch.float32,
+    verify: bool = False,
+) -> ReadPart:
+    """Check and read the Engram part in `directory` (as `load_engram` does, see there) for a backbone
+    of these sizes, before the backbone itself is loaded: a refused part costs no model load.
+    `backbone` names it in the messages; `attach_part` attaches the result."""
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
         raise TypeError(
             f"dtype={dtype!r}: give torch.float32, torch.bfloat16, torch.float64 or torch.float16"
         )
@@ -309,27 +324,79 @@ def load_engram(
         f"save it with engram.hf.save_engram(model, {str(directory)!r})",
         inside=directory if part != directory else None,
     )
-    decoder = find_decoder_layers(model, decoder_layers)
     checked = check_part(
         d,
-        backbone=type(model).__name__,
-        hidden_size=model_hidden_size(model),
-        num_layers=len(decoder),
-        vocab_size=_vocab_size(model),
+        backbone=backbone,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
         tokenizer=tokenizer,
         tokenizer_file=directory / TOKENIZER_FILE,
     )
-    config, modules = load_engram_modules(d, mmap=mmap, dtype=dtype)
-    for lid, m in modules.items():
+    base = recorded_metadata(d, BASE_MODEL_KEY)
+    _, modules = load_engram_modules(d, mmap=mmap, dtype=dtype, verify=verify)
+    return ReadPart(checked, modules, base)
+
+
+def attach_part(model: nn.Module, read: ReadPart, *, decoder_layers: Any = None) -> nn.Module:
+    """Attach a part `read_engram` read to `model` (its modules moved to the device of the layers they
+    join); a part recorded for another base model than `model` warns (`BaseModelWarning`)."""
+    check_model_base(read.base, model, str(read.checked.part))  # another base: a warning
+    decoder = find_decoder_layers(model, decoder_layers)
+    for lid, m in read.modules.items():
         lp = next(iter(decoder[lid].parameters()), None)
         if lp is not None and lp.device.type != "cpu":
             m.to(lp.device)
+    checked = read.checked
     return add_engram(
         model,
-        config,
+        checked.config,
         compression=checked.compression,
-        modules=modules,
+        modules=read.modules,
         decoder_layers=decoder_layers,
         boundaries=checked.boundaries,
         eos_token_id=checked.eos_token_id,
     )
+
+
+def load_engram(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    mmap: bool = True,
+    decoder_layers: Any = None,
+    dtype: torch.dtype | None = None,
+    verify: bool = False,
+) -> nn.Module:
+    """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
+
+    `directory` is the part's folder, or an HF model folder whose `engram/` holds it (what
+    `save_pretrained` then `save_engram` into one folder give). `check_part` runs first: a part saved
+    for another hidden size, for more layers or a larger vocabulary than the model has, or with a
+    compression map built for another tokenizer (`tokenizer`, else `directory/tokenizer.json` when
+    there is one; with neither a TokenizerNotCheckedWarning says the map was not checked) is refused
+    with nothing attached. FP8 tables load memory-mapped (`mmap=True`) or into memory; float tables
+    load trainable. The modules take `dtype` (default: the model's, float32 / bfloat16 / float64;
+    float32 for another), so a float64 model computes Engram in float64.
+
+    Every tensor's bytes are checked against the CRC32 the part recorded when it was written (a byte
+    damaged since is refused, naming the file and tensor): the projections always, tables up to
+    `engram.storage.integrity.SCAN_LIMIT_BYTES` (256 MiB) at load, larger ones with `verify=True` (read
+    a block at a time through the file's mapping, so a table larger than memory is checked too; else an
+    `UnscannedTableWarning` says it was not). A part recorded for another base model than `model` (its
+    config's sizes, a sample of its weights: `engram.hf.base`) loads with a `BaseModelWarning`.
+    The two steps are `read_engram` (before a backbone is loaded) and `attach_part`.
+    """
+    read = read_engram(
+        directory,
+        backbone=type(model).__name__,
+        hidden_size=model_hidden_size(model),
+        num_layers=len(find_decoder_layers(model, decoder_layers)),
+        vocab_size=_vocab_size(model),
+        tokenizer=tokenizer,
+        mmap=mmap,
+        dtype=engram_dtype(model) if dtype is None else dtype,
+        verify=verify,
+    )
+    return attach_part(model, read, decoder_layers=decoder_layers)

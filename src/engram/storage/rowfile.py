@@ -7,7 +7,7 @@ bytes and scale bytes sit together, and rows are packed `page_bytes // row_bytes
 version, rows, dim, row stride, rows per page, layer id, the fingerprint of the layout the rows were
 hashed with and that of the table they were copied from (both checked against the checkpoint's).
 Opening scans the rows for NaN bytes as a checkpoint's tables are scanned (by size, always with
-`verify`). `RowFile` reads rows with batched positional reads
+`verify`), and hashes them against the fingerprint of the table they were copied from. `RowFile` reads rows with batched positional reads
 (`os.preadv`, one per run of consecutive pages, offsets ascending), optionally `O_DIRECT`, never a
 memory map (whose page cache would be an uncounted extra level), and counts reads, pages and bytes.
 `split_layout_pages` counts the pages the same rows touch in the two-tensor layout. Several
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_fp8_pair, fp8_row_bytes
-from engram.storage.integrity import check_fp8_rows, scan_table
+from engram.storage.integrity import check_fp8_rows, fingerprint_blocks, scan_table
 
 __all__ = [
     "MAGIC",
@@ -355,6 +355,7 @@ class RowFile:
         where = f"row file {self.path}"
         if scan_table(h.rows * h.row_bytes, self.verify, where):
             check_fp8_rows(self._pieces(), where, fix)
+            self._check_tables(where, fix)
         self.direct = False
         self._direct_asked = direct
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -378,6 +379,25 @@ class RowFile:
             self._fd = os.open(self.path, flags)
         self._buf = mmap.mmap(-1, PAGE_BYTES)  # page-aligned (O_DIRECT needs it), grown as needed
         self.reset_stats()
+
+    def _check_tables(self, where: str, fix: str) -> None:
+        """The rows' bytes against the fingerprint of the table they were copied from, where the header
+        records one (`table_fingerprint`: 64 hex digits): a byte damaged in the row file is refused. Two
+        more reads of the file (the fingerprint hashes every value, then every scale)."""
+        h = self.header
+        if len(h.tables) != 64 or any(c not in "0123456789abcdef" for c in h.tables):
+            return
+        got = fingerprint_blocks(
+            (h.rows, h.dim),
+            (h.rows, h.dim // BLOCK),
+            (values for _, values, _ in self._pieces()),
+            (scales for _, _, scales in self._pieces()),
+        )
+        if got != h.tables:
+            raise ValueError(
+                f"{where}: its rows do not match the fingerprint of the table they were copied from (recorded "
+                f"{h.tables[:16]}..., its bytes give {got[:16]}...): the file was damaged since it was written; {fix}"
+            )
 
     def _pieces(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(first row, values (n, dim), scales (n, dim // 32)) uint8 of every row, about

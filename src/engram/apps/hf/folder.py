@@ -157,15 +157,17 @@ def evaluate_folder(
     held_out: float | None = None,
     max_blocks: int | None = None,
     batch_size: int = 8,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
     the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
     engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
-    `max_blocks=0`: every block."""
+    `max_blocks=0`: every block. The part is checked as `load_engram` checks it (every tensor's CRC32,
+    tables over 256 MiB only with `verify`; another base model: a `BaseModelWarning`)."""
     if seq_len == 1:
         raise ValueError(SEQ_LEN_ONE)
     docs = read_documents(corpus)
-    check_folder(folder)
+    hf_config = check_folder(folder)
     saved = {}
     if os.path.lexists(Path(folder) / RUN_FILE):
         run = read_json(member_file(folder, RUN_FILE, "the model folder's record of its training run"))
@@ -186,12 +188,28 @@ def evaluate_folder(
             f"{corpus} gives no block of {seq_len} tokens to evaluate ({c.tokens:,} tokens): give more text "
             "or a smaller --seq-len"
         )
-    model = load_model(folder)
     has_engram = path_kind(Path(folder) / "engram") == "a folder"
-    if has_engram:
-        from engram.hf import load_engram
+    read = None
+    if has_engram:  # checked and read before the backbone loads: a damaged part costs no model load
+        from engram.hf.io import read_engram
 
-        load_engram(model, folder, tokenizer=tok)
+        depth, hidden = model_depth(hf_config)
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        vocab = getattr(text, "vocab_size", None)
+        read = read_engram(
+            folder,
+            backbone=f"the model in {folder}",
+            hidden_size=hidden,
+            num_layers=depth,
+            vocab_size=vocab if isinstance(vocab, int) else None,
+            tokenizer=tok,
+            verify=verify,
+        )
+    model = load_model(folder)
+    if read is not None:
+        from engram.hf.io import attach_part
+
+        attach_part(model, read)
     result = held_out_loss(model, blocks, batch_size)
     return {
         "folder": str(folder),

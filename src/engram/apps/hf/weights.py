@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 
-from engram.checkpoint.files import member_file, member_path, open_tensors
-from engram.checkpoint.json_file import read_json
+from engram.checkpoint.files import member_path, open_tensors
+from engram.hf.base import weight_files
 
-__all__ = ["INDEX_FILE", "WEIGHTS_FILE", "check_links", "check_weights", "reason", "weight_files"]
+__all__ = ["check_links", "check_weights", "reason"]
 
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _DIMS = (  # the config values a shape follows, named in the messages
     "vocab_size",
     "hidden_size",
@@ -43,28 +41,6 @@ def check_links(folder: str | os.PathLike[str]) -> None:
     d = Path(folder)
     for entry in sorted(os.listdir(d)):
         member_path(d, entry, f"the model folder {d} holds")
-
-
-def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files of an HF folder: the shards its model.safetensors.index.json names, else
-    its model.safetensors; [] for a folder of other weights (pytorch_model.bin: transformers' own
-    loader checks those). Each a regular file inside the folder (`member_file`)."""
-    d = Path(folder)
-    if os.path.lexists(d / INDEX_FILE):
-        index_path = member_file(d, INDEX_FILE, "the model folder's")
-        index = read_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(
-                f"{index_path}: no 'weight_map' of tensor names to file names; restore the index the weights "
-                "were saved with"
-            )
-        return [
-            member_file(d, name, f"{index_path} maps tensors to") for name in sorted(set(weight_map.values()))
-        ]
-    if os.path.lexists(d / WEIGHTS_FILE):
-        return [member_file(d, WEIGHTS_FILE, "the model folder's")]
-    return []
 
 
 def reason(e: BaseException) -> str:
