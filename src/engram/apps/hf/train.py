@@ -267,6 +267,9 @@ def train_folder(
 ) -> dict[str, Any]:
     """Run `engram hf-train`: every check first, then load, attach, train, write `s.out`; the summary.
 
+    `resume`: continue the run interrupted for `s.out` (its partial folder), refused where there is none
+    (a mistyped OUT, most likely); `resume_if_possible`: continue it if there is one, else start afresh.
+
     `distributed`: this process is one rank of a torchrun launch whose default process group is started
     (`engram.distributed.init_distributed`); every rank calls this with the same settings. The ranks
     split the global batch (`s.batch_size`), keep the Engram tables one table through
