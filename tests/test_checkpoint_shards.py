@@ -291,7 +291,7 @@ def test_shards_folder_missing_empty_or_linked_out(tmp_path):
     elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
     _write(elsewhere, [0, 4, 10])
     (tmp_path / SHARDS_FOLDER).symlink_to(elsewhere / SHARDS_FOLDER)
-    with pytest.raises(ValueError, match=r"engram-shards: a symlink to .*outside the checkpoint folder"):
+    with pytest.raises(ValueError, match=r"'engram-shards', a symlink to .*outside the checkpoint folder"):
         RowShards(tmp_path, _expect())
 
 

@@ -123,8 +123,21 @@ def test_lora_trains_and_is_merged(folder, corpus, whole, capsys):
     assert (out / "engram").is_dir() and not (out / "adapter_config.json").exists()
 
 
-def test_full_trains_every_parameter(folder, corpus, tmp_path):
-    r = train(folder, corpus, tmp_path / "out", "--tokens", "384", "--mode", "full", "--lr", "3e-3")
+def test_full_trains_every_parameter(folder, corpus, tmp_path, capsys):
+    # --resume-if-possible with no earlier run: from the start, saying so
+    r = train(
+        folder,
+        corpus,
+        tmp_path / "out",
+        "--tokens",
+        "384",
+        "--mode",
+        "full",
+        "--lr",
+        "3e-3",
+        "--resume-if-possible",
+    )
+    assert f"no earlier run for {tmp_path / 'out'}" in capsys.readouterr().err
     assert r["steps"] == 3 and r["tokens"] == 384  # --tokens: steps of 4 x 32
     assert r["held_out"]["loss"] < r["held_out_before"]["loss"]
     assert "model.embed_tokens.weight" in _changed(folder, tmp_path / "out")
@@ -160,7 +173,10 @@ def test_resume_equals_uninterrupted(folder, corpus, whole, tmp_path, capsys, mo
     other = ("--steps", "5", "--checkpoint-every", "2", "--lr", "1e-3", "--mode", mode, "--resume")
     assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *other) == 2
     assert "other settings (lr: 0.003)" in capsys.readouterr().err
-    resumed = train(folder, corpus, tmp_path / "cut", *args, "--resume")
+    # --resume-if-possible where there is an earlier run: the same as --resume
+    resumed = train(
+        folder, corpus, tmp_path / "cut", *args, "--resume" if mode == "frozen" else "--resume-if-possible"
+    )
     assert (
         f"resuming from {H.partial_folder(tmp_path / 'cut')}/checkpoints/checkpoint-2"
         in capsys.readouterr().err
@@ -210,12 +226,145 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     (out / "x").parent.mkdir()
     (out / "x").write_text("x")
     assert "not empty" in _refused(capsys, *base, "--corpus", corpus)
+    typo = tmp_path / "typo"  # --resume with no earlier run (a mistyped --out): refused, nothing written
+    assert _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", typo, *FAST, "--resume") == (
+        f"engram hf-train: error: --resume: no earlier run for {typo} (looked in {H.partial_folder(typo)}): "
+        "check --out, or give --resume-if-possible to start afresh where there is none"
+    )
+    assert not typo.exists() and not H.partial_folder(typo).exists()
     assert "applies to --mode lora" in _refused(capsys, *base, "--corpus", corpus, "--lora-rank", "4")
     assert "--no-engram with --mode frozen" in _refused(
         capsys, "hf-train", folder, "--corpus", corpus, "--out", tmp_path / "o2", "--no-engram"
     )
     assert not H.partial_folder(out).exists() and not H.partial_folder(tmp_path / "o2").exists()
     assert "has no config.json" in _refused(capsys, "hf-eval", tmp_path, "--corpus", corpus)
+
+
+def _broken(folder: Path, d: Path, damage: str) -> Path:
+    """A copy of the tiny folder with one thing wrong (and an Engram part, for the links)."""
+    import shutil
+
+    from engram.hf import add_engram, save_engram
+
+    shutil.copytree(folder, d)
+    config = json.loads((d / "config.json").read_text())
+    weights = d / "model.safetensors"
+    kind, _, value = damage.partition("=")
+    if kind in ("hidden_size", "num_hidden_layers"):  # the tiny model: hidden 32, 4 heads, 3 layers
+        (d / "config.json").write_text(json.dumps({**config, kind: int(value)}))
+    elif kind == "truncate":
+        os.truncate(weights, weights.stat().st_size // 2 if value == "half" else weights.stat().st_size - 1)
+    else:  # a file linked from outside the folder
+        save_engram(add_engram(S.llama(layers=3), S.engram_config((1,)), compression=S.compression()), d)
+        outside = d.parent / f"{d.name}-outside"
+        outside.mkdir()
+        shutil.move(d / kind, outside / kind)
+        (d / kind).symlink_to(outside / kind)
+    return d
+
+
+BROKEN = {
+    "hidden_size=30": r"config.json cannot be read by transformers \(The hidden size \(30\) is not a multiple of the "
+    r"number of attention heads \(4\).\); restore the config.json",
+    "hidden_size=48": r"model.safetensors: tensor 'lm_head.weight' is \[\d+, 32\], but config.json \(vocab_size \d+, "
+    r"hidden_size 48, .*\) does not describe these weights: restore the config.json they were saved with",
+    "num_hidden_layers=4": r"model.safetensors: no tensor 'model.layers.3.input_layernorm.weight' and 8 more of the "
+    r"model, so transformers would draw them at random: config.json \(.*num_hidden_layers 4",
+    "num_hidden_layers=2": r"model.safetensors: the weights hold model.layers.2, which the model lacks \(model.layers "
+    r"0..1\), so transformers would drop them",
+    "truncate=half": r"model.safetensors: not a readable safetensors file \(\d+ bytes; .*file not fully covered\): "
+    r"truncated or damaged .*; re-copy or re-convert it",
+    "truncate=1": r"model.safetensors: not a readable safetensors file \(\d+ bytes; .*not fully covered",
+    "tokenizer.json": r"the model folder .* holds 'tokenizer.json', a symlink to .*-outside/tokenizer.json, outside the "
+    r"checkpoint folder .*; a checkpoint reads only files inside its folder: copy it in",
+    "engram": r"the model folder .* holds 'engram', a symlink to .*-outside/engram, outside the checkpoint folder",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(BROKEN))
+def test_broken_model_folder_refused(folder, corpus, tmp_path, capsys, damage):
+    """A model folder whose config.json does not fit its weights (hidden size not a multiple of the
+    heads, another hidden size, more or fewer layers), whose model.safetensors is truncated (to half,
+    by one byte), or that links a file from outside: `hf-train` and `hf-eval` printed a traceback
+    ending in "internal error" (or read the linked file); now one line naming the file, the value and
+    the fix, exit 2, before anything loads; nothing written."""
+    import re
+
+    d = _broken(folder, tmp_path / "model", damage)
+    out = tmp_path / "out"
+    for argv in (
+        ("hf-train", d, "--corpus", corpus, "--out", out, *FAST),
+        ("hf-eval", d, "--corpus", corpus, "--seq-len", "32"),
+    ):
+        err = _refused(capsys, *argv)
+        assert re.search(BROKEN[damage], err), err
+        assert err.startswith(f"engram {argv[0]}: error: ") and "internal error" not in err
+    assert not out.exists() and not H.partial_folder(out).exists()
+
+
+def test_hf_eval_refuses_a_damaged_part_and_warns_of_another_base(corpus, whole, tmp_path, capsys):
+    """A flipped byte in OUT's Engram part (a wkv weight from -0.0003 to 22925.3, say) was evaluated
+    without a word: refused by its CRC32, one line naming the file and tensor, exit 2. OUT's backbone
+    replaced by another model of the same sizes: evaluated, with one warning line."""
+    import shutil
+
+    from engram.checkpoint.files import read_header
+
+    out, _ = whole["frozen"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    shard = damaged / "engram" / "model-00001-of-00001.safetensors"
+    n, header = read_header(shard)
+    data = bytearray(shard.read_bytes())
+    data[8 + n + header["layers.1.engram.wkv.weight"]["data_offsets"][0] + 3] ^= 0x40  # an exponent bit
+    shard.write_bytes(bytes(data))
+    err = _refused(capsys, "hf-eval", damaged, "--corpus", corpus, "--threads", "1")
+    assert f"{shard}: tensor 'layers.1.engram.wkv.weight': its bytes do not match the CRC32" in err
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    S.llama(layers=3, seed=5).save_pretrained(other)  # another backbone of the same sizes, the part kept
+    capsys.readouterr()
+    assert run("hf-eval", other, "--corpus", corpus, "--json", "--threads", "1") == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engram")]
+    assert len(err) == 1 and err[0].startswith(
+        f"engram hf-eval: warning: {other / 'engram'} was trained on another base"
+    )
+
+
+def test_seq_len_without_a_target_refused(folder, corpus, tmp_path, capsys):
+    """--seq-len 1 trained on no target (final loss 0.0, a model written) with --held-out 0, and blamed
+    the corpus's size with a held-out share: refused at the option, naming it; nothing written. The
+    library refuses it too (a block of one token has no next-token loss)."""
+    out = tmp_path / "out"
+    for held in ("0", "0.05"):
+        with pytest.raises(SystemExit) as e:
+            run(
+                "hf-train",
+                folder,
+                "--corpus",
+                corpus,
+                "--out",
+                out,
+                *FAST,
+                "--seq-len",
+                "1",
+                "--held-out",
+                held,
+            )
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (
+            "engram hf-train: error: argument --seq-len: 1 is out of range; give a whole number >= 2 "
+            "(a block of one token has no next token to predict)"
+        )
+    with pytest.raises(SystemExit) as e:
+        run("hf-eval", folder, "--corpus", corpus, "--seq-len", "1")
+    assert e.value.code == 2 and "argument --seq-len: 1 is out of range" in capsys.readouterr().err
+    assert not out.exists() and not H.partial_folder(out).exists()
+    with pytest.raises(ValueError, match="--seq-len 1: a block of one token has no next token"):
+        hf_folder.evaluate_folder(str(folder), str(corpus), seq_len=1)
+    with pytest.raises(ValueError, match="--seq-len 1: a block of one token"):
+        hf_corpus.split_blocks(list(range(10)), 1, 0.0)
 
 
 def test_several_processes_need_distributed(folder, corpus, tmp_path, capsys, monkeypatch):
@@ -259,6 +408,7 @@ def test_settings_are_checked():
         ({"batch_size": 0}, "--batch-size 0: give a whole number >= 1"),
         ({"steps": 2, "tokens": 100}, "--steps or --tokens, not both"),
         ({"lr": float("nan")}, "--lr nan: give a finite number > 0"),
+        ({"seq_len": 1}, "--seq-len 1: a block of one token has no next token to predict"),
         ({"eval_blocks": -1}, "--eval-blocks -1"),
         ({"table_sync": "half"}, "--table-sync 'half': give one of sharded, replicated"),
         ({"table_sync": "sharded", "engram": False, "mode": "lora"}, "--table-sync describes Engram"),

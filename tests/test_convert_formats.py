@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from engram.checkpoint.convert import convert_table, make_scaled_v41_checkpoint, open_row_file
 from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.checkpoint.v41 import TABLE_FORMAT_KEY, load_engram_modules, stored_tables
+from engram.checkpoint.v41.format import CRC32_KEY, SEAL_KEY
 from engram.cli import main
 from engram.model.table import QuantTable, requantize_table
 from engram.rowformat.formats import RowFormat
@@ -161,6 +162,17 @@ def test_nan_or_zero_scales_in_a_checkpoint_are_refused(converted, tmp_path, bad
         t["layers.1.engram.embed.scale"] = s
 
     _rewrite(shard(d), edit)
+    # the file's CRC32 of the scales no longer holds: refused for that first
+    with pytest.raises(
+        ValueError, match=r"tensor 'layers\.1\.engram\.embed\.scale': its bytes do not match the CRC32"
+    ):
+        load_engram_modules(d)
+
+    def unsealed(t, meta) -> None:  # a writer that records no CRC32s (DeepSeek's own files record none)
+        for key in (CRC32_KEY, SEAL_KEY):
+            meta.pop(key, None)
+
+    _rewrite(shard(d), unsealed)
     with pytest.raises(
         ValueError,
         match=r"model-00001-of-00001\.safetensors: table 'layers\.1\.engram\.embed\.weight' .*1 of its \d+ scales "

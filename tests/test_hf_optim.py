@@ -199,3 +199,33 @@ def test_sharded_table_part_checked_before_the_dense_state_is_replaced(batch):
     assert sync.restore is None
     opt.load_state_dict(sharded)  # the intact one: a resume, its rows to come from the shard files
     assert sync.restore is sharded["tables"]
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"lr": INF}, "lr"),
+        ({"lr": NAN}, "lr"),
+        ({"lr": 0.0}, "lr"),
+        ({"table_lr": INF}, "table_lr"),
+        ({"table_lr": -1.0}, "table_lr"),
+        ({"weight_decay": INF}, "weight_decay"),
+        ({"weight_decay": NAN}, "weight_decay"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"table_weight_decay": INF}, "table_weight_decay"),
+        ({"betas": (0.9, INF)}, r"betas\[1\]"),
+        ({"betas": (NAN, 0.999)}, r"betas\[0\]"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\]"),
+    ],
+)
+def test_rates_and_decays_must_be_finite(kwargs, name):
+    """lr=inf was accepted and one step left 276 parameters NaN/Inf: every rate and decay is refused
+    unless finite (rates > 0, decays >= 0, betas in [0, 1)), before the model's parameters change."""
+    model = _model()
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"build_optimizer: {name} must be a finite number"):
+        build_optimizer(model, freeze_backbone=True, **kwargs)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before

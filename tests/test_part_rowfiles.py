@@ -197,3 +197,35 @@ def test_a_rank_failing_in_a_row_file_publishes_nothing(job):
     assert "No space left on device (rank 1, simulated)" in runs[1]["failed"]
     assert "another rank failed to write its rows" in runs[0]["failed"]
     assert not [p.name for p in (folder / "engram").iterdir() if p.name.startswith(".")]
+
+
+def test_the_ranks_part_records_every_tensors_crc32_under_a_seal(job, tmp_path):
+    """Every owner's rows' CRC32s, combined in row order by rank 0, are the CRC32 of the whole tensor
+    as one process computes it; the metadata is sealed and records the base model (the folder's own:
+    it loads without a BaseModelWarning); a byte flipped in a table is refused at load."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from engram.checkpoint.files import open_tensors
+    from engram.checkpoint.v41.format import BASE_MODEL_KEY, file_crc32s
+    from engram.hf import load_engram
+    from engram.storage.integrity import tensor_crc32
+
+    folder, _ = job
+    f = open_tensors(folder / "engram" / "model-00001-of-00001.safetensors")
+    crcs = file_crc32s(f.metadata, "part")
+    assert crcs is not None and set(crcs) == set(f.keys())
+    assert all(crcs[n] == tensor_crc32(f.tensor(n)) for n in f)
+    assert BASE_MODEL_KEY in f.metadata
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own base: nothing to say
+        load_engram(AutoModelForCausalLM.from_pretrained(folder), folder, tokenizer=S.tokenizer())
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    path = copy / "engram" / "model-00001-of-00001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # the last tensor's bytes (after the header)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"its bytes do not match the CRC32 its file recorded"):
+        load_engram(AutoModelForCausalLM.from_pretrained(copy), copy, tokenizer=S.tokenizer())

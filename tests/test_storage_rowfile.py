@@ -177,11 +177,14 @@ def test_direct_refused_falls_back_with_a_warning(tmp_path, monkeypatch) -> None
 def test_nan_scale_byte_and_tables_field(tmp_path) -> None:
     import copy
 
+    from engram.storage.integrity import table_fingerprint
+
     t = _table(40, 64)
-    path = write_row_file(tmp_path / "t.rows", t.weight, t.scale, identity="a", tables="b" * 64)
-    f = RowFile(path, expect_tables="b" * 64)
-    assert f.header.tables == "b" * 64 and copy.deepcopy(f).header.tables == "b" * 64
-    with pytest.raises(ValueError, match=r"tables='b+' but the table needs tables='c'.*other weights"):
+    fp = table_fingerprint(t.weight, t.scale)  # what a part records: the row file's bytes are checked by it
+    path = write_row_file(tmp_path / "t.rows", t.weight, t.scale, identity="a", tables=fp)
+    f = RowFile(path, expect_tables=fp)
+    assert f.header.tables == fp and copy.deepcopy(f).header.tables == fp
+    with pytest.raises(ValueError, match=r"tables='[0-9a-f]+' but the table needs tables='c'.*other weights"):
         RowFile(path, expect_tables="c")
     off = int(RowFileHeader(40, 64).offset_of(np.array([5]))[0]) + 64 + 1  # row 5's second scale
     with open(path, "r+b") as fh:
@@ -213,3 +216,26 @@ def test_other_header_versions_refused_with_a_valid_checksum(tmp_path, version) 
         ValueError, match=f"row file version {version}, this engram reads versions 2 and 3; rewrite"
     ):
         RowFile(tmp_path / "v.rows")
+
+
+def test_a_byte_damaged_in_a_row_is_refused_by_the_tables_fingerprint(tmp_path) -> None:
+    """A value byte flipped in a row file (not a NaN byte: the scan lets it pass) no longer matches the
+    fingerprint of the table it was copied from, which the header records: refused at open (by size,
+    always with verify), naming the file and the fix; a header without a fingerprint is not checked."""
+    from engram.storage.integrity import table_fingerprint
+
+    t = _table(40, 64)
+    path = write_row_file(tmp_path / "t.rows", t.weight, t.scale, tables=table_fingerprint(t.weight, t.scale))
+    RowFile(path, verify=True)
+    off = int(RowFileHeader(40, 64).offset_of(np.array([7]))[0]) + 3  # row 7's fourth value
+    with open(path, "r+b") as fh:
+        fh.seek(off)
+        b = fh.read(1)[0]
+        fh.seek(off)
+        fh.write(bytes([b ^ 0x01]))  # 0x7F / 0xFF untouched: a plain value, another one
+    with pytest.raises(
+        ValueError, match=r"t.rows: its rows do not match the fingerprint of the table they were copied from"
+    ):
+        RowFile(path)
+    plain = write_row_file(tmp_path / "p.rows", t.weight, t.scale)  # no fingerprint recorded: unchecked
+    RowFile(plain)

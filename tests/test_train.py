@@ -258,6 +258,36 @@ def test_resume_skips_damaged_checkpoints(corpus, data, tmp_path, capsys):
     assert capsys.readouterr().err.startswith("engram train: error: no intact checkpoint")
 
 
+def test_resume_without_a_checkpoint_refused(corpus, tmp_path, capsys):
+    """`--resume` where --out holds no checkpoint (a mistyped --out) used to train from the start: one
+    line naming the folder looked in, exit 2, nothing written; `--resume-if-possible` starts afresh
+    there with a notice, and continues a run where there is one."""
+    from engram.cli import main
+
+    cfg = tiny_cfg(corpus, steps=4, eval_every=0)
+    conf = tmp_path / "train.json"
+    conf.write_text(json.dumps(cfg.to_dict()))
+    out = tmp_path / "typo"
+    base = ["train", "--config", str(conf), "--out", str(out), "--no-progress", "--json"]
+    assert main([*base, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"engram train: error: --resume: {out / 'checkpoints'} holds no checkpoint to resume from: check "
+        "--out (the folder of the run to continue), or give --resume-if-possible to start afresh where "
+        "there is none"
+    )
+    assert not out.exists()
+    assert main([*base, "--resume-if-possible", "--until", "2"]) == 0
+    assert f"no checkpoint in {out / 'checkpoints'}: training from the start" in capsys.readouterr().err
+    assert main([*base, "--resume-if-possible"]) == 0
+    captured = capsys.readouterr()
+    assert f"resumed from {out / 'checkpoints' / 'step-0000002'} at step 2" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["step"] == 4
+    with pytest.raises(SystemExit):  # one or the other
+        main([*base, "--resume", "--resume-if-possible"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_stale_temporary_folders_are_removed(corpus, data, tmp_path, capsys):
     import subprocess
 

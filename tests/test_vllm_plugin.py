@@ -56,6 +56,29 @@ def test_refusals_name_the_value(float_folder, tmp_path):
         read_part(plain, **SHAPE)
 
 
+def test_part_linked_from_outside_the_folder_is_refused(float_folder, tmp_path):
+    """The served folder's engram/ and tokenizer.json: read only from inside the folder, as every file a
+    folder reader opens (a link that stays inside is followed)."""
+    import shutil
+
+    served = tmp_path / "served"
+    shutil.copytree(float_folder, served)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.move(served / "engram", outside / "engram")
+    (served / "engram").symlink_to(outside / "engram")
+    with pytest.raises(
+        PartError, match=r"'engram', a symlink to .*elsewhere/engram, outside the checkpoint folder"
+    ):
+        read_part(served, **SHAPE)
+    (served / "engram").unlink()
+    shutil.move(outside / "engram", served / "engram")
+    (outside / "tokenizer.json").write_text("{}")  # never opened: refused by its place alone
+    (served / "tokenizer.json").symlink_to(outside / "tokenizer.json")
+    with pytest.raises(PartError, match=r"'tokenizer.json', a symlink to .*, outside the checkpoint folder"):
+        read_part(served, **SHAPE)
+
+
 def test_part_for_another_tokenizer_is_refused(float_folder, tmp_path):
     from engram.addressing.compression import resolve_tokenizer
 
@@ -198,9 +221,46 @@ def test_options_are_checked():
         ({"tables": "disk"}, "'disk': use one of 'memory', 'host', 'mmap', 'rowfile'"),
         ({"cache_fraction": 0}, "must be a number in \\(0, 1\\]"),
         ({"cache_fraction": True}, "must be a number"),
+        ({"verify": "yes"}, r"\['verify'\]='yes' must be True or False"),
     ]:
         with pytest.raises(ValueError, match=match):
             serve_options(bad)
+    assert serve_options({"verify": True}) == ServeOptions(verify=True)
+
+
+def test_verify_checks_every_table_however_large(fp8_folder, tmp_path, monkeypatch):
+    """A table past the scan limit, one byte damaged: served unchecked by default (a note says so),
+    refused by its CRC32 with verify=True (memory and mmap modes), and a row file's damaged byte refused
+    by the table fingerprint its header records."""
+    import shutil
+
+    from engram.checkpoint.files import read_header
+    from engram.storage import integrity
+
+    served = tmp_path / "served"
+    shutil.copytree(fp8_folder, served)
+    shard = served / "engram" / "model-00001-of-00001.safetensors"
+    n, header = read_header(shard)
+    data = bytearray(shard.read_bytes())
+    data[8 + n + header["layers.1.engram.embed.weight"]["data_offsets"][0] + 5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rows = row_file_path(served / "engram", 1)
+    data = bytearray(rows.read_bytes())
+    data[4096 + 5] ^= 0x01  # row 0's sixth value
+    rows.write_bytes(bytes(data))
+    monkeypatch.setattr(integrity, "SCAN_LIMIT_BYTES", 1024)
+    part = read_part(served, **SHAPE)
+    with pytest.warns(integrity.UnscannedTableWarning):
+        load_tables(part, ServeOptions(TableMode.MMAP), torch.float32)
+    for mode in (TableMode.MEMORY, TableMode.MMAP):
+        with pytest.raises(
+            ValueError, match=r"'layers.1.engram.embed.weight': its bytes do not match the CRC32"
+        ):
+            load_tables(part, ServeOptions(mode, verify=True), torch.float32)
+    from engram.checkpoint.convert import open_row_file
+
+    with pytest.raises(ValueError, match=r"engram_layer1.rows: its rows do not match the fingerprint"):
+        open_row_file(served / "engram", 1, verify=True)
 
 
 @pytest.mark.parametrize("mode", list(TableMode))

@@ -38,6 +38,8 @@ __all__ = [
     "listed_names",
     "load_tensors",
     "member_file",
+    "member_folder",
+    "member_path",
     "open_tensors",
     "read_header",
     "save_tensors",
@@ -96,15 +98,10 @@ def _regular(path: Path, what: str) -> None:
         raise ValueError(f"{path}: {_kind(mode)}, not a {what}; replace it with the file itself")
 
 
-def member_file(folder: str | os.PathLike[str], name: object, what: str) -> Path:
-    """The regular file `name` inside checkpoint folder `folder`, where `name` is a file name a checkpoint
-    holds (an index's shard name, a state.json entry) and `what` says where it came from (e.g.
-    "model.safetensors.index.json maps 'x' to").
-
-    Refused, before anything is opened: a name that is not a plain file name (absolute, with a path
-    separator, "." or ".."; ValueError), a symlink resolving outside the folder (ValueError), a missing
-    file (FileNotFoundError) and anything but a regular file: a folder, a FIFO, a device (ValueError).
-    Every message names the entry and the fix."""
+def member_path(folder: str | os.PathLike[str], name: object, what: str) -> Path:
+    """`folder / name`, whatever is there (or nothing), for a plain file name that, if a symlink,
+    resolves inside `folder`: the one rule of every name a folder reader opens (`member_file`,
+    `member_folder`, a model folder's tokenizer.json). Nothing is opened."""
     folder = Path(folder)
     if not isinstance(name, str):
         raise TypeError(f"{what} {name!r}: a {type(name).__name__}, expected a file name (a string)")
@@ -126,8 +123,39 @@ def member_file(folder: str | os.PathLike[str], name: object, what: str) -> Path
         if os.path.commonpath([target, inside]) != inside:
             raise ValueError(
                 f"{what} {name!r}, a symlink to {target}, outside the checkpoint folder {folder}; a checkpoint "
-                "reads only files inside its folder: copy the file in (cp -L) instead of linking it"
+                "reads only files inside its folder: copy it in (cp -L; a linked snapshot: cp -rL) instead of "
+                "linking it"
             )
+    return path
+
+
+def member_folder(folder: str | os.PathLike[str], name: object, what: str) -> Path:
+    """The folder `name` inside `folder` (e.g. an HF model folder's `engram/` part), refused as
+    `member_file` refuses a file's name: not a plain name, a symlink resolving outside `folder`
+    (ValueError), missing (FileNotFoundError), not a folder (ValueError). Nothing is opened."""
+    path = member_path(folder, name, what)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {name!r}, which does not exist in {folder}") from None
+    except OSError as e:
+        raise ValueError(f"{what} {name!r}: cannot read it ({e.strerror})") from None
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"{what} {name!r}: {_kind(mode)}, not a folder; replace it with the folder itself")
+    return path
+
+
+def member_file(folder: str | os.PathLike[str], name: object, what: str) -> Path:
+    """The regular file `name` inside checkpoint folder `folder`, where `name` is a file name a checkpoint
+    holds (an index's shard name, a state.json entry) and `what` says where it came from (e.g.
+    "model.safetensors.index.json maps 'x' to").
+
+    Refused, before anything is opened: a name that is not a plain file name (absolute, with a path
+    separator, "." or ".."; ValueError), a symlink resolving outside the folder (ValueError), a missing
+    file (FileNotFoundError) and anything but a regular file: a folder, a FIFO, a device (ValueError).
+    Every message names the entry and the fix."""
+    folder = Path(folder)
+    path = member_path(folder, name, what)
     try:
         _regular(path, "file")
     except FileNotFoundError:

@@ -13,11 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from engram.storage.integrity import tensor_crc32  # what a shard header records of each tensor
 
 __all__ = [
     "FORMAT",
@@ -38,7 +37,6 @@ FORMAT = 2  # 1: the HF Trainer's files before the two formats became one (not r
 # In an HF optimizer state (EngramOptimizer's table part): the tables' rows are in shard files.
 SHARDED_STATE_KEY = "engram_sharded_tables"
 _NAME = re.compile(r"rank-(\d{5})\.safetensors")
-_CHUNK = 16 * 2**20  # bytes hashed at a time
 
 
 def shard_file(rank: int) -> str:
@@ -50,16 +48,6 @@ def shard_rank(name: str) -> int | None:
     """The rank a shard file name stands for (None: not a shard file's name)."""
     m = _NAME.fullmatch(name)
     return None if m is None else int(m.group(1))
-
-
-def tensor_crc32(t: torch.Tensor, crc: int = 0) -> int:
-    """CRC32 of a tensor's bytes (C order), in chunks: what a shard header records of each tensor.
-    `crc`: the CRC32 of the bytes before these (a tensor read in blocks of rows: each block's
-    `tensor_crc32(block, crc)` in turn gives the whole tensor's)."""
-    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    for a in range(0, flat.numel(), _CHUNK):
-        crc = zlib.crc32(memoryview(flat[a : a + _CHUNK].numpy()), crc)
-    return crc
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from engram.checkpoint.files import (
     TensorFile,
     dtype_name,
     member_file,
+    member_folder,
     open_tensors,
     save_tensors,
 )
@@ -142,13 +143,7 @@ class RowShards:
             )
         if not os.path.isdir(self.root):
             raise ValueError(f"{self.root} is not a folder; it must hold the shard files: {_FIX}")
-        if os.path.islink(self.root):
-            real, inside = os.path.realpath(self.root), os.path.realpath(self.folder)
-            if os.path.commonpath([real, inside]) != inside:
-                raise ValueError(
-                    f"{self.root}: a symlink to {real}, outside the checkpoint folder; a checkpoint reads only "
-                    "files inside its folder: copy the shard files in instead of linking them"
-                )
+        member_folder(self.folder, SHARDS_FOLDER, f"the checkpoint {self.folder} holds")  # no link out
         names = sorted(n for n in os.listdir(self.root) if shard_rank(n) is not None)
         return [member_file(self.root, n, f"the shard folder {self.root} holds") for n in names]
 

@@ -10,7 +10,9 @@ Library modules hold no argparse. A command's ValueError, OSError (a path refuse
 own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
 line, `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs: a TypeError the
 interpreter raised inside our code, a RuntimeError) keep their traceback, with a note asking for a
-report. A table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`.
+report. A table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`; an
+Engram part on another base model than it was trained on (`BaseModelWarning`) one line
+`engram CMD: warning: ...`.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     show = warnings.showwarning
 
     def note(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
+        base = sys.modules.get("engram.hf.base")  # imported by whatever warned of another base model
         if issubclass(category, UnscannedTableWarning):
             print(f"engram {args.command}: note: {message}", file=sys.stderr)
+        elif base is not None and issubclass(category, base.BaseModelWarning):
+            print(f"engram {args.command}: warning: {message}", file=sys.stderr)
         else:
             show(message, category, *rest, **kw)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from engram.cli.options import human, human_bytes, input_file, output_folder
@@ -39,13 +40,15 @@ def register(sub: Any) -> None:
 
 
 def cmd_hf_from_gguf(args: argparse.Namespace) -> int:
-    from engram.hf.gguf import gguf_to_folder, smollm2_gguf_path
+    from engram.hf.gguf import clear_dead_runs, gguf_to_folder, smollm2_gguf_path
 
     if args.smollm2 == (args.gguf is not None):
         raise ValueError(
             "give one GGUF file: either the GGUF argument or --smollm2 (engram hf-from-gguf FILE.gguf OUT, "
             "or engram hf-from-gguf --smollm2 OUT)"
         )
+    for _, what in clear_dead_runs(args.out):  # said even where this run is refused below
+        print(f"engram hf-from-gguf: {what}", file=sys.stderr)
     source = smollm2_gguf_path() if args.smollm2 else args.gguf
     try:
         r = gguf_to_folder(

@@ -13,6 +13,7 @@ import torch
 from engram.cli.options import (
     SIZE_HELP,
     add_device_options,
+    add_verify_option,
     device_from_args,
     input_file,
     input_folder,
@@ -24,6 +25,7 @@ from engram.cli.options import (
     seed,
     set_threads,
     threads,
+    whole_number,
 )
 from engram.device import Precision
 
@@ -31,6 +33,8 @@ __all__ = ["register"]
 
 MODES = ("frozen", "lora", "full")  # engram.apps.hf.train.TrainMode's values (apps imported only to run)
 TABLE_SYNCS = ("sharded", "replicated")  # engram.apps.hf.settings.TABLE_SYNCS
+# a block's loss predicts each token from those before it: one token has no next token to predict
+block_length = whole_number(2, fix=" (a block of one token has no next token to predict)")
 
 
 def layer_list(text: str) -> tuple[int, ...]:
@@ -122,6 +126,7 @@ def _train(
     return train_folder(
         s,
         resume=args.resume,
+        resume_if_possible=args.resume_if_possible,
         progress=not args.no_progress,
         distributed=distributed,
         timeout=args.collective_timeout,
@@ -179,6 +184,7 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=device,
         precision=precision,
+        verify=args.verify,
     )
     if args.json:
         print(json.dumps(r))
@@ -234,7 +240,9 @@ def register(sub: Any) -> None:
     p.add_argument("--steps", type=positive_int, help="training steps (default 200)")
     p.add_argument("--tokens", type=row_count, help="training tokens instead of --steps (e.g. 2M)")
     p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument(
+        "--seq-len", type=block_length, default=128, help="tokens a block (default 128; 2 or more)"
+    )
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--table-lr", type=positive_float, default=1e-2, help="table learning rate (default 1e-2)")
     p.add_argument("--seed", type=seed, default=0)
@@ -250,7 +258,17 @@ def register(sub: Any) -> None:
         default=64,
         help="held-out blocks evaluated before and after training (default 64; 0: all)",
     )
-    p.add_argument("--resume", action="store_true", help="continue the interrupted run for --out")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run for --out (refused where there is none)",
+    )
+    again.add_argument(
+        "--resume-if-possible",
+        action="store_true",
+        help="continue the interrupted run for --out if there is one, else start from the beginning",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--distributed",
@@ -283,7 +301,7 @@ def register(sub: Any) -> None:
         "--held-out", type=fraction, help="fraction held out (default: the folder's run's, else 0.05; 0: all)"
     )
     p.add_argument(
-        "--seq-len", type=positive_int, help="block length (default: the folder's run's, else 128)"
+        "--seq-len", type=block_length, help="block length, 2 or more (default: the folder's run's, else 128)"
     )
     p.add_argument(
         "--max-blocks",
@@ -291,4 +309,5 @@ def register(sub: Any) -> None:
         help="blocks evaluated (default: the folder's run's, else 64; 0: all)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8)
+    add_verify_option(p)
     p.set_defaults(func=cmd_hf_eval)

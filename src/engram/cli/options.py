@@ -399,6 +399,6 @@ def add_verify_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verify",
         action="store_true",
-        help=f"scan every Engram table for NaN / Inf, also those over {SCAN_LIMIT_BYTES // 2**20} MiB "
-        "(by default only smaller ones; this reads them whole)",
+        help=f"check every Engram table (its CRC32s where its file records them, NaN / Inf), also those over "
+        f"{SCAN_LIMIT_BYTES // 2**20} MiB (by default only smaller ones; this reads them whole)",
     )

@@ -118,6 +118,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     set_threads(args)
     cfg = _train_config(args)
     out = Path(args.out)
+    _check_resume(args, out)
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(cfg)
     trainer = Trainer(cfg, data, build_model(cfg, data), out_dir=out, device=device, precision=precision)
@@ -125,6 +126,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     _train_and_report(args, trainer, out, lambda m: m.num_params(), main_rank=True)
     return 0
+
+
+def _check_resume(args: argparse.Namespace, out: Path) -> None:
+    """`--resume` where --out holds no checkpoint (a mistyped --out, most likely): refused before anything
+    is written; `--resume-if-possible` starts afresh there instead."""
+    from engram.apps.lm.train import latest_checkpoint
+
+    if args.resume and latest_checkpoint(out) is None:
+        raise ValueError(
+            f"--resume: {out / 'checkpoints'} holds no checkpoint to resume from: check --out (the folder of "
+            "the run to continue), or give --resume-if-possible to start afresh where there is none"
+        )
 
 
 def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) -> None:
@@ -135,8 +148,13 @@ def _resume(args: argparse.Namespace, trainer: Any, out: Path, verbose: bool) ->
         for folder, why in remove_stale_tmp(out):
             print(f"removed {folder}: {why}", file=sys.stderr)
     ckpt = latest_checkpoint(out)
+    if ckpt is None and args.resume_if_possible and verbose:
+        print(
+            f"--resume-if-possible: no checkpoint in {out / 'checkpoints'}: training from the start",
+            file=sys.stderr,
+        )
     if ckpt is not None:
-        if not args.resume:
+        if not (args.resume or args.resume_if_possible):
             raise ValueError(
                 f"{out} already holds checkpoint {ckpt.name}; pass --resume to continue it, "
                 "or choose another --out"
@@ -196,7 +214,15 @@ def _train_and_report(
     )
 
 
-_RANK_SETTINGS = ("until", "table_ranks", "sharded_checkpoints", "resume", "collective_timeout", "device")
+_RANK_SETTINGS = (
+    "until",
+    "table_ranks",
+    "sharded_checkpoints",
+    "resume",
+    "resume_if_possible",
+    "collective_timeout",
+    "device",
+)
 
 
 def _cmd_train_distributed(args: argparse.Namespace) -> int:
@@ -209,7 +235,8 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
     from engram.distributed import Backend, TableInit, global_num_params, init_distributed, table_owners
 
     device, precision = device_from_args(args, distributed=True)  # refusals before any process group
-    cfg = _train_config(args)
+    cfg = _train_config(args)  # config errors before any process group is started
+    _check_resume(args, Path(args.out))
     backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
     env = init_distributed(backend, threads=args.threads, timeout=args.collective_timeout)
     try:
@@ -316,7 +343,17 @@ def add_training_commands(sub: Any) -> None:
     p.add_argument(
         "--out", type=output_folder, required=True, help="run folder: checkpoints/, train_config.json"
     )
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --out (refused where there is none)",
+    )
+    again.add_argument(
+        "--resume-if-possible",
+        action="store_true",
+        help="continue from the newest checkpoint in --out if there is one, else start from the beginning",
+    )
     p.add_argument("--steps", type=positive_int, help="override the config's total steps")
     p.add_argument("--until", type=positive_int, help="stop at this step (the schedule still spans --steps)")
     p.add_argument("--seed", type=seed, help="override the config's seed")

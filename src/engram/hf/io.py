@@ -24,11 +24,18 @@ import torch
 from torch import nn
 
 from engram.addressing.compression import TokenizerCompression, resolve_tokenizer
-from engram.checkpoint.files import member_file
+from engram.checkpoint.files import member_file, member_folder, member_path
 from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
-from engram.checkpoint.v41 import foreign_config, load_engram_modules, read_checkpoint_config, save_checkpoint
+from engram.checkpoint.v41 import (
+    BASE_MODEL_KEY,
+    foreign_config,
+    load_engram_modules,
+    read_checkpoint_config,
+    recorded_metadata,
+    save_checkpoint,
+)
 from engram.config import EngramConfig
 from engram.hf.attach import (
     add_engram,
@@ -38,6 +45,7 @@ from engram.hf.attach import (
     get_attachment,
     model_hidden_size,
 )
+from engram.hf.base import base_record, check_model_base
 from engram.rowformat.formats import RowFormat, as_row_format
 
 __all__ = [
@@ -46,12 +54,15 @@ __all__ = [
     "PART_FOLDER",
     "TOKENIZER_FILE",
     "CheckedPart",
+    "ReadPart",
     "TokenizerNotCheckedWarning",
+    "attach_part",
     "check_part",
     "engram_part",
     "export_fp8",
     "export_quantised",
     "load_engram",
+    "read_engram",
     "read_options",
     "save_engram",
 ]
@@ -87,7 +98,15 @@ def _save(
             )
     out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}
-    save_checkpoint(out, att.config, modules, fp8=fp8, row_format=row_format)
+    # the model it was trained on, under the seal with every tensor's CRC32 (engram.hf.base)
+    save_checkpoint(
+        out,
+        att.config,
+        modules,
+        fp8=fp8,
+        row_format=row_format,
+        extra_metadata={BASE_MODEL_KEY: base_record(model)},
+    )
     att.compression.save(out / COMPRESSION_FILE)
     options = {"boundaries": att.rows.boundaries, "eos_token_id": att.rows.eos_token_id}
     (out / OPTIONS_FILE).write_text(json.dumps(options, indent=2) + "\n")
@@ -138,9 +157,12 @@ def read_options(part: str | os.PathLike[str]) -> dict[str, Any]:
     return options
 
 
-def part_folder(part: str | os.PathLike[str], missing: str) -> Path:
+def part_folder(
+    part: str | os.PathLike[str], missing: str, *, inside: str | os.PathLike[str] | None = None
+) -> Path:
     """`part` (an Engram part's folder) as a Path; FileNotFoundError(`missing`) when nothing is there,
-    ValueError naming what is there instead (a file, a FIFO: nothing is opened)."""
+    ValueError naming what is there instead (a file, a FIFO: nothing is opened). `inside`: the model
+    folder that holds it (`engram/`), which it must not leave by a symlink (`member_folder`'s rule)."""
     part = Path(part)
     kind = path_kind(part)
     if kind is None:
@@ -150,6 +172,8 @@ def part_folder(part: str | os.PathLike[str], missing: str) -> Path:
             f"{part} is {kind}, not the folder of an Engram part: remove it, then write the part with "
             f"engram.hf.save_engram(model, {str(part.parent)!r})"
         )
+    if inside is not None:
+        member_folder(inside, part.name, f"the model folder {inside} holds its Engram part")
     return part
 
 
@@ -186,6 +210,10 @@ def _check_tokenizer(
     """What the map was checked against: `tokenizer`, else `tokenizer_file` when there is one; None
     (with a TokenizerNotCheckedWarning) when there is neither."""
     if tokenizer is None and tokenizer_file is not None:
+        # a link out of the model folder is refused as every file a folder reader opens
+        member_path(
+            tokenizer_file.parent, tokenizer_file.name, f"{tokenizer_file.parent} holds the tokenizer"
+        )
         kind = path_kind(tokenizer_file)
         if kind is not None and kind != "a file":  # a folder, a FIFO (opening one blocks): never opened
             raise ValueError(
@@ -273,6 +301,83 @@ def _vocab_size(model: nn.Module) -> int | None:
     return n if isinstance(n, int) else None
 
 
+@dataclass(frozen=True)
+class ReadPart:
+    """An Engram part checked against a backbone's sizes and read (`read_engram`): its modules, ready
+    to attach (`attach_part`), and the base model it records (None: a part that records none)."""
+
+    checked: CheckedPart
+    modules: dict[int, Any]  # layer id -> engram.model.module.Engram
+    base: str | None
+
+
+def read_engram(
+    directory: str | os.PathLike[str],
+    *,
+    backbone: str,
+    hidden_size: int | None,
+    num_layers: int,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
+    mmap: bool = True,
+    dtype: torch.dtype | None = torch.float32,
+    verify: bool = False,
+) -> ReadPart:
+    """Check and read the Engram part in `directory` (as `load_engram` does, see there) for a backbone
+    of these sizes, before the backbone itself is loaded: a refused part costs no model load.
+    `backbone` names it in the messages; `attach_part` attaches the result."""
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+        raise TypeError(
+            f"dtype={dtype!r}: give torch.float32, torch.bfloat16, torch.float64 or torch.float16"
+        )
+    directory = Path(directory)
+    kind = path_kind(directory)
+    if kind is None:
+        raise FileNotFoundError(f"{directory}: no such directory (write one with engram.hf.save_engram)")
+    if kind != "a folder":
+        raise ValueError(f"{directory} is {kind}, not a folder: give the folder save_engram wrote")
+    part = engram_part(directory)
+    d = part_folder(
+        part,
+        f"{directory} is an HF model folder without an Engram part ({directory / PART_FOLDER} is missing): "
+        f"save it with engram.hf.save_engram(model, {str(directory)!r})",
+        inside=directory if part != directory else None,
+    )
+    checked = check_part(
+        d,
+        backbone=backbone,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        tokenizer_file=directory / TOKENIZER_FILE,
+    )
+    base = recorded_metadata(d, BASE_MODEL_KEY)
+    _, modules = load_engram_modules(d, mmap=mmap, dtype=dtype, verify=verify)
+    return ReadPart(checked, modules, base)
+
+
+def attach_part(model: nn.Module, read: ReadPart, *, decoder_layers: Any = None) -> nn.Module:
+    """Attach a part `read_engram` read to `model` (its modules moved to the device of the layers they
+    join); a part recorded for another base model than `model` warns (`BaseModelWarning`)."""
+    check_model_base(read.base, model, str(read.checked.part))  # another base: a warning
+    decoder = find_decoder_layers(model, decoder_layers)
+    for lid, m in read.modules.items():
+        lp = next(iter(decoder[lid].parameters()), None)
+        if lp is not None and lp.device.type != "cpu":
+            m.to(lp.device)
+    checked = read.checked
+    return add_engram(
+        model,
+        checked.config,
+        compression=checked.compression,
+        modules=read.modules,
+        decoder_layers=decoder_layers,
+        boundaries=checked.boundaries,
+        eos_token_id=checked.eos_token_id,
+    )
+
+
 def load_engram(
     model: nn.Module,
     directory: str | os.PathLike[str],
@@ -281,6 +386,7 @@ def load_engram(
     mmap: bool = True,
     decoder_layers: Any = None,
     dtype: torch.dtype | None = None,
+    verify: bool = False,
 ) -> nn.Module:
     """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
 
@@ -292,45 +398,24 @@ def load_engram(
     with nothing attached. FP8 tables load memory-mapped (`mmap=True`) or into memory; float tables
     load trainable. The modules take `dtype` (default: the model's, float32 / bfloat16 / float64;
     float32 for another), so a float64 model computes Engram in float64.
+
+    Every tensor's bytes are checked against the CRC32 the part recorded when it was written (a byte
+    damaged since is refused, naming the file and tensor): the projections always, tables up to
+    `engram.storage.integrity.SCAN_LIMIT_BYTES` (256 MiB) at load, larger ones with `verify=True` (read
+    a block at a time through the file's mapping, so a table larger than memory is checked too; else an
+    `UnscannedTableWarning` says it was not). A part recorded for another base model than `model` (its
+    config's sizes, a sample of its weights: `engram.hf.base`) loads with a `BaseModelWarning`.
+    The two steps are `read_engram` (before a backbone is loaded) and `attach_part`.
     """
-    if dtype is None:
-        dtype = engram_dtype(model)
-    elif dtype not in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
-        raise TypeError(
-            f"dtype={dtype!r}: give torch.float32, torch.bfloat16, torch.float64 or torch.float16"
-        )
-    directory = Path(directory)
-    kind = path_kind(directory)
-    if kind is None:
-        raise FileNotFoundError(f"{directory}: no such directory (write one with engram.hf.save_engram)")
-    if kind != "a folder":
-        raise ValueError(f"{directory} is {kind}, not a folder: give the folder save_engram wrote")
-    d = part_folder(
-        engram_part(directory),
-        f"{directory} is an HF model folder without an Engram part ({directory / PART_FOLDER} is missing): "
-        f"save it with engram.hf.save_engram(model, {str(directory)!r})",
-    )
-    decoder = find_decoder_layers(model, decoder_layers)
-    checked = check_part(
-        d,
+    read = read_engram(
+        directory,
         backbone=type(model).__name__,
         hidden_size=model_hidden_size(model),
-        num_layers=len(decoder),
+        num_layers=len(find_decoder_layers(model, decoder_layers)),
         vocab_size=_vocab_size(model),
         tokenizer=tokenizer,
-        tokenizer_file=directory / TOKENIZER_FILE,
+        mmap=mmap,
+        dtype=engram_dtype(model) if dtype is None else dtype,
+        verify=verify,
     )
-    config, modules = load_engram_modules(d, mmap=mmap, dtype=dtype)
-    for lid, m in modules.items():
-        lp = next(iter(decoder[lid].parameters()), None)
-        if lp is not None and lp.device.type != "cpu":
-            m.to(lp.device)
-    return add_engram(
-        model,
-        config,
-        compression=checked.compression,
-        modules=modules,
-        decoder_layers=decoder_layers,
-        boundaries=checked.boundaries,
-        eos_token_id=checked.eos_token_id,
-    )
+    return attach_part(model, read, decoder_layers=decoder_layers)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from engram.checkpoint.shard_format import SHARDED_STATE_KEY
 from engram.hf.attach import get_attachment
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
+from engram.model.saved_state import check_number
 from engram.model.sinkhorn import SparseSinkhorn
 
 __all__ = ["EngramOptimizer", "build_optimizer"]
@@ -206,9 +207,15 @@ def build_optimizer(
     att = get_attachment(model)
     if table_optimizer not in _TABLE_OPTIMIZERS:
         raise ValueError(f"table_optimizer={table_optimizer!r}: use one of {sorted(_TABLE_OPTIMIZERS)}")
+    # finite everywhere: lr=inf passed a plain `> 0` and left 276 parameters NaN after one step
     for name, v in (("lr", lr), ("table_lr", table_lr)):
-        if not isinstance(v, int | float) or not v > 0:
-            raise ValueError(f"{name}={v!r} must be a number > 0")
+        check_number(name, v, 0.0, lo_open=True, where="build_optimizer")
+    for name, v in (("weight_decay", weight_decay), ("table_weight_decay", table_weight_decay)):
+        check_number(name, v, 0.0, where="build_optimizer")
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"build_optimizer: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        check_number(f"betas[{i}]", b, 0.0, 1.0, hi_open=True, where="build_optimizer")
     old = getattr(att, "optimizer_hooks", None)
     if old is not None:
         old.remove_hooks()

@@ -10,7 +10,7 @@ the rows were hashed with and that of the table they were copied from (both chec
 checkpoint's), and (version 3) the row format; an FP8 file is written as version 2, byte for byte as
 before, and a version 2 file reads as FP8.
 Opening scans the rows for NaN bytes as a checkpoint's tables are scanned (by size, always with
-`verify`). `RowFile` reads rows with batched positional reads
+`verify`), and hashes them against the fingerprint of the table they were copied from. `RowFile` reads rows with batched positional reads
 (`os.preadv`, one per run of consecutive pages, offsets ascending), optionally `O_DIRECT`, never a
 memory map (whose page cache would be an uncounted extra level), and counts reads, pages and bytes.
 `split_layout_pages` counts the pages the same rows touch in the two-tensor layout. Several
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from engram.rowformat.formats import RowFormat, as_row_format, check_pair, format_of
-from engram.storage.integrity import check_quant_rows, scan_table
+from engram.storage.integrity import check_quant_rows, fingerprint_blocks, scan_table
 
 __all__ = [
     "MAGIC",
@@ -408,6 +408,7 @@ class RowFile:
         where = f"row file {self.path}"
         if scan_table(h.rows * h.row_bytes, self.verify, where):
             check_quant_rows(self._pieces(), h.fmt, where, fix)
+            self._check_tables(where, fix)
         self.direct = False
         self._direct_asked = direct
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -431,6 +432,25 @@ class RowFile:
             self._fd = os.open(self.path, flags)
         self._buf = mmap.mmap(-1, PAGE_BYTES)  # page-aligned (O_DIRECT needs it), grown as needed
         self.reset_stats()
+
+    def _check_tables(self, where: str, fix: str) -> None:
+        """The rows' bytes against the fingerprint of the table they were copied from, where the header
+        records one (`table_fingerprint`: 64 hex digits): a byte damaged in the row file is refused. Two
+        more reads of the file (the fingerprint hashes every value, then every scale)."""
+        h = self.header
+        if len(h.tables) != 64 or any(c not in "0123456789abcdef" for c in h.tables):
+            return
+        got = fingerprint_blocks(
+            (h.rows, h.fmt.value_width(h.dim)),
+            (h.rows, h.fmt.scales_per_row(h.dim)),
+            (values for _, values, _ in self._pieces()),
+            (scales for _, _, scales in self._pieces()),
+        )
+        if got != h.tables:
+            raise ValueError(
+                f"{where}: its rows do not match the fingerprint of the table they were copied from (recorded "
+                f"{h.tables[:16]}..., its bytes give {got[:16]}...): the file was damaged since it was written; {fix}"
+            )
 
     def _pieces(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(first row, values (n, value_bytes), scales (n, scale_bytes)) uint8 of every row, about

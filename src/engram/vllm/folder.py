@@ -6,7 +6,8 @@ before anything is loaded: `engram.hf.io.check_part`'s checks (hidden size, laye
 compression map's fingerprint against the tokenizer.json, attachment options: the ones `load_engram`
 runs), then what serving adds: the variant (the V4.1 module: the others carry a convolution over past
 hidden states, which vLLM's KV cache does not keep) and the tables' storage. Every refusal names the
-value and the fix. Knows files and configs, nothing of vLLM.
+value and the fix; a part recorded for another base model than the folder's weights is served with a
+`BaseModelWarning` (`engram.hf.base`). Knows files and configs, nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 
 from engram.addressing.compression import TokenizerCompression
 from engram.checkpoint.input_files import path_kind
-from engram.checkpoint.v41 import stored_tables
+from engram.checkpoint.v41 import BASE_MODEL_KEY, recorded_metadata, stored_tables
 from engram.config import EngramConfig, Variant
+from engram.hf.base import check_folder_base
 from engram.hf.io import PART_FOLDER, TOKENIZER_FILE, check_part, part_folder
 
 __all__ = ["TOKENIZER_FILE", "EngramPart", "PartError", "read_part"]
@@ -79,7 +81,7 @@ def read_part(
         "backbone alone, drop the Engram architecture name from vLLM's hf_overrides"
     )
     try:
-        part = part_folder(d / PART_FOLDER, missing)
+        part = part_folder(d / PART_FOLDER, missing, inside=d)
         checked = check_part(
             part,
             backbone=f"the backbone in {d}",
@@ -96,6 +98,8 @@ def read_part(
                 "which vLLM's KV cache does not keep): serve this model with engram.hf and HF generate()"
             )
         _, fp8_tables = stored_tables(part, config)
+        # the backbone vLLM loads from the folder's files: the one the part was trained on? (a warning)
+        check_folder_base(recorded_metadata(part, BASE_MODEL_KEY), d, str(part))
     except PartError:
         raise
     except ValueError as e:

@@ -39,10 +39,12 @@ class TableMode(enum.StrEnum):
 class ServeOptions:
     tables: TableMode = TableMode.MEMORY
     cache_fraction: float = 0.05  # hot-row cache of mmap / rowfile tables, a fraction of each table's rows
+    # check every table at load (its CRC32s, NaN / Inf; the row files' bytes), not only those up to 256 MiB
+    verify: bool = False
 
 
 def serve_options(value: Any) -> ServeOptions:
-    """The options in `value` (None, or a dict with `tables` and `cache_fraction`), checked."""
+    """The options in `value` (None, or a dict with `tables`, `cache_fraction` and `verify`), checked."""
     if value is None:
         return ServeOptions()
     if not isinstance(value, dict):
@@ -50,9 +52,11 @@ def serve_options(value: Any) -> ServeOptions:
             f"{OPTIONS_KEY} must be a dict like {{'tables': 'rowfile', 'cache_fraction': 0.05}}, got "
             f"{type(value).__name__} {value!r}"
         )
-    unknown = sorted(set(value) - {"tables", "cache_fraction"})
+    unknown = sorted(set(value) - {"tables", "cache_fraction", "verify"})
     if unknown:
-        raise ValueError(f"{OPTIONS_KEY} has unknown keys {unknown}; it takes 'tables' and 'cache_fraction'")
+        raise ValueError(
+            f"{OPTIONS_KEY} has unknown keys {unknown}; it takes 'tables', 'cache_fraction' and 'verify'"
+        )
     tables = value.get("tables", TableMode.MEMORY)
     try:
         mode = TableMode(tables)
@@ -65,7 +69,13 @@ def serve_options(value: Any) -> ServeOptions:
             f"{OPTIONS_KEY}['cache_fraction']={frac!r} must be a number in (0, 1] (the hot-row cache's share "
             "of each table's rows)"
         )
-    return ServeOptions(mode, float(frac))
+    verify = value.get("verify", False)
+    if not isinstance(verify, bool):
+        raise ValueError(
+            f"{OPTIONS_KEY}['verify']={verify!r} must be True or False (True: check every table at load, "
+            "however large)"
+        )
+    return ServeOptions(mode, float(frac), verify)
 
 
 def check_options(part: EngramPart, options: ServeOptions) -> None:

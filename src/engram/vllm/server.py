@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engram.checkpoint.files import member_file
 from engram.hf.io import PART_FOLDER
 from engram.vllm.folder import EngramPart, read_part
 
@@ -62,6 +63,7 @@ def _backbone_shape(folder: Path) -> tuple[int, int, int]:
             f"{path}: missing; engram serve serves a folder written by model.save_pretrained(folder) and "
             "engram.hf.save_engram(model, folder)"
         )
+    member_file(folder, "config.json", "the served folder's")  # a file inside it, never a link out
     try:
         cfg = json.loads(path.read_text())
     except (ValueError, RecursionError) as e:

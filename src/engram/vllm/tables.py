@@ -8,7 +8,9 @@ INT8 / 4-bit row formats of `engram.hf.export_quantised`) from the systems layer
 | `mmap`    | the part's FP8 file memory-mapped, a hot-row cache in front   | an FP8 part                 |
 | `rowfile` | the SSD row file (`engram convert --row-file`), read with positional reads, one hot-row cache in front (`LevelTable`, no host level) | an FP8 part with row files |
 
-`cache_fraction` sizes the hot-row cache of `mmap` and `rowfile` (default 5 % of each table's rows).
+`cache_fraction` sizes the hot-row cache of `mmap` and `rowfile` (default 5 % of each table's rows);
+`verify` checks every table at load whatever its size (CRC32s, NaN / Inf, a row file's bytes against
+its table's fingerprint), where by default only tables up to 256 MiB are.
 The options come from the served model's config (`hf_overrides={"vllm_engram": {...}}` in vLLM),
 are checked by `engram.vllm.options`, and apply to every Engram layer. A quantised table serves exactly what
 `engram.hf` serves from the same part (an INT8 / 4-bit part the same way as an FP8 one: the tiers move
@@ -56,7 +58,9 @@ def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
     """`load_tables` for a plan already checked (the served model's, from the registry): no check again."""
     part, options = plan.part, plan.options
     mode = options.tables
-    _, modules = load_engram_modules(part.part, part.config, mmap=mode is not TableMode.MEMORY, dtype=dtype)
+    _, modules = load_engram_modules(
+        part.part, part.config, mmap=mode is not TableMode.MEMORY, dtype=dtype, verify=options.verify
+    )
     for m in modules.values():  # serving: no gradients
         m.requires_grad_(False)
     holder = nn.ModuleDict({str(k): v for k, v in modules.items()})
@@ -72,7 +76,8 @@ def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
             rows = _cache_rows(m.table.num_rows, options)
             # one cache: on a CPU level 1 is in DRAM already, and a second DRAM level behind it repeats
             # its work for no hits (measured: 0 of 139K lookups hit it in bench_vllm)
-            m.table = LevelTable(open_row_file(part.part, lid), device_rows=rows, host_rows=0)
+            row_file = open_row_file(part.part, lid, verify=options.verify)
+            m.table = LevelTable(row_file, device_rows=rows, host_rows=0)
     return modules
 
 

@@ -16,9 +16,14 @@ import torch
 
 from engram.checkpoint.input_files import input_file
 
-__all__ = ["HELD_OUT", "Corpus", "read_corpus", "read_documents", "split_blocks"]
+__all__ = ["HELD_OUT", "SEQ_LEN_ONE", "Corpus", "read_corpus", "read_documents", "split_blocks"]
 
 HELD_OUT = 0.05  # the last 5% of the corpus's blocks: never trained on
+# a block's loss predicts tokens 1..T-1 from those before them: a block of one token predicts nothing
+SEQ_LEN_ONE = (
+    "--seq-len 1: a block of one token has no next token to predict (no loss to train or evaluate); "
+    "give --seq-len 2 or more"
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ def read_documents(path: str | os.PathLike[str]) -> list[str]:
 def split_blocks(ids: Sequence[int], seq_len: int, held_out: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, held): the id stream cut into blocks of `seq_len` (the tail dropped); the last
     round(held_out * blocks) blocks (at least 1 when held_out > 0) are held out."""
+    if seq_len < 2:
+        raise ValueError(SEQ_LEN_ONE if seq_len == 1 else f"--seq-len {seq_len}: give 2 or more")
     n = len(ids) // seq_len
     blocks = torch.tensor(list(ids[: n * seq_len]), dtype=torch.int64).view(n, seq_len)
     n_held = 0 if held_out == 0 or n == 0 else max(1, round(held_out * n))

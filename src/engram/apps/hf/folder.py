@@ -6,7 +6,6 @@ Engram part, on a corpus split as `hf-train` split it).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -15,8 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engram.apps.hf.corpus import HELD_OUT, read_corpus, read_documents
+from engram.apps.hf.corpus import HELD_OUT, SEQ_LEN_ONE, read_corpus, read_documents
+from engram.apps.hf.weights import check_links, check_weights, reason
+from engram.checkpoint.files import member_file
 from engram.checkpoint.input_files import path_kind
+from engram.checkpoint.json_file import read_json
 from engram.device import Precision, autocast
 
 __all__ = [
@@ -42,8 +44,9 @@ _WEIGHT_FILES = (
 
 
 def check_folder(folder: str | os.PathLike[str]) -> Any:
-    """The HF config of a causal-LM folder, after checking it holds config.json and a tokenizer;
-    nothing heavy is read (no weights)."""
+    """The HF config of a causal-LM folder, after checking it holds config.json, a tokenizer and weights,
+    no file linked from outside it, and weights whose headers cover their files and whose shapes are
+    the config's (`engram.apps.hf.weights`); no tensor is read."""
     d = Path(folder)
     kind = path_kind(d)
     if kind is None:
@@ -67,14 +70,19 @@ def check_folder(folder: str | os.PathLike[str]) -> Any:
             f"{folder} has no weights (none of {', '.join(_WEIGHT_FILES)}): save the model into it "
             f"(model.save_pretrained({str(folder)!r}))"
         )
+    check_links(d)  # no file read from outside the folder
     import transformers
 
+    read_json(d / "config.json")  # damaged JSON: one line naming the file
     try:
-        return transformers.AutoConfig.from_pretrained(str(d))
-    except (ValueError, OSError, KeyError) as e:
+        config = transformers.AutoConfig.from_pretrained(str(d))
+    except Exception as e:  # transformers' refusals of a config come in several types: all the input's
         raise ValueError(
-            f"{folder}/config.json cannot be read by transformers ({e}); give an HF model folder"
+            f"{folder}/config.json cannot be read by transformers ({reason(e)}); restore the config.json of "
+            "the model, or give an HF model folder"
         ) from None
+    check_weights(d, config)  # truncated files, a config that does not fit the weights
+    return config
 
 
 def model_depth(config: Any) -> tuple[int, int]:
@@ -112,9 +120,11 @@ def load_model(folder: str) -> nn.Module:
 
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # what check_folder could not foresee: transformers' refusal, in one line
         raise ValueError(
-            f"{folder}: transformers cannot load it as a causal LM ({str(e).splitlines()[0]}): give a folder "
+            f"{folder}: transformers cannot load it as a causal LM ({reason(e)}): give a folder "
             "AutoModelForCausalLM.from_pretrained reads"
         ) from None
 
@@ -155,15 +165,27 @@ def evaluate_folder(
     batch_size: int = 8,
     device: torch.device | None = None,
     precision: Precision = Precision.FLOAT32,
+    verify: bool = False,
 ) -> dict[str, Any]:
     """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
     the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
     engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
-    `max_blocks=0`: every block. On `device` (default the CPU) in `precision`."""
+    `max_blocks=0`: every block. On `device` (default the CPU) in `precision`. The part is checked as
+    `load_engram` checks it (every tensor's CRC32, tables over 256 MiB only with `verify`; another base
+    model: a `BaseModelWarning`)."""
+    if seq_len == 1:
+        raise ValueError(SEQ_LEN_ONE)
     docs = read_documents(corpus)
-    check_folder(folder)
-    run_file = Path(folder) / RUN_FILE
-    saved = json.loads(run_file.read_text())["settings"] if path_kind(run_file) == "a file" else {}
+    hf_config = check_folder(folder)
+    saved = {}
+    if os.path.lexists(Path(folder) / RUN_FILE):
+        run = read_json(member_file(folder, RUN_FILE, "the model folder's record of its training run"))
+        saved = run.get("settings") if isinstance(run, dict) else None
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"{Path(folder) / RUN_FILE}: no 'settings' object (the record hf-train writes); restore the "
+                "file, or remove it and give --seq-len and --held-out"
+            )
     seq_len = seq_len or saved.get("seq_len", 128)
     held_out = saved.get("held_out", HELD_OUT) if held_out is None else held_out
     max_blocks = saved.get("eval_blocks", EVAL_BLOCKS) if max_blocks is None else max_blocks
@@ -175,12 +197,28 @@ def evaluate_folder(
             f"{corpus} gives no block of {seq_len} tokens to evaluate ({c.tokens:,} tokens): give more text "
             "or a smaller --seq-len"
         )
-    model = load_model(folder)
     has_engram = path_kind(Path(folder) / "engram") == "a folder"
-    if has_engram:
-        from engram.hf import load_engram
+    read = None
+    if has_engram:  # checked and read before the backbone loads: a damaged part costs no model load
+        from engram.hf.io import read_engram
 
-        load_engram(model, folder, tokenizer=tok)
+        depth, hidden = model_depth(hf_config)
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        vocab = getattr(text, "vocab_size", None)
+        read = read_engram(
+            folder,
+            backbone=f"the model in {folder}",
+            hidden_size=hidden,
+            num_layers=depth,
+            vocab_size=vocab if isinstance(vocab, int) else None,
+            tokenizer=tok,
+            verify=verify,
+        )
+    model = load_model(folder)
+    if read is not None:
+        from engram.hf.io import attach_part
+
+        attach_part(model, read)
     if device is not None:
         model.to(device)
     result = held_out_loss(model, blocks, batch_size, precision)

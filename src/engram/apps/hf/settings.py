@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engram.apps.hf.corpus import HELD_OUT
+from engram.apps.hf.corpus import HELD_OUT, SEQ_LEN_ONE
 from engram.apps.hf.folder import EVAL_BLOCKS
 from engram.checkpoint.input_files import path_kind
 
@@ -84,6 +84,8 @@ class HFTrainSettings:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= 1")
+        if self.seq_len == 1:
+            raise ValueError(SEQ_LEN_ONE)
         for name in ("checkpoint_every", "eval_blocks", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

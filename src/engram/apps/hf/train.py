@@ -190,6 +190,11 @@ def _check_and_load(
     moved to `device`, its held-out loss, LoRA's adapters: this process's own work, no collective."""
     check_out(s.out)
     work = partial_folder(s.out)
+    if resume and path_kind(work) is None:  # a mistyped --out, most likely: nothing to continue there
+        raise ValueError(
+            f"--resume: no earlier run for {s.out} (looked in {work}): check --out, or give "
+            "--resume-if-possible to start afresh where there is none"
+        )
     if path_kind(work) is not None and not resume:
         raise ValueError(
             f"{work} holds an earlier run for {s.out} (interrupted?): pass --resume to continue it, or "
@@ -265,6 +270,7 @@ def train_folder(
     s: HFTrainSettings,
     *,
     resume: bool = False,
+    resume_if_possible: bool = False,
     progress: bool = True,
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
     distributed: bool = False,
@@ -279,6 +285,8 @@ def train_folder(
     given. `precision` bf16: the Trainer's bf16 mixed precision (autocast; float32 weights and
     optimizer state), the held-out losses under autocast too. Neither is among the settings a resume
     must match: a run resumes on another device, in either precision.
+    `resume`: continue the run interrupted for `s.out` (its partial folder), refused where there is none
+    (a mistyped OUT, most likely); `resume_if_possible`: continue it if there is one, else start afresh.
 
     `distributed`: this process is one rank of a torchrun launch whose default process group is started
     (`engram.distributed.init_distributed`); every rank calls this with the same settings. The ranks
@@ -292,12 +300,25 @@ def train_folder(
         raise ValueError(
             f"--table-sync {s.table_sync} applies across processes: add --distributed ({LAUNCH})"
         )
+    if resume and resume_if_possible:
+        raise ValueError("give --resume or --resume-if-possible, not both")
     device = resolve_device(ranks.device or device or "auto", "device")
     precision = check_precision(precision, device, "precision")
-    launch = {**s.to_dict(), "resume": resume, "dtype": precision.value}
+    launch = {
+        **s.to_dict(),
+        "resume": resume,
+        "resume_if_possible": resume_if_possible,
+        "dtype": precision.value,
+    }
     ranks.check_same({f"--{k.replace('_', '-')}": v for k, v in launch.items()})
     if not ranks.is_main:
         say = _quiet
+    if resume_if_possible:  # continue an earlier run if there is one (every rank sees the same folder)
+        resume = path_kind(partial_folder(s.out)) is not None
+        if not resume:
+            say(
+                f"--resume-if-possible: no earlier run for {s.out} (in {partial_folder(s.out)}): training from the start"
+            )
     # one process on cuda:N: the Trainer places the model on the current CUDA device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return _train_folder(s, ranks, resume, progress, say, timeout, device, precision)

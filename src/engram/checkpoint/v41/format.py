@@ -1,6 +1,7 @@
-"""The V4.1 checkpoint format itself: its file and tensor names, the metadata each shard records, and
-the rules a folder's tensors must follow for a config (which tensors, their dtypes and shapes, the
-layout fingerprint). Knows names, configs and module shapes; reads and writes nothing (that is
+"""The V4.1 checkpoint format itself: its file and tensor names, the metadata each shard records (the
+layout fingerprint, FP8 tables' content fingerprints, a CRC32 of every tensor, what the part was
+trained on, and a seal over all of these), and the rules a folder's tensors must follow for a config
+(which tensors, their dtypes and shapes, the layout fingerprint). Knows names, configs and module shapes; reads and writes nothing (that is
 `engram.checkpoint.v41.reader`'s and `.writer`'s). Design: docs/checkpoint.md.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import json
 import os
 import re
@@ -18,31 +20,37 @@ from pathlib import Path
 import torch
 
 from engram.addressing.layout import Layout, layout_fingerprint
-from engram.checkpoint.files import TensorEntry
+from engram.checkpoint.files import TensorEntry, member_path
 from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import EngramTable
 from engram.rowformat.formats import RowFormat, format_of
 from engram.rowformat.fp8 import BLOCK
-from engram.storage.integrity import table_fingerprint
+from engram.storage.integrity import table_fingerprint, tensor_crc32
 
 __all__ = [
+    "BASE_MODEL_KEY",
     "CONFIG_FILE",
+    "CRC32_KEY",
     "DEFAULT_MAX_SHARD_BYTES",
     "FLOAT_DTYPES",
     "INDEX_FILE",
     "LAYOUT_FINGERPRINT_KEY",
+    "SEAL_KEY",
     "TABLE_FINGERPRINT_KEY",
     "TABLE_FORMAT_KEY",
     "LayerPlan",
     "TableFormat",
     "config_diffs",
+    "crc32_entry",
+    "file_crc32s",
     "foreign_config",
     "format_problems",
     "is_shard_name",
     "layer_prefix",
     "layout_problems",
     "plan_layers",
+    "seal_of",
     "shard_metadata",
     "shard_names",
 ]
@@ -55,6 +63,9 @@ TABLE_FINGERPRINT_KEY = "engram_table_fingerprint"  # + ".{layer_id}": `table_fi
 TABLE_FORMAT_KEY = (
     "engram_table_format"  # + ".{layer_id}": the RowFormat of a table not in FP8 (int8, int4, ...)
 )
+CRC32_KEY = "engram_crc32"  # JSON {tensor name: 8 hex digits}: the CRC32 of each tensor's bytes in the file
+BASE_MODEL_KEY = "engram_base_model"  # JSON: the model the part was trained on (`engram.hf.base`)
+SEAL_KEY = "engram_seal"  # sha256 of the file's other engram_* metadata: an edited header is refused
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # the safetensors dtypes a float tensor may have
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _ENGRAM_RE = re.compile(r"^layers\.(\d+)\.engram\.(.+)$")
@@ -114,6 +125,7 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
     path = Path(directory) / CONFIG_FILE
     if not os.path.lexists(path):
         return False
+    member_path(directory, CONFIG_FILE, f"the folder {directory} holds")  # never read through a link out
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (reading one blocks): not ours
             return True
@@ -126,12 +138,45 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
 # ------------------------------------------------------------------------------------------ metadata
 
 
-def shard_metadata(layout_fp: str, shard: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def crc32_entry(crcs: Mapping[str, int]) -> str:
+    """The CRC32_KEY value of {tensor name: CRC32}: fixed width (8 hex digits each), so a writer can
+    reserve it before the rows are written (`engram.checkpoint.laid_out.set_metadata`)."""
+    return json.dumps({k: f"{crcs[k]:08x}" for k in sorted(crcs)}, separators=(",", ":"))
+
+
+def seal_of(meta: Mapping[str, str]) -> str:
+    """The seal of a file's metadata: sha256 (64 hex digits) of its engram_* entries but the seal."""
+    body = {k: v for k, v in meta.items() if k.startswith("engram_") and k != SEAL_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def file_crc32s(meta: Mapping[str, str], where: str) -> dict[str, int] | None:
+    """{tensor name: CRC32} a file's metadata records, after checking its seal; None for a file that
+    records none (DeepSeek's own, or a part written before parts carried them). ValueError naming
+    `where` for a seal that does not match (the header was edited or damaged) or a damaged entry."""
+    if SEAL_KEY not in meta and CRC32_KEY not in meta:
+        return None
+    fix = "the file was damaged or edited after it was written: re-copy it, or save the part again"
+    if meta.get(SEAL_KEY) != seal_of(meta):
+        raise ValueError(f"{where}: its metadata does not match its seal ({SEAL_KEY}); {fix}")
+    try:
+        raw = json.loads(meta[CRC32_KEY])
+        return {str(k): int(v, 16) for k, v in raw.items()}
+    except (KeyError, ValueError, TypeError, AttributeError, RecursionError):
+        raise ValueError(
+            f"{where}: its {CRC32_KEY} metadata is not {{tensor: 8 hex digits}}; {fix}"
+        ) from None
+
+
+def shard_metadata(
+    layout_fp: str, shard: Mapping[str, torch.Tensor], extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """A shard's metadata: the layout fingerprint `layout_fp` (`layout_fingerprint` of the config), the
     content fingerprint of each quantised table the shard holds (one pass over the table's bytes: what a
     row file written from it records) and the row format of each that is not FP8 (checked at load
-    against its tensors' dtypes and shapes: `format_problems`)."""
-    meta = {LAYOUT_FINGERPRINT_KEY: layout_fp}
+    against its tensors' dtypes and shapes: `format_problems`), the CRC32 of every tensor (another pass, about 3 GB/s), `extra`
+    engram_* entries (the base model), and the seal over them all."""
+    meta = {LAYOUT_FINGERPRINT_KEY: layout_fp, **(extra or {})}
     for name, scale in shard.items():
         mt = _ENGRAM_RE.match(name)
         if mt and mt.group(2) == "embed.scale":  # a table's values always sit beside its scales
@@ -140,6 +185,8 @@ def shard_metadata(layout_fp: str, shard: Mapping[str, torch.Tensor]) -> dict[st
             fmt = format_of(weight, scale)
             if fmt is not RowFormat.FP8:  # FP8 files stay as they were (V4.1's own carry no such key)
                 meta[f"{TABLE_FORMAT_KEY}.{mt.group(1)}"] = fmt.value
+    meta[CRC32_KEY] = crc32_entry({name: tensor_crc32(t) for name, t in shard.items()})
+    meta[SEAL_KEY] = seal_of(meta)
     return meta
 
 

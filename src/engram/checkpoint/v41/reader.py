@@ -1,13 +1,15 @@
 """Reading V4.1 checkpoints: the config, then every file's header checked against the format's rules
-(`engram.checkpoint.v41.format`: each expected tensor, the layout fingerprint) before any module is
-built; NaN / Inf refused; no file outside the folder read. DeepSeek's files record no fingerprints
-and load as they are. Safetensors I/O is `engram.checkpoint.files`'s.
+(`engram.checkpoint.v41.format`: each expected tensor, the layout fingerprint, the seal over the
+metadata) before any module is built; every tensor's bytes against the CRC32 its file records (the
+dense ones always, tables as they are scanned: by size, or every one with `verify`); NaN / Inf
+refused; no file outside the folder read. DeepSeek's files record no fingerprints and load as they are. Safetensors I/O is `engram.checkpoint.files`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,9 +22,11 @@ from engram.checkpoint.mmap_table import MmapFP8Table, MmapQuantTable
 from engram.checkpoint.v41.format import (
     CONFIG_FILE,
     INDEX_FILE,
+    LAYOUT_FINGERPRINT_KEY,
     TABLE_FINGERPRINT_KEY,
     LayerPlan,
     config_diffs,
+    file_crc32s,
     format_problems,
     layout_problems,
     plan_layers,
@@ -31,9 +35,21 @@ from engram.config import EngramConfig
 from engram.model.module import Engram
 from engram.model.table import FP8Table, QuantTable, TrainableTable
 from engram.rowformat.formats import RowFormat
-from engram.storage.integrity import check_finite, check_quant_table, scan_table
+from engram.storage.integrity import (
+    UnscannedTableWarning,
+    check_finite,
+    check_quant_table,
+    scan_table,
+    tensor_crc32,
+)
 
-__all__ = ["StoredTable", "load_engram_modules", "read_checkpoint_config", "stored_tables"]
+__all__ = [
+    "StoredTable",
+    "load_engram_modules",
+    "read_checkpoint_config",
+    "recorded_metadata",
+    "stored_tables",
+]
 
 
 def read_checkpoint_config(ckpt_dir: str | os.PathLike[str], *, tokenizer: str | None = None) -> EngramConfig:
@@ -118,11 +134,45 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str], 
     return found, problems, explained, metas
 
 
+_CRCS = dict[tuple[Path, str], int]  # (file, tensor) -> the CRC32 its file records
+
+
+def _crc32s(found: dict[str, TensorEntry], metas: dict[Path, dict[str, str]], problems: list[str]) -> _CRCS:
+    """The CRC32 of each found tensor that its file records, each file's seal checked (a problem for a
+    seal that does not match, or a tensor of a sealed file without one). A file of ours that records
+    none (a part saved before parts carried CRC32s) is loaded unchecked, with an UnscannedTableWarning."""
+    crcs: _CRCS = {}
+    for path in sorted(metas):
+        try:
+            recorded = file_crc32s(metas[path], str(path))
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if recorded is None:
+            if LAYOUT_FINGERPRINT_KEY in metas[path]:  # ours (DeepSeek's files record nothing of theirs)
+                warnings.warn(
+                    f"{path} records no CRC32s (saved before parts carried them): its bytes are not checked; "
+                    "save the part again to add them",
+                    UnscannedTableWarning,
+                    stacklevel=4,
+                )
+            continue
+        for name, e in found.items():
+            if e.path != path:
+                continue
+            if name not in recorded:
+                problems.append(f"{path}: tensor {name!r} has no CRC32 in the file's sealed metadata")
+            else:
+                crcs[(path, name)] = recorded[name]
+    return crcs
+
+
 def _plan(
     ckpt_dir: Path, config: EngramConfig | None
-) -> tuple[EngramConfig, dict[int, LayerPlan], dict[Path, dict[str, str]]]:
-    """(config, per-layer plans, {file: metadata}) of a checkpoint, every check of `load_engram_modules`
-    but the data scans done: the config against config.json, every tensor, the layout fingerprint."""
+) -> tuple[EngramConfig, dict[int, LayerPlan], dict[Path, dict[str, str]], _CRCS]:
+    """(config, per-layer plans, {file: metadata}, the recorded CRC32s) of a checkpoint, every check of
+    `load_engram_modules` but the data scans done: the config against config.json, every tensor, the
+    layout fingerprint, each file's seal."""
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"{ckpt_dir}: no such checkpoint directory")
     file_config = read_checkpoint_config(ckpt_dir) if (ckpt_dir / CONFIG_FILE).is_file() else None
@@ -144,13 +194,25 @@ def _plan(
     plans = plan_layers(config, found, problems, explained)
     problems += layout_problems(config, metas)
     problems += format_problems(plans, metas)
+    crcs = _crc32s(found, metas, problems)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
             f"checkpoint {ckpt_dir} does not match config {config.name!r} "
             f"({len(problems)} problem(s)):\n{lines}"
         )
-    return config, plans, metas
+    return config, plans, metas, crcs
+
+
+def recorded_metadata(ckpt_dir: str | os.PathLike[str], key: str) -> str | None:
+    """The value of metadata entry `key` that a checkpoint's files record (the first that has it, its
+    seal checked: an edited value is refused); None when no file records it."""
+    _, _, _, metas = _scan(Path(ckpt_dir))
+    for path in sorted(metas):
+        if key in metas[path]:
+            file_crc32s(metas[path], str(path))  # ValueError for an edited or damaged header
+            return metas[path][key]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +233,7 @@ def stored_tables(
     """(config, {layer_id: StoredTable}) of a checkpoint's quantised tables (FP8, INT8, 4-bit; float tables
     are left out), checked as `load_engram_modules` checks them (every tensor, the layout fingerprint, the
     recorded row format); no data is read."""
-    config, plans, metas = _plan(Path(ckpt_dir), config)
+    config, plans, metas, _ = _plan(Path(ckpt_dir), config)
     out = {}
     for layer_id, plan in plans.items():
         rf = plan.fmt.row_format
@@ -180,6 +242,12 @@ def stored_tables(
             fp = metas.get(plan.weight.path, {}).get(f"{TABLE_FINGERPRINT_KEY}.{layer_id}")
             out[layer_id] = StoredTable(plan.weight, plan.scale, fp, rf)
     return config, out
+
+
+def _mapped(opened: dict[Path, TensorFile], e: TensorEntry) -> torch.Tensor:
+    """Tensor `e`, memory-mapped from its file (opened once, kept in `opened`)."""
+    f = opened.get(e.path) or opened.setdefault(e.path, open_tensors(e.path))
+    return f.tensor(e.name)
 
 
 def load_engram_modules(
@@ -201,15 +269,28 @@ def load_engram_modules(
     NaN / Inf (for FP8 tables, NaN bytes; for the integer formats, scales that are not finite and
     positive) is refused in every module weight and in every table up to
     `SCAN_LIMIT_BYTES`; larger tables are scanned with `verify=True` only (else an `UnscannedTableWarning`).
+    The bytes of each tensor scanned (every module weight; the tables as they are scanned) must match the
+    CRC32 its file records: a byte damaged after the write is refused, naming the file and the tensor
+    (tables are checked through the file's mapping a block at a time: one larger than memory too).
     """
-    config, plans, _ = _plan(Path(ckpt_dir), config)
+    config, plans, _, crcs = _plan(Path(ckpt_dir), config)
 
     opened: dict[Path, TensorFile] = {}
 
-    def read(e: TensorEntry, to: torch.dtype | None = None) -> torch.Tensor:
-        """Tensor `e` copied into memory (cast to `to`): the file's mapping is only read from."""
-        f = opened.get(e.path) or opened.setdefault(e.path, open_tensors(e.path))
-        return f.tensor(e.name).to(to, copy=True)
+    def stored(e: TensorEntry) -> torch.Tensor:
+        """Tensor `e` as the file holds it, memory-mapped, after its bytes are checked against its CRC32."""
+        t = _mapped(opened, e)
+        check_crc(e, t)
+        return t
+
+    def check_crc(e: TensorEntry, t: torch.Tensor) -> None:
+        want = crcs.get((e.path, e.name))
+        if want is not None and (got := tensor_crc32(t)) != want:
+            raise ValueError(
+                f"{e.path}: tensor {e.name!r}: its bytes do not match the CRC32 its file recorded when it was "
+                f"written (now {got:08x}, recorded {want:08x}): the file was damaged since; re-copy it, or "
+                "save the part again"
+            )
 
     def check(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
         check_finite(t, f"{e.path}: tensor {e.name!r}")
@@ -217,7 +298,8 @@ def load_engram_modules(
 
     modules: dict[int, Engram] = {}
     for layer_id, plan in plans.items():
-        state = {k: check(e, read(e, dtype)) for k, e in plan.others.items()}  # wkv, q_weight, k_weight
+        # wkv, q_weight, k_weight: checked, then copied into memory (cast to `dtype`)
+        state = {k: check(e, stored(e).to(dtype, copy=True)) for k, e in plan.others.items()}
         table: QuantTable | MmapQuantTable | TrainableTable
         rf = plan.fmt.row_format
         if rf is not None:
@@ -227,19 +309,21 @@ def load_engram_modules(
                 table = MmapFP8Table(w.path, w.name, sc.name, scale_path=sc.path)
             elif mmap:
                 table = MmapQuantTable(w.path, w.name, sc.name, rf, scale_path=sc.path)
-            elif rf is RowFormat.FP8:
-                table = FP8Table(read(w), read(sc))
             else:
-                table = QuantTable(read(w), read(sc), rf)
+                values, scales = (_mapped(opened, e).clone() for e in (w, sc))
+                table = FP8Table(values, scales) if rf is RowFormat.FP8 else QuantTable(values, scales, rf)
             assert isinstance(table.weight, torch.Tensor) and isinstance(table.scale, torch.Tensor)
             nbytes = sum(t.numel() * t.element_size() for t in (table.weight, table.scale))
             where = f"{w.path}: table {w.name!r} (with {sc.name!r})"
             if scan_table(nbytes, verify, where):
+                check_crc(w, table.weight)
+                check_crc(sc, table.scale)
                 check_quant_table(table.weight, table.scale, rf, where)
         else:
-            data = read(plan.weight)
+            data = _mapped(opened, plan.weight).clone()
             where = f"{plan.weight.path}: table {plan.weight.name!r}"
             if scan_table(data.numel() * data.element_size(), verify, where):
+                check_crc(plan.weight, data)
                 check_finite(data, where)
             want = dtype if dtype is not None else data.dtype
             if want not in (torch.float32, torch.bfloat16, torch.float64):

@@ -126,12 +126,15 @@ def save_checkpoint(
     *,
     float_dtype: torch.dtype | None = None,
     row_format: RowFormat | str | None = None,
+    extra_metadata: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Write `config.json`, the safetensors shard(s) and (for several shards) the index; return the shards.
 
     Each file is written to a temporary name in `ckpt_dir` and moved into place with os.replace, so a
     reader never sees a half-written file; shards of an earlier save that this one does not write are
-    removed afterwards. `fp8`, `float_dtype` and `row_format` as in `engram_state_dict`.
+    removed afterwards. `fp8`, `float_dtype` and `row_format` as in `engram_state_dict`. Each shard
+    records the CRC32 of every tensor it holds and a seal over its metadata (`shard_metadata`), plus
+    `extra_metadata` (engram_* keys: the base model a part was trained on).
     """
     if set(modules) != set(config.layer_ids):
         raise ValueError(
@@ -158,7 +161,7 @@ def save_checkpoint(
         weight_map: dict[str, str] = {}
         layout_fp = layout_fingerprint(Layout(config))
         for name, shard in zip(names, shards, strict=True):
-            total += save_tensors(tmp[name], shard, shard_metadata(layout_fp, shard))
+            total += save_tensors(tmp[name], shard, shard_metadata(layout_fp, shard, extra_metadata))
             weight_map.update(dict.fromkeys(shard, name))
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

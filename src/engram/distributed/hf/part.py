@@ -10,7 +10,9 @@ writes its own rows at their offsets (an FP8 part: its rows quantised there, row
 (`engram.storage.rowfile`, laid out by rank 0, rows at their slots), byte for byte what
 `engram.checkpoint.convert.write_row_files` makes of the finished part. The files are written under
 hidden temporary names; once every rank has written, rank 0 records each FP8 table's content
-fingerprint (one read of the file, a chunk at a time) in the part and its row file's header, writes
+fingerprint (one read of the file, a chunk at a time) in the part and its row file's header, the
+CRC32 of every tensor (each owner's of its own rows, combined in row order: `crc32_combine`) and the
+seal over the metadata (with the base model every rank recorded: `engram.hf.base`), writes
 config.json, the compression map and the options, and renames them into place (config.json last).
 A rank that fails (or dies: the others' collectives time out) publishes nothing: the folder keeps
 what it held. The folder must be shared by the ranks (as sharded checkpoints' is).
@@ -30,40 +32,51 @@ from torch import nn
 
 from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.convert import row_file_path
-from engram.checkpoint.files import open_tensors
+from engram.checkpoint.files import open_tensors, read_header
 from engram.checkpoint.hf_config import to_hf_dict
 from engram.checkpoint.laid_out import LaidOut, create, lay_out, set_metadata, write_rows
 from engram.checkpoint.v41 import (
+    BASE_MODEL_KEY,
     CONFIG_FILE,
+    CRC32_KEY,
     INDEX_FILE,
     LAYOUT_FINGERPRINT_KEY,
+    SEAL_KEY,
     TABLE_FINGERPRINT_KEY,
+    crc32_entry,
     foreign_config,
     layer_prefix,
+    seal_of,
 )
 from engram.distributed.guard import RankError
 from engram.distributed.hf.data_parallel import ShardedTableSync
 from engram.distributed.sharded_table import ShardedTable
 from engram.hf.attach import EngramAttachment, get_attachment
+from engram.hf.base import base_record
 from engram.hf.io import COMPRESSION_FILE, OPTIONS_FILE, engram_part
 from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
 from engram.storage import quant
-from engram.storage.integrity import fingerprint_blocks
+from engram.storage.integrity import crc32_combine, fingerprint_blocks, tensor_crc32
 from engram.storage.rowfile import RowFileHeader, create_row_file, set_row_file_tables, write_row_range
 
 __all__ = ["PART_FILE", "write_part"]
 
 PART_FILE = "model-00001-of-00001.safetensors"  # one file (the V4.1 format's name for a single shard)
 _QUANT_ROWS = 1 << 16  # rows quantised at a time: the float temporaries stay a few MB
-_FINGERPRINT_HOLD = "0" * 64  # reserved for a table's sha256 until the whole file is written
+_FINGERPRINT_HOLD = "0" * 64  # reserved for a table's sha256 (and the seal) until the whole file is written
+# (first row, CRC32, bytes) of the rows of a table tensor one rank wrote
+_Pieces = dict[str, tuple[int, int, int]]
 
 
-def _plan(att: EngramAttachment, fp8: bool) -> tuple[dict, dict[str, torch.Tensor], dict[str, str]]:
+def _plan(
+    att: EngramAttachment, fp8: bool, base: str
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, str]]:
     """(specs {name: (dtype, shape)} of every tensor, the dense tensors {name: tensor} rank 0 writes,
-    metadata with each FP8 table's fingerprint reserved)."""
+    metadata with each FP8 table's fingerprint, the CRC32s and the seal reserved, and the base model
+    record `base`)."""
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     dense: dict[str, torch.Tensor] = {}
-    meta = {LAYOUT_FINGERPRINT_KEY: layout_fingerprint(Layout(att.config))}
+    meta = {LAYOUT_FINGERPRINT_KEY: layout_fingerprint(Layout(att.config)), BASE_MODEL_KEY: base}
     for lid in sorted(att.layers, key=int):
         m, p = att.layers[lid], layer_prefix(int(lid))
         t = m.table
@@ -83,6 +96,8 @@ def _plan(att: EngramAttachment, fp8: bool) -> tuple[dict, dict[str, torch.Tenso
             if not k.startswith("table."):
                 dense[p + k] = v.detach()
                 specs[p + k] = (v.dtype, tuple(v.shape))
+    meta[CRC32_KEY] = crc32_entry(dict.fromkeys(specs, 0))  # fixed width: set once every rank wrote
+    meta[SEAL_KEY] = _FINGERPRINT_HOLD
     return specs, dense, meta
 
 
@@ -102,28 +117,61 @@ def _row_files(att: EngramAttachment, out: Path, token: str) -> dict[str, tuple[
 
 def _write_own_rows(
     path: Path, laid: LaidOut, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
-) -> None:
+) -> _Pieces:
+    """Write this rank's rows of every table; the (first row, CRC32, bytes) of what it wrote of each."""
+    pieces: _Pieces = {}
     for lid in sorted(att.layers, key=int):
         t, p = att.layers[lid].table, layer_prefix(int(lid))
         w = t.weight.detach()  # (hi - lo, dim) this rank's rows
-        if not fp8:
-            if w.shape[0]:
-                write_rows(path, laid, p + "embed.weight", t.lo, w)
+        if not w.shape[0]:
             continue
+        if not fp8:
+            write_rows(path, laid, p + "embed.weight", t.lo, w)
+            pieces[p + "embed.weight"] = (t.lo, tensor_crc32(w), w.numel() * w.element_size())
+            continue
+        crc_v = crc_s = 0
         for a in range(0, w.shape[0], _QUANT_ROWS):
             values, scales = quant.quantize_rows(
                 w[a : a + _QUANT_ROWS]
             )  # row by row: any split gives the same
             write_rows(path, laid, p + "embed.weight", t.lo + a, values)
             write_rows(path, laid, p + "embed.scale", t.lo + a, scales)
+            crc_v, crc_s = tensor_crc32(values, crc_v), tensor_crc32(scales, crc_s)
             if lid in rows:
                 write_row_range(*rows[lid], t.lo + a, values, scales)
+        pieces[p + "embed.weight"] = (t.lo, crc_v, w.shape[0] * t.dim)  # one byte a value, one a scale
+        pieces[p + "embed.scale"] = (t.lo, crc_s, w.shape[0] * (t.dim // BLOCK))
+    return pieces
+
+
+def _crc32s(laid: LaidOut, dense: dict[str, torch.Tensor], pieces: list[_Pieces]) -> dict[str, int]:
+    """The CRC32 of every tensor of the part: the dense ones' own, each table's combined from its
+    owners' pieces in row order (which must cover it: an internal invariant)."""
+    crcs = {name: tensor_crc32(v) for name, v in dense.items()}
+    for name in laid.spans:
+        if name in crcs:
+            continue
+        own = sorted(p[name] for p in pieces if name in p)
+        crc, covered = 0, 0
+        for _first, piece_crc, nbytes in own:
+            crc = crc32_combine(crc, piece_crc, nbytes)
+            covered += nbytes
+        a, b = laid.spans[name]
+        assert covered == b - a, f"{name}: the owners' rows cover {covered} of its {b - a} bytes"
+        crcs[name] = crc
+    return crcs
 
 
 def _publish(
-    tmp: Path, out: Path, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
+    tmp: Path,
+    out: Path,
+    att: EngramAttachment,
+    fp8: bool,
+    rows: dict[str, tuple[Path, RowFileHeader]],
+    crcs: dict[str, int],
 ) -> None:
-    """Rank 0, once every rank has written: fingerprints, the small files, then the renames."""
+    """Rank 0, once every rank has written: fingerprints, CRC32s and the seal, the small files, then
+    the renames."""
     if fp8:
         f = open_tensors(tmp)
         for lid in att.layers:
@@ -134,6 +182,8 @@ def _publish(
             set_metadata(tmp, f"{TABLE_FINGERPRINT_KEY}.{lid}", fp)
             if lid in rows:
                 set_row_file_tables(rows[lid][0], fp)
+    set_metadata(tmp, CRC32_KEY, crc32_entry(crcs))
+    set_metadata(tmp, SEAL_KEY, seal_of(read_header(tmp)[1]["__metadata__"]))  # last: over all of it
     small = {
         CONFIG_FILE: tmp.with_name(tmp.name + ".config"),
         COMPRESSION_FILE: tmp.with_name(tmp.name + ".map"),
@@ -213,7 +263,8 @@ def write_part(
     group = sync.tables[0].group  # the tables' group: every rank, collectives bounded in time
     rank = dist.get_rank(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    specs, dense, meta = _plan(att, fp8)
+    # every rank (FSDP2's parameters are sampled by collectives); the same record on every rank
+    specs, dense, meta = _plan(att, fp8, base_record(model))
     laid = lay_out(specs, meta)  # the same on every rank
     out = engram_part(directory)
     token = [uuid.uuid4().hex]
@@ -245,13 +296,18 @@ def write_part(
         try:
             if not tmp.exists():  # another folder than rank 0's, or one this machine does not share
                 raise ValueError(f"rank {rank} does not see {tmp}, laid out by rank 0: {_SHARED}")
-            _write_own_rows(tmp, laid, att, fp8, rows)
+            mine = _write_own_rows(tmp, laid, att, fp8, rows)
         except Exception as e:  # every rank must hear of it, whatever it is
             error = e
         _agree(error, group, "to write its rows of the Engram part")
+        pieces: list = [None] * dist.get_world_size(group)
+        try:  # each owner's CRC32s of its rows, for rank 0 to combine
+            dist.all_gather_object(pieces, mine, group=group)
+        except RuntimeError as e:
+            raise _lost(group, "while gathering the CRC32s of the rows written", e) from e
         if rank == 0:
             try:
-                _publish(tmp, out, att, fp8, rows)
+                _publish(tmp, out, att, fp8, rows, _crc32s(laid, dense, pieces))
             except Exception as e:  # every rank must hear of it, whatever it is
                 error = e
         kept = "rank 0 publishes the part once every rank wrote its rows (config.json last)"
