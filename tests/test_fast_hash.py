@@ -342,66 +342,50 @@ def test_splitmod_property(x, p):
 
 
 def test_reduction_for(tiny):
-    v41 = np.array([16_000_057, 16_000_463])
-    assert kernels.reduction_for(v41, vectorised_int64=True) == kernels.REDUCE_FASTMOD
-    assert kernels.reduction_for(v41, vectorised_int64=False) == kernels.REDUCE_SPLIT
-    assert kernels.reduction_for(np.array([50, 53]), vectorised_int64=True) == kernels.REDUCE_SPLIT
-    big = np.array([2**31 + 11, 2**61 - 1])  # beyond splitmod: fastmod even where it runs scalar
-    assert kernels.reduction_for(big, vectorised_int64=False) == kernels.REDUCE_FASTMOD
-    assert kernels.reduction_for(np.array([53, 2**61 - 1]), vectorised_int64=True) == kernels.REDUCE_FLOOR
-    # this machine's choice (AVX-512DQ or not) is the one the hasher uses
-    tables = tiny.kernel_tables("numba")
-    assert tables.reduce == kernels.reduction_for(tables.primes)
+    assert kernels.reduction_for(np.array([16_000_057, 16_000_463])) == kernels.REDUCE_SPLIT
+    assert kernels.reduction_for(np.array([2, 53])) == kernels.REDUCE_SPLIT
+    assert kernels.reduction_for(np.array([53, 2**31 + 11])) == kernels.REDUCE_FLOOR  # beyond splitmod
+    assert tiny.kernel_tables("numba").reduce == kernels.REDUCE_SPLIT
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v4.1", "demo-v1", "tiny", "small_primes"])
 def test_every_reduction_equals_numpy(preset, ds_compression, small_primes):
-    """hash_range with each reduction that holds for the layout, whatever this CPU would pick: the
-    same rows as the numpy twin, across chunk boundaries (T > CHUNK), with dead tokens, window
-    restarts, a carried window, ranges split mid-row by threads, and int32 rows."""
+    """hash_range with each reduction: the same rows as the numpy twin, across chunk boundaries
+    (T > CHUNK, odd chunk ends), with dead tokens, window restarts, a carried window, ranges split
+    mid-row by threads, and int32 rows."""
     hasher = (
         small_primes if preset == "small_primes" else NgramHasher(EngramConfig.preset(preset), ds_compression)
     )
     tables = hasher.kernel_tables("numba")
-    modes = [kernels.REDUCE_FLOOR, kernels.REDUCE_SPLIT]
-    if tables.fast:
-        modes.append(kernels.REDUCE_FASTMOD)
     rng = np.random.default_rng(12)
     b, t = 3, kernels.CHUNK * 2 + 37
     xc = rng.integers(0, 99092, size=(b, t))
     dead = rng.random((b, t)) < 0.05
     starts = rng.random((b, t)) < 0.02
     window = rng.integers(0, 99092, size=(b, hasher.window_size))
-    pad, mult, primes, offsets, inv, n_heads, _ = tables.layout_args
+    pad, mult, primes, offsets, n_heads, _, split = tables.range_args
     for d, s, w in [(None, None, None), (dead, None, window), (dead, starts, window), (None, starts, None)]:
         want = hasher.hash_compressed_numpy(xc, d, w, s)
-        for mode in modes:
+        for mode in (kernels.REDUCE_SPLIT, kernels.REDUCE_FLOOR):
             for threads in (1, 2, 5):
                 out = np.empty_like(want)
-                kernels.hash_rows(
-                    xc, d, w, pad, mult, primes, offsets, inv, n_heads, mode, tables.split, out, threads, s
-                )
+                kernels.hash_rows(xc, d, w, pad, mult, primes, offsets, n_heads, mode, split, out, threads, s)
                 assert np.array_equal(out, want), (mode, threads)
             out32 = np.empty(want.shape, dtype=np.int32)
-            kernels.hash_rows(
-                xc, d, w, pad, mult, primes, offsets, inv, n_heads, mode, tables.split, out32, 1, s
-            )
+            kernels.hash_rows(xc, d, w, pad, mult, primes, offsets, n_heads, mode, split, out32, 1, s)
             assert np.array_equal(out32, want), mode
 
 
 def test_negative_mixes_take_the_floor_path(v41_hasher):
     """Ids off the spec's domain make negative mixes: their chunk is reduced with floor mod, the rest
-    with the fast reduction, and every row equals numpy's."""
+    with splitmod, and every row equals numpy's."""
     rng = np.random.default_rng(13)
     xc = rng.integers(0, 99092, size=(2, kernels.CHUNK * 3))
     xc[1, kernels.CHUNK + 5] = -1  # (-1 * m_0) ^ (x * m_1) < 0: that token's mixes are negative
-    tables = v41_hasher.kernel_tables("numba")
-    pad, mult, primes, offsets, inv, n_heads, _ = tables.layout_args
     want = v41_hasher.hash_compressed_numpy(xc)
-    for mode in (kernels.REDUCE_SPLIT, kernels.REDUCE_FASTMOD):
-        out = np.empty_like(want)
-        kernels.hash_rows(xc, None, None, pad, mult, primes, offsets, inv, n_heads, mode, tables.split, out)
-        assert np.array_equal(out, want)
+    out = np.empty_like(want)
+    kernels.hash_rows(xc, None, None, *v41_hasher.kernel_tables("numba").range_args, out)
+    assert np.array_equal(out, want)
 
 
 # ---------------------------------------------------------------------------- decode steps

@@ -70,13 +70,21 @@ class _KernelTables:
         self.inv = 1.0 / self.primes  # correctly rounded, as the reduction's proof assumes
         self.n_heads = hasher.config.n_heads
         self.fast = bool(self.primes.min() >= module.FASTMOD_MIN_PRIME)  # step(): else hardware %
-        self.reduce = module.reduction_for(self.primes)  # hash_range's reduction on this CPU
+        self.reduce = module.reduction_for(self.primes)  # hash_range's reduction
         self.split = module.split_tables(self.primes)
         self.lookup = np.ascontiguousarray(hasher.compression.lookup, dtype=np.int64)
         self.pad = hasher.pad
         # the layout arguments step takes, in their order (hash_rows: range_args)
         self.layout_args = (self.pad, self.mult, self.primes, self.offsets, self.inv, self.n_heads, self.fast)
-        self.range_args = (*self.layout_args[:-1], self.reduce, self.split)
+        self.range_args = (
+            self.pad,
+            self.mult,
+            self.primes,
+            self.offsets,
+            self.n_heads,
+            self.reduce,
+            self.split,
+        )
 
     def matches(self, hasher: NgramHasher) -> bool:
         """Whether the hasher still holds the arrays these were made from (checked on every call)."""

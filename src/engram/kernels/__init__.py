@@ -1,7 +1,7 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
-CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over the
-cores by `threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`, and the passes of the
+CPU (numba): `cpu_hash` (its reductions in `cpu_modulo`), `cpu_lookup`, `cpu_cache`, `cpu_gate`,
+`cpu_sinkhorn`, run over the cores by `threads`. CUDA (Triton): `hash_rows`, `fp8_gather`, `fused_gate`, and the passes of the
 Sinkhorn-balanced table update (`sinkhorn_blend`, `sinkhorn_rows`, `sinkhorn_cols_rows`,
 `sinkhorn_apply`), with their torch twins in `reference`.
 Importing this package imports neither numba nor triton: CPU kernel modules are imported where

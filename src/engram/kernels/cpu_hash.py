@@ -2,30 +2,40 @@
 
 `hash_range` / `hash_rows` hash a token range (over threads) a chunk of one row at a time: first
 every (layer, order) mix of the chunk's tokens (`chunk_mixes`: loops over the tokens, so they
-vectorise), then the rows from them with one of three exact reductions (`REDUCE_FASTMOD`,
-`REDUCE_SPLIT`: division-free, picked by `reduction_for` from what the CPU vectorises;
-`REDUCE_FLOOR`: the hardware `%`). `step` is one decode step of
-`engram.addressing.stream.HashStream` (`fastmod` per head). Knows the layout's arrays and
-compressed ids, nothing of tokenizers or tables. Compiles on first call (cached on disk). Design:
-docs/kernels.md; the reductions' proofs: docs/addressing.md.
+vectorise), then the rows from them with a reduction of `engram.kernels.cpu_modulo` (re-exported
+here; `splitmod`, double arithmetic, so it vectorises with AVX2 as with AVX-512). `step` is one decode step of `engram.addressing.stream.HashStream` (`fastmod` per
+head). Knows the layout's arrays and compressed ids, nothing of tokenizers or tables. Compiles on
+first call (cached on disk). Design: docs/kernels.md.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 
+from engram.kernels.cpu_modulo import (
+    FASTMOD_MIN_PRIME,
+    REDUCE_FLOOR,
+    REDUCE_SPLIT,
+    SPLIT_MAX_PRIME,
+    SPLIT_SHIFT,
+    fastmod,
+    reduce_floor,
+    reduce_split,
+    reduction_for,
+    split_tables,
+    splitmod,
+)
 from engram.kernels.threads import run_chunks
 
 __all__ = [
+    "CHUNK",
     "FASTMOD_MIN_PRIME",
-    "REDUCE_FASTMOD",
     "REDUCE_FLOOR",
     "REDUCE_SPLIT",
     "SPLIT_MAX_PRIME",
+    "SPLIT_SHIFT",
+    "chunk_mixes",
     "fastmod",
     "hash_range",
     "hash_rows",
@@ -35,12 +45,7 @@ __all__ = [
     "step",
 ]
 
-FASTMOD_MIN_PRIME = 4096  # > 3073, the bound on |x - q*p| outside [0, p) proven in docs/addressing.md
-SPLIT_MAX_PRIME = 2**31  # splitmod: primes below it (its remainder goes through int32)
-SPLIT_SHIFT = 48  # splitmod: x = hi * 2^48 + lo
-
 STEP_OK, STEP_BAD_ID, STEP_DRAFTS_PENDING = 0, 1, 2  # step()'s return codes
-REDUCE_FLOOR, REDUCE_FASTMOD, REDUCE_SPLIT = 0, 1, 2  # hash_range's reductions (module doc)
 
 # Tokens per chunk of hash_range: its look-backs and mixes (24 KiB at V4.1's 2 layers x 3 orders)
 # stay in L1 between the two passes.
@@ -51,64 +56,6 @@ _jit = numba.njit(cache=True, nogil=True)
 # array with a reference count increment and decrement (atomics) per token. hash_range calls its
 # two passes once per chunk of CHUNK tokens, where those atomics cost nothing.
 _inline = numba.njit(cache=True, nogil=True, inline="always")
-
-
-@cache
-def _vectorises_int64_reduction() -> bool:
-    """Whether numba compiles for AVX-512DQ, which has the packed int64 <-> double conversions and
-    the int64 multiply `fastmod` needs to vectorise (AVX2 has neither: its heads go one by one)."""
-    features = numba.config.CPU_FEATURES  # NUMBA_CPU_FEATURES, else the host's
-    if features is None:
-        try:
-            features = llvm.get_host_cpu_features().flatten()
-        except RuntimeError:  # not known on this platform: REDUCE_SPLIT is exact everywhere
-            return False
-    return "+avx512dq" in features.split(",")
-
-
-def reduction_for(primes: np.ndarray, vectorised_int64: bool | None = None) -> int:
-    """hash_range's reduction for these primes on this CPU (`vectorised_int64`: None asks the CPU):
-    REDUCE_FASTMOD where AVX-512DQ vectorises it, else REDUCE_SPLIT (all double arithmetic, which
-    AVX2 vectorises; any prime below SPLIT_MAX_PRIME), else REDUCE_FLOOR. All three give the same
-    rows."""
-    if vectorised_int64 is None:
-        vectorised_int64 = _vectorises_int64_reduction()
-    lo, hi = int(primes.min()), int(primes.max())
-    if lo >= FASTMOD_MIN_PRIME and (vectorised_int64 or hi >= SPLIT_MAX_PRIME):
-        return REDUCE_FASTMOD
-    if lo >= 1 and hi < SPLIT_MAX_PRIME:
-        return REDUCE_SPLIT
-    return REDUCE_FLOOR
-
-
-def split_tables(primes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(2^48 mod p, inv_hi, p) as float64 arrays, what `splitmod` takes for each prime p >= 1;
-    inv_hi = fl(fl(1/p) * (1 + 2^-50)), just above 1/p (docs/addressing.md)."""
-    p = np.asarray(primes, dtype=np.int64)
-    wrap = (np.uint64(1 << SPLIT_SHIFT) % p.astype(np.uint64)).astype(np.float64)
-    inv_hi = (1.0 / p.astype(np.float64)) * (1.0 + 2.0**-50)
-    return wrap, inv_hi, p.astype(np.float64)
-
-
-@_inline
-def fastmod(x: int, p: int, inv: float) -> int:
-    """x mod p for 0 <= x < 2^63 and FASTMOD_MIN_PRIME <= p < 2^63, inv = 1.0 / p (module doc)."""
-    q = np.int64(np.float64(x) * inv)  # floor(x/p) + {-1, 0, 1}
-    r = np.int64(np.uint64(x) - np.uint64(q) * np.uint64(p))  # exact mod 2^64; the true r fits int64
-    r += p & (r >> 63)  # + p where r < 0 (branch-free, so the head loop vectorises)
-    r -= p & ~((r - p) >> 63)  # - p where r >= p
-    return r
-
-
-@_inline
-def splitmod(hi: float, lo: float, wrap: float, inv_hi: float, p: float) -> int:
-    """x mod p for 0 <= x < 2^63 and 1 <= p < SPLIT_MAX_PRIME, as int64, in double arithmetic
-    only: hi = x >> 48 and lo = x & (2^48 - 1) as doubles, (wrap, inv_hi, p) from `split_tables`.
-    y = hi*wrap + lo = x (mod p) is below 2^49, so every product is exact and trunc(y*inv_hi) is
-    floor(y/p) (docs/addressing.md)."""
-    y = hi * wrap + lo
-    r = y - np.trunc(y * inv_hi) * p  # exact, in [0, p)
-    return np.int64(np.int32(r))  # via int32: AVX2 converts doubles to int32 lanes, not int64
 
 
 @_inline
@@ -225,65 +172,6 @@ def chunk_mixes(
 
 
 @_jit
-def reduce_fastmod(mixes, nb, primes, offsets, inv, n_heads, out1, dst):
-    """out1[dst + j*width + c] = mixes[c // K, j] mod primes[c] + offsets[c] for the chunk's nb
-    tokens (mixes >= 0, primes >= FASTMOD_MIN_PRIME); the heads loop vectorises with AVX-512DQ."""
-    n_lo = mixes.shape[0]
-    uk = np.uint64(n_heads)
-    uw = np.uint64(primes.shape[0])
-    udst = np.uint64(dst)
-    for j in range(nb):
-        col = np.uint64(0)
-        for q in range(n_lo):
-            x = mixes[q, j]
-            for k in range(uk):
-                c = col + k
-                out1[udst + c] = fastmod(x, primes[c], inv[c]) + offsets[c]
-            col += uk
-        udst += uw
-
-
-@_jit
-def reduce_split(mixes, nb, wrap, inv_hi, pf, offsets, n_heads, out1, dst):
-    """`reduce_fastmod` with `splitmod` (primes below SPLIT_MAX_PRIME; `split_tables`' arrays): the
-    heads loop is double arithmetic, which AVX2 vectorises too."""
-    n_lo = mixes.shape[0]
-    uk = np.uint64(n_heads)
-    uw = np.uint64(pf.shape[0])
-    udst = np.uint64(dst)
-    low = np.uint64((1 << SPLIT_SHIFT) - 1)
-    for j in range(nb):
-        col = np.uint64(0)
-        for q in range(n_lo):
-            x = np.uint64(mixes[q, j])
-            hi = np.float64(np.int64(x >> np.uint64(SPLIT_SHIFT)))
-            lo = np.float64(np.int64(x & low))
-            for k in range(uk):
-                c = col + k
-                out1[udst + c] = splitmod(hi, lo, wrap[c], inv_hi[c], pf[c]) + offsets[c]
-            col += uk
-        udst += uw
-
-
-@_jit
-def reduce_floor(mixes, nb, primes, offsets, n_heads, out1, dst):
-    """`reduce_fastmod` with the hardware `%` (floor mod, as np.remainder): any mix, any prime."""
-    n_lo = mixes.shape[0]
-    uk = np.uint64(n_heads)
-    uw = np.uint64(primes.shape[0])
-    udst = np.uint64(dst)
-    for j in range(nb):
-        col = np.uint64(0)
-        for q in range(n_lo):
-            x = mixes[q, j]
-            for k in range(uk):
-                c = col + k
-                out1[udst + c] = x % primes[c] + offsets[c]
-            col += uk
-        udst += uw
-
-
-@_jit
 def hash_range(
     xc,
     dead,
@@ -296,7 +184,6 @@ def hash_range(
     mult,
     primes,
     offsets,
-    inv,
     n_heads,
     reduce,
     wrap,
@@ -312,7 +199,7 @@ def hash_range(
     read only if has_starts (True: a window restarts there, hiding everything before); window
     (B, max_ngram-1) int64, the carried look-back before xc[:, 0] (column 0 most recent, read only
     if has_window, else all pads); mult (L, max_ngram) int64; primes, offsets (L*orders*K,) int64
-    and inv = 1.0 / primes in (layer, order, head) order; reduce: REDUCE_*; wrap, inv_hi, pf:
+    in (layer, order, head) order; reduce: `reduction_for(primes)`; wrap, inv_hi, pf:
     `split_tables(primes)` (read for REDUCE_SPLIT). A chunk with a negative mix (ids off the
     spec's domain) takes REDUCE_FLOOR.
     """
@@ -364,8 +251,6 @@ def hash_range(
             dst = (row0 + t0) * width
             if np.int64(neg) < 0 or reduce == REDUCE_FLOOR:
                 reduce_floor(mixes, nb, primes, offsets, n_heads, out1, dst)
-            elif reduce == REDUCE_FASTMOD:
-                reduce_fastmod(mixes, nb, primes, offsets, inv, n_heads, out1, dst)
             else:
                 reduce_split(mixes, nb, wrap, inv_hi, pf, offsets, n_heads, out1, dst)
             t0 += nb
@@ -443,7 +328,6 @@ def hash_rows(
     mult: np.ndarray,
     primes: np.ndarray,
     offsets: np.ndarray,
-    inv: np.ndarray,
     n_heads: int,
     reduce: int,
     split: tuple[np.ndarray, np.ndarray, np.ndarray],
@@ -453,7 +337,7 @@ def hash_rows(
 ) -> np.ndarray:
     """Fill out (B, T, L, orders*K) with the rows of xc (B, T), split over `threads` threads.
 
-    reduce: `reduction_for(primes)` (or any REDUCE_* that holds for them: the rows are the same);
+    reduce: `reduction_for(primes)` (or REDUCE_FLOOR: the rows are the same);
     split: `split_tables(primes)`. starts: (B, T) bool or None, True where a window restarts (see
     `hash_range`).
 
@@ -479,7 +363,6 @@ def hash_rows(
         mult,
         primes,
         offsets,
-        inv,
         n_heads,
         reduce,
         *split,
