@@ -294,6 +294,100 @@ def test_fastmod_error_bound():
     assert worst < kernels.FASTMOD_MIN_PRIME
 
 
+# ---------------------------------------------------------------------------- hash_range's reductions
+@numba.njit
+def _splitmod_many(xs, wrap, inv_hi, pf, out):
+    low = np.uint64((1 << kernels.SPLIT_SHIFT) - 1)
+    for i in range(xs.shape[0]):
+        x = np.uint64(xs[i])
+        hi = np.float64(np.int64(x >> np.uint64(kernels.SPLIT_SHIFT)))
+        lo = np.float64(np.int64(x & low))
+        out[i] = kernels.splitmod(hi, lo, wrap, inv_hi, pf)
+
+
+def _check_splitmod(xs: np.ndarray, p: int) -> None:
+    wrap, inv_hi, pf = kernels.split_tables(np.array([p]))
+    got = np.empty_like(xs)
+    _splitmod_many(xs, wrap[0], inv_hi[0], pf[0], got)
+    want = xs % p
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"splitmod({int(xs[bad[0]])}, {p}) = {int(got[bad[0]])}, want {int(want[bad[0]])}"
+
+
+def test_splitmod_every_v41_prime(v41_hasher):
+    rng = np.random.default_rng(11)
+    random_x = np.concatenate(
+        [
+            rng.integers(0, INT64_MAX, size=20_000, dtype=np.int64, endpoint=True),
+            rng.integers(2**62, INT64_MAX, size=20_000),
+        ]
+    )
+    for p in _v41_primes(v41_hasher):
+        _check_splitmod(_adversarial(p), p)
+        _check_splitmod(random_x, p)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 47, 4099, 12_289, 646_403, 16_777_259, 2**31 - 1])
+def test_splitmod_other_primes(p):
+    """From p = 1 to the largest int32 prime (splitmod's whole range), x near 2^63 and at multiples of p."""
+    assert p < kernels.SPLIT_MAX_PRIME
+    _check_splitmod(_adversarial(p), p)
+    _check_splitmod(np.random.default_rng(p % 1000).integers(0, INT64_MAX, size=20_000, dtype=np.int64), p)
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=st.integers(0, INT64_MAX), p=st.integers(1, kernels.SPLIT_MAX_PRIME - 1))
+def test_splitmod_property(x, p):
+    _check_splitmod(np.array([x], dtype=np.int64), p)
+
+
+def test_reduction_for(tiny):
+    assert kernels.reduction_for(np.array([16_000_057, 16_000_463])) == kernels.REDUCE_SPLIT
+    assert kernels.reduction_for(np.array([2, 53])) == kernels.REDUCE_SPLIT
+    assert kernels.reduction_for(np.array([53, 2**31 + 11])) == kernels.REDUCE_FLOOR  # beyond splitmod
+    assert tiny.kernel_tables("numba").reduce == kernels.REDUCE_SPLIT
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v4.1", "demo-v1", "tiny", "small_primes"])
+def test_every_reduction_equals_numpy(preset, ds_compression, small_primes):
+    """hash_range with each reduction: the same rows as the numpy twin, across chunk boundaries
+    (T > CHUNK, odd chunk ends), with dead tokens, window restarts, a carried window, ranges split
+    mid-row by threads, and int32 rows."""
+    hasher = (
+        small_primes if preset == "small_primes" else NgramHasher(EngramConfig.preset(preset), ds_compression)
+    )
+    tables = hasher.kernel_tables("numba")
+    rng = np.random.default_rng(12)
+    b, t = 3, kernels.CHUNK * 2 + 37
+    xc = rng.integers(0, 99092, size=(b, t))
+    dead = rng.random((b, t)) < 0.05
+    starts = rng.random((b, t)) < 0.02
+    window = rng.integers(0, 99092, size=(b, hasher.window_size))
+    pad, mult, primes, offsets, n_heads, _, split = tables.range_args
+    for d, s, w in [(None, None, None), (dead, None, window), (dead, starts, window), (None, starts, None)]:
+        want = hasher.hash_compressed_numpy(xc, d, w, s)
+        for mode in (kernels.REDUCE_SPLIT, kernels.REDUCE_FLOOR):
+            for threads in (1, 2, 5):
+                out = np.empty_like(want)
+                kernels.hash_rows(xc, d, w, pad, mult, primes, offsets, n_heads, mode, split, out, threads, s)
+                assert np.array_equal(out, want), (mode, threads)
+            out32 = np.empty(want.shape, dtype=np.int32)
+            kernels.hash_rows(xc, d, w, pad, mult, primes, offsets, n_heads, mode, split, out32, 1, s)
+            assert np.array_equal(out32, want), mode
+
+
+def test_negative_mixes_take_the_floor_path(v41_hasher):
+    """Ids off the spec's domain make negative mixes: their chunk is reduced with floor mod, the rest
+    with splitmod, and every row equals numpy's."""
+    rng = np.random.default_rng(13)
+    xc = rng.integers(0, 99092, size=(2, kernels.CHUNK * 3))
+    xc[1, kernels.CHUNK + 5] = -1  # (-1 * m_0) ^ (x * m_1) < 0: that token's mixes are negative
+    want = v41_hasher.hash_compressed_numpy(xc)
+    out = np.empty_like(want)
+    kernels.hash_rows(xc, None, None, *v41_hasher.kernel_tables("numba").range_args, out)
+    assert np.array_equal(out, want)
+
+
 # ---------------------------------------------------------------------------- decode steps
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())

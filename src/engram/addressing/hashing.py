@@ -69,11 +69,22 @@ class _KernelTables:
         self.offsets = np.ascontiguousarray(hasher.offsets.reshape(-1), dtype=np.int64)
         self.inv = 1.0 / self.primes  # correctly rounded, as the reduction's proof assumes
         self.n_heads = hasher.config.n_heads
-        self.fast = bool(self.primes.min() >= module.FASTMOD_MIN_PRIME)  # else hardware %
+        self.fast = bool(self.primes.min() >= module.FASTMOD_MIN_PRIME)  # step(): else hardware %
+        self.reduce = module.reduction_for(self.primes)  # hash_range's reduction
+        self.split = module.split_tables(self.primes)
         self.lookup = np.ascontiguousarray(hasher.compression.lookup, dtype=np.int64)
         self.pad = hasher.pad
-        # the layout arguments every kernel takes, in their order
+        # the layout arguments step takes, in their order (hash_rows: range_args)
         self.layout_args = (self.pad, self.mult, self.primes, self.offsets, self.inv, self.n_heads, self.fast)
+        self.range_args = (
+            self.pad,
+            self.mult,
+            self.primes,
+            self.offsets,
+            self.n_heads,
+            self.reduce,
+            self.split,
+        )
 
     def matches(self, hasher: NgramHasher) -> bool:
         """Whether the hasher still holds the arrays these were made from (checked on every call)."""
@@ -398,7 +409,7 @@ class NgramHasher:
             np.ascontiguousarray(xc, dtype=np.int64),
             None if dead is None else np.ascontiguousarray(dead, dtype=np.bool_),
             None if window is None else np.ascontiguousarray(window, dtype=np.int64),
-            *tables.layout_args,
+            *tables.range_args,
             out,
             n_threads,
             starts=None if starts is None else np.ascontiguousarray(starts, dtype=np.bool_),

@@ -1,6 +1,6 @@
 """Every compiled path of engram, each with a plain twin it is tested against.
 
-CPU (numba): `cpu_hash`, `cpu_lookup`, `cpu_lookup_int`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over
+CPU (numba): `cpu_hash` (its reductions in `cpu_modulo`), `cpu_lookup`, `cpu_lookup_int`, `cpu_cache`, `cpu_gate`, `cpu_sinkhorn`, run over
 the cores by `threads`. CUDA (Triton): `hash_rows`, the decode step on a packed stream state
 (`stream_hash`, `stream_commit`; its layout in `stream_state`), `fp8_gather` (with `dedup_order`),
 `int_gather`, the device-indexed cache's `cache_lookup` and `copy_rows`, `fused_gate`, and the passes

@@ -1,10 +1,11 @@
 """Numba kernels for the n-gram hash (SPEC §4): the CPU fast path of `engram.addressing.hashing`.
 
-`hash_range` / `hash_rows` hash a token range (over threads), `step` is one decode step of
-`engram.addressing.stream.HashStream`; both reduce with `fastmod`, an exact division-free modulo
-for primes >= FASTMOD_MIN_PRIME. Knows the layout's arrays and compressed ids, nothing of
-tokenizers or tables. Compiles on first call (cached on disk). Design: docs/kernels.md; the
-modulo's proof: docs/addressing.md.
+`hash_range` / `hash_rows` hash a token range (over threads) a chunk of one row at a time: first
+every (layer, order) mix of the chunk's tokens (`chunk_mixes`: loops over the tokens, so they
+vectorise), then the rows from them with a reduction of `engram.kernels.cpu_modulo` (re-exported
+here; `splitmod`, double arithmetic, so it vectorises with AVX2 as with AVX-512). `step` is one decode step of `engram.addressing.stream.HashStream` (`fastmod` per
+head). Knows the layout's arrays and compressed ids, nothing of tokenizers or tables. Compiles on
+first call (cached on disk). Design: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -12,28 +13,49 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from engram.kernels.cpu_modulo import (
+    FASTMOD_MIN_PRIME,
+    REDUCE_FLOOR,
+    REDUCE_SPLIT,
+    SPLIT_MAX_PRIME,
+    SPLIT_SHIFT,
+    fastmod,
+    reduce_floor,
+    reduce_split,
+    reduction_for,
+    split_tables,
+    splitmod,
+)
 from engram.kernels.threads import run_chunks
 
-__all__ = ["FASTMOD_MIN_PRIME", "fastmod", "hash_range", "hash_rows", "step"]
-
-FASTMOD_MIN_PRIME = 4096  # > 3073, the bound on |x - q*p| outside [0, p) proven in docs/addressing.md
+__all__ = [
+    "CHUNK",
+    "FASTMOD_MIN_PRIME",
+    "REDUCE_FLOOR",
+    "REDUCE_SPLIT",
+    "SPLIT_MAX_PRIME",
+    "SPLIT_SHIFT",
+    "chunk_mixes",
+    "fastmod",
+    "hash_range",
+    "hash_rows",
+    "reduction_for",
+    "split_tables",
+    "splitmod",
+    "step",
+]
 
 STEP_OK, STEP_BAD_ID, STEP_DRAFTS_PENDING = 0, 1, 2  # step()'s return codes
 
+# Tokens per chunk of hash_range: its look-backs and mixes (24 KiB at V4.1's 2 layers x 3 orders)
+# stay in L1 between the two passes.
+CHUNK = 256
+
 _jit = numba.njit(cache=True, nogil=True)
 # Helpers are inlined into the kernels at numba's IR level: an out-of-line call would pass every
-# array with a reference count increment and decrement (atomics) per token.
+# array with a reference count increment and decrement (atomics) per token. hash_range calls its
+# two passes once per chunk of CHUNK tokens, where those atomics cost nothing.
 _inline = numba.njit(cache=True, nogil=True, inline="always")
-
-
-@_inline
-def fastmod(x: int, p: int, inv: float) -> int:
-    """x mod p for 0 <= x < 2^63 and FASTMOD_MIN_PRIME <= p < 2^63, inv = 1.0 / p (module doc)."""
-    q = np.int64(np.float64(x) * inv)  # floor(x/p) + {-1, 0, 1}
-    r = np.int64(np.uint64(x) - np.uint64(q) * np.uint64(p))  # exact mod 2^64; the true r fits int64
-    r += p & (r >> 63)  # + p where r < 0 (branch-free, so the head loop vectorises)
-    r -= p & ~((r - p) >> 63)  # - p where r >= p
-    return r
 
 
 @_inline
@@ -66,6 +88,90 @@ def _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, dst):
 
 
 @_jit
+def chunk_mixes(
+    xc1,
+    row0,
+    t0,
+    nb,
+    dead,
+    has_dead,
+    starts,
+    has_starts,
+    window,
+    has_window,
+    b,
+    pad,
+    mult,
+    barrier,
+    ext,
+    lb,
+    look,
+    mixes,
+):
+    """Every (layer, order) mix of positions t0 .. t0+nb-1 of row b into mixes[:, :nb] (L*orders,
+    CHUNK) int64; returns (the barrier after the chunk, the OR of the mixes: negative if one is).
+
+    xc1: the compressed ids flat, row b from row0; the rest as `hash_range`. barrier: the first
+    position the chunk's first token may see (a start, one after a dead token, -(max_ngram-1) with a
+    carried window, else 0). Scratch: ext (CHUNK + max_ngram,) uint64, lb (CHUNK,) int64, look
+    (max_ngram, CHUNK) uint64. Look-back i of token j is position t0 + j - i: ext[j + w - i], or the
+    pad where that is before the token's barrier lb[j] (a dead token's barrier is after itself).
+    """
+    n_layers, n_gram = mult.shape
+    w = n_gram - 1
+    upad = np.uint64(pad)
+    for i in range(w):  # ext[i]: position t0 - w + i; before the row, the carried window or pads
+        s = t0 - w + i
+        if s >= 0:
+            ext[i] = np.uint64(xc1[row0 + s])
+        elif has_window:
+            ext[i] = np.uint64(window[b, -s - 1])  # carried values already carry their blocking
+        else:
+            ext[i] = upad
+    src = np.uint64(row0 + t0)
+    uw = np.uint64(w)
+    # unsigned indices in the token loops: numba adds a negative-index wrap to every signed index,
+    # which turns their loads into gathers and stops them vectorising
+    for j in range(np.uint64(nb)):
+        ext[uw + j] = np.uint64(xc1[src + j])
+    masked = has_dead or has_starts
+    if masked:
+        for j in range(nb):  # sticky: nothing before the latest start or dead token is visible
+            t = t0 + j
+            if has_starts and starts[b, t]:
+                barrier = t
+            if has_dead and dead[b, t]:
+                barrier = t + 1  # the token itself too: a dead token sees only pads
+            lb[j] = barrier
+    for i in range(n_gram):
+        base = np.uint64(w - i)
+        if masked:
+            for j in range(nb):
+                look[i, j] = ext[base + np.uint64(j)] if t0 + j - i >= lb[j] else upad
+        else:
+            for j in range(np.uint64(nb)):
+                look[i, j] = ext[base + j]
+    neg = np.uint64(0)
+    q = 0
+    for li in range(n_layers):
+        m0 = np.uint64(mult[li, 0])
+        m1 = np.uint64(mult[li, 1])
+        for j in range(np.uint64(nb)):
+            mix = (look[0, j] * m0) ^ (look[1, j] * m1)  # uint64: wraps like numpy's int64 multiply
+            mixes[q, j] = np.int64(mix)
+            neg |= mix
+        for o in range(1, w):
+            m = np.uint64(mult[li, o + 1])
+            for j in range(np.uint64(nb)):
+                mix = np.uint64(mixes[q, j]) ^ (look[o + 1, j] * m)
+                mixes[q + 1, j] = np.int64(mix)
+                neg |= mix
+            q += 1
+        q += 1
+    return barrier, neg
+
+
+@_jit
 def hash_range(
     xc,
     dead,
@@ -78,9 +184,11 @@ def hash_range(
     mult,
     primes,
     offsets,
-    inv,
     n_heads,
-    fast,
+    reduce,
+    wrap,
+    inv_hi,
+    pf,
     out,
     start,
     end,
@@ -91,36 +199,62 @@ def hash_range(
     read only if has_starts (True: a window restarts there, hiding everything before); window
     (B, max_ngram-1) int64, the carried look-back before xc[:, 0] (column 0 most recent, read only
     if has_window, else all pads); mult (L, max_ngram) int64; primes, offsets (L*orders*K,) int64
-    and inv = 1.0 / primes in (layer, order, head) order; fast: every prime >= FASTMOD_MIN_PRIME.
+    in (layer, order, head) order; reduce: `reduction_for(primes)`; wrap, inv_hi, pf:
+    `split_tables(primes)` (read for REDUCE_SPLIT). A chunk with a negative mix (ids off the
+    spec's domain) takes REDUCE_FLOOR.
     """
     n_tok = xc.shape[1]
-    n_gram = mult.shape[1]
-    width = primes.shape[0]  # L * orders * K columns per token
+    n_layers, n_gram = mult.shape
+    w = n_gram - 1
+    width = primes.shape[0]
     out1 = out.reshape(-1)  # one view per call
-    look = np.empty(n_gram, dtype=np.uint64)
-    upad = np.uint64(pad)
-    b = start // n_tok
-    t = start - b * n_tok
-    for f in range(start, end):
-        blocked = has_dead and dead[b, t]  # a dead token sees only pads
-        look[0] = upad if blocked else np.uint64(xc[b, t])
-        for i in range(1, n_gram):
-            s = t - i
-            if has_starts and not blocked and s >= -1 and starts[b, s + 1]:
-                blocked = True  # a window starts after position s: s and everything farther are pads
-            if s >= 0:
-                if not blocked and has_dead and dead[b, s]:
-                    blocked = True  # sticky: this look-back and every farther one are pads
-                look[i] = upad if blocked else np.uint64(xc[b, s])
-            elif blocked or not has_window:
-                look[i] = upad
+    xc1 = xc.reshape(-1)
+    ext = np.empty(CHUNK + n_gram, dtype=np.uint64)
+    lb = np.empty(CHUNK, dtype=np.int64)
+    look = np.empty((n_gram, CHUNK), dtype=np.uint64)
+    mixes = np.empty((n_layers * w, CHUNK), dtype=np.int64)
+    f = start
+    while f < end:
+        b = f // n_tok
+        row0 = b * n_tok
+        t0 = f - row0
+        t_end = min(n_tok, end - row0)
+        barrier = -w if has_window else 0
+        if has_dead or has_starts:  # a range that starts mid-row: the barriers within reach
+            for s in range(max(0, t0 - w), t0):
+                if has_starts and starts[b, s]:
+                    barrier = s
+                if has_dead and dead[b, s]:
+                    barrier = s + 1
+        while t0 < t_end:
+            nb = min(CHUNK, t_end - t0)
+            barrier, neg = chunk_mixes(
+                xc1,
+                row0,
+                t0,
+                nb,
+                dead,
+                has_dead,
+                starts,
+                has_starts,
+                window,
+                has_window,
+                b,
+                pad,
+                mult,
+                barrier,
+                ext,
+                lb,
+                look,
+                mixes,
+            )
+            dst = (row0 + t0) * width
+            if np.int64(neg) < 0 or reduce == REDUCE_FLOOR:
+                reduce_floor(mixes, nb, primes, offsets, n_heads, out1, dst)
             else:
-                look[i] = np.uint64(window[b, -s - 1])  # carried values already carry their blocking
-        _rows_of(look, mult, primes, offsets, inv, n_heads, fast, out1, f * width)
-        t += 1
-        if t == n_tok:
-            t = 0
-            b += 1
+                reduce_split(mixes, nb, wrap, inv_hi, pf, offsets, n_heads, out1, dst)
+            t0 += nb
+        f = row0 + t_end
 
 
 @_jit
@@ -194,16 +328,18 @@ def hash_rows(
     mult: np.ndarray,
     primes: np.ndarray,
     offsets: np.ndarray,
-    inv: np.ndarray,
     n_heads: int,
-    fast: bool,
+    reduce: int,
+    split: tuple[np.ndarray, np.ndarray, np.ndarray],
     out: np.ndarray,
     threads: int = 1,
     starts: np.ndarray | None = None,
 ) -> np.ndarray:
     """Fill out (B, T, L, orders*K) with the rows of xc (B, T), split over `threads` threads.
 
-    starts: (B, T) bool or None, True where a window restarts (see `hash_range`).
+    reduce: `reduction_for(primes)` (or REDUCE_FLOOR: the rows are the same);
+    split: `split_tables(primes)`. starts: (B, T) bool or None, True where a window restarts (see
+    `hash_range`).
 
     Every array must be C-contiguous with the dtypes `hash_range` documents; out int64 or int32.
     Each thread takes a contiguous range of tokens: the result does not depend on `threads`.
@@ -227,9 +363,9 @@ def hash_rows(
         mult,
         primes,
         offsets,
-        inv,
         n_heads,
-        fast,
+        reduce,
+        *split,
         out,
     )
     run_chunks(hash_range, args, n, threads)
