@@ -1,7 +1,7 @@
-"""`engram quantise-check` (engram.cli.quantise; engram.apps.tools.quantise_check) on a tiny trained run
-of the small LM and a tiny engram.hf folder: the float reference's loss is `engram eval`'s / `hf-eval`'s
-exactly, FP8 and INT8 cost little, 4-bit more, the gate's exit status both ways, the seed summary's
-verdicts, bad input refused with one line (exit 2)."""
+"""`engram quantise-check` (engram.cli.quantise; engram.apps.tools.quantise_check, quantise_report) on
+a tiny trained run of the small LM and a tiny engram.hf folder: the float reference's loss is `engram
+eval`'s / `hf-eval`'s exactly, FP8 and INT8 cost little, 4-bit more, the gate's exit status both ways,
+the seed summary's verdicts, bad input refused with one line (exit 2)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from cli_setup import refused
 from engram.apps.tools import quantise_check as Q
+from engram.apps.tools import quantise_report as R
 from engram.cli import main
 from engram.rowformat.formats import RowFormat
 from training_setup import tiny_cfg, write_corpus
@@ -128,18 +129,18 @@ def test_seed_summary_says_which_format_loses_more_than_the_seed_spread():
         }
 
     seeds = [result(4.20, {"int8": 0.001, "int4": 0.05}), result(4.22, {"int8": -0.001, "int4": 0.07})]
-    s = {d["format"]: d for d in Q.seed_summary(seeds)}
+    s = {d["format"]: d for d in R.seed_summary(seeds)}
     spread = 0.02 / 2**0.5  # the float losses' standard deviation
     assert s["int8"]["float_seed_spread"] == pytest.approx(spread) and s["int8"]["within_seed_spread"]
     assert s["int4"]["loss_change_mean"] == pytest.approx(0.06) and not s["int4"]["within_seed_spread"]
-    lines = Q.format_summary(Q.seed_summary(seeds), 2)
-    assert "int8" in lines[1] and "within the seed spread" in lines[1]
-    assert "int4" in lines[2] and "LOSES MORE than the seed spread (4.2x)" in lines[2]
-    assert Q.gate_failures(seeds, 0.06) == [
+    lines = R.format_summary(R.seed_summary(seeds), 2)
+    assert "int8" in lines[1] and "+0.00000 +- 0.00141: within the seed spread (0.00x)" in lines[1]
+    assert "int4" in lines[2] and "LOSES MORE than the seed spread (4.24x)" in lines[2]
+    assert R.gate_failures(seeds, 0.06) == [
         "int4 raises the held-out loss of x by +0.0700 nats/token, more than --max-loss-increase 0.06"
     ]
     with pytest.raises(ValueError, match="2 or more folders"):
-        Q.seed_summary(seeds[:1])
+        R.seed_summary(seeds[:1])
 
 
 # ------------------------------------------------------------------------------------------- HF folders

@@ -52,14 +52,8 @@ def loss_increase(text: str) -> float:
 
 
 def cmd_quantise_check(args: argparse.Namespace) -> int:
-    from engram.apps.tools.quantise_check import (
-        check_folder,
-        folder_kind,
-        format_report,
-        format_summary,
-        gate_failures,
-        seed_summary,
-    )
+    from engram.apps.tools.quantise_check import check_folder, folder_kind
+    from engram.apps.tools.quantise_report import format_report, format_summary, gate_failures, seed_summary
 
     kinds = {f: folder_kind(f) for f in args.folders}  # every folder checked before any work
     if len(set(kinds.values())) > 1:

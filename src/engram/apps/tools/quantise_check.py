@@ -8,8 +8,9 @@ format: bytes a row (here and at V4.1's 256-wide rows), V4.1's two tables in GB,
 change against the float table, next-token accuracy split into memory and generalisation (the
 probes' `seen_mask`: the n-gram ending at the target occurred in the training text or not), the
 tables' relative error and the rows whose dequantisation error is largest. Several folders (seeds of
-one model) add each format's loss change over seeds against the float table's seed spread. Plain
-functions, no argparse: the command is `engram.cli.quantise`'s. Design: docs/storage.md.
+one model) add each format's loss change over seeds against the float table's seed spread
+(`quantise_report`, which also formats the results). Plain functions, no argparse: the command is
+`engram.cli.quantise`'s. Design: docs/storage.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +41,11 @@ __all__ = [
     "TableSlot",
     "check_folder",
     "folder_kind",
-    "gate_failures",
+    "hf_slots",
+    "lm_slots",
     "row_errors",
-    "seed_summary",
     "sizes",
+    "tables_as",
 ]
 
 REFERENCE = "float"  # the float table every format is measured against
@@ -445,98 +446,3 @@ def check_folder(
         for s in sc.slots
     ]
     return {"folder": str(folder), "kind": kind, **sc.info, "tables": tables, "formats": rows}
-
-
-# ------------------------------------------------------------------------------------------ verdicts
-def seed_summary(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Over several folders (seeds of one model): per format the loss change's mean and standard
-    deviation, against the float table's seed spread (the standard deviation of its loss over the
-    folders), and whether the mean change is within it."""
-    if len(results) < 2:
-        raise ValueError(f"a seed spread needs 2 or more folders, got {len(results)}")
-    names = [r["format"] for r in results[0]["formats"]]
-    for res in results[1:]:
-        if [r["format"] for r in res["formats"]] != names:
-            raise ValueError("folders checked with different formats: check them in one call")
-    spread = statistics.stdev(res["formats"][0]["loss"] for res in results)
-    out = []
-    for j, name in enumerate(names[1:], 1):
-        changes = [res["formats"][j]["loss_change"] for res in results]
-        mean = statistics.fmean(changes)
-        out.append(
-            {
-                "format": name,
-                "loss_change_mean": mean,
-                "loss_change_std": statistics.stdev(changes),
-                "loss_changes": changes,
-                "float_seed_spread": spread,
-                "within_seed_spread": mean <= spread,
-            }
-        )
-    return out
-
-
-def gate_failures(results: Sequence[dict[str, Any]], max_increase: float) -> list[str]:
-    """One line per (folder, format) whose held-out loss rises more than `max_increase` nats/token."""
-    return [
-        f"{r['format']} raises the held-out loss of {res['folder']} by {r['loss_change']:+.4f} nats/token, "
-        f"more than --max-loss-increase {max_increase:g}"
-        for res in results
-        for r in res["formats"][1:]
-        if r["loss_change"] > max_increase
-    ]
-
-
-def _acc(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-def format_report(res: dict[str, Any]) -> list[str]:
-    """The lines `engram quantise-check` prints for one folder."""
-    ref = res["formats"][0]
-    nt = ref["next_token"]
-    head = f"{res['folder']} ({res['kind']}" + (f", step {res['step']}" if "step" in res else "") + ")"
-    tables = ", ".join(f"layer {t['layer']} {t['rows']:,} x {t['dim']} {t['stored']}" for t in res["tables"])
-    lines = [
-        f"{head}: tables {tables}",
-        f"  {ref['tokens']:,} held-out tokens of {res['text']}; memory: the {res['ngram']}-gram ending at the "
-        f"target occurs in the training text ({nt['memory_tokens']:,} tokens), generalisation: it does not "
-        f"({nt['generalisation_tokens']:,})",
-        f"  {'format':<9}{'B/row':>6}{'V4.1 B/row':>11}{'V4.1 GB':>9}{'loss':>9}{'change':>9}{'acc':>8}"
-        f"{'memory':>8}{'general':>8}{'rel.err':>9}",
-    ]
-    for r in res["formats"]:
-        a = r["next_token"]
-        change = "-" if r["format"] == REFERENCE else f"{r['loss_change']:+.4f}"
-        rel = "-" if r["format"] == REFERENCE else f"{r['table_relative_error']:.4f}"
-        lines.append(
-            f"  {r['format']:<9}{r['bytes_per_row']:>6}{r['v41_bytes_per_row']:>11}{r['v41_table_gb']:>9.1f}"
-            f"{r['loss']:>9.4f}{change:>9}{_acc(a['accuracy']):>8}{_acc(a['memory']):>8}"
-            f"{_acc(a['generalisation']):>8}{rel:>9}"
-        )
-    for r in res["formats"][1:]:
-        if r["worst_rows"]:
-            worst = "; ".join(
-                f"layer {w['layer']} row {w['row']} {w['max_abs_error']:.3g} ({w['relative_error']:.3g})"
-                for w in r["worst_rows"]
-            )
-            lines.append(f"  largest row errors, {r['format']}: max |error| (relative): {worst}")
-    return lines
-
-
-def format_summary(summary: Sequence[dict[str, Any]], folders: int) -> list[str]:
-    """The lines of `seed_summary`: each format's loss change against the float table's seed spread."""
-    spread = summary[0]["float_seed_spread"]
-    lines = [f"over {folders} folders: the float table's held-out loss has seed spread {spread:.4f} (std)"]
-    for s in summary:
-        verdict = (
-            "within the seed spread"
-            if s["within_seed_spread"]
-            else f"LOSES MORE than the seed spread ({s['loss_change_mean'] / spread:.1f}x)"
-            if spread > 0
-            else "LOSES MORE than the seed spread"
-        )
-        lines.append(
-            f"  {s['format']:<9} loss change {s['loss_change_mean']:+.4f} +- {s['loss_change_std']:.4f}: {verdict}"
-        )
-    return lines
