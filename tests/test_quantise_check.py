@@ -137,7 +137,7 @@ def test_seed_summary_says_which_format_loses_more_than_the_seed_spread():
     assert "int8" in lines[1] and "+0.00000 +- 0.00141: within the seed spread (0.00x)" in lines[1]
     assert "int4" in lines[2] and "LOSES MORE than the seed spread (4.24x)" in lines[2]
     assert R.gate_failures(seeds, 0.06) == [
-        "int4 raises the held-out loss of x by +0.0700 nats/token, more than --max-loss-increase 0.06"
+        "int4 raises the held-out loss of x by +0.070000 nats/token, more than --max-loss-increase 0.06"
     ]
     with pytest.raises(ValueError, match="2 or more folders"):
         R.seed_summary(seeds[:1])

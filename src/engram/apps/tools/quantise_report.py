@@ -45,7 +45,7 @@ def seed_summary(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def gate_failures(results: Sequence[dict[str, Any]], max_increase: float) -> list[str]:
     """One line per (folder, format) whose held-out loss rises more than `max_increase` nats/token."""
     return [
-        f"{r['format']} raises the held-out loss of {res['folder']} by {r['loss_change']:+.4f} nats/token, "
+        f"{r['format']} raises the held-out loss of {res['folder']} by {r['loss_change']:+.6f} nats/token, "
         f"more than --max-loss-increase {max_increase:g}"
         for res in results
         for r in res["formats"][1:]
