@@ -4,8 +4,8 @@
 package adds its commands (`register(subparsers)`) and calls plain library functions:
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
 (demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan memory / plan-memory,
-plan train: `plan_train`), `study`, `serve`, `gguf` (hf-from-gguf), `hf` (hf-train, hf-eval);
-`options` holds what they share.
+plan train: `plan_train`), `study`, `serve`, `gguf` (hf-from-gguf), `hf` (hf-train, hf-eval),
+`quantise` (quantise-check); `options` holds what they share.
 Library modules hold no argparse. A command's ValueError, OSError (a path refused), TypeError of our
 own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
 line, `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs: a TypeError the
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import engram
-from engram.cli import addressing, bench, checkpoint, generate, gguf, serve, study, systems
+from engram.cli import addressing, bench, checkpoint, generate, gguf, quantise, serve, study, systems
 from engram.cli.hf import register as register_hf
 from engram.cli.train import add_training_commands
 from engram.storage.integrity import UnscannedTableWarning
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     register_hf(sub)
     gguf.register(sub)
+    quantise.register(sub)
     return parser
 
 

@@ -78,9 +78,10 @@ def score_windows(
     count: torch.Tensor,
     engram_scale: float = 1.0,
     device: torch.device | None = None,
-) -> None:
+) -> torch.Tensor:
     """Add the next-token losses of the windows at `starts` into loss_sum / count (float64, one slot
-    per text category). One evaluation batch; `evaluate` and the distributed evaluation share it."""
+    per text category); return the batch's logits (B, T, vocab) on the model's device. One evaluation
+    batch; `evaluate`, the distributed evaluation and `engram quantise-check` share it."""
     x, y = stream.windows(starts, seq_len)
     r = window_rows(rows, starts, seq_len)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
@@ -93,6 +94,7 @@ def score_windows(
     losses = losses.to(loss_sum.device)  # sync point on CUDA: the sums live on the host
     loss_sum.index_add_(0, cats.flatten(), losses.double())
     count.index_add_(0, cats.flatten(), torch.ones_like(losses, dtype=torch.float64))
+    return logits
 
 
 def eval_summary(stream: TokenStream, loss_sum: torch.Tensor, count: torch.Tensor) -> dict[str, Any]:
