@@ -5,6 +5,9 @@ core, `hash_compressed`, takes compressed ids and an optional carried look-back 
 backends with identical bits: the numba kernels of `engram.kernels.cpu_hash` and the numpy twin
 `hash_compressed_numpy`. Input checks are `engram.addressing.inputs`' (re-exported here). Knows
 nothing of tables, modules or decode-time state (that is `engram.addressing.stream`). Design, formula and the division-free modulo: docs/addressing.md.
+
+One concept past 500 lines: the hasher, its numpy twin and the look-back window's carry are read
+together to check bit-exactness; the kernels and the input checks are their own files.
 """
 
 from __future__ import annotations

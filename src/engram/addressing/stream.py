@@ -7,6 +7,10 @@ CUDA ids the state moves to the device (`stream_device.DeviceState`) and stays t
 draft and a commit are each one Triton launch that updates it in place, with no host sync, and
 `capture()` records them in CUDA graphs. Knows the hasher; knows nothing of tables or the model.
 Design: docs/addressing.md.
+
+One concept past 500 lines: the decode-time state's one API (step, drafts, commit, rollback,
+restarts) on host and device; the device state's layout and kernels are `stream_device` and
+`engram.kernels`.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@ held-out loss `engram.apps.hf.folder`'s).
 Holds `train_folder`: the checks before anything heavy (`hf_train_settings`: the run's settings,
 defaults from the model, table memory, OUT, a run to resume), then load, attach with
 `engram.hf.add_engram` (zero-init), train with the HF `Trainer` (backbone frozen, LoRA via peft or
-full; checkpoints and resume: `hf_train_callbacks`), and write one folder atomically (HF's files with
-LoRA merged, the Engram part, the tokenizer; the summary and card: `hf_train_out`). On the ranks of a
-torchrun launch (`hf_train_ranks`) the same run is data-parallel through `engram.distributed`'s public
+full; checkpoints and resume: `callbacks`), and write one folder atomically (HF's files with
+LoRA merged, the Engram part, the tokenizer; the summary and card: `out`). On the ranks of a
+torchrun launch (`ranks`) the same run is data-parallel through `engram.distributed`'s public
 API: the tables row-sharded or replicated, checkpointed sharded, OUT written by rank 0. Everything
 Engram-specific is `engram.hf`'s and `engram.distributed`'s: no second implementation here.
+
+One concept past 500 lines: the one program `engram hf-train` runs, check to folder; its settings,
+corpus, output, callbacks, ranks and model-folder checks are their own files in this room.
 """
 
 from __future__ import annotations
