@@ -10,6 +10,10 @@ import pytest
 
 from engram.cli import main
 
+# the training commands (train, demo, study, eval, generate, hf-train, hf-eval) on the CPU: their
+# default, --device auto, takes the GPU of a GPU machine, and the tests compare with CPU numbers
+CPU = ("--device", "cpu")
+
 
 def refused(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:
     """Run `engram argv`; assert exit 2 and one error line holding every needle; return that line.
@@ -45,9 +49,10 @@ def train_tiny_run(corpus: str, out: Path) -> Path:
 
 
 def load_commands(out: Path) -> list[list[str]]:
-    """The three commands that read a run's checkpoint: eval, generate and train --resume."""
+    """The three commands that read a run's checkpoint: eval, generate and train --resume, on the CPU."""
+    conf = str(out / "train_config.json")
     return [
-        ["eval", "--checkpoint", str(out)],
-        ["generate", "--checkpoint", str(out), "--prompt", "And", "--tokens", "2"],
-        ["train", "--config", str(out / "train_config.json"), "--out", str(out), "--resume", "--no-progress"],
+        ["eval", "--checkpoint", str(out), *CPU],
+        ["generate", "--checkpoint", str(out), "--prompt", "And", "--tokens", "2", *CPU],
+        ["train", "--config", conf, "--out", str(out), "--resume", "--no-progress", *CPU],
     ]

@@ -22,6 +22,17 @@ from engram.addressing.compression import known_compression, resolve_tokenizer
 
 DATA = Path(__file__).parent / "data"
 
+# ENGRAM_TEST_FAKE_GPU=1 (opt-in, on a machine without CUDA): would this test pick the GPU on a GPU
+# machine? torch claims one CUDA device, in this process from the first test on (`_fake_gpu`, after
+# collection: skip marks and `gpu` tests still see the real machine) and in every python the tests
+# start (tests/fake_gpu/sitecustomize.py, first on PYTHONPATH); code that would choose the GPU then
+# fails loudly on the CPU build. The README's test section names the tests that fail under it by
+# design (the device choice itself, and code that only looks at a visible GPU).
+FAKE_GPU = os.environ.get("ENGRAM_TEST_FAKE_GPU") == "1" and not torch.cuda.is_available()
+if FAKE_GPU:
+    _fake = str(DATA.parent / "fake_gpu")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_fake, os.environ.get("PYTHONPATH")) if p)
+
 
 @pytest.fixture(scope="session")
 def vectors() -> dict:
@@ -53,7 +64,24 @@ def corpus(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _dist_launches(request, tmp_path_factory):
+def _fake_gpu():
+    """ENGRAM_TEST_FAKE_GPU=1: torch.cuda claims one device in this process (see FAKE_GPU above)."""
+    if not FAKE_GPU:
+        yield
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_gpu", DATA.parent / "fake_gpu" / "sitecustomize.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    with pytest.MonkeyPatch.context() as mp:
+        for module, name, fn in fake.FAKE:
+            mp.setattr(module, name, fn)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _dist_launches(_fake_gpu, request, tmp_path_factory):
     """The multi-process jobs registered by the session's test modules (tests/dist_launch.py): their
     torchrun launches start with the session's first test, in the background (one per world size)."""
     from dist_launch import Launcher

@@ -1,4 +1,5 @@
-"""Every multi-process job of the suite in one torchrun launch per world size (gloo, CPU).
+"""Every multi-process job of the suite in one torchrun launch per world size (gloo, CPU: the ranks
+see no GPU, CUDA_VISIBLE_DEVICES="", whatever the machine has).
 
 A test module registers its jobs when it is imported (`register`): a name, a world size and the
 function ("module:function") that every rank of the launch calls as `function(ctx, **kwargs)`, `ctx`
@@ -164,6 +165,11 @@ class Launcher:
         drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         env = {k: v for k, v in os.environ.items() if k not in drop}
         env["OMP_NUM_THREADS"] = "1"
+        # every job is gloo on the CPU (the ranks' process group, `main`), but library code picks a GPU
+        # when one is visible (an `auto` device, FSDP's default device mesh): on a GPU machine the jobs
+        # would put tensors there, or ask NCCL for a GPU a rank. With none visible they stay where the
+        # tests' CPU references are, whatever GPUs the machine has.
+        env["CUDA_VISIBLE_DEVICES"] = ""
         spec = {"corpus": self.corpus, "jobs": [[j.name, j.call, j.kwargs] for j in self.jobs[world]]}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)]
         cmd += [__file__, str(self.root), json.dumps(spec)]

@@ -95,6 +95,7 @@ def job(ctx: Any, args: list[str], runs: list[dict]) -> dict[str, dict]:
     dist.barrier()  # the inputs are written before any rank reads them
     rank = dist.get_rank()
     base = ["hf-train", str(d / "tiny-llama"), "--corpus", str(d / "genesis.jsonl"), *args, "--distributed"]
+    base += ["--device", "cpu"]  # gloo, the launch's backend, whatever GPUs the machine has
     out = {}
     for r in runs:
         argv = [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_setup import load_commands, refused, train_tiny_run
+from cli_setup import CPU, load_commands, refused, train_tiny_run
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,6 @@ def test_eval_refuses_another_runs_tokenizer(run, capsys):
 def test_intact_checkpoint_still_evaluates(trained, capsys):
     from engram.cli import main
 
-    assert main(["eval", "--checkpoint", str(trained), "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(trained), "--json", *CPU]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["step"] == 3 and 0 < result["results"]["model"]["loss"] < 10

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hf_setup as S
+from cli_setup import CPU
 from engram.apps.hf import corpus as hf_corpus
 from engram.apps.hf import folder as hf_folder
 from engram.apps.hf import train as H
@@ -44,7 +45,8 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def run(*argv: str) -> int:
-    return main([str(a) for a in argv])
+    """`engram argv` (hf-train, hf-eval) in this process, on the CPU (cli_setup.CPU)."""
+    return main([*(str(a) for a in argv), *CPU])
 
 
 def train(folder: Path, corpus: Path, out: Path, *extra: str) -> dict:

@@ -28,6 +28,7 @@ import torch
 
 import dist_launch as L
 import hf_train_dist_job as J
+from cli_setup import CPU
 from engram.apps.hf import folder as hf_folder
 from engram.apps.hf import train as H
 from engram.cli import main
@@ -75,18 +76,19 @@ def _one_process(data, name: str, *extra: str) -> Path:
     folder, corpus, d = data
     out = d / name
     if not out.exists():
-        args = ["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *ARGS, "--device", "cpu"]
+        args = ["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *ARGS, *CPU]
         assert main([*args, *extra]) == 0
     return out
 
 
 @pytest.fixture(scope="module")
 def readme_run(data) -> tuple[Path, dict, str]:
-    """The README's command on 2 ranks, frozen: (OUT, the summary it printed, its stderr)."""
+    """The README's command on 2 ranks, frozen: (OUT, the summary it printed, its stderr). On the CPU
+    (gloo) whatever GPUs the machine has: OUT is compared with a one-process run on the CPU."""
     folder, corpus, d = data
     out = d / "two-frozen"
     proc = _torchrun(["-m", "engram", "hf-train", str(folder), "--corpus", str(corpus), "--out", str(out),
-                      *ARGS, "--distributed", "--json"])  # fmt: skip
+                      *ARGS, "--distributed", "--json", *CPU])  # fmt: skip
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # rank 0 reports, the other rank says nothing
     return out, json.loads(lines[0]), proc.stderr
@@ -153,7 +155,7 @@ def test_two_ranks_equal_one_process(data, readme_run, capsys):
     assert r["engram"] == r1["engram"]  # the whole tables' parameters counted, not a rank's shard
     # the part rank 0 wrote reads back in one process: hf-eval gives the run's own held-out loss
     capsys.readouterr()
-    assert main(["hf-eval", str(out), "--corpus", str(data[1]), "--json", "--threads", "1"]) == 0
+    assert main(["hf-eval", str(out), "--corpus", str(data[1]), "--json", "--threads", "1", *CPU]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(r["held_out"]["loss"], abs=1e-6)
 
 
@@ -201,7 +203,8 @@ def test_resume_on_other_processes_refused(job, capsys):
     assert _outcome(job, "left")[0]["code"] == "interrupted"
     out = job / "left"
     capsys.readouterr()
-    assert main(["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *ARGS, "--resume"]) == 2
+    argv = ["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), *ARGS, "--resume", *CPU]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "other settings (processes: 2): give the same options and processes" in err, err
     assert len(err.splitlines()) == 1 and H.partial_folder(out).exists()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cli_setup import load_commands, refused, train_tiny_run
+from cli_setup import CPU, load_commands, refused, train_tiny_run
 from engram.cli import main
 
 NESTED = "[" * 100_000  # a JSON document too deep for Python's parser (RecursionError)
@@ -278,7 +278,7 @@ def test_demo_out_is_a_file(tmp_path, capsys):
 def test_generate_offload_dir_is_a_file(trained, tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2",
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2", *CPU,
             "--offload", "ssd", "--offload-dir", str(f)]  # fmt: skip
     refused(capsys, argv, str(f))
 
@@ -293,7 +293,7 @@ def test_generate_offload_dir_unwritable(trained, tmp_path, capsys, monkeypatch)
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(prefetch, "save_tensors", denied)
-    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2",
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2", *CPU,
             "--offload", "ssd", "--offload-dir", str(folder)]  # fmt: skip
     refused(capsys, argv, str(folder))
 
@@ -319,19 +319,19 @@ def test_train_negative_counts(tmp_path, capsys, option):
 
 
 def test_generate_huge_tokens(trained, capsys):
-    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", str(10**15)]
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", str(10**15), *CPU]
     refused(capsys, argv, "--tokens", str(10**15))
 
 
 def test_generate_huge_cache_rows(trained, capsys):
-    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2",
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2", *CPU,
             "--offload", "host", "--cache-rows", str(10**15)]  # fmt: skip
     refused(capsys, argv, f"--cache-rows {10**15}")
 
 
 def test_generate_negative_cache_rows(trained, capsys):
     argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--offload", "host",
-            "--cache-rows", "-1"]  # fmt: skip
+            "--cache-rows", "-1", *CPU]  # fmt: skip
     refused(capsys, argv, "--cache-rows", "-1")
 
 
@@ -365,7 +365,7 @@ def test_text_file_not_utf8(tmp_path, capsys):
 def test_damaged_tokenizer_in_checkpoint(run, capsys):
     out, ckpt = run
     (ckpt / "tokenizer.json").write_bytes(b"\x89PNG\r\n")
-    refused(capsys, ["generate", "--checkpoint", str(out), "--prompt", "And"], "tokenizer.json")
+    refused(capsys, ["generate", "--checkpoint", str(out), "--prompt", "And", *CPU], "tokenizer.json")
 
 
 def test_generate_huge_batch(trained, capsys):
@@ -379,6 +379,7 @@ def test_generate_huge_batch(trained, capsys):
         "2",
         "--batch",
         str(10**13),
+        *CPU,
     ]
     refused(capsys, argv, f"--batch {10**13}", "--tokens 2", "ask for fewer")
 
@@ -391,7 +392,7 @@ def test_allocation_failure_is_one_line(trained, capsys, monkeypatch):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(cli_generate, "generate", no_memory)
-    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2"]
+    argv = ["generate", "--checkpoint", str(trained), "--prompt", "And", "--tokens", "2", *CPU]
     refused(capsys, argv, "out of memory", "ask for less")
 
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import dist_launch as L
+from cli_setup import CPU
 from dist_worker import (
     ADAM_LR,
     ADAM_STEPS,
@@ -494,7 +495,7 @@ def test_sharded_checkpoint_resumes_in_one_process(runs, cfg, data, single64, ca
     assert got.keys() == want.keys()
     for k, v in want.items():
         torch.testing.assert_close(got[k].double(), v, rtol=0, atol=1e-6, msg=k)  # loaded as fp32
-    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--json", *CPU]) == 0
     res = json.loads(capsys.readouterr().out)["results"]["model"]
     assert res["loss"] == pytest.approx(
         evaluate(model, data.held_out, data.held_rows, cfg.seq_len)["loss"], abs=1e-9
@@ -562,7 +563,7 @@ def test_eval_reads_distributed_checkpoint(runs, capsys):
     assert (
         state["step"] == 6 and model.engrams["0"].table.weight.shape[0] == model.engrams["0"].table.num_rows
     )
-    assert main(["eval", "--checkpoint", str(run), "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--json", *CPU]) == 0
     res = json.loads(capsys.readouterr().out)["results"]["model"]
     assert res["loss"] == pytest.approx(runs[3]["ranks"][0]["history"][-1]["held_out_loss"], abs=0.2)
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import gloo_ranks
+from cli_setup import CPU
 from dist_worker import CHUNKED_ROWS
 from engram.apps.lm.train import TrainConfig, evaluate, load_trained_model, prepare_data
 from engram.checkpoint.shard_format import SHARDS_FOLDER, shard_file
@@ -131,7 +132,7 @@ def test_sharded_checkpoints_cli(cfg, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(train_distributed, "DistributedTrainer", trainer)
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
-    base = ["train", "--config", str(conf), "--out", str(tmp_path / "run")]
+    base = ["train", "--config", str(conf), "--out", str(tmp_path / "run"), *CPU]
     assert main([*base, "--sharded-checkpoints"]) == 2
     assert "--sharded-checkpoints applies to sharded tables: add --distributed" in capsys.readouterr().err
     threads = torch.get_num_threads()
@@ -160,7 +161,7 @@ def test_table_ranks_cli(cfg, data, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(train_distributed, "build_distributed_model", build)
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
-    base = ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run")]
+    base = ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run"), *CPU]
     threads = torch.get_num_threads()
     try:
         for n in ("2", "0"):
@@ -185,7 +186,7 @@ def test_one_rank_trains_the_one_process_run_and_resumes_across_table_inits(cfg,
 
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.replace(steps=4, eval_every=0, checkpoint_every=2).to_dict()))
-    base = ["train", "--config", str(conf), "--no-progress", "--json"]
+    base = ["train", "--config", str(conf), "--no-progress", "--json", *CPU]  # gloo, bit for bit the CPU's
     assert main([*base, "--out", str(tmp_path / "one")]) == 0
     gloo_ranks.one_rank_env(monkeypatch)
     inits = []
@@ -232,6 +233,7 @@ def test_torchrun_cli_end_to_end(cfg, data, tmp_path):
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "engram", "train"]  # a free port
     cmd += ["--config", str(conf), "--distributed", "--out", str(out), "--no-progress", "--json"]
     cmd += ["--table-ranks", "1", "--sharded-checkpoints"]  # rank 1 holds no table rows, writes no shard
+    cmd += CPU  # gloo whatever GPUs there are: the loss is compared with evaluate on the CPU
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -282,7 +284,7 @@ def test_ranks_launched_differently_end_quickly(cfg, data, tmp_path):
     conf.write_text(json.dumps(cfg.replace(eval_every=0).to_dict()))
     port = gloo_ranks.free_port()
     base = [sys.executable, "-m", "engram", "train", "--config", str(conf), "--distributed"]
-    base += ["--out", str(tmp_path / "run"), "--no-progress", "--collective-timeout", "60"]
+    base += ["--out", str(tmp_path / "run"), "--no-progress", "--collective-timeout", "60", *CPU]
     extra = (["--until", "2"], ["--until", "4", "--table-init", "copy"])  # rank 0: the default, chunked
     procs = []
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import training_setup
+from cli_setup import CPU
 from engram.addressing.hashing import NgramHasher
 from engram.apps.lm.generate import MIN_TEMPERATURE, generate, load_generator
 from engram.apps.lm.train import Trainer, build_model, prepare_data
@@ -168,10 +169,11 @@ def runs(corpus, data, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture
 def main():
-    """engram.cli.main (which registers `generate`)."""
+    """engram.cli.main (which registers `generate`) on the CPU (cli_setup.CPU), where the tokens it is
+    compared with are generated."""
     from engram.cli import main
 
-    return main
+    return lambda argv: main([*argv, *CPU])
 
 
 def test_cli_json(main, runs, data, capsys):

@@ -195,6 +195,7 @@ def test_build_optimizer_refuses_state_that_will_not_fit(one_rank, monkeypatch):
 def test_engram_train_distributed_says_it_in_one_line(corpus, monkeypatch, capsys, tmp_path):
     """`engram train --distributed` (a 1-rank group in this process): refused before the model is
     built, one line naming the rank, rows, bytes, the limit and the ranks needed (exit 2)."""
+    from cli_setup import CPU  # the limit is the host's (RLIMIT_DATA): the ranks' tensors on the CPU
     from engram.cli import main
     from training_setup import tiny_cfg
 
@@ -207,9 +208,8 @@ def test_engram_train_distributed_says_it_in_one_line(corpus, monkeypatch, capsy
     monkeypatch.setattr(
         "engram.apps.lm.train_distributed.build_sharded_model", lambda *a, **k: built.append("model")
     )
-    code = main(
-        ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run"), "--no-progress"]
-    )
+    argv = ["train", "--config", str(conf), "--distributed", "--out", str(tmp_path / "run"), "--no-progress"]
+    code = main([*argv, *CPU])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "model" not in built, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import dist_launch as L
 import gloo_ranks
+from cli_setup import CPU
 
 MISSING = r"rows \[(\d+), (\d+)\) of table '{table}' are in no shard file .*a rank's file is missing"
 
@@ -134,7 +135,7 @@ def test_cli_resume_missing_a_ranks_file_says_one_line(dist_launch):
     (ckpt / "engram-shards" / "rank-00001.safetensors").unlink()
     cmd = [sys.executable, "-m", "engram", "train", "--config", str(root / "fewer-ranks-train.json")]
     cmd += ["--distributed", "--out", str(out), "--resume", "--sharded-checkpoints", "--no-progress"]
-    cmd += ["--collective-timeout", "60"]
+    cmd += ["--collective-timeout", "60", *CPU]  # gloo, as the ranks that wrote it
     port = gloo_ranks.free_port()
     procs = []
     for rank in range(3):

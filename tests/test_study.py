@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_setup import CPU
 from engram.apps.lm.train import build_model, prepare_data
 from engram.apps.study.report import compare
 from engram.apps.study.studies import STUDIES, plan_study, run_key, run_study, study_base
@@ -177,7 +178,7 @@ def test_cli_custom_corpus_file(corpus, tmp_path, capsys):
     f.write_text(text)
     out = tmp_path / "out"
     argv = ["study", "memory", "--corpus", str(f), "--size", "tiny", "--steps", "2", "--seeds", "1"]
-    argv += ["--quick", "--out", str(out), "--no-progress", "--threads", "1", "--json"]
+    argv += ["--quick", "--out", str(out), "--no-progress", "--threads", "1", "--json", *CPU]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out)
     assert got[0]["study"] == "memory" and len(got[0]["summary"]) == 4

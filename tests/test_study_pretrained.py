@@ -10,13 +10,18 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_setup as S
+from cli_setup import CPU
 from engram.apps.study import pretrained as SP
 from engram.cli import main
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
+
+# the runs compared are the CPU's: run_pretrained's default is the GPU when there is one
+HOST = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +33,9 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def study(folder, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("study")
-    r = SP.run_pretrained(out, model=str(folder), seeds=(0, 1), quick=True, progress=False, threads=1)
+    r = SP.run_pretrained(
+        out, model=str(folder), seeds=(0, 1), quick=True, progress=False, threads=1, device=HOST
+    )
     return out, r
 
 
@@ -75,7 +82,7 @@ def test_rerun_reuses_records_and_evaluates_a_run_killed_before_its_record(
     monkeypatch.setattr(SP, "train_folder", lambda *a, **kw: pytest.fail("trained again"))
     monkeypatch.chdir(out.parent)  # the same folder spelt another way: its records still match
     argv = ["study", "pretrained", "--quick", "--model", str(folder), "--out", out.name]
-    assert main([*argv, "--no-progress", "--threads", "1", "--json"]) == 0
+    assert main([*argv, "--no-progress", "--threads", "1", "--json", *CPU]) == 0
     cap = capsys.readouterr()
     got = json.loads(cap.out)[0]
     assert "Loading weights" not in cap.err  # --no-progress: transformers' bars off too
@@ -102,9 +109,9 @@ def test_a_run_killed_during_training_resumes_its_partial_folder(folder, tmp_pat
     monkeypatch.setattr(SP, "train_folder", killed)
     plan = SP.pretrained_plan(quick=True)
     with pytest.raises(KeyboardInterrupt):
-        SP.run_pretrained(tmp_path, model=str(folder), seeds=(0,), progress=False, plan=plan)
+        SP.run_pretrained(tmp_path, model=str(folder), seeds=(0,), progress=False, plan=plan, device=HOST)
     assert list((tmp_path / "runs").glob("*.json")) == [] and calls == [False]
-    r = SP.run_pretrained(tmp_path, model=str(folder), seeds=(0,), progress=False, plan=plan)
+    r = SP.run_pretrained(tmp_path, model=str(folder), seeds=(0,), progress=False, plan=plan, device=HOST)
     assert calls[1] is True  # the same run, resumed
     assert not any(p.name.endswith(".engram-partial") for p in (tmp_path / "runs").iterdir())
     assert len(r["summary"]) == 4
@@ -112,7 +119,7 @@ def test_a_run_killed_during_training_resumes_its_partial_folder(folder, tmp_pat
 
 def test_cli_refusals(folder, tmp_path, capsys):
     def refused(*argv: str) -> str:
-        assert main(["study", *argv, "--out", str(tmp_path), "--no-progress"]) == 2
+        assert main(["study", *argv, "--out", str(tmp_path), "--no-progress", *CPU]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1
         return err

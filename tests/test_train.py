@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from cli_setup import CPU
 from engram.apps.lm.data import load_corpus, split_documents
 from engram.apps.lm.evaluation import MAX_LOSS, perplexity
 from engram.apps.lm.train import (
@@ -243,6 +244,7 @@ def test_resume_skips_damaged_checkpoints(corpus, data, tmp_path, capsys):
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
     args = ["train", "--config", str(conf), "--out", str(tmp_path), "--resume", "--no-progress", "--json"]
+    args += CPU
     assert main(args) == 0
     err = capsys.readouterr().err
     assert f"skipped damaged checkpoint {root / 'step-0000006'}: " in err and "truncated" in err
@@ -310,7 +312,8 @@ def test_stale_temporary_folders_are_removed(corpus, data, tmp_path, capsys):
     cfg = tiny_cfg(corpus, steps=2, eval_every=0)
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
-    assert main(["train", "--config", str(conf), "--out", str(tmp_path), "--no-progress", "--json"]) == 0
+    argv = ["train", "--config", str(conf), "--out", str(tmp_path), "--no-progress", "--json", *CPU]
+    assert main(argv) == 0
     assert f"removed {stale}: left by process {dead.pid}, which is gone" in capsys.readouterr().err
     assert not stale.exists()
 
@@ -435,7 +438,7 @@ def test_diverged_loss_stops_the_run(corpus, data, tmp_path, capsys):
     assert latest_checkpoint(tmp_path / "run") is None
     conf = tmp_path / "c.json"
     conf.write_text(json.dumps(cfg.to_dict()))
-    argv = ["train", "--config", str(conf), "--out", str(tmp_path / "cli"), "--no-progress"]
+    argv = ["train", "--config", str(conf), "--out", str(tmp_path / "cli"), "--no-progress", *CPU]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert (
@@ -478,18 +481,14 @@ def test_cli_train_resume_and_eval(corpus, tmp_path, capsys):
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
     out = tmp_path / "run"
-    assert (
-        main(["train", "--config", str(conf), "--out", str(out), "--until", "3", "--no-progress", "--json"])
-        == 0
-    )
+    train = ["train", "--config", str(conf), "--out", str(out), "--no-progress", *CPU]
+    assert main([*train, "--until", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
-    assert main(["train", "--config", str(conf), "--out", str(out), "--no-progress"]) == 2  # needs --resume
+    assert main(train) == 2  # needs --resume
     capsys.readouterr()
-    assert (
-        main(["train", "--config", str(conf), "--out", str(out), "--resume", "--no-progress", "--json"]) == 0
-    )
+    assert main([*train, "--resume", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
-    assert main(["eval", "--checkpoint", str(out), "--mask-engram", "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(out), "--mask-engram", "--json", *CPU]) == 0
     res = json.loads(capsys.readouterr().out)["results"]
     assert set(res) == {"engram", "engram masked"}
     assert res["engram"]["loss"] != res["engram masked"]["loss"]
