@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_setup import refused
+from cli_setup import CPU, refused
 from engram.apps.tools import quantise_check as Q
 from engram.apps.tools import quantise_report as R
 from engram.cli import main
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, dict]:
-    code = main(["quantise-check", *map(str, argv), "--threads", "1", "--json"])
+    code = main(["quantise-check", *map(str, argv), "--threads", "1", "--json", *CPU])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -55,7 +55,7 @@ def by_format(result: dict) -> dict[str, dict]:
 
 
 def test_float_reference_is_engram_eval_and_formats_cost_in_order(run_dir, checked, capsys):
-    assert main(["eval", "--checkpoint", str(run_dir), "--threads", "1", "--json"]) == 0
+    assert main(["eval", "--checkpoint", str(run_dir), "--threads", "1", "--json", *CPU]) == 0
     own = json.loads(capsys.readouterr().out)["results"]["model"]
     f = by_format(checked)
     assert list(f) == ["float", "fp8", "int8", "int8-row", "int4"]
@@ -107,7 +107,17 @@ def test_sizes_accuracy_split_and_worst_rows(run_dir, checked):
 
 def test_the_gate_exits_1_naming_the_format_and_0_within(run_dir, capsys):
     code = main(
-        ["quantise-check", str(run_dir), "--formats", "int4", "--max-loss-increase", "0", "--threads", "1"]
+        [
+            "quantise-check",
+            str(run_dir),
+            "--formats",
+            "int4",
+            "--max-loss-increase",
+            "0",
+            "--threads",
+            "1",
+            *CPU,
+        ]
     )
     out = capsys.readouterr()
     assert code == 1
@@ -160,7 +170,9 @@ def hf_out(tmp_path_factory) -> tuple[Path, Path]:
     out = root / "out"
     fast = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--threads", "1", "--steps", "10"]
     assert (
-        main(["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), "--lr", "3e-3", *fast])
+        main(
+            ["hf-train", str(folder), "--corpus", str(corpus), "--out", str(out), "--lr", "3e-3", *fast, *CPU]
+        )
         == 0
     )
     return out, corpus
@@ -169,7 +181,7 @@ def hf_out(tmp_path_factory) -> tuple[Path, Path]:
 def test_hf_folder_reference_is_hf_eval_and_every_format_is_scored(hf_out, capsys):
     out, corpus = hf_out
     capsys.readouterr()
-    assert main(["hf-eval", str(out), "--corpus", str(corpus), "--threads", "1", "--json"]) == 0
+    assert main(["hf-eval", str(out), "--corpus", str(corpus), "--threads", "1", "--json", *CPU]) == 0
     own = json.loads(capsys.readouterr().out)
     code, r = run_json(capsys, out, "--worst", "2")  # the corpus and split from the run's engram_train.json
     assert code == 0 and r["seed_summary"] is None
@@ -231,4 +243,6 @@ def test_bad_input_is_refused_with_the_fix(run_dir, hf_out, corpus, tmp_path, ca
     cfg = tiny_cfg(corpus, steps=2, eval_every=0, engram=None, threads=1)
     data = prepare_data(cfg)
     Trainer(cfg, data, build_model(cfg, data), out_dir=tmp_path / "base").run()
-    refused(capsys, ["quantise-check", str(tmp_path / "base")], "without Engram", "no table to quantise")
+    refused(
+        capsys, ["quantise-check", str(tmp_path / "base"), *CPU], "without Engram", "no table to quantise"
+    )

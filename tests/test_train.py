@@ -270,7 +270,7 @@ def test_resume_without_a_checkpoint_refused(corpus, tmp_path, capsys):
     conf = tmp_path / "train.json"
     conf.write_text(json.dumps(cfg.to_dict()))
     out = tmp_path / "typo"
-    base = ["train", "--config", str(conf), "--out", str(out), "--no-progress", "--json"]
+    base = ["train", "--config", str(conf), "--out", str(out), "--no-progress", "--json", *CPU]
     assert main([*base, "--resume"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
