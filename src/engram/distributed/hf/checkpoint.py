@@ -225,7 +225,7 @@ def export_fp8(
     model: nn.Module, directory: str | os.PathLike[str], *, row_files: bool = False
 ) -> Path | None:
     """`engram.hf.export_fp8` for a model with row-sharded tables (as `save_engram` here: each rank
-    quantises and writes its own rows). `row_files`: also each layer's SSD row file
+    quantises and writes its own rows; other row formats: `export_quantised`). `row_files`: also each layer's SSD row file
     (`engram_layer{L}.rows` in the part, what the row-file tier and the vLLM plugin's 'rowfile' mode
     read), every owner writing its rows at their slots, published with the part."""
     return write_part(model, directory, RowFormat.FP8, row_files=row_files)
