@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from engram.checkpoint.files import open_tensors, read_header
+from engram.checkpoint.files import DTYPES, open_tensors, read_header, save_tensors
 from engram.checkpoint.laid_out import create, lay_out, set_metadata, write_rows
 
 
@@ -45,3 +45,20 @@ def test_rows_written_in_any_order_read_back(tmp_path):
         write_rows(path, laid, "x", 0, table)
     with pytest.raises(ValueError, match="metadata 'fp' was not reserved at 3 characters"):
         set_metadata(path, "fp", "abc")
+
+
+def test_tensors_lie_where_safetensors_puts_them(tmp_path):
+    """Every dtype a checkpoint holds, two of each item size: laid out and filled, the file is
+    `save_tensors`' (safetensors' writer) byte for byte, the header's metadata keys aside."""
+    tensors = {
+        f"{name.lower()}-{i}": torch.zeros(3 + i, 2, dtype=d) for i, (name, d) in enumerate(DTYPES.items())
+    }
+    want = tmp_path / "saved.safetensors"
+    save_tensors(want, tensors)
+    got = tmp_path / "laid.safetensors"
+    laid = lay_out({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, {})
+    create(got, laid)
+    for n, t in tensors.items():
+        write_rows(got, laid, n, 0, t)
+    assert read_header(got) == read_header(want)
+    assert got.read_bytes() == want.read_bytes()

@@ -4,8 +4,10 @@
 size; `create` writes the header and sizes the file; `write_rows(path, laid, name, first_row, rows)`
 writes rows of one tensor at their offsets (several processes at once, each its own rows: nobody
 holds a whole table); `set_metadata` fills a value reserved at layout time (same length). The result
-is an ordinary safetensors file (tensors back to back, largest items first for alignment), which
-`engram.checkpoint.files` reads as any other. Knows the file format, nothing of tables or processes.
+is an ordinary safetensors file, its tensors back to back in the order safetensors' own writer puts
+them (its dtypes' order, largest items first so each is aligned, then by name), so the data are those
+`save_file` writes of the same tensors; `engram.checkpoint.files` reads it as any other. Knows the file
+format, nothing of tables or processes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import torch
 from engram.checkpoint.files import dtype_name, read_header
 
 __all__ = ["LaidOut", "create", "lay_out", "set_metadata", "write_rows"]
+
+# safetensors' dtypes in the order of its `Dtype` enum, which its writer sorts tensors by (descending):
+# never decreasing in item size, so the tensors it lays out back to back are each aligned
+_SAFETENSORS_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16", "BF16")
+_SAFETENSORS_ORDER += ("I32", "U32", "F32", "F64", "I64", "U64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +59,12 @@ def _header_bytes(header: dict) -> bytes:
 
 def lay_out(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]) -> LaidOut:
     """The layout of a file of tensors {name: (dtype, shape)} with `metadata` (str -> str, plus format
-    "pt"), largest item size first then by name (each tensor aligned to its item size)."""
+    "pt"), in safetensors' order: its dtypes' (largest item size first: each tensor aligned), then by
+    name."""
     meta = {"format": "pt", **metadata}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata is text only (str -> str)")
-    order = sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
+    order = sorted(specs, key=lambda n: (-_SAFETENSORS_ORDER.index(dtype_name(specs[n][0])), n))
     header: dict = {"__metadata__": meta}
     pos, rel = 0, {}
     for name in order:

@@ -31,6 +31,7 @@ from engram.distributed.guard import (
 from engram.distributed.hf.checkpoint import (
     SHARDS_FOLDER,
     export_fp8,
+    export_quantised,
     load_table_shards,
     save_engram,
     save_table_shards,
@@ -97,6 +98,7 @@ __all__ = [
     "differing",
     "disagreements",
     "export_fp8",
+    "export_quantised",
     "fully_shard_backbone",
     "gather_shards",
     "global_num_params",

@@ -94,7 +94,8 @@ def _save(
         if isinstance(w, torch.Tensor) and w.shape[0] != m.table.num_rows:
             raise ValueError(
                 f"layer {lid}'s table holds {w.shape[0]} of its {m.table.num_rows} rows (row-sharded across "
-                "processes): save it with engram.distributed.save_engram / export_fp8, which every rank calls"
+                "processes): save it with engram.distributed.save_engram / export_fp8 / export_quantised, which "
+                "every rank calls"
             )
     out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}

@@ -10,8 +10,9 @@ No rank holds a whole table, so no single rank can write one. Two forms:
   whichever files hold them: at the same world size bit-exact; at another one with the rows
   redistributed; in one process, or with replicated tables, every row (the table optimizer then a
   plain one);
-- the Engram part (`save_engram` / `export_fp8`): every rank writes its own rows into the one part
-  `engram.hf.load_engram` reads in one process (`hf_part`: nothing gathered).
+- the Engram part (`save_engram` / `export_fp8` / `export_quantised`, tables in float or any row
+  format): every rank writes its own rows into the one part `engram.hf.load_engram` reads in one
+  process (`hf_part`: nothing gathered).
 Knows ShardedTable, the table optimizers' per-row state and the shard files; nothing of the Trainer.
 """
 
@@ -34,10 +35,12 @@ from engram.distributed.sharded_table import ShardedTable
 from engram.hf.attach import get_attachment
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam
 from engram.model.table import TrainableTable
+from engram.rowformat.formats import RowFormat, as_row_format
 
 __all__ = [
     "SHARDS_FOLDER",
     "export_fp8",
+    "export_quantised",
     "load_table_shards",
     "pending_restore",
     "save_engram",
@@ -215,14 +218,24 @@ def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path | N
     own rows into the one part (`hf_part.write_part`: no table is gathered; readable by
     `engram.hf.load_engram` in one process); rank 0 returns its folder, the others None once it is
     published."""
-    return write_part(model, directory, fp8=False)
+    return write_part(model, directory, None)
 
 
 def export_fp8(
     model: nn.Module, directory: str | os.PathLike[str], *, row_files: bool = False
 ) -> Path | None:
     """`engram.hf.export_fp8` for a model with row-sharded tables (as `save_engram` here: each rank
-    quantises and writes its own rows). `row_files`: also each layer's SSD row file
+    quantises and writes its own rows; other row formats: `export_quantised`). `row_files`: also each layer's SSD row file
     (`engram_layer{L}.rows` in the part, what the row-file tier and the vLLM plugin's 'rowfile' mode
     read), every owner writing its rows at their slots, published with the part."""
-    return write_part(model, directory, fp8=True, row_files=row_files)
+    return write_part(model, directory, RowFormat.FP8, row_files=row_files)
+
+
+def export_quantised(
+    model: nn.Module, directory: str | os.PathLike[str], fmt: RowFormat | str, *, row_files: bool = False
+) -> Path | None:
+    """`engram.hf.export_quantised` for a model with row-sharded tables: `export_fp8` here in row format
+    `fmt` ("fp8", "int8", "int8-row", "int4"; an unknown name is refused listing them), each owner rank
+    quantising its own rows by the one-process rule, so the part's data (and each row file, with
+    `row_files`, in that format) are byte for byte those the one-process export writes."""
+    return write_part(model, directory, as_row_format(fmt), row_files=row_files)

@@ -1,21 +1,24 @@
 """The Engram part of an HF model with row-sharded tables, written without a gather.
 
-`write_part(model, directory, fp8)` (every rank of the tables' group) writes the part
-`engram.hf.save_engram` / `export_fp8` write in one process, readable by the same readers
-(`engram.hf.load_engram`, `MmapFP8Table`, the row-file tier, the vLLM plugin's folder check): one
-safetensors file laid out by rank 0 (`engram.checkpoint.laid_out`), into which every owner rank
-writes its own rows at their offsets (an FP8 part: its rows quantised there, row by row as
-`FP8Table.from_float` does), so no rank ever holds more than its shard and a chunk. With `row_files`
-(FP8) each owner also writes the same quantised rows into each layer's SSD row file
-(`engram.storage.rowfile`, laid out by rank 0, rows at their slots), byte for byte what
+`write_part(model, directory, row_format)` (every rank of the tables' group) writes the part
+`engram.hf.save_engram` / `export_fp8` / `export_quantised` write in one process, readable by the same
+readers (`engram.hf.load_engram`, `MmapQuantTable`, the row-file tier, the vLLM plugin's folder
+check): one safetensors file laid out by rank 0 (`engram.checkpoint.laid_out`), into which every owner
+rank writes its own rows at their offsets (a quantised part, in any row format: its rows quantised
+there, row by row by `engram.storage.quant.quantize` as the one-process export does), so no rank ever
+holds more than its shard and a chunk. With `row_files` (a quantised part) each owner also writes the
+same quantised rows into each layer's SSD row file (`engram.storage.rowfile`, in the part's row
+format, laid out by rank 0, rows at their slots), byte for byte what
 `engram.checkpoint.convert.write_row_files` makes of the finished part. The files are written under
-hidden temporary names; once every rank has written, rank 0 records each FP8 table's content
+hidden temporary names; once every rank has written, rank 0 records each quantised table's content
 fingerprint (one read of the file, a chunk at a time) in the part and its row file's header, the
 CRC32 of every tensor (each owner's of its own rows, combined in row order: `crc32_combine`) and the
 seal over the metadata (with the base model every rank recorded: `engram.hf.base`), writes
 config.json, the compression map and the options, and renames them into place (config.json last).
 A rank that fails (or dies: the others' collectives time out) publishes nothing: the folder keeps
-what it held. The folder must be shared by the ranks (as sharded checkpoints' is).
+what it held. The folder must be shared by the ranks (as sharded checkpoints' is). The part's data,
+metadata and row files are the one-process export's byte for byte; only the order of the header's
+metadata keys may differ (safetensors, which writes the one-process part, orders them arbitrarily).
 Design: docs/distributed.md.
 """
 
@@ -43,6 +46,7 @@ from engram.checkpoint.v41 import (
     LAYOUT_FINGERPRINT_KEY,
     SEAL_KEY,
     TABLE_FINGERPRINT_KEY,
+    TABLE_FORMAT_KEY,
     crc32_entry,
     foreign_config,
     layer_prefix,
@@ -54,7 +58,8 @@ from engram.distributed.sharded_table import ShardedTable
 from engram.hf.attach import EngramAttachment, get_attachment
 from engram.hf.base import base_record
 from engram.hf.io import COMPRESSION_FILE, OPTIONS_FILE, engram_part
-from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE
+from engram.rowformat.formats import RowFormat, as_row_format, format_of
+from engram.rowformat.fp8 import BLOCK
 from engram.storage import quant
 from engram.storage.integrity import crc32_combine, fingerprint_blocks, tensor_crc32
 from engram.storage.rowfile import RowFileHeader, create_row_file, set_row_file_tables, write_row_range
@@ -68,12 +73,23 @@ _FINGERPRINT_HOLD = "0" * 64  # reserved for a table's sha256 (and the seal) unt
 _Pieces = dict[str, tuple[int, int, int]]
 
 
+def _read_as(fmt: RowFormat, dim: int) -> RowFormat:
+    """The format rows of `fmt`, `dim` wide, are read as: what their tensors' dtypes and widths say
+    (`format_of`, the one-process writer's and the readers' rule), `fmt` but for int8-row rows one block
+    wide, which are int8's bytes."""
+    return format_of(
+        torch.empty((0, fmt.value_width(dim)), dtype=fmt.value_dtype),
+        torch.empty((0, fmt.scales_per_row(dim)), dtype=fmt.scale_dtype),
+    )
+
+
 def _plan(
-    att: EngramAttachment, fp8: bool, base: str
+    att: EngramAttachment, fmt: RowFormat | None, base: str
 ) -> tuple[dict, dict[str, torch.Tensor], dict[str, str]]:
-    """(specs {name: (dtype, shape)} of every tensor, the dense tensors {name: tensor} rank 0 writes,
-    metadata with each FP8 table's fingerprint, the CRC32s and the seal reserved, and the base model
-    record `base`)."""
+    """(specs {name: (dtype, shape)} of every tensor (tables in row format `fmt`, None: float), the
+    dense tensors {name: tensor} rank 0 writes, metadata with each quantised table's fingerprint, the
+    CRC32s and the seal reserved, the base model record `base`, and each table's row format where it
+    is not FP8, as `engram.checkpoint.v41.shard_metadata` records it)."""
     specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     dense: dict[str, torch.Tensor] = {}
     meta = {LAYOUT_FINGERPRINT_KEY: layout_fingerprint(Layout(att.config)), BASE_MODEL_KEY: base}
@@ -84,12 +100,19 @@ def _plan(
             raise ValueError(
                 f"layer {lid}'s table is not row-sharded: use engram.hf.save_engram / export_fp8"
             )
-        if fp8:
-            if t.dim % BLOCK:
-                raise ValueError(f"layer {lid}'s rows are {t.dim} wide: FP8 rows need a multiple of {BLOCK}")
-            specs[p + "embed.weight"] = (VALUE_DTYPE, (t.num_rows, t.dim))
-            specs[p + "embed.scale"] = (SCALE_DTYPE, (t.num_rows, t.dim // BLOCK))
+        if fmt is not None:
+            if t.dim % BLOCK or t.dim == 0:  # `quantize_table`'s check, naming the layer
+                raise ValueError(
+                    f"layer {lid}'s rows are {t.dim} wide: {fmt.value} rows need a positive multiple of "
+                    f"{BLOCK}; export this model's part in float (save_engram)"
+                )
+            values = (fmt.value_dtype, (t.num_rows, fmt.value_width(t.dim)))
+            scales = (fmt.scale_dtype, (t.num_rows, fmt.scales_per_row(t.dim)))
+            specs[p + "embed.weight"], specs[p + "embed.scale"] = values, scales
             meta[f"{TABLE_FINGERPRINT_KEY}.{lid}"] = _FINGERPRINT_HOLD
+            said = _read_as(fmt, t.dim)  # as `shard_metadata` records it
+            if said is not RowFormat.FP8:  # (V4.1's own FP8 parts carry no such key)
+                meta[f"{TABLE_FORMAT_KEY}.{lid}"] = said.value
         else:
             specs[p + "embed.weight"] = (t.weight.dtype, (t.num_rows, t.dim))
         for k, v in m.state_dict().items():
@@ -101,7 +124,9 @@ def _plan(
     return specs, dense, meta
 
 
-def _row_files(att: EngramAttachment, out: Path, token: str) -> dict[str, tuple[Path, RowFileHeader]]:
+def _row_files(
+    att: EngramAttachment, fmt: RowFormat, out: Path, token: str
+) -> dict[str, tuple[Path, RowFileHeader]]:
     """{layer id: (the temporary path of its row file, the header)}: the tables' fingerprints are left
     empty, filled by `_publish` once every row is written (as `write_row_files` records them)."""
     layout_fp = layout_fingerprint(Layout(att.config))
@@ -110,13 +135,19 @@ def _row_files(att: EngramAttachment, out: Path, token: str) -> dict[str, tuple[
     for lid in sorted(att.layers, key=int):
         t = att.layers[lid].table
         final = row_file_path(out, int(lid))
-        header = RowFileHeader(t.num_rows, t.dim, layer_id=int(lid), identity=layout_fp, label=label)
+        header = RowFileHeader(  # the format write_row_files gives: the one the part's table reads as
+            t.num_rows, t.dim, fmt=_read_as(fmt, t.dim), layer_id=int(lid), identity=layout_fp, label=label
+        )
         files[lid] = (final.with_name(f".{final.name}.tmp-{token}"), header)
     return files
 
 
 def _write_own_rows(
-    path: Path, laid: LaidOut, att: EngramAttachment, fp8: bool, rows: dict[str, tuple[Path, RowFileHeader]]
+    path: Path,
+    laid: LaidOut,
+    att: EngramAttachment,
+    fmt: RowFormat | None,
+    rows: dict[str, tuple[Path, RowFileHeader]],
 ) -> _Pieces:
     """Write this rank's rows of every table; the (first row, CRC32, bytes) of what it wrote of each."""
     pieces: _Pieces = {}
@@ -125,22 +156,22 @@ def _write_own_rows(
         w = t.weight.detach()  # (hi - lo, dim) this rank's rows
         if not w.shape[0]:
             continue
-        if not fp8:
+        if fmt is None:
             write_rows(path, laid, p + "embed.weight", t.lo, w)
             pieces[p + "embed.weight"] = (t.lo, tensor_crc32(w), w.numel() * w.element_size())
             continue
         crc_v = crc_s = 0
         for a in range(0, w.shape[0], _QUANT_ROWS):
-            values, scales = quant.quantize_rows(
-                w[a : a + _QUANT_ROWS]
-            )  # row by row: any split gives the same
+            # `quantize_table`'s rule (the one-process export's); row by row, so any split gives its bytes
+            values, scales = quant.quantize(w[a : a + _QUANT_ROWS], fmt)
             write_rows(path, laid, p + "embed.weight", t.lo + a, values)
             write_rows(path, laid, p + "embed.scale", t.lo + a, scales)
             crc_v, crc_s = tensor_crc32(values, crc_v), tensor_crc32(scales, crc_s)
             if lid in rows:
                 write_row_range(*rows[lid], t.lo + a, values, scales)
-        pieces[p + "embed.weight"] = (t.lo, crc_v, w.shape[0] * t.dim)  # one byte a value, one a scale
-        pieces[p + "embed.scale"] = (t.lo, crc_s, w.shape[0] * (t.dim // BLOCK))
+        n = w.shape[0]
+        pieces[p + "embed.weight"] = (t.lo, crc_v, n * fmt.value_bytes(t.dim))
+        pieces[p + "embed.scale"] = (t.lo, crc_s, n * fmt.scale_bytes(t.dim))
     return pieces
 
 
@@ -166,13 +197,13 @@ def _publish(
     tmp: Path,
     out: Path,
     att: EngramAttachment,
-    fp8: bool,
+    quantised: bool,
     rows: dict[str, tuple[Path, RowFileHeader]],
     crcs: dict[str, int],
 ) -> None:
     """Rank 0, once every rank has written: fingerprints, CRC32s and the seal, the small files, then
     the renames."""
-    if fp8:
+    if quantised:
         f = open_tensors(tmp)
         for lid in att.layers:
             p = layer_prefix(int(lid))
@@ -210,8 +241,8 @@ def _publish(
 
 
 _COLLECTIVE = (
-    "save_engram / export_fp8 is a collective: every rank of the tables' group calls it at the same point, "
-    "and one that does not (or fails, or dies) leaves the others waiting until prepare_data_parallel's timeout"
+    "save_engram / export_fp8 / export_quantised is a collective: every rank of the tables' group calls it "
+    "at the same point, and one that does not (or fails, or dies) leaves the others waiting until prepare_data_parallel's timeout"
 )
 
 
@@ -245,15 +276,24 @@ def _agree(
 
 
 def write_part(
-    model: nn.Module, directory: str | os.PathLike[str], fp8: bool, *, row_files: bool = False
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    row_format: RowFormat | str | None,
+    *,
+    row_files: bool = False,
 ) -> Path | None:
     """Write the Engram part of `model` (row-sharded tables, `prepare_data_parallel`) to `directory`
-    without gathering a table: every rank calls it; rank 0 returns the part's folder, the others None.
-    `row_files` (FP8 only): each layer's SSD row file too (`row_file_path(part, layer)`, what the
-    row-file tier and the vLLM plugin's tables='rowfile' read), written by the same ranks, published
-    with the part."""
-    if row_files and not fp8:
-        raise ValueError("row files hold FP8 rows: row_files=True needs the FP8 part (export_fp8)")
+    without gathering a table, its tables in `row_format` (`RowFormat`: "fp8", "int8", "int8-row",
+    "int4"; None: float, as they are): every rank calls it; rank 0 returns the part's folder, the
+    others None. `row_files` (a quantised part only): each layer's SSD row file too
+    (`row_file_path(part, layer)`, what the row-file tier and the vLLM plugin's tables='rowfile'
+    read), written by the same ranks, published with the part."""
+    fmt = None if row_format is None else as_row_format(row_format)
+    if row_files and fmt is None:
+        raise ValueError(
+            "row files hold quantised rows: row_files=True needs a quantised part (export_fp8, or "
+            "export_quantised with a row format)"
+        )
     att = get_attachment(model)
     sync = att.table_sync
     if not isinstance(sync, ShardedTableSync):
@@ -264,7 +304,7 @@ def write_part(
     rank = dist.get_rank(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     # every rank (FSDP2's parameters are sampled by collectives); the same record on every rank
-    specs, dense, meta = _plan(att, fp8, base_record(model))
+    specs, dense, meta = _plan(att, fmt, base_record(model))
     laid = lay_out(specs, meta)  # the same on every rank
     out = engram_part(directory)
     token = [uuid.uuid4().hex]
@@ -273,7 +313,7 @@ def write_part(
     except RuntimeError as e:
         raise _lost(group, "before writing the Engram part", e) from e
     tmp = out / f".{PART_FILE}.tmp-{token[0]}"
-    rows = _row_files(att, out, token[0]) if row_files else {}
+    rows = _row_files(att, fmt, out, token[0]) if fmt is not None and row_files else {}
     error: BaseException | None = None
     try:
         if rank == 0:
@@ -296,7 +336,7 @@ def write_part(
         try:
             if not tmp.exists():  # another folder than rank 0's, or one this machine does not share
                 raise ValueError(f"rank {rank} does not see {tmp}, laid out by rank 0: {_SHARED}")
-            mine = _write_own_rows(tmp, laid, att, fp8, rows)
+            mine = _write_own_rows(tmp, laid, att, fmt, rows)
         except Exception as e:  # every rank must hear of it, whatever it is
             error = e
         _agree(error, group, "to write its rows of the Engram part")
@@ -307,7 +347,7 @@ def write_part(
             raise _lost(group, "while gathering the CRC32s of the rows written", e) from e
         if rank == 0:
             try:
-                _publish(tmp, out, att, fp8, rows, _crc32s(laid, dense, pieces))
+                _publish(tmp, out, att, fmt is not None, rows, _crc32s(laid, dense, pieces))
             except Exception as e:  # every rank must hear of it, whatever it is
                 error = e
         kept = "rank 0 publishes the part once every rank wrote its rows (config.json last)"
