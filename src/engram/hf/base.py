@@ -35,6 +35,7 @@ __all__ = [
     "INDEX_FILE",
     "RTOL",
     "SAMPLES",
+    "SHAPE_FIELDS",
     "WEIGHTS_FILE",
     "BaseModelWarning",
     "base_differences",
@@ -49,8 +50,7 @@ __all__ = [
 
 SAMPLES = 8  # values of each tensor recorded
 RTOL = 1e-2  # a sampled value within 1 % is the same (bfloat16 rounds by at most 0.4 %)
-CONFIG_FIELDS = (  # the config values that make an architecture: compared when both sides have them
-    "model_type",
+SHAPE_FIELDS = (  # the config's sizes that the weights' shapes follow
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -58,9 +58,9 @@ CONFIG_FIELDS = (  # the config values that make an architecture: compared when 
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
-    "hidden_act",
-    "tie_word_embeddings",
 )
+# the config values that make an architecture: compared when both sides have them
+CONFIG_FIELDS = ("model_type", *SHAPE_FIELDS, "hidden_act", "tie_word_embeddings")
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 

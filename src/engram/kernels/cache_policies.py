@@ -108,14 +108,20 @@ def _less(count, stamp, slot_row, a, b):
 
 
 @_jit
+def _swap(heap, pos, i, j):
+    """Swap heap entries i and j, keeping pos (slot -> its heap index) in step."""
+    heap[i], heap[j] = heap[j], heap[i]
+    pos[heap[i]] = i
+    pos[heap[j]] = j
+
+
+@_jit
 def _sift_up(heap, pos, count, stamp, slot_row, i):
     while i > 0:
         p = (i - 1) >> 1
         if not _less(count, stamp, slot_row, heap[i], heap[p]):
             break
-        heap[i], heap[p] = heap[p], heap[i]
-        pos[heap[i]] = i
-        pos[heap[p]] = p
+        _swap(heap, pos, i, p)
         i = p
 
 
@@ -129,9 +135,7 @@ def _sift_down(heap, pos, count, stamp, slot_row, i, n):
             c += 1
         if not _less(count, stamp, slot_row, heap[c], heap[i]):
             break
-        heap[i], heap[c] = heap[c], heap[i]
-        pos[heap[i]] = i
-        pos[heap[c]] = c
+        _swap(heap, pos, i, c)
         i = c
 
 

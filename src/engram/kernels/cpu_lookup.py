@@ -29,11 +29,15 @@ __all__ = [
     "DEDUP_WINDOW",
     "OK",
     "STAGE_ROWS",
+    "copy_row",
+    "dedup_map",
     "fp8_gather",
     "gather_fp8_range",
     "gather_rows_range",
     "rows_gather",
+    "run_decode_gather",
     "run_gather_chunks",
+    "stage_batch",
     "store_fence",
     "stream_copy",
     "stream_out",
@@ -59,6 +63,9 @@ _FP16_CHUNK_ROWS = 16_384  # float16 output goes through a float32 scratch of th
 STREAM_MIN_BYTES = 1 << 22
 
 _jit = numba.njit(cache=True, nogil=True)
+# The helpers both gathers share (the staged, deduped batches): inlined at numba's IR level into each
+# kernel, so each compiles as if written there (no call or reference counts per row).
+_jit_inline = numba.njit(cache=True, nogil=True, inline="always")
 
 
 # ----------------------------------------------------------------------------------------- intrinsics
@@ -155,6 +162,68 @@ def _decode_impl(byte, scale, nan_pos, nan_neg, bf16_nan, kind):
     return impl_bf16
 
 
+# ------------------------------------------------------------------------------- staged, deduped batches
+@_jit_inline
+def dedup_map():
+    """An empty dedup map (keys, where, stamp) of _DEDUP_SLOTS slots, slot -> (id, position); `stamp` holds
+    the window each slot was filled in (-1: none), so a new window needs no clearing."""
+    keys = np.empty(_DEDUP_SLOTS, dtype=np.int64)
+    where = np.empty(_DEDUP_SLOTS, dtype=np.int64)
+    stamp = np.full(_DEDUP_SLOTS, -1, dtype=np.int64)
+    return keys, where, stamp
+
+
+@_jit_inline
+def stage_batch(
+    v1, s1, width, nb, ids, n_table, dedup, start, i0, i1, stage_v, stage_s, src, keys, where, stamp
+):
+    """Step (1) of a batch of the gather kernels: check ids[i0:i1], look each up in the dedup window
+    (with `dedup`), and copy the bytes of each row to decode (`width` values and `nb` scales a row of the
+    flat v1, s1) into stage_v, stage_s at its place k = i - i0; src[k] = -1 (decode staged row k) or the
+    position of the id's first occurrence in the window (copy that output row).
+
+    Returns -1, or the first position whose id is outside [0, n_table) (src, stage_* partly written).
+    """
+    mask = np.uint64(_DEDUP_SLOTS - 1)
+    for i in range(i0, i1):
+        r = ids[i]
+        if r < 0 or r >= n_table:
+            return i
+        k = np.uint64(i - i0)
+        first = -1
+        if dedup:
+            window = (i - start) // DEDUP_WINDOW  # slots stamped with an older window read as empty
+            slot = ((np.uint64(r) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask  # Fibonacci
+            while stamp[slot] == window:
+                if keys[slot] == r:
+                    first = where[slot]
+                    break
+                slot = (slot + np.uint64(1)) & mask
+            if first < 0:
+                stamp[slot] = window
+                keys[slot] = r
+                where[slot] = i
+        src[k] = first
+        if first < 0:
+            ur = np.uint64(r)
+            for c in range(width):
+                stage_v[k * width + c] = v1[ur * width + c]
+            for c in range(nb):
+                stage_s[k * nb + c] = s1[ur * nb + c]
+    return -1
+
+
+@_jit_inline
+def copy_row(o1, dst, src, width, lines, stream):
+    """o1[dst : dst + width] = o1[src : src + width] (element offsets): a repeat's output row from its
+    first occurrence; `stream`: as `lines` 64-byte lines with non-temporal stores."""
+    if stream:
+        stream_copy(o1, np.int64(dst), o1, np.int64(src), lines)
+    else:
+        for c in range(width):
+            o1[dst + c] = o1[src + c]
+
+
 @_jit
 def gather_fp8_range(values, scales, ids, out, nan_pos, nan_neg, bf16_nan, dedup, stream, start, end):
     """Dequantise rows ids[start:end] into out[start:end]; return (code, first bad position or -1).
@@ -182,52 +251,21 @@ def gather_fp8_range(values, scales, ids, out, nan_pos, nan_neg, bf16_nan, dedup
     stage_v = np.empty(STAGE_ROWS * dim, dtype=np.uint8)  # (STAGE_ROWS, D) bytes, stays in L1
     stage_s = np.empty(STAGE_ROWS * n_blocks, dtype=np.uint8)  # (STAGE_ROWS, nb)
     src = np.empty(STAGE_ROWS, dtype=np.int64)  # -1: decode the staged row, else copy out[src]
-    # dedup map of the current window: slot -> (id, position); `stamp` marks the slots in use
-    keys = np.empty(_DEDUP_SLOTS, dtype=np.int64)
-    where = np.empty(_DEDUP_SLOTS, dtype=np.int64)
-    stamp = np.full(_DEDUP_SLOTS, -1, dtype=np.int64)
-    mask = np.uint64(_DEDUP_SLOTS - 1)
+    keys, where, stamp = dedup_map()
     code, bad_at = OK, -1
     for i0 in range(start, end, STAGE_ROWS):
         i1 = min(i0 + STAGE_ROWS, end)
-        for i in range(i0, i1):  # (1) check, dedup, stage
-            r = ids[i]
-            if r < 0 or r >= n_table:
-                code, bad_at = BAD_ROW, i
-                break
-            k = np.uint64(i - i0)
-            first = -1
-            if dedup:
-                window = (i - start) // DEDUP_WINDOW  # slots stamped with an older window read as empty
-                slot = ((np.uint64(r) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask  # Fibonacci
-                while stamp[slot] == window:
-                    if keys[slot] == r:
-                        first = where[slot]
-                        break
-                    slot = (slot + np.uint64(1)) & mask
-                if first < 0:
-                    stamp[slot] = window
-                    keys[slot] = r
-                    where[slot] = i
-            src[k] = first
-            if first < 0:
-                ur = np.uint64(r)
-                for c in range(udim):
-                    stage_v[k * udim + c] = v1[ur * udim + c]
-                for c in range(nb):
-                    stage_s[k * nb + c] = s1[ur * nb + c]
-        if code != OK:
+        bad_at = stage_batch(
+            v1, s1, udim, nb, ids, n_table, dedup, start, i0, i1, stage_v, stage_s, src, keys, where, stamp
+        )
+        if bad_at >= 0:
+            code = BAD_ROW
             break
         for i in range(i0, i1):  # (2) decode or copy, in order
             k = np.uint64(i - i0)
             ob = np.uint64(i) * udim
             if src[k] >= 0:
-                fb = np.uint64(src[k]) * udim
-                if stream:
-                    stream_copy(o1, np.int64(ob), o1, np.int64(fb), lines)
-                else:
-                    for c in range(udim):
-                        o1[ob + c] = o1[fb + c]
+                copy_row(o1, ob, np.uint64(src[k]) * udim, udim, lines, stream)
                 continue
             bad = False
             # Two copies of the decode loop rather than a destination picked at run time: an array
@@ -333,20 +371,39 @@ def fp8_gather(
     """
     v = values.view(torch.uint8).numpy()  # (R, D) bytes, no copy
     s = scales.view(torch.uint8).numpy()  # (R, nb)
-    idx = ids.contiguous().numpy()  # (n,)
     nan_pos, nan_neg, bf16_nan = (np.uint32(x) for x in torch_nan_bits())
+    return run_decode_gather(
+        gather_fp8_range, v, s, ids, out, (nan_pos, nan_neg, np.uint16(bf16_nan)), threads
+    )
+
+
+def run_decode_gather(
+    kernel,
+    values: np.ndarray,
+    scales: np.ndarray,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    extra: tuple,
+    threads: int,
+) -> bool:
+    """Run a decoding gather kernel(values, scales, ids, o, *extra, dedup, stream, start, end) into `out`
+    (n, D) float32, bfloat16 (as uint16 bits) or float16 (float32 rows in bounded chunks, then torch's
+    own rounding), deduped, over `threads`; False at the first error (out then partly written)."""
+    idx = ids.contiguous().numpy()  # (n,)
     if out.dtype != torch.float16:
         o = out.numpy() if out.dtype == torch.float32 else out.view(torch.uint16).numpy()
-        args = (v, s, idx, o, nan_pos, nan_neg, np.uint16(bf16_nan), True, stream_out(out))
-        return run_gather_chunks(gather_fp8_range, args, threads)[0] == OK
+        return (
+            run_gather_chunks(kernel, (values, scales, idx, o, *extra, True, stream_out(out)), threads)[0]
+            == OK
+        )
     n, dim = out.shape
     step = min(n, _FP16_CHUNK_ROWS)
     scratch = torch.empty((step, dim), dtype=torch.float32)  # (step, D), bounded whatever n is
     for start in range(0, n, step):
         stop = min(start + step, n)
         tmp = scratch[: stop - start]
-        args = (v, s, idx[start:stop], tmp.numpy(), nan_pos, nan_neg, np.uint16(bf16_nan), True, False)
-        if run_gather_chunks(gather_fp8_range, args, threads)[0] != OK:
+        args = (values, scales, idx[start:stop], tmp.numpy(), *extra, True, False)
+        if run_gather_chunks(kernel, args, threads)[0] != OK:
             return False
         out[start:stop].copy_(tmp)
     return True

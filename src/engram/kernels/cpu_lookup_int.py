@@ -19,19 +19,18 @@ from numba.extending import overload
 from engram.kernels.cpu_lookup import (
     BAD_ROW,
     BAD_SCALE,
-    DEDUP_WINDOW,
     OK,
     STAGE_ROWS,
-    run_gather_chunks,
+    copy_row,
+    dedup_map,
+    run_decode_gather,
+    stage_batch,
     store_fence,
     stream_copy,
     stream_out,
 )
 
 __all__ = ["OK", "gather_int_range", "int_gather", "stream_out"]
-
-_DEDUP_SLOTS = 2 * DEDUP_WINDOW  # open-addressing map, at most half full (as cpu_lookup's)
-_FP16_CHUNK_ROWS = 16_384  # float16 output goes through a float32 scratch of this many rows
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -113,51 +112,21 @@ def gather_int_range(values, scales, ids, out, four, dedup, stream, start, end):
     stage_v = np.empty(STAGE_ROWS * width, dtype=np.uint8)  # (STAGE_ROWS, W), stays in L1
     stage_s = np.empty(STAGE_ROWS * n_blocks, dtype=np.uint16)  # (STAGE_ROWS, nb)
     src = np.empty(STAGE_ROWS, dtype=np.int64)  # -1: decode the staged row, else copy out[src]
-    keys = np.empty(_DEDUP_SLOTS, dtype=np.int64)
-    where = np.empty(_DEDUP_SLOTS, dtype=np.int64)
-    stamp = np.full(_DEDUP_SLOTS, -1, dtype=np.int64)
-    mask = np.uint64(_DEDUP_SLOTS - 1)
+    keys, where, stamp = dedup_map()
     code, bad_at = OK, -1
     for i0 in range(start, end, STAGE_ROWS):
         i1 = min(i0 + STAGE_ROWS, end)
-        for i in range(i0, i1):  # (1) check, dedup, stage
-            r = ids[i]
-            if r < 0 or r >= n_table:
-                code, bad_at = BAD_ROW, i
-                break
-            k = np.uint64(i - i0)
-            first = -1
-            if dedup:
-                window = (i - start) // DEDUP_WINDOW
-                slot = ((np.uint64(r) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) & mask
-                while stamp[slot] == window:
-                    if keys[slot] == r:
-                        first = where[slot]
-                        break
-                    slot = (slot + np.uint64(1)) & mask
-                if first < 0:
-                    stamp[slot] = window
-                    keys[slot] = r
-                    where[slot] = i
-            src[k] = first
-            if first < 0:
-                ur = np.uint64(r)
-                for c in range(uw):
-                    stage_v[k * uw + c] = v1[ur * uw + c]
-                for c in range(nb):
-                    stage_s[k * nb + c] = s1[ur * nb + c]
-        if code != OK:
+        bad_at = stage_batch(
+            v1, s1, uw, nb, ids, n_table, dedup, start, i0, i1, stage_v, stage_s, src, keys, where, stamp
+        )
+        if bad_at >= 0:
+            code = BAD_ROW
             break
         for i in range(i0, i1):  # (2) decode or copy, in order
             k = np.uint64(i - i0)
             ob = np.uint64(i) * udim
             if src[k] >= 0:
-                fb = np.uint64(src[k]) * udim
-                if stream:
-                    stream_copy(o1, np.int64(ob), o1, np.int64(fb), lines)
-                else:
-                    for c in range(udim):
-                        o1[ob + c] = o1[fb + c]
+                copy_row(o1, ob, np.uint64(src[k]) * udim, udim, lines, stream)
                 continue
             bad = False
             vb = k * uw
@@ -212,19 +181,4 @@ def int_gather(
     """
     v = values.view(torch.uint8).numpy()  # (R, W) bytes, no copy
     s = scales.view(torch.uint16).numpy()  # (R, nb) bfloat16 bits
-    idx = ids.contiguous().numpy()
-    if out.dtype != torch.float16:
-        o = out.numpy() if out.dtype == torch.float32 else out.view(torch.uint16).numpy()
-        args = (v, s, idx, o, bool(four), True, stream_out(out))
-        return run_gather_chunks(gather_int_range, args, threads)[0] == OK
-    n, dim = out.shape
-    step = min(n, _FP16_CHUNK_ROWS)
-    scratch = torch.empty((step, dim), dtype=torch.float32)  # (step, D), bounded whatever n is
-    for start in range(0, n, step):
-        stop = min(start + step, n)
-        tmp = scratch[: stop - start]
-        args = (v, s, idx[start:stop], tmp.numpy(), bool(four), True, False)
-        if run_gather_chunks(gather_int_range, args, threads)[0] != OK:
-            return False
-        out[start:stop].copy_(tmp)
-    return True
+    return run_decode_gather(gather_int_range, v, s, ids, out, (bool(four),), threads)

@@ -346,7 +346,16 @@ def compact(rows: np.ndarray, mom: np.ndarray) -> int:
     return int(_compact(rows, mom))
 
 
-def _sum(parts: list) -> np.ndarray:
+def _over_rows(kernel, args: tuple, a: int, threads: int | None) -> list:
+    """kernel(*args, start, end) over the `a` active rows in contiguous chunks (`resolve_threads`);
+    each chunk's result, in position order ([] for no rows)."""
+    return run_chunks(kernel, args, a, resolve_threads(threads, a, PARALLEL_MIN)) if a else []
+
+
+def _column_sums(parts: list, n: int) -> np.ndarray:
+    """The chunks' column sums of squares added up in position order (n,) float64; zeros for none."""
+    if not parts:
+        return np.zeros(n, dtype=np.float64)
     out = parts[0]
     for p in parts[1:]:
         out = out + p
@@ -363,9 +372,7 @@ def blend(
     threads: int | None = None,
 ) -> tuple[float, int]:
     """Momentum and Nesterov blend of the A active rows (see `_blend_range`); (rho sum, zero rows)."""
-    a = mom.shape[0]
-    t = resolve_threads(threads, a, PARALLEL_MIN)
-    parts = run_chunks(_blend_range, (mom, gidx, grad, beta, u, rho), a, t) if a else [(0.0, 0)]
+    parts = _over_rows(_blend_range, (mom, gidx, grad, beta, u, rho), mom.shape[0], threads)
     return float(sum(p[0] for p in parts)), int(sum(p[1] for p in parts))
 
 
@@ -373,11 +380,7 @@ def rows(
     u: np.ndarray, rho: np.ndarray, thresh: float, eps: float, keep: np.ndarray, threads: int | None = None
 ) -> np.ndarray:
     """Mask and first row normalisation; the column sums of squares (n,) float64."""
-    a = u.shape[0]
-    if a == 0:
-        return np.zeros(u.shape[1], dtype=np.float64)
-    t = resolve_threads(threads, a, PARALLEL_MIN)
-    return _sum(run_chunks(_rows_range, (u, rho, thresh, eps, keep), a, t))
+    return _column_sums(_over_rows(_rows_range, (u, rho, thresh, eps, keep), u.shape[0], threads), u.shape[1])
 
 
 def cols_rows(
@@ -389,11 +392,8 @@ def cols_rows(
     threads: int | None = None,
 ) -> np.ndarray:
     """One column / row pair over the kept rows; the new column sums of squares (n,) float64."""
-    a = u.shape[0]
-    if a == 0:
-        return np.zeros(u.shape[1], dtype=np.float64)
-    t = resolve_threads(threads, a, PARALLEL_MIN)
-    return _sum(run_chunks(_cols_rows_range, (u, colinv, keep, eps, want_colsq), a, t))
+    parts = _over_rows(_cols_rows_range, (u, colinv, keep, eps, want_colsq), u.shape[0], threads)
+    return _column_sums(parts, u.shape[1])
 
 
 def cols_rows_apply(
@@ -409,16 +409,11 @@ def cols_rows_apply(
     """The last column / row pair over the kept rows, each row's update written to W right away:
     `cols_rows(..., want_colsq=False)` then `apply(w, rows_, u, keep, step)` in one sweep (w of u's
     dtype, contiguous; distinct rows: the chunks never meet)."""
-    a = u.shape[0]
-    if a:
-        t = resolve_threads(threads, a, PARALLEL_MIN)
-        run_chunks(_cols_rows_apply_range, (u, colinv, keep, eps, w, rows_, step), a, t)
+    _over_rows(_cols_rows_apply_range, (u, colinv, keep, eps, w, rows_, step), u.shape[0], threads)
 
 
 def apply(
     w: np.ndarray, rows_: np.ndarray, u: np.ndarray, keep: np.ndarray, step: float, threads: int | None = None
 ) -> None:
     """w[rows_[i]] -= step * u[i] for the kept active rows (distinct rows: the chunks never meet)."""
-    a = u.shape[0]
-    if a:
-        run_chunks(_apply_range, (w, rows_, u, keep, step), a, resolve_threads(threads, a, PARALLEL_MIN))
+    _over_rows(_apply_range, (w, rows_, u, keep, step), u.shape[0], threads)

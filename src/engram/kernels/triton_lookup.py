@@ -103,6 +103,28 @@ def _hw_convert(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _out_kind(dtype: torch.dtype) -> int:
+    """The kernels' OUT_KIND for an output dtype; TypeError for one they do not write."""
+    if dtype not in _OUT_KINDS:
+        raise TypeError(f"dtype {dtype} is not one of {', '.join(str(d) for d in _OUT_KINDS)}")
+    return _OUT_KINDS[dtype]
+
+
+def _rows_out(
+    out: torch.Tensor | None, rows: torch.Tensor, dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The output (*rows.shape, dim) of a gather: `out` checked contiguous of that shape and dtype, or a
+    new tensor on `device`."""
+    shape = (*rows.shape, dim)
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous {dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
+    return out
+
+
 def dedup_order(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows sorted (n,), their positions (n,) int64): `fp8_gather(..., order=...)` then walks repeated
     rows together, so each distinct row is read from memory once. A sort on the device: no host sync
@@ -135,19 +157,12 @@ def fp8_gather(
         raise TypeError(
             f"values/scales must be float8_e4m3fn/float8_e8m0fnu, got {values.dtype}/{scales.dtype}"
         )
-    if dtype not in _OUT_KINDS:
-        raise TypeError(f"dtype {dtype} is not one of {', '.join(str(d) for d in _OUT_KINDS)}")
+    kind = _out_kind(dtype)
     n_table, dim = values.shape
     nb = scales.shape[1]
     if scales.shape[0] != n_table or nb == 0 or dim % nb:
         raise ValueError(f"scales {tuple(scales.shape)} do not fit values {tuple(values.shape)}")
-    shape = (*rows.shape, dim)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=values.device)
-    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(
-            f"out must be contiguous {dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}"
-        )
+    out = _rows_out(out, rows, dim, dtype, values.device)
     n = rows.numel()
     if n == 0:
         return out
@@ -174,7 +189,7 @@ def fp8_gather(
         BLK=blk,
         BLK_P2=triton.next_power_of_2(blk),
         BLOCK_N=bn,
-        OUT_KIND=_OUT_KINDS[dtype],
+        OUT_KIND=kind,
         HAS_DEST=dest is not None,
         HW_CVT=_hw_convert(values.device) if hw_convert is None else hw_convert,
         num_warps=NUM_WARPS if num_warps is None else num_warps,
@@ -242,21 +257,14 @@ def int_gather(
     scales (see docs/kernels.md); no device sync."""
     if values.dtype not in (torch.int8, torch.uint8) or scales.dtype != torch.bfloat16:
         raise TypeError(f"values/scales must be int8 or uint8/bfloat16, got {values.dtype}/{scales.dtype}")
-    if dtype not in _OUT_KINDS:
-        raise TypeError(f"dtype {dtype} is not one of {', '.join(str(d) for d in _OUT_KINDS)}")
+    kind = _out_kind(dtype)
     four = values.dtype == torch.uint8
     n_table, width = values.shape
     dim = 2 * width if four else width
     nb = scales.shape[1]
     if scales.shape[0] != n_table or nb == 0 or dim % nb or (four and (dim // nb) % 2):
         raise ValueError(f"scales {tuple(scales.shape)} do not fit values {tuple(values.shape)}")
-    shape = (*rows.shape, dim)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=values.device)
-    elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(
-            f"out must be contiguous {dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}"
-        )
+    out = _rows_out(out, rows, dim, dtype, values.device)
     n = rows.numel()
     if n == 0:
         return out
@@ -275,6 +283,6 @@ def int_gather(
         HALF=dim // nb // 2,
         BLOCK_N=INT_BLOCK_N,
         BLOCK_D=block_d,
-        OUT_KIND=_OUT_KINDS[dtype],
+        OUT_KIND=kind,
     )
     return out

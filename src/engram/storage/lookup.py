@@ -10,6 +10,7 @@ Design: docs/storage.md.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -73,6 +74,50 @@ def _cpu_kernels(backend: LookupBackend | str, *tables: torch.Tensor) -> ModuleT
     return cpu_lookup
 
 
+def _begin(
+    rows: torch.Tensor,
+    threads: int | None,
+    out: torch.Tensor | None,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[int | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every gather starts with: the ids and `threads` checked, then the output. Returns (threads,
+    the result (*rows.shape, dim), its (n, dim) view, the ids flat (n,))."""
+    check_row_ids(rows, device)
+    threads = check_threads(threads)
+    result = prepare_out(out, (*rows.shape, dim), dtype, device)
+    n = rows.numel()
+    return threads, result, result.view(n, dim), rows.reshape(n)
+
+
+def _distinct(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ids the torch twin decodes: (the distinct ids sorted (u,), the inverse (n,) that expands them)
+    when that halves the work or better, else (flat, None). Sorting also improves the gather's locality."""
+    n = flat.numel()
+    if n > 1:
+        uniq, inv = torch.unique(flat, return_inverse=True)
+        if 2 * uniq.numel() <= n:
+            return uniq, inv
+    return flat, None
+
+
+def _decode_expand(
+    decode: Callable[[torch.Tensor], None],
+    ids: torch.Tensor,
+    inverse: torch.Tensor | None,
+    out2d: torch.Tensor,
+) -> None:
+    """decode(dst) writes the rows of `ids`, as `_distinct` gave them with `inverse`: into out2d [n, D]
+    directly, or into a [u, D] scratch (u <= n / 2) then expanded into out2d by the inverse."""
+    if inverse is None:
+        decode(out2d)
+    else:
+        uniq_rows = torch.empty((ids.numel(), out2d.shape[1]), dtype=out2d.dtype, device=out2d.device)
+        decode(uniq_rows)
+        torch.index_select(uniq_rows, 0, inverse, out=out2d)
+
+
 def dequantize_gather(
     values: torch.Tensor,
     scales: torch.Tensor,
@@ -111,14 +156,8 @@ def dequantize_gather(
     check_dequant_dtype(dtype)
     if values.dim() != 2:
         raise ValueError(f"values must be a table [N, D], got shape {tuple(values.shape)}")
-    check_row_ids(rows, values.device)
-    threads = check_threads(threads)
-    n_table = values.shape[0]
-    row_shape = tuple(rows.shape)
-    result = prepare_out(out, (*row_shape, dim), dtype, values.device)
-    n = rows.numel()
-    out2d = result.view(n, dim)  # [n, D]
-    flat = rows.reshape(n)  # [n]
+    threads, result, out2d, flat = _begin(rows, threads, out, dim, dtype, values.device)
+    n_table, n = values.shape[0], flat.numel()
     if n == 0:
         return result
     auto = backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16)
@@ -138,22 +177,11 @@ def dequantize_gather(
     v_u8 = values.view(torch.uint8)  # [N, D] bytes; index_select on bytes avoids any fp8 kernel support
     s_u8 = scales.view(torch.uint8)  # [N, nb]
 
-    ids = flat
-    inverse: torch.Tensor | None = None
-    if n > 1:
-        uniq, inv = torch.unique(flat, return_inverse=True)  # sorted, also improves gather locality
-        if 2 * uniq.numel() <= n:
-            ids, inverse = uniq, inv
-
+    ids, inverse = _distinct(flat)
     g_v = v_u8.index_select(0, ids)  # [u, D] uint8, only the requested rows
     g_s = s_u8.index_select(0, ids)  # [u, nb]
     check_scale_bytes(g_s, lambda r: f"table row {int(ids[r])}", block)
-    if inverse is None:
-        dequantize_into(g_v, g_s, block, out2d)
-    else:
-        uniq_rows = torch.empty((ids.numel(), dim), dtype=dtype, device=values.device)  # [u, D], u <= n/2
-        dequantize_into(g_v, g_s, block, uniq_rows)
-        torch.index_select(uniq_rows, 0, inverse, out=out2d)
+    _decode_expand(lambda dst: dequantize_into(g_v, g_s, block, dst), ids, inverse, out2d)
     return result
 
 
@@ -172,13 +200,8 @@ def _gather_int(
     check_dequant_dtype(dtype)
     if values.dim() != 2:
         raise ValueError(f"values must be a table [N, W], got shape {tuple(values.shape)}")
-    check_row_ids(rows, values.device)
-    threads = check_threads(threads)
-    n_table = values.shape[0]
-    result = prepare_out(out, (*rows.shape, dim), dtype, values.device)
-    n = rows.numel()
-    out2d = result.view(n, dim)  # [n, D]
-    flat = rows.reshape(n)
+    threads, result, out2d, flat = _begin(rows, threads, out, dim, dtype, values.device)
+    n_table, n = values.shape[0], flat.numel()
     if n == 0:
         return result
     auto = backend in (LookupBackend.AUTO, "auto") and dtype in (torch.float32, torch.bfloat16)
@@ -196,20 +219,11 @@ def _gather_int(
             return result  # else a bad row id or scale: the torch path raises the reference's error
 
     check_row_range(rows, n_table)
-    ids, inverse = flat, None
-    if n > 1:
-        uniq, inv = torch.unique(flat, return_inverse=True)
-        if 2 * uniq.numel() <= n:
-            ids, inverse = uniq, inv
+    ids, inverse = _distinct(flat)
     g_v = values.index_select(0, ids)  # [u, W], only the requested rows
     g_s = scales.index_select(0, ids)  # [u, nb]
     check_int_scales(g_s, lambda r: f"table row {int(ids[r])}", dim // nb)
-    if inverse is None:
-        dequantize_int_into(g_v, g_s, fmt, out2d)
-    else:
-        uniq_rows = torch.empty((ids.numel(), dim), dtype=dtype, device=values.device)
-        dequantize_int_into(g_v, g_s, fmt, uniq_rows)
-        torch.index_select(uniq_rows, 0, inverse, out=out2d)
+    _decode_expand(lambda dst: dequantize_int_into(g_v, g_s, fmt, dst), ids, inverse, out2d)
     return result
 
 
@@ -234,14 +248,9 @@ def gather_rows(
         raise TypeError(
             f"weight must be a floating-point table [N, D] (or the int8 / uint8 values of quantised rows), got {found}"
         )
-    check_row_ids(rows, weight.device)
-    threads = check_threads(threads)
     weight = weight.detach()
-    row_shape = tuple(rows.shape)
-    result = prepare_out(out, (*row_shape, weight.shape[1]), weight.dtype, weight.device)
-    n = rows.numel()
-    out2d = result.view(n, weight.shape[1])
-    flat = rows.reshape(n)
+    threads, result, out2d, flat = _begin(rows, threads, out, weight.shape[1], weight.dtype, weight.device)
+    n = flat.numel()
     if n == 0:
         return result
     module = _cpu_kernels(backend, weight)

@@ -26,6 +26,7 @@ from engram.rowformat.fp8 import (
     prepare_out,
     scale_bytes_to_float,
 )
+from engram.storage.quant_input import check_float_rows, float32_chunks, row_name
 from engram.storage.quant_int import dequantize_int_rows, quantize_int_rows
 
 __all__ = [
@@ -51,32 +52,12 @@ _TOP_LIMIT = 240.0
 # input never needs more than a constant factor of that beyond its inputs and outputs.
 _CHUNK_ELEMS = 1 << 22
 
-_QUANT_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 
 # ---------------------------------------------------------------------------------------------- helpers
 
 
 def _rows_per_chunk(dim: int) -> int:
     return max(1, _CHUNK_ELEMS // max(dim, 1))
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Flat (row-major) index -> multi-index in ``shape``."""
-    idx = []
-    for size in reversed(shape):
-        idx.append(flat % size)
-        flat //= size
-    return tuple(reversed(idx))
-
-
-def _row_name(flat_row: int, lead_shape: tuple[int, ...]) -> str:
-    """Human name of a row of ``[..., D]``: its leading index, plus the flat row index if that differs."""
-    if len(lead_shape) == 0:
-        return "the (only) row"
-    if len(lead_shape) == 1:
-        return f"row {flat_row}"
-    return f"row {_unravel(flat_row, lead_shape)} (flat row {flat_row})"
 
 
 def dequantize_into(v_u8: torch.Tensor, s_u8: torch.Tensor, block: int, out2d: torch.Tensor) -> None:
@@ -115,14 +96,7 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     values beyond float32's range); TypeError for a non-float dtype.
     """
     check_block(block)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _QUANT_IN_DTYPES:
-        raise TypeError(
-            f"x has dtype {x.dtype}, expected one of {', '.join(str(d) for d in _QUANT_IN_DTYPES)}"
-        )
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension [..., D]")
+    check_float_rows(x)
     if x.shape[-1] % block:
         raise ValueError(f"row width D={x.shape[-1]} is not divisible by block={block}")
     dim = x.shape[-1]
@@ -134,20 +108,10 @@ def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, to
     values = torch.empty((n_rows, dim), dtype=VALUE_DTYPE, device=x.device)
     scale_bytes = torch.empty((n_rows, nb), dtype=torch.uint8, device=x.device)
 
-    step = _rows_per_chunk(dim)
-    for start in range(0, n_rows, step):
-        stop = min(start + step, n_rows)
+    for start, stop, xf in float32_chunks(
+        x2, _rows_per_chunk(dim), "quantize_rows", lambda r: row_name(r, lead)
+    ):
         r = stop - start
-        xf = x2[start:stop].float()  # [r, D]; float64 beyond fp32 range becomes inf here
-        finite = torch.isfinite(xf)
-        if not bool(finite.all()):
-            i, c = (int(v) for v in (~finite).nonzero()[0])
-            orig = x2[start + i, c].item()
-            why = "is not finite" if not torch.isfinite(x2[start + i, c]) else "overflows float32"
-            raise ValueError(
-                f"quantize_rows: x at {_row_name(start + i, lead)}, column {c} is {orig!r}, which {why}; "
-                "an Engram table must be finite"
-            )
         xb = xf.view(r, nb, block)
         amax = xb.abs().amax(dim=-1)  # [r, nb], exact
         # Smallest e with amax <= 448 * 2**e, exactly: amax = m * 2**k with m in [0.5, 1) and
@@ -195,7 +159,7 @@ def dequantize_rows(
     n_rows = math.prod(lead)
     v_u8 = values.view(torch.uint8).reshape(n_rows, dim)  # [R, D]; same-size dtype view, no conversion
     s_u8 = scales.view(torch.uint8).reshape(n_rows, nb)  # [R, nb]
-    check_scale_bytes(s_u8, lambda r: _row_name(r, lead), block)
+    check_scale_bytes(s_u8, lambda r: row_name(r, lead), block)
     dequantize_into(v_u8, s_u8, block, result.view(n_rows, dim))
     return result
 

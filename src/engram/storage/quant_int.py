@@ -19,11 +19,11 @@ import torch
 
 from engram.rowformat.formats import RowFormat, check_int_scales, check_pair
 from engram.rowformat.fp8 import BLOCK, check_dequant_dtype, prepare_out
+from engram.storage.quant_input import check_float_rows, float32_chunks, row_name
 
 __all__ = ["dequantize_int_into", "dequantize_int_rows", "pack_int4", "quantize_int_rows", "unpack_int4"]
 
 _CHUNK_ELEMS = 1 << 21  # elements per internal chunk: temporaries are a few float64 copies of one (16 MiB)
-_QUANT_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _int_format(fmt: RowFormat | str) -> RowFormat:
@@ -36,13 +36,8 @@ def _int_format(fmt: RowFormat | str) -> RowFormat:
 
 
 def _row_name(flat_row: int, lead: tuple[int, ...]) -> str:
-    if len(lead) <= 1:
-        return f"row {flat_row}"
-    idx, rest = [], flat_row
-    for size in reversed(lead):
-        idx.append(rest % size)
-        rest //= size
-    return f"row {tuple(reversed(idx))} (flat row {flat_row})"
+    """`row_name`, but the row of a 1-D x is "row 0" here."""
+    return row_name(flat_row, lead or (1,))
 
 
 def pack_int4(q: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -84,14 +79,7 @@ def quantize_int_rows(x: torch.Tensor, fmt: RowFormat | str) -> tuple[torch.Tens
     multiple of 32; TypeError for a non-float dtype.
     """
     fmt = _int_format(fmt)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _QUANT_IN_DTYPES:
-        raise TypeError(
-            f"x has dtype {x.dtype}, expected one of {', '.join(str(d) for d in _QUANT_IN_DTYPES)}"
-        )
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension [..., D]")
+    check_float_rows(x)
     dim = int(x.shape[-1])
     blk = fmt.block(dim)  # raises for a D that is not a positive multiple of 32
     nb, qmax = dim // blk, fmt.qmax
@@ -101,19 +89,8 @@ def quantize_int_rows(x: torch.Tensor, fmt: RowFormat | str) -> tuple[torch.Tens
     values = torch.empty((n_rows, fmt.value_width(dim)), dtype=fmt.value_dtype, device=x.device)
     scales = torch.empty((n_rows, nb), dtype=fmt.scale_dtype, device=x.device)
     step = max(1, _CHUNK_ELEMS // dim)
-    for start in range(0, n_rows, step):
-        stop = min(start + step, n_rows)
+    for start, stop, xf in float32_chunks(x2, step, "quantize_int_rows", lambda r: _row_name(r, lead)):
         r = stop - start
-        xf = x2[start:stop].float()  # [r, D]
-        finite = torch.isfinite(xf)
-        if not bool(finite.all()):
-            i, c = (int(v) for v in (~finite).nonzero()[0])
-            orig = x2[start + i, c].item()
-            why = "is not finite" if not torch.isfinite(x2[start + i, c]) else "overflows float32"
-            raise ValueError(
-                f"quantize_int_rows: x at {_row_name(start + i, lead)}, column {c} is {orig!r}, which {why}; "
-                "an Engram table must be finite"
-            )
         xb = xf.view(r, nb, blk)
         s = _scales(xb.abs().amax(dim=-1), qmax)  # [r, nb] float32, exactly bfloat16 values
         over = torch.isinf(s * qmax)

@@ -18,19 +18,10 @@ from typing import Any
 import torch
 
 from engram.checkpoint.files import member_path, open_tensors
-from engram.hf.base import weight_files
+from engram.hf.base import SHAPE_FIELDS, weight_files
 
 __all__ = ["check_links", "check_weights", "reason"]
 
-_DIMS = (  # the config values a shape follows, named in the messages
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.")  # "model.layers.5.mlp..." -> ("model.layers", "5")
 
 
@@ -53,7 +44,7 @@ def reason(e: BaseException) -> str:
 
 def _dims(config: Any) -> str:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found = [f"{k} {getattr(text, k)}" for k in _DIMS if isinstance(getattr(text, k, None), int)]
+    found = [f"{k} {getattr(text, k)}" for k in SHAPE_FIELDS if isinstance(getattr(text, k, None), int)]
     return ", ".join(found)
 
 
