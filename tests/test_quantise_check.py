@@ -230,6 +230,12 @@ def test_bad_input_is_refused_with_the_fix(run_dir, hf_out, corpus, tmp_path, ca
     )
     refused(capsys, ["quantise-check", str(run_dir), "--formats", ","], "names no format")
     refused(capsys, ["quantise-check", str(run_dir), "--max-loss-increase", "-1"], "finite number >= 0")
+    refused(
+        capsys,
+        ["quantise-check", str(hf_out[0]), "--seq-len", "1"],
+        "argument --seq-len",
+        "no next token to predict",
+    )
     refused(capsys, ["quantise-check", str(tmp_path)], "neither a training run", "config.json")
     refused(capsys, ["quantise-check", str(run_dir), "--corpus", str(hf_out[1])], "drop --corpus")
     refused(capsys, ["quantise-check", str(hf_out[0]), "--max-tokens", "100"], "drop --max-tokens")

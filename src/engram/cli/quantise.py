@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Any
 
-from engram.cli.hf import fraction
+from engram.cli.hf import block_length, fraction
 from engram.cli.options import (
     add_device_options,
     device_from_args,
@@ -164,7 +164,9 @@ def register(sub: Any) -> None:
         "--held-out", type=fraction, help="an HF folder: the corpus's held-out fraction (default: the run's)"
     )
     p.add_argument(
-        "--seq-len", type=positive_int, help="an HF folder: block length (default: the run's, else 128)"
+        "--seq-len",
+        type=block_length,
+        help="an HF folder: block length, 2 or more (default: the run's, else 128)",
     )
     p.add_argument(
         "--max-blocks",
