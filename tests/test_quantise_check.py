@@ -105,6 +105,32 @@ def test_sizes_accuracy_split_and_worst_rows(run_dir, checked):
     )
 
 
+def test_each_table_is_quantised_once_per_format_and_measured_as_served(run_dir, monkeypatch):
+    """The bytes the model is scored with are the bytes the errors are measured on: one quantisation a
+    table and format, and the table's relative error is that of those bytes."""
+    calls: list[str] = []
+    real = Q.quantize_table
+
+    def counted(weight, fmt):
+        calls.append(RowFormat(fmt).value)
+        return real(weight, fmt)
+
+    monkeypatch.setattr(Q, "quantize_table", counted)
+    torch.set_num_threads(1)
+    f = by_format(Q.check_folder(run_dir, (RowFormat.INT4_BLOCK32, RowFormat.FP8), top=1))
+    assert calls == ["int4", "fp8"]  # one Engram layer: once each
+    from engram.apps.lm.run_checkpoint import load_trained_model
+    from engram.model.table import dequantize_table
+
+    w = load_trained_model(run_dir)[1].engrams["1"].table.weight.detach()
+    for name in ("int4", "fp8"):
+        back = dequantize_table(*real(w, name), torch.float32)
+        e = Q.row_errors(w, *real(w, name))
+        assert e.table_rel == f[name]["table_relative_error"]
+        assert e.table_rel == pytest.approx(float((back - w).double().norm() / w.double().norm()), rel=1e-9)
+        assert torch.equal(e.max_abs, (back - w).abs().amax(dim=1))
+
+
 def test_the_gate_exits_1_naming_the_format_and_0_within(run_dir, capsys):
     code = main(
         [

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -38,14 +38,17 @@ from engram.rowformat.formats import RowFormat
 __all__ = [
     "REFERENCE",
     "FolderKind",
+    "RowErrors",
     "TableSlot",
     "check_folder",
     "folder_kind",
     "hf_slots",
     "lm_slots",
+    "quantised",
     "row_errors",
     "sizes",
     "tables_as",
+    "worst_rows",
 ]
 
 REFERENCE = "float"  # the float table every format is measured against
@@ -129,15 +132,29 @@ def hf_slots(model: nn.Module) -> list[TableSlot]:
     return [_slot(lid, m, "table") for lid, m in get_attachment(model).layers.items()]
 
 
+Stored = tuple[torch.Tensor, torch.Tensor]  # a table's (values, scales) in one row format
+
+
+def quantised(slots: Sequence[TableSlot], fmt: RowFormat) -> list[Stored]:
+    """Every slot's float rows quantised to `fmt` once: what `tables_as` swaps in and `worst_rows` measures."""
+    return [quantize_table(s.weight, fmt) for s in slots]
+
+
 @contextlib.contextmanager
-def tables_as(slots: Sequence[TableSlot], fmt: RowFormat | None) -> Iterator[None]:
-    """Every slot's table in row format `fmt` (quantised from its float rows) while inside; None: the
-    float rows (the original table when it is float). The original tables come back afterwards."""
+def tables_as(
+    slots: Sequence[TableSlot], fmt: RowFormat | None, stored: Sequence[Stored] | None = None
+) -> Iterator[None]:
+    """Every slot's table in row format `fmt` while inside (`stored`: its bytes from `quantised`, made
+    here when not given); None: the float rows (the original table when it is float). The original
+    tables come back afterwards."""
+    if fmt is not None and stored is None:
+        stored = quantised(slots, fmt)
     saved: list[tuple[TableSlot, EngramTable]] = []
     try:
-        for s in slots:
+        for i, s in enumerate(slots):
             if fmt is not None:
-                table: EngramTable = QuantTable(*quantize_table(s.weight, fmt), fmt)
+                assert stored is not None
+                table: EngramTable = QuantTable(*stored[i], fmt)
             elif isinstance(s.original, TrainableTable):
                 continue
             else:
@@ -150,17 +167,31 @@ def tables_as(slots: Sequence[TableSlot], fmt: RowFormat | None) -> Iterator[Non
             setattr(s.holder, s.attr, original)
 
 
-def row_errors(weight: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Dequantisation error of `weight` [rows, dim] stored in `fmt`, row chunk by row chunk: per row the
-    largest |error| and the relative error ||error|| / ||row|| (0 for a zero row), and the whole
-    table's ||error|| / ||table||."""
+class RowErrors(NamedTuple):
+    """The dequantisation error of a table [rows, dim]: per row the largest |error| and the relative
+    error ||error|| / ||row|| (0 for a zero row); over the table the summed squares of the error and of
+    the rows (their ratio's square root is the table's relative error)."""
+
+    max_abs: torch.Tensor
+    rel: torch.Tensor
+    err_sq: float
+    ref_sq: float
+
+    @property
+    def table_rel(self) -> float:
+        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq > 0 else 0.0
+
+
+def row_errors(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> RowErrors:
+    """How far the stored rows (`values`, `scales`: `weight` quantised, any row format) dequantise from
+    `weight` [rows, dim], row chunk by row chunk."""
     n = weight.shape[0]
     max_abs = torch.empty(n, dtype=torch.float32)
     rel = torch.empty(n, dtype=torch.float32)
     err_sq = ref_sq = 0.0
     for s in range(0, n, _CHUNK_ROWS):
         w = weight[s : s + _CHUNK_ROWS].float()
-        back = dequantize_table(*quantize_table(w, fmt), torch.float32)
+        back = dequantize_table(values[s : s + _CHUNK_ROWS], scales[s : s + _CHUNK_ROWS], torch.float32)
         e = (back - w).double()
         e_norm, w_norm = e.norm(dim=1), w.double().norm(dim=1)
         max_abs[s : s + w.shape[0]] = e.abs().amax(dim=1).float().cpu()
@@ -169,22 +200,22 @@ def row_errors(weight: torch.Tensor, fmt: RowFormat) -> tuple[torch.Tensor, torc
         )
         err_sq += float(e_norm.square().sum())
         ref_sq += float(w_norm.square().sum())
-    return max_abs, rel, math.sqrt(err_sq / ref_sq) if ref_sq > 0 else 0.0
+    return RowErrors(max_abs, rel, err_sq, ref_sq)
 
 
-def _worst_rows(slots: Sequence[TableSlot], fmt: RowFormat, top: int) -> tuple[list[dict[str, Any]], float]:
-    """The `top` rows of all tables with the largest |error| in `fmt`, and all tables' relative error."""
+def worst_rows(
+    slots: Sequence[TableSlot], stored: Sequence[Stored], top: int
+) -> tuple[list[dict[str, Any]], float]:
+    """The `top` rows of all tables with the largest |error| in their stored form (`quantised`'s), and
+    all tables' relative error."""
     found: list[dict[str, Any]] = []
     err_sq = ref_sq = 0.0
-    for s in slots:
-        max_abs, rel, table_rel = row_errors(s.weight, fmt)
-        norm_sq = float(s.weight.double().square().sum())
-        err_sq += table_rel**2 * norm_sq
-        ref_sq += norm_sq
-        k = min(top, max_abs.numel())
-        vals, idx = max_abs.topk(k)
+    for s, (values, scales) in zip(slots, stored, strict=True):
+        e = row_errors(s.weight, values, scales)
+        err_sq, ref_sq = err_sq + e.err_sq, ref_sq + e.ref_sq
+        vals, idx = e.max_abs.topk(min(top, e.max_abs.numel()))
         found += [
-            {"layer": s.layer, "row": int(r), "max_abs_error": float(v), "relative_error": float(rel[r])}
+            {"layer": s.layer, "row": int(r), "max_abs_error": float(v), "relative_error": float(e.rel[r])}
             for v, r in zip(vals, idx, strict=True)
         ]
     found.sort(key=lambda d: (-d["max_abs_error"], d["layer"], d["row"]))
@@ -428,9 +459,11 @@ def check_folder(
         }
     ]
     for fmt in dict.fromkeys(formats):
-        with tables_as(sc.slots, fmt):
+        stored_as = quantised(sc.slots, fmt)
+        with tables_as(sc.slots, fmt, stored_as):
             r = sc.score()
-        worst, rel = _worst_rows(sc.slots, fmt, top)
+        worst, rel = worst_rows(sc.slots, stored_as, top)
+        del stored_as
         rows.append(
             {
                 "format": fmt.value,
