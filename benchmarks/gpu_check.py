@@ -8,7 +8,8 @@ the device (`bench_decode.run_cuda`: the eager step, its CUDA graph replay, its 
 speculative round, against the torch history decoder on the GPU), the FP8 gather with the table on
 the device (`bench_lookup.run_cuda`: % of a device copy measured there, fp32 and bf16, uniform and
 Zipf ids, with and without dedup, a sweep of the kernel's block sizes; `FP8Table.gather` against
-`F.embedding` + dequantise), the fused gate forward and backward (`bench_gate.run`: against eager
+`F.embedding` + dequantise), the gathers of the other row formats (`bench_formats.run_cuda`: INT8,
+INT8 per row and 4-bit against FP8's, each as a fraction of copy), the fused gate forward and backward (`bench_gate.run`: against eager
 torch), the host tiers (`bench_tiers.run_cuda`: the UVA gather against a pinned copy measured in the
 same run, the device-indexed cache at 100 / Zipf / 0 % hits against the table without a cache, a
 prefetched loop against max(compute, fetch)), and the sparse table optimizers (`bench_optim.run_cuda`:
@@ -36,6 +37,7 @@ CHECKS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("hash", "bench_hash", "run_cuda", {}),
     ("decode", "bench_decode", "run_cuda", {}),
     ("lookup", "bench_lookup", "run_cuda", {}),
+    ("formats", "bench_formats", "run_cuda", {}),
     ("gate bf16", "bench_gate", "run", {"dtype": "bf16"}),
     ("gate fp32", "bench_gate", "run", {"dtype": "fp32"}),
     ("tiers", "bench_tiers", "run_cuda", {}),

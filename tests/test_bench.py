@@ -202,6 +202,28 @@ def test_lookup_cuda_bench_runs_on_cpu():
     assert all(r["rows_per_s"] > 0 and r["fraction_of_copy"] is None for r in rows)  # no copy peak on a CPU
 
 
+@pytest.mark.triton
+def test_formats_cuda_bench_runs_on_cpu():
+    """bench_formats.run_cuda (every row format's Triton gather against FP8's, measured on a GPU by
+    benchmarks/gpu_check.py) runs here on small tables with the kernels interpreted; every gather is
+    checked bit-identical to the torch twin inside."""
+    pytest.importorskip("triton")
+    import torch
+
+    from engram.benchmarks import bench_formats
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA triton compiles for the GPU: gpu_check.py runs the real benchmark")
+
+    rows = bench_formats.run_cuda(rows=2048, tokens=8, per_token=4, repeats=1, device="cpu")
+    assert len(rows) == 2 * 2 * 4  # (uniform, Zipf) x (fp32, bf16) x the four formats
+    assert [r["format"] for r in rows[:4]] == ["fp8", "int8", "int8-row", "int4"]
+    fp8 = [r for r in rows if r["format"] == "fp8"]
+    assert all(r["time_ratio"] == 1.0 for r in fp8)
+    assert all(r["rows_per_s"] > 0 and r["fraction_of_copy"] is None for r in rows)
+    assert {r["row_bytes"] for r in rows} == {264, 272, 258, 144}
+
+
 # `python SCRIPT --help` for each SCRIPT in argv, in one process: its folder first on sys.path and run as
 # __main__, as the interpreter runs a script; one start-up (torch, transformers) for all, not one each
 _AS_SCRIPTS = r"""
