@@ -31,6 +31,7 @@ from engram.systems.staging import (
     align,
     assemble_cpu,
     assemble_cuda,
+    block_views,
     cpu_block_bytes,
 )
 
@@ -69,6 +70,14 @@ class HostFetch:
     bytes_fetched: int
     verify_rows: int
     verify_mismatches: int
+
+    def _cpu_buffer(self, nbytes: int) -> torch.Tensor:
+        """The synchronous CPU gathers' one reused byte buffer, grown (by half at least) to `nbytes`."""
+        if self._cpu_block.numel() < nbytes:
+            self._cpu_block = torch.empty(
+                align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
+            )
+        return self._cpu_block
 
     def _dequantize(
         self,
@@ -160,10 +169,7 @@ class HostFetch:
             if self.device.type == "cpu":
                 nbytes = cpu_block_bytes(u, self.dim, self.row_format)
                 if reuse:  # a synchronous gather consumes the block at once: one buffer serves every call
-                    if self._cpu_block.numel() < nbytes:
-                        self._cpu_block = torch.empty(align(max(nbytes, self._cpu_block.numel() * 3 // 2)),
-                                                      dtype=torch.uint8)  # fmt: skip
-                    buf = self._cpu_block
+                    buf = self._cpu_buffer(nbytes)
                 else:  # a prefetched block lives until its gather: its own buffer
                     buf = self.out_pool.empty((nbytes,), torch.uint8)  # reused once its gather let go of it
                 block = assemble_cpu(buf, self.cache, self._gather_misses, fetch, self.dim, self.row_format)
@@ -225,15 +231,9 @@ class HostFetch:
         self.rows_distinct += uniq.shape[0]
         self.bytes_fetched += m * self.row_bytes
         if m:
-            nbytes = cpu_block_bytes(m, self.dim, self.row_format)
-            if self._cpu_block.numel() < nbytes:
-                self._cpu_block = torch.empty(
-                    align(max(nbytes, self._cpu_block.numel() * 3 // 2)), dtype=torch.uint8
-                )
+            buf = self._cpu_buffer(cpu_block_bytes(m, self.dim, self.row_format))
             vb, sb = self.row_format.value_bytes(self.dim), self.row_format.scale_bytes(self.dim)
-            off_s = align(m * vb)
-            mv = self._cpu_block[: m * vb].view(m, vb)
-            ms = self._cpu_block[off_s : off_s + m * sb].view(m, sb)
+            mv, ms = block_views(buf, m, vb, sb)  # (M, value bytes), (M, scale bytes)
             self._gather_misses(torch.from_numpy(uniq[plan.miss_idx]), mv, ms)
             self.cache.write(torch.from_numpy(plan.ins_slots), mv, ms)
         slot = np.empty(uniq.shape[0], dtype=np.int64)  # (U,) each distinct row's slot

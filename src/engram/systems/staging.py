@@ -26,6 +26,7 @@ __all__ = [
     "align",
     "assemble_cpu",
     "assemble_cuda",
+    "block_views",
     "cpu_block_bytes",
 ]
 
@@ -81,7 +82,7 @@ def cpu_block_bytes(u: int, dim: int, fmt: RowFormat = RowFormat.FP8) -> int:
     return align(u * fmt.value_bytes(dim)) + u * fmt.scale_bytes(dim)
 
 
-def _block_views(buf: torch.Tensor, rows: int, vb: int, sb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_views(buf: torch.Tensor, rows: int, vb: int, sb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values (rows, vb), scales (rows, sb)) of the bytes `buf` laid out as values | scales, the scales
     64-aligned (the layout `cpu_block_bytes` counts)."""
     off_s = align(rows * vb)
@@ -100,7 +101,7 @@ def assemble_cpu(
     as `assemble_cuda`."""
     miss_rows, inverse, hit_slots, ins_slots, u, shape = plan
     vb, sb, m = fmt.value_bytes(dim), fmt.scale_bytes(dim), miss_rows.numel()
-    values, scales = _block_views(buf, u, vb, sb)  # (U, value bytes), (U, scale bytes): [misses; hits]
+    values, scales = block_views(buf, u, vb, sb)  # (U, value bytes), (U, scale bytes): [misses; hits]
     gather_misses(miss_rows, values[:m], scales[:m])
     if cache is not None:
         if hit_slots.shape[0]:
@@ -136,7 +137,7 @@ def assemble_cuda(
     off_i = align(off_s + m * sb)
     nbytes = off_i + 8 * (n + h + k)
     buf = staging.take(nbytes)  # pinned host bytes
-    gather_misses(miss_rows, *_block_views(buf, m, vb, sb))
+    gather_misses(miss_rows, *block_views(buf, m, vb, sb))
     idx = buf[off_i:nbytes].view(torch.int64)  # (n + h + k,)
     idx[:n] = torch.from_numpy(inverse)
     idx[n : n + h] = torch.from_numpy(hit_slots)
@@ -145,7 +146,7 @@ def assemble_cuda(
         dev = buf.to(device, non_blocking=True)  # the one host -> device copy
         staging.copied = torch.cuda.Event()
         staging.copied.record(stream)
-        miss_v, miss_s = _block_views(dev, m, vb, sb)
+        miss_v, miss_s = block_views(dev, m, vb, sb)
         dev_idx = dev[off_i:nbytes].view(torch.int64)
         inv = dev_idx[:n].view(shape)
         if h == 0:  # no hits: the misses are the block as copied

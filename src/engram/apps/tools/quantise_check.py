@@ -463,7 +463,7 @@ def check_folder(
         with tables_as(sc.slots, fmt, stored_as):
             r = sc.score()
         worst, rel = worst_rows(sc.slots, stored_as, top)
-        del stored_as
+        del stored_as  # one format's tables at a time: freed before the next is quantised
         rows.append(
             {
                 "format": fmt.value,
