@@ -132,24 +132,28 @@ def test_load_refuses_a_part_whose_seed_was_edited(tmp_path):
 
 
 def test_save_pretrained_folder_keeps_hf_files_and_loads_both(tmp_path):
-    """`model.save_pretrained(d)` then `save_engram(model, d)`: the part goes to d/engram, no file of
-    HF's changes (it once overwrote config.json, and removed HF's shards and index), and
-    `load_engram(AutoModelForCausalLM.from_pretrained(d), d)` gives the model's logits."""
+    """`model.save_pretrained(d)` of a model with Engram writes HF's files without the tables and the part in
+    d/engram; `save_engram(model, d)` after it rewrites the part alone (no file of HF's changes: it once
+    overwrote config.json, and removed HF's shards and index); `from_pretrained(d)` gives the model's logits,
+    and so does `load_engram` of the part on the plain backbone."""
     import hashlib
 
     model = _trained()
     x = S.batch(2, 9)
     ref = model(x).logits
     d = tmp_path / "hf"
-    model.save_pretrained(d, max_shard_size="200KB")  # several shards and an index, as large models have
-    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir()}
+    model.save_pretrained(d, max_shard_size="40KB")  # several shards and an index, as large models have
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir() if p.is_file()}
     assert "model.safetensors.index.json" in before and len([n for n in before if n.startswith("model-")]) > 1
     part = save_engram(model, d)
     assert part == d / "engram" and (part / "config.json").is_file()
     after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir() if p.is_file()}
     assert after == before
-    loaded = load_engram(transformers.AutoModelForCausalLM.from_pretrained(d), d)
+    assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(d)(x).logits, ref)
+    loaded = load_engram(transformers.LlamaForCausalLM.from_pretrained(d), d)
     assert torch.equal(loaded(x).logits, ref)
+    with pytest.raises(ValueError, match="has Engram attached already: from_pretrained .* drop the load_engram"):
+        load_engram(transformers.AutoModelForCausalLM.from_pretrained(d), d)
     # an HF folder without a part: the error says how to make one
     bare = tmp_path / "bare"
     S.llama().save_pretrained(bare)

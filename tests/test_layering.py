@@ -162,6 +162,7 @@ FLOORS: dict[str, int] = {
     "cli": 8,
     "benchmarks": 9,
     "__main__": 9,
+    "integrations": 9,
 }
 
 

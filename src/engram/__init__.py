@@ -2,7 +2,8 @@
 
 Public names: `EngramConfig` (and its presets), `Layout`, `TokenizerCompression`, `NgramHasher`,
 `HashStream` (decode-time hashing with rollback), the `Engram` module and its tables, the sparse
-table optimizers. Importing the package compiles nothing and sets no global state.
+table optimizers. Importing the package compiles nothing and sets no global state, but for one: the
+`engram` model type joins transformers' Auto classes once transformers is imported (`engram.integrations`).
 Design notes, one page per subsystem: docs/ (addressing, storage, model, kernels, systems,
 distributed).
 """
@@ -13,6 +14,7 @@ from engram.addressing.layout import Layout
 from engram.addressing.stream import HashStream
 from engram.checkpoint.mmap_table import MmapFP8Table
 from engram.config import PRESETS, EngramConfig, Variant
+from engram.integrations import register_with_transformers
 from engram.model.module import Engram
 from engram.model.optim import SparseRowAdagrad, SparseRowAdam, split_param_groups
 from engram.model.table import EngramTable, FP8Table, TrainableTable
@@ -36,3 +38,5 @@ __all__ = [
     "split_param_groups",
 ]
 __version__ = "0.1.0"
+
+register_with_transformers()  # Engram folders load with Engram through transformers' Auto classes

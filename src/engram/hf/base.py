@@ -108,18 +108,23 @@ def model_weights(model: nn.Module) -> dict[str, tuple[list[int], list[float]]]:
 
 def config_fields(config: Any) -> dict[str, Any]:
     """The CONFIG_FIELDS of an HF config (an object or the dict of its config.json; a multimodal one's
-    text config), those it has."""
+    text config), those it has; an Engram model's `model_type` is its base's."""
     if isinstance(config, Mapping):
         d = config.get("text_config", config) if isinstance(config.get("text_config"), Mapping) else config
-        return {k: d[k] for k in CONFIG_FIELDS if k in d and isinstance(d[k], str | int | float | bool)}
-    if config is None:
+        out = {k: d[k] for k in CONFIG_FIELDS if k in d and isinstance(d[k], str | int | float | bool)}
+        base = d.get("base_model_type")
+    elif config is None:
         return {}
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    out = {}
-    for k in CONFIG_FIELDS:
-        v = getattr(text, k, None)
-        if isinstance(v, str | int | float | bool):
-            out[k] = v
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        out = {}
+        for k in CONFIG_FIELDS:
+            v = getattr(text, k, None)
+            if isinstance(v, str | int | float | bool):
+                out[k] = v
+        base = getattr(text, "base_model_type", None)
+    if isinstance(base, str):  # an Engram model (engram.hf.auto): the architecture is its base's
+        out["model_type"] = base
     return out
 
 

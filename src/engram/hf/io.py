@@ -65,6 +65,7 @@ __all__ = [
     "read_engram",
     "read_options",
     "save_engram",
+    "save_part",
 ]
 
 OPTIONS_FILE = "engram_hf.json"  # how the part was attached: boundaries, eos_token_id
@@ -134,6 +135,13 @@ def export_quantised(model: nn.Module, directory: str | os.PathLike[str], fmt: R
     "int4"; the bytes a row and the rounding rule are in docs/storage.md), readable by `MmapQuantTable`,
     the tiers and the vLLM plugin; an unknown name is refused listing the formats."""
     return _save(model, directory, fp8=True, row_format=as_row_format(fmt))
+
+
+def save_part(model: nn.Module, directory: str | os.PathLike[str], *, quantised: bool) -> Path:
+    """The part of `model` into `directory` (its `engram/` inside an HF model folder): tables in float
+    (`save_engram`), or with `quantised` each stored table in its own row format (a trainable one in FP8).
+    What `save_pretrained` of an Engram model writes."""
+    return _save(model, directory, fp8=quantised)
 
 
 def read_options(part: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""The public `add_engram`, `load_engram` and `remove_engram`: the attachment (`engram.hf.attach`,
+`engram.hf.io`) plus the model's class. A transformers model with Engram attached becomes an instance of
+its Engram family class (`engram.hf.auto`: `EngramLlamaForCausalLM` for a Llama), so `save_pretrained`
+writes a folder every tool that calls `from_pretrained` loads with Engram; `remove_engram` gives the base
+classes back. Any other module is attached to as it is. transformers is imported only when the model is
+one of its models (it is then imported already).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from torch import nn
+
+from engram.hf import attach, io
+
+__all__ = ["add_engram", "load_engram", "remove_engram"]
+
+
+def _engram_class(model: nn.Module) -> nn.Module:
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return model
+    from engram.hf.auto import make_engram_model
+
+    return make_engram_model(model)
+
+
+@functools.wraps(attach.add_engram)
+def add_engram(*args: Any, **kwargs: Any) -> nn.Module:
+    return _engram_class(attach.add_engram(*args, **kwargs))
+
+
+@functools.wraps(io.load_engram)
+def load_engram(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    if isinstance(getattr(model, "engram", None), attach.EngramAttachment):
+        raise ValueError(
+            f"{type(model).__name__} has Engram attached already: from_pretrained of a folder engram-lm wrote "
+            "loads its Engram part itself; drop the load_engram call (it attaches a part to a plain backbone)"
+        )
+    return _engram_class(io.load_engram(model, *args, **kwargs))
+
+
+@functools.wraps(attach.remove_engram)
+def remove_engram(model: nn.Module) -> attach.EngramAttachment:
+    att = attach.remove_engram(model)
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        from engram.hf.auto import make_plain_model
+
+        make_plain_model(model)
+    return att
