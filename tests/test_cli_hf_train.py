@@ -82,15 +82,17 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     assert r["engram"]["boundaries"] == "eos" and "restart after EOS" in (out / "README.md").read_text()
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["README.md", "config.json", "engram", "engram_train.json", "generation_config.json",
-         "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+         "model.safetensors", "modeling_engram.py", "tokenizer.json", "tokenizer_config.json"]
     )  # fmt: skip
     assert not H.partial_folder(out).exists()
     card = (out / "README.md").read_text()
     assert "layer(s) [1]" in card and "backbone frozen" in card and "Held-out loss" in card
     # the backbone is unchanged: only Engram trained
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    saved = transformers.AutoModelForCausalLM.from_pretrained(out)
-    for (n, a), b in zip(plain.state_dict().items(), saved.state_dict().values(), strict=True):
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out)  # an Engram model: its part attached
+    assert type(saved).__name__ == "EngramLlamaForCausalLM"
+    backbone = {n: v for n, v in saved.state_dict().items() if not n.startswith("engram.")}
+    for (n, a), b in zip(plain.state_dict().items(), backbone.values(), strict=True):
         assert torch.equal(a, b), n
     capsys.readouterr()
     assert run("hf-eval", out, "--corpus", corpus, "--json", "--threads", "1") == 0

@@ -24,7 +24,9 @@ TESTS = Path(__file__).parent
 
 
 def _engram_model(base=None, layers=(1,)):
-    model = add_engram(base if base is not None else S.llama(), S.engram_config(layers), tokenizer=S.tokenizer())
+    model = add_engram(
+        base if base is not None else S.llama(), S.engram_config(layers), tokenizer=S.tokenizer()
+    )
     with torch.no_grad():  # a trained-looking part: Engram changes the logits
         for m in model.engram.layers.values():
             m.wkv.weight.normal_(std=0.3)
@@ -75,10 +77,12 @@ def test_config_names_the_base_and_the_settings_and_tables_are_stored_once(tmp_p
     assert raw["architectures"] == ["EngramLlamaForCausalLM"]
     assert raw["auto_map"]["AutoModelForCausalLM"] == "modeling_engram.EngramForCausalLM"
     with safe_open(str(d / "model.safetensors"), "pt") as f:
-        assert not [k for k in f.keys() if "engram" in k]  # the table is in engram/ alone
+        assert not [k for k in f.keys() if "engram" in k]  # noqa: SIM118  # the table is in engram/ alone
     table = model.engram.module(1).table.weight
     on_disk = sum(p.stat().st_size for p in d.rglob("*.safetensors"))
-    backbone = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("engram."))
+    backbone = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("engram.")
+    )
     assert on_disk < backbone + 1.5 * table.numel() * table.element_size()
 
 
@@ -100,7 +104,10 @@ def test_fp8_part_loads_and_saves_in_its_own_format(tmp_path):
     model, d = _folder(tmp_path)
     export_fp8(model, d)  # the part in FP8 (memory-mapped when loaded)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(d)
-    assert isinstance(loaded.engram.module(1).table, QuantTable) or "Mmap" in type(loaded.engram.module(1).table).__name__
+    assert (
+        isinstance(loaded.engram.module(1).table, QuantTable)
+        or "Mmap" in type(loaded.engram.module(1).table).__name__
+    )
     loaded.save_pretrained(tmp_path / "again")
     cfg = json.loads((tmp_path / "again" / "engram" / "config.json").read_text())
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
@@ -155,7 +162,9 @@ def test_other_families_round_trip(tmp_path, family):
         )  # fmt: skip
         base = transformers.Qwen2ForCausalLM(cfg)
     else:
-        cfg = transformers.GPT2Config(vocab_size=S.vocab(), n_embd=S.HIDDEN, n_layer=2, n_head=4, n_positions=128)
+        cfg = transformers.GPT2Config(
+            vocab_size=S.vocab(), n_embd=S.HIDDEN, n_layer=2, n_head=4, n_positions=128
+        )
         base = transformers.GPT2LMHeadModel(cfg)
     name = type(base).__name__
     model = _engram_model(base.eval())
@@ -183,7 +192,7 @@ def test_part_for_another_hidden_size_or_tokenizer_is_refused(tmp_path):
     raw = json.loads((d / "config.json").read_text())
     raw["hidden_size"] = 64
     (d / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="hidden size 32, but the model in .* has hidden size 64"):
+    with pytest.raises(ValueError, match=r"hidden size 32, but the model in .* has hidden size 64"):
         transformers.AutoModelForCausalLM.from_pretrained(d)
     _, d2 = _folder(tmp_path, name="m2")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -239,6 +248,7 @@ def test_trust_remote_code_loads_engram_without_importing_it(tmp_path):
     torch.save(x, tmp_path / "x.pt")
     code = f"""
 import sys, torch, transformers
+torch.set_num_threads({torch.get_num_threads()})  # the parent's: the same float sums
 assert "engram" not in sys.modules
 m = transformers.AutoModelForCausalLM.from_pretrained({str(d)!r}, trust_remote_code=True)
 assert type(m).__name__ == "EngramLlamaForCausalLM", type(m)
@@ -262,12 +272,14 @@ def test_trust_remote_code_without_engram_lm_says_what_to_install(tmp_path):
 
 
 def test_after_import_engram_the_folders_code_never_runs(tmp_path):
-    model, d = _folder(tmp_path)
+    _, d = _folder(tmp_path)
     marker = tmp_path / "ran"
     (d / "modeling_engram.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise SystemExit(3)\n")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
     assert hasattr(loaded, "engram") and not marker.exists()
-    r = _run(f"import engram, transformers\ntransformers.AutoModelForCausalLM.from_pretrained({str(d)!r})\nprint('ok')")
+    r = _run(
+        f"import engram, transformers\ntransformers.AutoModelForCausalLM.from_pretrained({str(d)!r})\nprint('ok')"
+    )
     assert r.returncode == 0 and not marker.exists(), r.stderr[-2000:]
 
 

@@ -36,7 +36,9 @@ def test_the_same_base_loads_quietly_in_any_dtype(tmp_path):
         warnings.simplefilter("error", BaseModelWarning)
         load_engram(S.llama(), d)
         load_engram(S.llama().to(torch.bfloat16), d)  # a cast rounds by < 1 %: the same weights
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(d)  # its part attached, checked the same way
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            d
+        )  # its part attached, checked the same way
         assert hasattr(loaded, "engram")
 
 

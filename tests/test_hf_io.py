@@ -152,7 +152,9 @@ def test_save_pretrained_folder_keeps_hf_files_and_loads_both(tmp_path):
     assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(d)(x).logits, ref)
     loaded = load_engram(transformers.LlamaForCausalLM.from_pretrained(d), d)
     assert torch.equal(loaded(x).logits, ref)
-    with pytest.raises(ValueError, match="has Engram attached already: from_pretrained .* drop the load_engram"):
+    with pytest.raises(
+        ValueError, match=r"has Engram attached already: from_pretrained .* drop the load_engram"
+    ):
         load_engram(transformers.AutoModelForCausalLM.from_pretrained(d), d)
     # an HF folder without a part: the error says how to make one
     bare = tmp_path / "bare"

@@ -228,7 +228,6 @@ def test_hf_folder_on_a_held_out_text(hf_out, capsys, tmp_path):
     from engram.apps.hf.folder import load_model, load_tokenizer
     from engram.apps.lm.corpus import kjv_path
     from engram.apps.study.probes import greedy_predictions_and_loss
-    from engram.hf import load_engram
 
     out = hf_out[0]
     with kjv_path().open(encoding="utf-8") as f:
@@ -240,7 +239,7 @@ def test_hf_folder_on_a_held_out_text(hf_out, capsys, tmp_path):
     (res,) = r["folders"]
     tok = load_tokenizer(str(out))
     blocks = split_blocks(tok(held.read_text(), add_special_tokens=False)["input_ids"], 32, 0.0)[0][:6]
-    model = load_engram(load_model(str(out)), out, tokenizer=tok)
+    model = load_model(str(out), tokenizer=tok)  # an Engram model: its part attached
     want = greedy_predictions_and_loss(model, blocks, 8)[1]["loss"]
     assert res["blocks"] == 6 and res["formats"][0]["loss"] == pytest.approx(want, abs=1e-12)
     assert [x["format"] for x in res["formats"]] == ["float", "int8"]

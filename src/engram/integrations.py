@@ -51,7 +51,9 @@ class _RegisterAfter(importlib.abc.Loader):
 
 
 class _WaitForTransformers(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _AUTO_CONFIG:
             return None
         if self in sys.meta_path:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,6 +77,8 @@ except ImportError:
 
 __all__ = ["EngramForCausalLM", "EngramModelConfig"]
 '''
+# the folders the HF Trainer saves to (transformers' PREFIX_CHECKPOINT_DIR), whose resume reads model.safetensors
+_TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")
 # set while transformers builds a family's backbone for from_pretrained: Engram is attached from the part
 _LOADING: contextvars.ContextVar[bool] = contextvars.ContextVar("engram_hf_loading", default=False)
 
@@ -133,6 +136,7 @@ class EngramPreTrainedMixin:
     a config alone, `from_pretrained` attaching the folder's part, `save_pretrained` writing it."""
 
     config: Any
+    _keys_to_ignore_on_load_unexpected = [r"^engram\."]  # a Trainer checkpoint's copy: the part is read
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -164,13 +168,16 @@ class EngramPreTrainedMixin:
         """HF's files without any `engram.*` tensor, config.json with the Engram settings and `auto_map`,
         `modeling_engram.py`, and (`save_part`) the Engram part in `engram/`: floats for trainable tables,
         a stored row format kept. Row-sharded tables: `save_part=False` here, then
-        `engram.distributed.save_engram` on every rank."""
+        `engram.distributed.save_engram` on every rank. Into a Trainer checkpoint (`checkpoint-<step>`)
+        the tables go into model.safetensors too: `resume_from_checkpoint` loads that file alone
+        (`from_pretrained` of the checkpoint reads the part and ignores them)."""
         att = get_attachment(self)  # type: ignore[arg-type]
         _write_settings(self.config, att, type(self))
         state = kwargs.pop("state_dict", None)
         if state is None:
             state = self.state_dict()  # type: ignore[attr-defined]
-        state = {k: v for k, v in state.items() if not k.startswith("engram.")}
+        if not _TRAINER_CHECKPOINT.fullmatch(Path(save_directory).name):  # the tables are the part's alone
+            state = {k: v for k, v in state.items() if not k.startswith("engram.")}
         super().save_pretrained(save_directory, *args, state_dict=state, **kwargs)  # type: ignore[misc]
         if not kwargs.get("is_main_process", True):
             return
@@ -345,16 +352,19 @@ def _from_pretrained(path: Any, model_args: tuple[Any, ...], kwargs: dict[str, A
             f"(engram hf-upgrade {folder})"
         )
     family = engram_model_class(base_model_class(config))
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    num_layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
-    read = read_engram(  # checked (sizes, tokenizer, every CRC) before the backbone is loaded
-        folder,
-        backbone=f"the model in {folder}",
-        hidden_size=getattr(text, "hidden_size", None),
-        num_layers=int(num_layers) if num_layers is not None else 1 << 30,
-        vocab_size=getattr(text, "vocab_size", None),
-        verify=bool(kwargs.pop("engram_verify", False)),
-    )
+    read = kwargs.pop("engram_part", None)  # read and checked by the caller (hf-eval)
+    verify = bool(kwargs.pop("engram_verify", False))
+    if read is None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
+        read = read_engram(  # checked (sizes, tokenizer, every CRC) before the backbone is loaded
+            folder,
+            backbone=f"the model in {folder}",
+            hidden_size=getattr(text, "hidden_size", None),
+            num_layers=int(num_layers) if num_layers is not None else 1 << 30,
+            vocab_size=getattr(text, "vocab_size", None),
+            verify=verify,
+        )
     settings = getattr(config, "engram", None)
     if isinstance(settings, dict) and isinstance(settings.get("config"), dict):
         diffs = config_diffs(EngramConfig.from_dict(settings["config"]), read.checked.config)

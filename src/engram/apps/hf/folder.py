@@ -27,6 +27,7 @@ __all__ = [
     "check_folder",
     "evaluate_folder",
     "held_out_loss",
+    "is_engram_model",
     "load_model",
     "load_tokenizer",
     "model_depth",
@@ -115,18 +116,56 @@ def load_tokenizer(folder: str) -> Any:
     return tok
 
 
-def load_model(folder: str) -> nn.Module:
+def is_engram_model(config: Any) -> bool:
+    """Whether an HF config is an Engram model's (model type `engram`: a folder engram-lm wrote)."""
+    return getattr(config, "model_type", None) == "engram"
+
+
+def load_model(
+    folder: str, *, engram: bool = True, tokenizer: Any = None, part: Any = None, verify: bool = False
+) -> nn.Module:
+    """The causal LM of an HF folder in float32, with its Engram part when it has one: a folder engram-lm
+    wrote (model type `engram`) through `from_pretrained`, an older one (a plain config.json beside
+    `engram/`) through `load_engram`. `part`: the part `read_engram` read already (checked before the
+    model loads). `engram=False`: the backbone of a plain folder, for attaching a new part (an Engram
+    model's folder is refused: its part would be dropped)."""
     import transformers
 
+    has_part = path_kind(Path(folder) / "engram") == "a folder"
+    engram_model = is_engram_model(check_folder(folder)) if has_part else False
+    if not engram and (engram_model or has_part):
+        raise ValueError(
+            f"{folder} holds an Engram model (its engram/ part): Engram is attached to a plain backbone; give "
+            "the backbone's folder (the one the Engram model was trained from)"
+        )
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if engram_model:
+        kwargs["engram_part" if part is not None else "engram_verify"] = part if part is not None else verify
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except MemoryError:
         raise
+    except (ValueError, FileNotFoundError) as e:
+        if engram_model:  # our refusal of the part: already one line naming the file and the fix
+            raise
+        raise _cannot_load(folder, e) from None
     except Exception as e:  # what check_folder could not foresee: transformers' refusal, in one line
-        raise ValueError(
-            f"{folder}: transformers cannot load it as a causal LM ({reason(e)}): give a folder "
-            "AutoModelForCausalLM.from_pretrained reads"
-        ) from None
+        raise _cannot_load(folder, e) from None
+    if has_part and not engram_model:  # a folder written before Engram models had their own type
+        from engram.hf.io import attach_part, load_engram
+
+        if part is not None:
+            attach_part(model, part)
+        else:
+            load_engram(model, folder, tokenizer=tokenizer, verify=verify)
+    return model
+
+
+def _cannot_load(folder: str, e: BaseException) -> ValueError:
+    return ValueError(
+        f"{folder}: transformers cannot load it as a causal LM ({reason(e)}): give a folder "
+        "AutoModelForCausalLM.from_pretrained reads"
+    )
 
 
 @torch.no_grad()
@@ -214,11 +253,7 @@ def evaluate_folder(
             tokenizer=tok,
             verify=verify,
         )
-    model = load_model(folder)
-    if read is not None:
-        from engram.hf.io import attach_part
-
-        attach_part(model, read)
+    model = load_model(folder, part=read)
     if device is not None:
         model.to(device)
     result = held_out_loss(model, blocks, batch_size, precision)

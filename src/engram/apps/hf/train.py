@@ -232,7 +232,7 @@ def _check_and_load(
         )
     # ---- load and attach (every rank alike: the same seed, so the same initial tables)
     torch.manual_seed(s.seed)
-    model = load_model(s.folder)
+    model = load_model(s.folder, engram=False)
     backbone_params = sum(p.numel() for p in model.parameters())
     rows = s.table_rows or default_table_rows(backbone_params, len(layers), head_dim)
     cfg = None
@@ -440,13 +440,11 @@ def _train_folder(
         if ranks.is_main:
             if stage.exists():
                 shutil.rmtree(stage)
-            state = {k: v for k, v in model.state_dict().items() if not k.startswith("engram.")}
-            model.save_pretrained(str(stage), state_dict=state)
+            if s.engram:  # an Engram model: HF's files, the part in engram/ (row-sharded: written below)
+                model.save_pretrained(str(stage), save_part=not sharded)
+            else:
+                model.save_pretrained(str(stage))
             run.tok.save_pretrained(str(stage))
-            if s.engram and not sharded:
-                from engram.hf import save_engram
-
-                save_engram(model, stage)
     if sharded:
         from engram.distributed import save_engram as save_sharded_engram
 

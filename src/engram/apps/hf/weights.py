@@ -49,11 +49,16 @@ def _dims(config: Any) -> str:
 
 
 def _meta_model(folder: Path, config: Any) -> torch.nn.Module:
-    """The model config.json describes, on the meta device: shapes without memory."""
+    """The model config.json describes, on the meta device: shapes without memory (an Engram model's
+    backbone: its `engram/` part is checked by its reader)."""
     import transformers
 
     try:
         with torch.device("meta"):
+            if getattr(config, "model_type", None) == "engram":  # its backbone: the part is checked apart
+                from engram.hf.auto import base_model_class
+
+                return base_model_class(config)._from_config(config)
             return transformers.AutoModelForCausalLM.from_config(config)
     except Exception as e:  # transformers' own refusals of a config (ValueError and others): the input's
         raise ValueError(

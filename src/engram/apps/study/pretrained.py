@@ -279,11 +279,7 @@ def _evaluate(
 ) -> dict[str, Any]:
     """Held-out loss and both probes of an HF folder (with its Engram part when it has one), on `device`
     in `precision`."""
-    model = load_model(folder)
-    if path_kind(Path(folder) / "engram") == "a folder":
-        from engram.hf import load_engram
-
-        load_engram(model, folder, tokenizer=load_tokenizer(folder))
+    model = load_model(folder, tokenizer=load_tokenizer(folder))
     model.to(device)
     with autocast(device, precision):
         pred, loss = greedy_predictions_and_loss(model, h.blocks, batch_size)
@@ -297,7 +293,7 @@ def lora_parameters(folder: str, rank: int) -> int:
     merged into the weights afterwards, so none at inference)."""
     import re
 
-    model = load_model(folder)
+    model = load_model(folder, engram=False)
     pat = re.compile(lora_targets(model))
     return sum(
         rank * (m.in_features + m.out_features)
@@ -497,7 +493,7 @@ def run_pretrained(
         held_blocks = _held(folder, train, held, plan)
         place = (device, check_precision(precision, device, "precision"))
         ctx = _Ctx(out, folder, train, plan, fp, held_blocks, progress, say, *place)
-        backbone = sum(p.numel() for p in load_model(folder).parameters())
+        backbone = sum(p.numel() for p in load_model(folder, engram=False).parameters())
         rows0 = default_table_rows(backbone, len(default_layers(depth)), default_head_dim(hidden))
         # ---- the pilot: Engram alone, the first seed, shorter
         pilot = []

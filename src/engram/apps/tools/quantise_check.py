@@ -329,7 +329,6 @@ def _hf_scorer(
     `held_text` on that file's blocks, the whole corpus then the training text (`study pretrained`)."""
     from engram.apps.hf.corpus import HELD_OUT, read_corpus, read_documents, split_blocks
     from engram.apps.hf.folder import EVAL_BLOCKS, RUN_FILE, check_folder, load_model, load_tokenizer
-    from engram.hf import load_engram
     from engram.hf.attach import get_attachment
 
     check_folder(folder)
@@ -365,8 +364,7 @@ def _hf_scorer(
     blocks = blocks[: max_blocks or None]
     if blocks.shape[0] == 0:
         raise ValueError(f"{held_text or corpus} gives no held-out block of {seq_len} tokens: give more text")
-    model = load_model(str(folder))
-    load_engram(model, folder, tokenizer=tok)
+    model = load_model(str(folder), tokenizer=tok)
     model.to(device)
     n = _ngram(get_attachment(model).config, ngram)
     mask = seen_mask(blocks, ngram_set([train_ids], n), n)
