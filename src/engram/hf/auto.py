@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import transformers
 from torch import nn
@@ -136,7 +136,7 @@ class EngramPreTrainedMixin:
     a config alone, `from_pretrained` attaching the folder's part, `save_pretrained` writing it."""
 
     config: Any
-    _keys_to_ignore_on_load_unexpected = [r"^engram\."]  # a Trainer checkpoint's copy: the part is read
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^engram\."]  # a Trainer checkpoint's copy: the part is read
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
