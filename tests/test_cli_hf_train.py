@@ -87,6 +87,18 @@ def test_frozen_trains_engram_only_and_eval_of_out_equals_the_run(folder, corpus
     assert not H.partial_folder(out).exists()
     card = (out / "README.md").read_text()
     assert "layer(s) [1]" in card and "backbone frozen" in card and "Held-out loss" in card
+    assert "`LlamaForCausalLM` from" in card and "load_engram" not in card
+    import yaml  # the Hub's metadata block: what it indexes
+
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["library_name"] == "transformers" and meta["base_model"] == str(folder)
+    assert {"engram", "engram-lm", "custom_code"} <= set(meta["tags"]) and meta["datasets"] == [corpus.name]
+    (metrics,) = [x["metrics"] for x in meta["model-index"][0]["results"]]
+    assert metrics[0] == {
+        "type": "loss",
+        "value": round(r["held_out"]["loss"], 6),
+        "name": "Held-out loss (nats/token)",
+    }
     # the backbone is unchanged: only Engram trained
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder)
     saved = transformers.AutoModelForCausalLM.from_pretrained(out)  # an Engram model: its part attached

@@ -289,3 +289,71 @@ def test_import_engram_does_not_import_transformers():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.stdout.strip() == "False", r.stderr
+
+
+# ------------------------------------------------------------------------------ older folders
+def _older_folder(tmp_path):
+    """A folder as engram-lm wrote it before Engram models had their own type: the README's recipe
+    (`save_pretrained` of the model with Engram, the tables in model.safetensors, then `save_engram`)."""
+    from engram.hf import save_engram
+
+    model = _engram_model()
+    x = S.batch(2, 9)
+    with torch.no_grad():
+        ref = model(x).logits
+    remove = remove_engram(model)  # the plain class: save_pretrained as transformers writes it
+    d = tmp_path / "old"
+    model.engram = remove  # in the state dict as the old recipe had it (the table in model.safetensors)
+    transformers.LlamaForCausalLM.save_pretrained(model, d)
+    del model.engram
+    from engram.hf.attach import add_engram as attach_core
+
+    attach_core(model, remove.config, compression=remove.compression, modules={1: remove.module(1)})
+    save_engram(model, d)
+    _tokenizer().save_pretrained(d)
+    return d, x, ref
+
+
+def test_older_folders_load_with_a_note_and_upgrade(tmp_path, capsys):
+    from safetensors import safe_open
+
+    from engram.cli import main
+    from engram.hf.io import OlderFolderWarning
+
+    d, x, ref = _older_folder(tmp_path)
+    assert json.loads((d / "config.json").read_text())["model_type"] == "llama"
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert any(k.startswith("engram.") for k in f.keys())  # noqa: SIM118
+    assert not hasattr(transformers.AutoModelForCausalLM.from_pretrained(d), "engram")  # why it must upgrade
+    with pytest.warns(OlderFolderWarning, match=r"engram hf-upgrade .*old"):
+        loaded = load_engram(transformers.AutoModelForCausalLM.from_pretrained(d), d)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, ref)
+    assert main(["hf-upgrade", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "now EngramLlamaForCausalLM" in out and "second copy removed from model.safetensors" in out
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("engram.") for k in f.keys())  # noqa: SIM118
+    upgraded = transformers.AutoModelForCausalLM.from_pretrained(d)
+    with torch.no_grad():
+        assert torch.equal(upgraded(x).logits, ref)
+    assert main(["hf-upgrade", str(d)]) == 0 and "nothing to do" in capsys.readouterr().out
+
+
+def test_upgrade_refuses_a_damaged_part_and_changes_nothing(tmp_path, capsys):
+    from engram.cli import main
+
+    d, _, _ = _older_folder(tmp_path)
+    shard = next((d / "engram").glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["hf-upgrade", str(d)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and "CRC32" in err, err
+    assert {p: p.read_bytes() for p in d.iterdir() if p.is_file()} == before
+    bare = tmp_path / "bare"
+    S.save_folder(bare)
+    assert main(["hf-upgrade", str(bare)]) == 2 and "has no Engram part" in capsys.readouterr().err

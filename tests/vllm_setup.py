@@ -112,7 +112,9 @@ def reference(folder: str | os.PathLike[str], engram: bool = True) -> Any:
     from engram.hf import load_engram
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return load_engram(model, folder) if engram else model
+    if hasattr(model, "engram") or not engram:  # an Engram model's folder: from_pretrained attached it
+        return model
+    return load_engram(model, folder)  # a folder written before Engram models had their own type
 
 
 def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -60,7 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def note(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
         base = sys.modules.get("engram.hf.base")  # imported by whatever warned of another base model
-        if issubclass(category, UnscannedTableWarning):
+        io = sys.modules.get("engram.hf.io")  # imported by whatever read an older HF folder
+        if issubclass(category, UnscannedTableWarning) or (
+            io is not None and issubclass(category, io.OlderFolderWarning)
+        ):
             print(f"engram {args.command}: note: {message}", file=sys.stderr)
         elif base is not None and issubclass(category, base.BaseModelWarning):
             print(f"engram {args.command}: warning: {message}", file=sys.stderr)

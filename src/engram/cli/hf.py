@@ -1,6 +1,7 @@
 """The commands on Hugging Face model folders: `hf-train` (attach Engram, train with the HF Trainer,
-write one folder: `engram.apps.hf.train`) and `hf-eval` (held-out loss of a folder:
-`engram.apps.hf.folder`)."""
+write one folder: `engram.apps.hf.train`), `hf-eval` (held-out loss of a folder:
+`engram.apps.hf.folder`) and `hf-upgrade` (an older folder made an Engram model's:
+`engram.apps.hf.upgrade`)."""
 
 from __future__ import annotations
 
@@ -198,6 +199,24 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hf_upgrade(args: argparse.Namespace) -> int:
+    from engram.apps.hf.upgrade import upgrade_folder
+
+    r = upgrade_folder(args.folder, verify=args.verify)
+    if args.json:
+        print(json.dumps(r))
+    elif not r["upgraded"]:
+        print(f"{r['folder']} is an Engram model's folder already ({r['architecture']}): nothing to do")
+    else:
+        dropped = r["weight_files_rewritten"]
+        extra = f"; the tables' second copy removed from {', '.join(dropped)}" if dropped else ""
+        print(
+            f"{r['folder']}: now {r['architecture']} (model type engram): AutoModelForCausalLM.from_pretrained "
+            f"loads it with Engram after `import engram`, or with trust_remote_code=True{extra}"
+        )
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "folder", type=input_folder, help="an HF causal-LM folder (config.json, weights, tokenizer)"
@@ -311,3 +330,13 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-size", type=positive_int, default=8)
     add_verify_option(p)
     p.set_defaults(func=cmd_hf_eval)
+
+    p = sub.add_parser(
+        "hf-upgrade",
+        help="make a folder written before Engram models had their own type (a plain config.json beside "
+        "engram/) an Engram model's folder, which from_pretrained loads with Engram",
+    )
+    p.add_argument("folder", type=input_folder, help="an HF model folder with its Engram part in engram/")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_verify_option(p)
+    p.set_defaults(func=cmd_hf_upgrade)

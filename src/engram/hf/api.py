@@ -40,7 +40,9 @@ def load_engram(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
             f"{type(model).__name__} has Engram attached already: from_pretrained of a folder engram-lm wrote "
             "loads its Engram part itself; drop the load_engram call (it attaches a part to a plain backbone)"
         )
-    return _engram_class(io.load_engram(model, *args, **kwargs))
+    model = _engram_class(io.load_engram(model, *args, **kwargs))
+    io.warn_if_older_folder(args[0] if args else kwargs["directory"])
+    return model
 
 
 @functools.wraps(attach.remove_engram)

@@ -39,7 +39,7 @@ from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41.format import config_diffs
 from engram.config import EngramConfig
 from engram.hf.attach import EngramAttachment, add_engram, engram_dtype, get_attachment
-from engram.hf.io import PART_FOLDER, attach_part, read_engram, save_part
+from engram.hf.io import PART_FOLDER, CheckedPart, attach_part, read_engram, save_part
 
 __all__ = [
     "AUTO_MAP",
@@ -52,6 +52,7 @@ __all__ = [
     "engram_config_class",
     "engram_model_class",
     "engram_settings",
+    "engram_settings_of",
     "make_engram_model",
     "make_plain_model",
     "register",
@@ -136,7 +137,9 @@ class EngramPreTrainedMixin:
     a config alone, `from_pretrained` attaching the folder's part, `save_pretrained` writing it."""
 
     config: Any
-    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^engram\."]  # a Trainer checkpoint's copy: the part is read
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [
+        r"^engram\."
+    ]  # a Trainer checkpoint's copy: the part is read
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -257,6 +260,16 @@ def engram_settings(att: EngramAttachment) -> dict[str, Any]:
         "config": att.config.to_dict(),
         "boundaries": att.rows.boundaries,
         "eos_token_id": att.rows.eos_token_id,
+    }
+
+
+def engram_settings_of(checked: CheckedPart) -> dict[str, Any]:
+    """`engram_settings` of a part read from its folder (`engram.hf.io.check_part`)."""
+    return {
+        "part": PART_FOLDER,
+        "config": checked.config.to_dict(),
+        "boundaries": checked.boundaries,
+        "eos_token_id": checked.eos_token_id,
     }
 
 

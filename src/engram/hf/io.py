@@ -54,6 +54,7 @@ __all__ = [
     "PART_FOLDER",
     "TOKENIZER_FILE",
     "CheckedPart",
+    "OlderFolderWarning",
     "ReadPart",
     "TokenizerNotCheckedWarning",
     "attach_part",
@@ -66,11 +67,36 @@ __all__ = [
     "read_options",
     "save_engram",
     "save_part",
+    "warn_if_older_folder",
 ]
 
 OPTIONS_FILE = "engram_hf.json"  # how the part was attached: boundaries, eos_token_id
 PART_FOLDER = "engram"  # the part's folder inside an HF model folder (`save_pretrained`'s)
 TOKENIZER_FILE = "tokenizer.json"  # an HF model folder's tokenizer, which the compression map must fit
+
+
+class OlderFolderWarning(UserWarning):
+    """An HF folder written before Engram models had their own model type: its config.json names the
+    bare backbone, so `from_pretrained` alone loads it without Engram (`engram hf-upgrade` fixes that)."""
+
+
+def warn_if_older_folder(directory: str | os.PathLike[str]) -> None:
+    """An OlderFolderWarning when `directory` is an HF model folder with an Engram part (`engram/`) whose
+    config.json is not an Engram model's (model type `engram`)."""
+    d = Path(directory)
+    if path_kind(d / PART_FOLDER) != "a folder" or path_kind(d / "config.json") != "a file":
+        return
+    try:
+        model_type = json.loads((d / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # the readers refuse a damaged config.json themselves
+    if model_type != "engram":
+        warnings.warn(
+            f"{d} was written before Engram models had their own model type: AutoModelForCausalLM."
+            f"from_pretrained loads it without Engram; `engram hf-upgrade {d}` makes it load with Engram",
+            OlderFolderWarning,
+            stacklevel=3,
+        )
 
 
 class TokenizerNotCheckedWarning(UserWarning):

@@ -6,8 +6,9 @@ the API process, the engine core, every worker). It registers `Engram<Arch>` for
 family the plugin covers, lazily (`"engram.vllm.model:Class"`: nothing heavy is imported until a
 worker builds the model), and wraps the registry's two resolution methods so that a served folder
 whose `engram/` holds an Engram part resolves to our class even though its config.json names HF's
-(`model.save_pretrained` writes `LlamaForCausalLM`): `vllm serve <folder>` serves Engram with no
-flag. There, in the process the user started and before any worker, the folder is checked
+(a folder written before Engram models had their own type: `LlamaForCausalLM`; engram-lm's folders
+name `EngramLlamaForCausalLM`, model type `engram`, which `import engram` registers with transformers):
+`vllm serve <folder>` serves Engram with no flag. There, in the process the user started and before any worker, the folder is checked
 (`served_part`: the part against the backbone, the options against the part; prompt embeddings
 refused), so a refusal reaches the user first and within seconds. Such a folder with an architecture
 we do not cover, with `model_impl='transformers'`, or under a vLLM whose model interface we were not
@@ -118,13 +119,14 @@ def engram_architectures(architectures: str | list[str], model_config: Any) -> l
     if any(a in ours for a in archs):
         _check_served(model_config)
         return archs
-    if not has_engram_part(folder):
+    engram_model = getattr(getattr(model_config, "hf_config", None), "model_type", None) == "engram"
+    if not engram_model and not has_engram_part(folder):
         return archs
     covered = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
-    if not covered:
+    if not covered:  # an Engram model of another family (EngramGPT2LMHeadModel), or an older folder's
         raise ValueError(
-            f"{folder} holds an Engram part, but its architecture {archs} is not one engram-lm's vLLM plugin "
-            f"serves ({', '.join(ARCHITECTURES)}): vLLM would serve it without Engram; serve it with "
+            f"{folder} holds an Engram model, but its architecture {archs} is not one engram-lm's vLLM plugin "
+            f"serves (Engram on {', '.join(ARCHITECTURES)}): vLLM would serve it without Engram; serve it with "
             "engram.hf and HF generate()"
         )
     impl = getattr(model_config, "model_impl", "auto")

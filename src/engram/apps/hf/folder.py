@@ -152,8 +152,9 @@ def load_model(
     except Exception as e:  # what check_folder could not foresee: transformers' refusal, in one line
         raise _cannot_load(folder, e) from None
     if has_part and not engram_model:  # a folder written before Engram models had their own type
-        from engram.hf.io import attach_part, load_engram
+        from engram.hf.io import attach_part, load_engram, warn_if_older_folder
 
+        warn_if_older_folder(folder)
         if part is not None:
             attach_part(model, part)
         else:

@@ -14,7 +14,7 @@ from typing import Any
 
 from engram.apps.hf.folder import RUN_FILE
 
-__all__ = ["CARD_FILE", "model_card", "write_out"]
+__all__ = ["CARD_FILE", "card_metadata", "model_card", "write_out"]
 
 CARD_FILE = "README.md"  # in OUT: the model card
 
@@ -31,8 +31,50 @@ def write_out(stage: Path, out: str | os.PathLike[str], summary: dict[str, Any],
     shutil.rmtree(work)
 
 
+def card_metadata(r: dict[str, Any]) -> str:
+    """The card's YAML block, which the Hugging Face Hub indexes: the library that loads the folder, the
+    base model (as hf-train was given it), tags, the corpus and the measured held-out loss (`model-index`).
+    Each value is written as a JSON string or number, which YAML reads as it is."""
+    s, held = r["settings"], r["held_out"]
+    name = Path(r["out"]).name
+    corpus = Path(str(s["corpus"])).name
+    split = f"{corpus} (held-out {s['held_out']:.0%})"
+    tags = ["engram", "engram-lm", "text-generation"] + (["custom_code"] if r["engram"] is not None else [])
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"base_model: {json.dumps(str(r['backbone']['folder']))}",
+        "pipeline_tag: text-generation",
+        "tags:",
+        *(f"- {t}" for t in tags),
+        "datasets:",
+        f"- {json.dumps(corpus)}",
+    ]
+    if held:
+        lines += [
+            "model-index:",
+            f"- name: {json.dumps(name)}",
+            "  results:",
+            "  - task:",
+            "      type: text-generation",
+            "      name: Causal language modeling",
+            "    dataset:",
+            f"      name: {json.dumps(split)}",
+            "      type: text",
+            "    metrics:",
+            "    - type: loss",
+            f"      value: {held['loss']:.6f}",
+            "      name: Held-out loss (nats/token)",
+            "    - type: perplexity",
+            f"      value: {held['perplexity']:.4f}",
+            "      name: Held-out perplexity",
+        ]
+    return "\n".join([*lines, "---", ""])
+
+
 def model_card(r: dict[str, Any]) -> str:
-    """The card (OUT/README.md) of a run's summary: what was attached and trained, the losses, how to load it."""
+    """The card (OUT/README.md) of a run's summary: the Hub's metadata block, what was attached and
+    trained, the losses, how to load it."""
     s, b, e = r["settings"], r["backbone"], r["engram"]
     mode = {
         "frozen": "backbone frozen (Engram alone trained)",
@@ -40,6 +82,7 @@ def model_card(r: dict[str, Any]) -> str:
         "full": "every parameter trained",
     }[r["mode"]]
     lines = [
+        card_metadata(r),
         f"# {Path(r['out']).name}",
         "",
         f"`{b['class']}` from `{b['folder']}` ({b['layers']} layers, hidden {b['hidden_size']}, "
@@ -85,16 +128,15 @@ def model_card(r: dict[str, Any]) -> str:
         if held
         else "",
         "",
-        "Load it:",
+        "Load it (with engram-lm installed: `import engram` registers the Engram model type; or pass "
+        "`trust_remote_code=True`, whose `modeling_engram.py` imports engram-lm):"
+        if e is not None
+        else "Load it:",
         "",
         "```python",
         "import transformers",
-        "from engram.hf import load_engram",
+        *(["import engram  # the Engram model type"] if e is not None else []),
         f'model = transformers.AutoModelForCausalLM.from_pretrained("{Path(r["out"]).name}")',
-    ]
-    if e is not None:
-        lines.append(f'model = load_engram(model, "{Path(r["out"]).name}")')
-    lines += [
         "```",
         "",
         f"`engram hf-eval {Path(r['out']).name} --corpus {s['corpus']}` measures it again.",

@@ -483,7 +483,7 @@ def _summary(
         "out": str(s.out),
         "backbone": {
             "folder": str(s.folder),
-            "class": type(model).__name__,
+            "class": (getattr(model.config, "base_architectures", None) or [type(model).__name__])[0],
             "layers": run.depth,
             "hidden_size": run.hidden,
             "parameters": run.backbone_params,

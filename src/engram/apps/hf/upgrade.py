@@ -1,0 +1,118 @@
+"""`engram hf-upgrade`: a folder written before Engram models had their own model type (a plain HF
+config.json beside the `engram/` part, which `from_pretrained` loads as the bare backbone) becomes an
+Engram model's folder, as `save_pretrained` writes one today (`engram.hf.auto`).
+
+Only what names the model changes: config.json gains the `engram` model type, the base's type and
+architecture, the part's settings and `auto_map` (written to a temporary file, then renamed), and
+`modeling_engram.py` is added. The part itself is not rewritten (its seal and CRCs stay as they are);
+it is checked first, as `from_pretrained` will check it. Weight files that hold a second copy of the
+tables (`engram.*` tensors, from `save_pretrained` of a model with Engram before the upgrade) are
+rewritten without them, each through a temporary file and a rename, the index updated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from engram.apps.hf.folder import check_folder, load_tokenizer, model_depth
+from engram.checkpoint.files import member_file, open_tensors
+from engram.checkpoint.input_files import path_kind
+from engram.checkpoint.json_file import read_json
+from engram.hf.base import INDEX_FILE, weight_files
+
+__all__ = ["upgrade_folder"]
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _drop_table_copies(folder: Path) -> list[str]:
+    """Rewrite the weight files that hold `engram.*` tensors without them; the names of those files."""
+    from safetensors.torch import save_file
+
+    changed = []
+    for path in weight_files(folder):
+        f = open_tensors(path)
+        names = list(f)
+        if not any(n.startswith("engram.") for n in names):
+            continue
+        keep = {n: f.tensor(n).contiguous() for n in names if not n.startswith("engram.")}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            save_file(keep, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        changed.append(path.name)
+    if changed and os.path.lexists(folder / INDEX_FILE):
+        index_path = member_file(folder, INDEX_FILE, "the model folder's")
+        index = read_json(index_path)
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("engram.")}
+        _write(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return changed
+
+
+def upgrade_folder(folder: str | os.PathLike[str], *, verify: bool = False) -> dict[str, Any]:
+    """Make `folder` an Engram model's folder (see the module docstring). Returns what was done:
+    {"folder", "upgraded": False when it was one already, "architecture", "weight_files_rewritten"}.
+    Raises ValueError naming the file and the fix for a folder without a part, or whose part does not
+    fit its backbone or tokenizer (nothing is changed then)."""
+    from engram.hf.auto import AUTO_MAP, MODEL_TYPE, REMOTE_CODE, REMOTE_CODE_FILE, engram_settings_of
+    from engram.hf.io import PART_FOLDER, read_engram
+
+    d = Path(folder)
+    config = check_folder(d)
+    if getattr(config, "model_type", None) == MODEL_TYPE:
+        return {"folder": str(d), "upgraded": False, "architecture": config.architectures[0]}
+    if path_kind(d / PART_FOLDER) != "a folder":
+        raise ValueError(
+            f"{d} has no Engram part ({d / PART_FOLDER}): there is nothing to upgrade; attach and save one with "
+            "engram.hf.add_engram, then model.save_pretrained"
+        )
+    raw = read_json(member_file(d, "config.json", "the model folder's"))
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(
+            f"{d / 'config.json'} names no architecture ('architectures'): restore the config.json the model "
+            "was saved with"
+        )
+    depth, hidden = model_depth(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    read = read_engram(  # the part against the backbone and tokenizer, every CRC: nothing changed on refusal
+        d,
+        backbone=f"the model in {d}",
+        hidden_size=hidden,
+        num_layers=depth,
+        vocab_size=vocab if isinstance(vocab, int) else None,
+        tokenizer=load_tokenizer(str(d)),
+        verify=verify,
+    )
+    rewritten = _drop_table_copies(d)
+    raw.update(
+        {
+            "model_type": MODEL_TYPE,
+            "architectures": [f"Engram{archs[0]}"],
+            "base_model_type": raw["model_type"],
+            "base_architectures": [archs[0]],
+            "engram": engram_settings_of(read.checked),
+            "auto_map": dict(AUTO_MAP),
+        }
+    )
+    (d / REMOTE_CODE_FILE).write_text(REMOTE_CODE)
+    _write(d / "config.json", json.dumps(raw, indent=2, sort_keys=True) + "\n")  # last: the switch
+    return {
+        "folder": str(d),
+        "upgraded": True,
+        "architecture": raw["architectures"][0],
+        "weight_files_rewritten": rewritten,
+    }
