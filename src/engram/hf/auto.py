@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 import transformers
 from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
@@ -176,16 +177,23 @@ class EngramPreTrainedMixin:
         (`from_pretrained` of the checkpoint reads the part and ignores them)."""
         att = get_attachment(self)  # type: ignore[arg-type]
         _write_settings(self.config, att, type(self))
+        checkpoint = _TRAINER_CHECKPOINT.fullmatch(Path(save_directory).name) is not None
+        sharded = _row_sharded(att)
+        if save_part and sharded and not checkpoint:  # (a Trainer checkpoint's shards: EngramShardsCallback)
+            raise ValueError(
+                f"{type(self).__name__}'s tables are row-sharded across processes: save_pretrained(folder, "
+                "save_part=False) on rank 0, then engram.distributed.save_engram(model, folder) on every rank"
+            )
         state = kwargs.pop("state_dict", None)
         if state is None:
             state = self.state_dict()  # type: ignore[attr-defined]
-        if not _TRAINER_CHECKPOINT.fullmatch(Path(save_directory).name):  # the tables are the part's alone
+        if not checkpoint:  # the tables are the part's alone
             state = {k: v for k, v in state.items() if not k.startswith("engram.")}
         super().save_pretrained(save_directory, *args, state_dict=state, **kwargs)  # type: ignore[misc]
         if not kwargs.get("is_main_process", True):
             return
         (Path(save_directory) / REMOTE_CODE_FILE).write_text(REMOTE_CODE)
-        if save_part:
+        if save_part and not sharded:
             save_part_of(self, save_directory)
 
     @classmethod
@@ -396,6 +404,15 @@ def _from_pretrained(path: Any, model_args: tuple[Any, ...], kwargs: dict[str, A
         model.engram.to(dtype)
     model.engram.train(model.training)
     return model
+
+
+def _row_sharded(att: EngramAttachment) -> bool:
+    """Whether a table holds fewer rows than its layout's (this process's shard: engram.distributed)."""
+    for m in att.layers.values():
+        w = getattr(m.table, "weight", None)
+        if isinstance(w, torch.Tensor) and w.shape[0] != m.table.num_rows:
+            return True
+    return False
 
 
 def save_part_of(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
