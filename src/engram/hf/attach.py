@@ -15,6 +15,7 @@ Decoder layers are found by a documented rule (`DECODER_LAYER_PATHS`, the first 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,12 +30,14 @@ from engram.config import EngramConfig
 from engram.hf.hooks import install_hooks, remove_hooks
 from engram.hf.rows import RowSource
 from engram.model.module import Engram
+from engram.model.optim import takes_sparse_gradient
 from engram.model.table import TrainableTable
 from engram.model.table_init import table_seed
 
 __all__ = [
     "DECODER_LAYER_PATHS",
     "EngramAttachment",
+    "SparseGradientGuard",
     "add_engram",
     "boundary_config",
     "engram_dtype",
@@ -164,6 +167,10 @@ class EngramAttachment(nn.Module):
         # set by engram.distributed.prepare_data_parallel, called by EngramOptimizer before its step.
         self.table_sync: Any = None
         self.handles: list[Any] = []
+        # True: the tables' sparse gradients go to an optimizer of the user's own (torch.optim.SparseAdam,
+        # SGD), not refused when no sparse row optimizer holds them (`SparseGradientGuard`)
+        self.own_table_optimizer = False
+        self.guards = [SparseGradientGuard.install(self, k, m.table) for k, m in layers.items()]
 
     @property
     def compression(self) -> TokenizerCompression:
@@ -176,7 +183,10 @@ class EngramAttachment(nn.Module):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            new.__dict__[k] = None if k == "optimizer_hooks" else copy.deepcopy(v, memo)
+            if k not in ("optimizer_hooks", "guards"):
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new.optimizer_hooks = None
+        new.guards = [SparseGradientGuard.install(new, int(k), m.table) for k, m in new.layers.items()]
         return new
 
     def module(self, layer_id: int) -> Engram:
@@ -193,6 +203,39 @@ class EngramAttachment(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("model.engram is driven by hooks on the model: call the model, not model.engram")
+
+
+class SparseGradientGuard:
+    """A trainable table's post-accumulate-grad hook: a sparse row gradient that no sparse row optimizer
+    takes (`engram.model.optim.takes_sparse_gradient`; `build_optimizer` builds one) is refused where
+    backward accumulates it, in one line naming `build_optimizer`. The HF Trainer's default AdamW would
+    otherwise meet it in its gradient clipping and fail inside torch; the refusal comes before the first
+    optimizer step, from the first backward."""
+
+    def __init__(self, att: EngramAttachment, layer_id: int) -> None:
+        self.att, self.layer_id = weakref.ref(att), layer_id
+
+    @classmethod
+    def install(cls, att: EngramAttachment, layer_id: int, table: Any) -> Any:
+        """Hook the weight of `table` (a drawn TrainableTable; a lazy one is drawn under a process group,
+        where `engram.distributed` builds the optimizer); the handle, or None."""
+        w = table._parameters.get("weight") if isinstance(table, TrainableTable) else None
+        return None if w is None else w.register_post_accumulate_grad_hook(cls(att, layer_id))
+
+    def __call__(self, p: torch.Tensor) -> None:
+        att = self.att()
+        if att is None or p.grad is None or not p.grad.is_sparse or att.own_table_optimizer:
+            return
+        if takes_sparse_gradient(p):
+            return
+        raise ValueError(
+            f"Engram's table at layer {self.layer_id} got a sparse row gradient that no optimizer takes: the "
+            "HF Trainer's default optimizer (AdamW) and its gradient clipping cannot use one. Build the "
+            "optimizer with engram.hf.build_optimizer(model) and pass it: Trainer(..., optimizers=("
+            "build_optimizer(model), None)), TRL's trainers the same; or freeze the tables "
+            "(engram.hf.set_engram_trainable(model, False)); for an optimizer of your own that takes sparse "
+            "gradients, set model.engram.own_table_optimizer = True"
+        )
 
 
 def get_attachment(model: nn.Module) -> EngramAttachment:
@@ -391,5 +434,9 @@ def remove_engram(model: nn.Module) -> EngramAttachment:
     if not isinstance(att, EngramAttachment):
         raise ValueError(f"{type(model).__name__} has no Engram attached (model.engram)")
     remove_hooks(model, att)
+    for handle in att.guards:
+        if handle is not None:
+            handle.remove()
+    att.guards = []
     del model.engram
     return att

@@ -9,6 +9,8 @@ were looked up or where the table lives. Design: docs/model.md.
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "SparseRowAdam",
     "check_number",
     "check_table_param",
+    "takes_sparse_gradient",
     "split_param_groups",
     "state_dtype",
     "touched_rows",
@@ -46,7 +49,20 @@ def _same_kind(stored: torch.dtype, kept: torch.dtype) -> bool:
     return stored.is_floating_point == kept.is_floating_point
 
 
+# the tables a sparse row optimizer was built over (it takes their sparse gradients): a table whose sparse
+# gradient nothing takes is refused where it is accumulated (engram.hf: the Trainer's default AdamW)
+# (by id with a weak reference: a tensor's == is elementwise, so tensors cannot key a WeakSet)
+_SPARSE_TAKEN: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def takes_sparse_gradient(p: torch.Tensor) -> bool:
+    """Whether a sparse row optimizer (SparseRowAdam, SparseRowAdagrad, SparseSinkhorn) holds `p`."""
+    ref = _SPARSE_TAKEN.get(id(p))
+    return ref is not None and ref() is p
+
+
 def check_table_param(p: torch.Tensor, opt_name: str) -> None:
+    """Refuse what a sparse row optimizer cannot update; record `p` as one whose sparse gradient it takes."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{opt_name} params must be tensors, got {type(p).__name__}")
     if p.dim() != 2:
@@ -56,6 +72,8 @@ def check_table_param(p: torch.Tensor, opt_name: str) -> None:
         )
     if p.dtype not in _PARAM_DTYPES:
         raise TypeError(f"{opt_name} needs a fp32, bf16, fp16 or fp64 table, got {p.dtype}")
+    key = id(p)
+    _SPARSE_TAKEN[key] = weakref.ref(p, lambda _: _SPARSE_TAKEN.pop(key, None))
 
 
 def touched_rows(p: torch.Tensor, dtype: torch.dtype, opt_name: str) -> tuple[torch.Tensor, torch.Tensor]:
