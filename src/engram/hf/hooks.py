@@ -9,6 +9,14 @@ call the outer model's `forward` directly (no hooks), while the stack is always 
 
 The hooks are small objects holding the attachment, not closures, so `copy.deepcopy(model)` gives
 a copy whose hooks drive the copy's own Engram modules.
+
+Under `torch.compile` the hooks on the model and the stack run outside the graph
+(`torch.compiler.disable`: hashing is numpy/numba work on the host, and the decode states are keyed
+by cache objects), as do each Engram layer's table gather and kernel gate (`engram.model.module`);
+the layer hook and Engram's projection and gate are traced. So `fullgraph=True` cannot hold: it
+raises `torch._dynamo.exc.Unsupported` at the first of these hooks (the stack's pre-hook under
+`torch.compile(model)`). The gather's break falls inside the stack's loop over layers, so dynamo
+runs that loop in Python and compiles each decoder layer, its Engram hook with it, as a frame.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ class _TakeRows:
     def __init__(self, att: Any) -> None:
         self.att = att
 
+    @torch.compiler.disable  # per-call state on the host, read by the stack's pre-hook
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self.att.rows.given = kwargs.pop("engram_rows", None)
         return args, kwargs
@@ -42,6 +51,7 @@ class _ModelPreHook:
     def __init__(self, att: Any, names: list[str]) -> None:
         self.att, self.names = att, names
 
+    @torch.compiler.disable  # host work: hashing (numpy / numba), the decode states of caches
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         rows = kwargs.pop("engram_rows", None)
         if rows is None:
@@ -67,6 +77,7 @@ class _ModelPostHook:
     def __init__(self, att: Any) -> None:
         self.att = att
 
+    @torch.compiler.disable  # host work: a cache the model made gets its decode state
     def __call__(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.att.rows.end(output)
 
@@ -77,6 +88,7 @@ class _LayerHook:
     def __init__(self, att: Any, layer_id: int) -> None:
         self.att, self.layer_id = att, layer_id
         self.index = att.config.layer_index(layer_id)
+        self.key = str(layer_id)  # its name in att.layers, made here: dynamo cannot trace str(int)
 
     def __call__(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         current = self.att.rows.current
@@ -95,7 +107,7 @@ class _LayerHook:
         if rows.device != h.device:  # moved once per call, for every Engram layer on that device
             rows, dead = rows.to(h.device), None if dead is None else dead.to(h.device)
             self.att.rows.current = (rows, dead)
-        new = self.att.module(self.layer_id)(h.unsqueeze(2), rows[:, :, self.index], dead).squeeze(2)
+        new = self.att.layers[self.key](h.unsqueeze(2), rows[:, :, self.index], dead).squeeze(2)
         if args:
             return (new, *args[1:]), kwargs
         kwargs["hidden_states"] = new

@@ -170,6 +170,12 @@ class Engram(nn.Module):
             )
 
     # ------------------------------------------------------------------ forward
+    # Outside torch.compile's graph (a graph break; eager and compiled run the same gather): every
+    # table checks its row ids on the host (`check_rows`: a sync on the ids' range), a trainable
+    # table's torch.unique has a data-dependent shape and its sparse gradient is a layout AOTAutograd
+    # cannot trace, and the stored tables gather with numba / memory-mapped files. The projection and
+    # gate after it compile.
+    @torch.compiler.disable
     def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(B, T, heads) rows -> (B, T, heads * head_dim) embeddings in `dtype`."""
         return self.table.gather(rows, dtype).flatten(-2)
@@ -236,14 +242,37 @@ class Engram(nn.Module):
         eps = self.config.norm_eps
         w = self.q_weight * self.k_weight  # (hc, dim)
         clamp = self.config.gate_clamp
-        if self.use_kernels:
-            if h.is_cpu:
-                cpu_gate = _cpu_gate()
-                if cpu_gate.applies(h, key, v, w):  # no gradients: one numba pass over the positions
-                    return cpu_gate.gate(h, key, v, w, dead_mask, eps, clamp)
-            elif kernels.use_triton(h, kv):  # CUDA + triton: the gate as one fused kernel
-                return kernels.fused_gate(h, key, v, w, dead_mask, eps, clamp)
+        # CPU training never takes a kernel: checked here, in traced code, so a compiled training
+        # step keeps wkv and the gate in one graph
+        grads = torch.is_grad_enabled() and any(x.requires_grad for x in (h, key, v, w))
+        if self.use_kernels and not (h.is_cpu and grads):
+            out = self._kernel_gate(h, key, v, w, dead_mask, eps, clamp)
+            if out is not None:
+                return out
         return gate(h, key, v, w, dead_mask, eps, clamp)  # the eager twin
+
+    # Outside torch.compile's graph, so a compiled model runs the kernel eager mode runs and gives
+    # the same bits (numba cannot be traced; the Triton gate is an autograd.Function around a
+    # hand-written kernel). Where no kernel applies (CPU training), the twin is traced and compiled.
+    @torch.compiler.disable
+    def _kernel_gate(
+        self,
+        h: torch.Tensor,
+        key: torch.Tensor,
+        v: torch.Tensor,
+        w: torch.Tensor,
+        dead_mask: torch.Tensor | None,
+        eps: float,
+        clamp: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The V4.1 gate by a kernel (numba on the CPU without gradients, Triton on CUDA), or None."""
+        if h.is_cpu:
+            cpu_gate = _cpu_gate()
+            if cpu_gate.applies(h, key, v, w):  # no gradients: one numba pass over the positions
+                return cpu_gate.gate(h, key, v, w, dead_mask, eps, clamp)
+        elif kernels.use_triton(h, key):  # CUDA + triton: the gate as one fused kernel
+            return kernels.fused_gate(h, key, v, w, dead_mask, eps, clamp)
+        return None
 
     def _forward_demo(
         self, h: torch.Tensor, e: torch.Tensor, dead_mask: torch.Tensor | None
