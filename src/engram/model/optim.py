@@ -10,7 +10,6 @@ were looked up or where the table lives. Design: docs/model.md.
 from __future__ import annotations
 
 import weakref
-
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,9 +26,9 @@ __all__ = [
     "SparseRowAdam",
     "check_number",
     "check_table_param",
-    "takes_sparse_gradient",
     "split_param_groups",
     "state_dtype",
+    "takes_sparse_gradient",
     "touched_rows",
 ]
 
