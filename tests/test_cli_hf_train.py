@@ -338,7 +338,8 @@ def test_hf_eval_refuses_a_damaged_part_and_warns_of_another_base(corpus, whole,
     assert f"{shard}: tensor 'layers.1.engram.wkv.weight': its bytes do not match the CRC32" in err
     other = tmp_path / "other"
     shutil.copytree(out, other)
-    S.llama(layers=3, seed=5).save_pretrained(other)  # another backbone of the same sizes, the part kept
+    S.llama(layers=3, seed=5).save_pretrained(tmp_path / "seed5")  # another backbone of the same sizes
+    shutil.copy(tmp_path / "seed5" / "model.safetensors", other / "model.safetensors")  # the part kept
     capsys.readouterr()
     assert run("hf-eval", other, "--corpus", corpus, "--json", "--threads", "1") == 0
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("engram")]

@@ -12,7 +12,13 @@ usage: docs/hf.md.
 from __future__ import annotations
 
 from engram.hf.api import add_engram, load_engram, remove_engram
-from engram.hf.attach import DECODER_LAYER_PATHS, EngramAttachment, find_decoder_layers, get_attachment
+from engram.hf.attach import (
+    DECODER_LAYER_PATHS,
+    EngramAttachment,
+    find_decoder_layers,
+    get_attachment,
+    set_engram_trainable,
+)
 from engram.hf.collator import EngramCollator
 from engram.hf.gguf import gguf_to_folder, smollm2_gguf_path
 from engram.hf.io import export_fp8, export_quantised, save_engram
@@ -33,5 +39,6 @@ __all__ = [
     "load_engram",
     "remove_engram",
     "save_engram",
+    "set_engram_trainable",
     "smollm2_gguf_path",
 ]

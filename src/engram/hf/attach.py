@@ -46,6 +46,7 @@ __all__ = [
     "get_attachment",
     "model_hidden_size",
     "remove_engram",
+    "set_engram_trainable",
 ]
 
 # Where decoder-only models of transformers 5 keep their decoder layers, tried in this order on the
@@ -170,6 +171,8 @@ class EngramAttachment(nn.Module):
         # True: the tables' sparse gradients go to an optimizer of the user's own (torch.optim.SparseAdam,
         # SGD), not refused when no sparse row optimizer holds them (`SparseGradientGuard`)
         self.own_table_optimizer = False
+        # set_engram_trainable's word: None (not said), True (trained, beside an adapter too), False (frozen)
+        self.trainable: bool | None = None
         self.guards = [SparseGradientGuard.install(self, k, m.table) for k, m in layers.items()]
 
     @property
@@ -204,6 +207,21 @@ class EngramAttachment(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("model.engram is driven by hooks on the model: call the model, not model.engram")
 
+    def check_adapter_training(self, stack: nn.Module) -> None:
+        """Before a forward that records gradients: refuse an adapter (peft's LoRA) training while every
+        Engram parameter is frozen and nobody said so (`set_engram_trainable`): peft freezes every
+        parameter it does not add, Engram's too, and the model would train without them, silently."""
+        if self.trainable is not None or any(p.requires_grad for p in self.parameters()):
+            return
+        if not any(p.requires_grad and "lora_" in n for n, p in stack.named_parameters()):
+            return
+        raise ValueError(
+            "peft froze Engram's table and wkv, and an adapter trains alone: to train them beside it, make the "
+            "PeftModel yourself (peft.get_peft_model) and pass optimizers=(engram.hf.build_optimizer("
+            "peft_model), None) to the trainer (it trains Engram beside the adapter); to keep them frozen, "
+            "call engram.hf.set_engram_trainable(model, False) first"
+        )
+
 
 class SparseGradientGuard:
     """A trainable table's post-accumulate-grad hook: a sparse row gradient that no sparse row optimizer
@@ -236,6 +254,17 @@ class SparseGradientGuard:
             "(engram.hf.set_engram_trainable(model, False)); for an optimizer of your own that takes sparse "
             "gradients, set model.engram.own_table_optimizer = True"
         )
+
+
+def set_engram_trainable(model: nn.Module, trainable: bool) -> None:
+    """Train Engram's parameters (table, wkv, gate: `requires_grad`) or freeze them, on a model with
+    Engram or a peft model around one, and record it: a frozen Engram under a training adapter is then
+    taken as meant (`EngramAttachment.check_adapter_training`)."""
+    if not isinstance(trainable, bool):
+        raise TypeError(f"trainable must be True or False, got {trainable!r}")
+    att = get_attachment(model)
+    att.requires_grad_(trainable)
+    att.trainable = trainable
 
 
 def get_attachment(model: nn.Module) -> EngramAttachment:

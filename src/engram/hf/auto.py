@@ -40,7 +40,15 @@ from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41.format import config_diffs
 from engram.config import EngramConfig
 from engram.hf.attach import EngramAttachment, add_engram, engram_dtype, get_attachment
-from engram.hf.io import PART_FOLDER, CheckedPart, attach_part, read_engram, save_part
+from engram.hf.io import (
+    ADAPTER_FILE,
+    ADAPTER_PREFIX,
+    PART_FOLDER,
+    CheckedPart,
+    attach_part,
+    read_engram,
+    save_part,
+)
 
 __all__ = [
     "AUTO_MAP",
@@ -399,11 +407,29 @@ def _from_pretrained(path: Any, model_args: tuple[Any, ...], kwargs: dict[str, A
             str(folder), *model_args, config=config, **kwargs
         )
     attach_part(model, read)
+    adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
+    if adapter is not None:  # transformers loaded a peft adapter folder's adapter into the model
+        _load_beside_adapter(model, Path(adapter))
     dtype = engram_dtype(model)
     if any(p.is_floating_point() and p.dtype != dtype for p in model.engram.parameters()):
         model.engram.to(dtype)
     model.engram.train(model.training)
     return model
+
+
+def _load_beside_adapter(model: nn.Module, folder: Path) -> None:
+    """Engram's tensors that `save_engram(peft_model, folder)` put into the adapter's weight file, when it
+    holds them (else the part from the base folder stays)."""
+    from safetensors import safe_open
+
+    path = folder / ADAPTER_FILE
+    if path_kind(path) != "a file":
+        return
+    prefix = ADAPTER_PREFIX + "engram."
+    with safe_open(str(path), "pt") as f:
+        state = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
+    if state:
+        model.engram.load_state_dict(state, strict=True)
 
 
 def _row_sharded(att: EngramAttachment) -> bool:
@@ -429,3 +455,17 @@ def register() -> None:
     transformers' Auto configuration module is imported). Each family's config class is mapped to
     `EngramForCausalLM` in AutoModelForCausalLM when it is made (`engram_config_class`)."""
     AutoConfig.register(MODEL_TYPE, EngramModelConfig, exist_ok=True)
+
+
+def __getattr__(name: str) -> Any:
+    """`EngramLlamaForCausalLM`, `EngramLlamaConfig`, ...: the family classes by name (made on first use),
+    so that pickle and peft's auto mapping (module + class name) find them."""
+    if name.startswith("Engram") and name not in ("EngramModelConfig", "EngramForCausalLM"):
+        base = getattr(transformers, name.removeprefix("Engram"), None)
+        from transformers import PreTrainedModel
+
+        if isinstance(base, type) and issubclass(base, PreTrainedModel):
+            return engram_model_class(base)
+        if isinstance(base, type) and issubclass(base, PreTrainedConfig):
+            return engram_config_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

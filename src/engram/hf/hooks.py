@@ -53,6 +53,8 @@ class _ModelPreHook:
 
     @torch.compiler.disable  # host work: hashing (numpy / numba), the decode states of caches
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if module.training and torch.is_grad_enabled():
+            self.att.check_adapter_training(module)
         rows = kwargs.pop("engram_rows", None)
         if rows is None:
             rows, self.att.rows.given = self.att.rows.given, None
