@@ -26,8 +26,8 @@ Runs (all alive at once in this process; vLLM's default mode, compiled, or `enfo
 `--eager`; float32, blocks of 32, max_num_seqs >= requests, every prefill in one step):
 - plain:       vLLM serving the backbone folder (no Engram): the baseline of the Engram ratio;
 - engram:      vLLM serving the float Engram folder (tables in memory);
-- hf:          HF `generate()` of the float folder read back by engram.hf (`from_pretrained` +
-               `load_engram`) at batch `requests` (equal-length prompts: no padding), greedy, KV cache;
+- hf:          HF `generate()` of the float folder read back by engram.hf (`from_pretrained`,
+               Engram attached) at batch `requests` (equal-length prompts: no padding), greedy, KV cache;
 - fp8-memory:  vLLM serving the FP8 folder, tables in memory (`{"tables": "memory"}`);
 - fp8-rowfile: the same FP8 folder, tables on the row file with a hot-row cache of `cache-fraction` of
                the rows (`{"tables": "rowfile", "cache_fraction": 0.05}`: a `LevelTable`).
@@ -55,7 +55,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -82,7 +81,7 @@ def write_folders(
     from engram.addressing.layout import Layout
     from engram.checkpoint.convert import write_row_files
     from engram.config import EngramConfig
-    from engram.hf import add_engram, export_fp8, save_engram
+    from engram.hf import add_engram, export_fp8
 
     cfg = tf.LlamaConfig(
         vocab_size=VOCAB,
@@ -119,12 +118,9 @@ def write_folders(
     torch.manual_seed(1)
     add_engram(model, econfig, compression=TokenizerCompression.identity(VOCAB), zero_init=False)
     out = {"plain": plain, "float": root / "float", "fp8": root / "fp8"}
-    for name in ("float", "fp8"):  # the backbone's files (what save_pretrained wrote), then the part
-        out[name].mkdir()
-        for f in plain.iterdir():
-            shutil.copy(f, out[name] / f.name)
-    save_engram(model, out["float"])
-    write_row_files(export_fp8(model, out["fp8"]))
+    for name in ("float", "fp8"):  # an Engram model's folder: the backbone's files, the part in engram/
+        model.save_pretrained(out[name])
+    write_row_files(export_fp8(model, out["fp8"]))  # the fp8 folder's part in FP8, with its row files
     rows = Layout(econfig).table_rows
     out["table_rows"] = [int(r) for r in rows]
     out["backbone_params"] = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("engram"))
@@ -253,7 +249,6 @@ def measure(
     import transformers
 
     from engram.benchmarks import bench_vllm as by_name  # its functions pickle by name for vLLM's processes
-    from engram.hf import load_engram
     from engram.vllm import engram_stats
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench-vllm-") as tmp:
@@ -295,10 +290,7 @@ def measure(
                 say(f"{name}: vLLM up in {startup[name]:.1f} s; warm-up call")
                 vllm_call(name, 0)
             t = time.perf_counter()
-            hf = load_engram(
-                transformers.AutoModelForCausalLM.from_pretrained(f["float"], dtype=torch.float32).eval(),
-                f["float"],
-            )
+            hf = transformers.AutoModelForCausalLM.from_pretrained(f["float"], dtype=torch.float32).eval()
             startup["hf"] = time.perf_counter() - t
 
             def hf_call(s: int) -> float:
