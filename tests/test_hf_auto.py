@@ -357,3 +357,27 @@ def test_upgrade_refuses_a_damaged_part_and_changes_nothing(tmp_path, capsys):
     bare = tmp_path / "bare"
     S.save_folder(bare)
     assert main(["hf-upgrade", str(bare)]) == 2 and "has no Engram part" in capsys.readouterr().err
+
+
+def test_convert_of_a_model_folder_gives_a_model_folder(tmp_path, capsys):
+    """`engram convert FOLDER DST --to fp8`: HF's files copied, the part converted; DST loads with
+    from_pretrained as the model whose part export_fp8 wrote."""
+    import shutil
+
+    from engram.cli import main
+
+    model, d = _folder(tmp_path)
+    assert main(["convert", str(d), str(tmp_path / "fp8"), "--to", "fp8"]) == 0
+    assert sorted(p.name for p in (tmp_path / "fp8").iterdir()) == sorted(p.name for p in d.iterdir())
+    shutil.copytree(d, tmp_path / "exported")
+    export_fp8(model, tmp_path / "exported")
+    x = S.batch(2, 9)
+    with torch.no_grad():
+        converted = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")(x).logits
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exported")(x).logits
+        assert torch.equal(converted, exported) and not torch.equal(converted, model(x).logits)
+    (d / "subfolder").mkdir()
+    capsys.readouterr()
+    assert main(["convert", str(d), str(tmp_path / "other"), "--to", "fp8"]) == 2
+    assert "holds folders besides its Engram part (subfolder)" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

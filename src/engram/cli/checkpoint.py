@@ -38,7 +38,10 @@ def register(sub: Any) -> None:
         help="rewrite a checkpoint's Engram tables in a row format (fp8, int8, int8-row, int4) or as float",
     )
     p.add_argument(
-        "src", type=input_folder, help="checkpoint directory to read (config.json + *.safetensors)"
+        "src",
+        type=input_folder,
+        help="checkpoint directory to read (config.json + *.safetensors), or an Engram model's folder "
+        "(save_pretrained, hf-train: its engram/ part converted, HF's files copied)",
     )
     p.add_argument("dst", type=output_folder, help="directory to write (created; must differ from src)")
     p.add_argument(
@@ -100,16 +103,20 @@ def register(sub: Any) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from engram.apps.hf.convert import convert_model_folder, is_model_folder
+
     t0 = time.perf_counter()
-    written = convert_table(
-        args.src,
-        args.dst,
-        args.to,
-        getattr(torch, args.dtype),
+    options = dict(
+        to=args.to,
+        dtype=getattr(torch, args.dtype),
         max_shard_bytes=args.max_shard_size,
         verify=args.verify,
         row_file=args.row_file,
     )
+    if is_model_folder(args.src):  # an Engram model's folder: HF's files copied, the part converted
+        written = convert_model_folder(args.src, args.dst, **options)
+    else:
+        written = convert_table(args.src, args.dst, **options)
     elapsed = time.perf_counter() - t0
     shards = [p for p in written if p.suffix != ".rows"]
     row_files = [p for p in written if p.suffix == ".rows"]
