@@ -1,6 +1,8 @@
-"""Loading an Engram model's folder: `AutoModelForCausalLM.from_pretrained(folder)` (the part checked
-and attached by `engram.hf.auto`) against what it replaces, the backbone's class `from_pretrained` then
-`engram.hf.load_engram` of the same folder, measured in the same run.
+"""Loading an Engram model's folder with from_pretrained, against from_pretrained + load_engram.
+
+`AutoModelForCausalLM.from_pretrained(folder)` (the part checked and attached by `engram.hf.auto`)
+against what it replaces, the backbone's class `from_pretrained` then `engram.hf.load_engram` of the
+same folder, measured in the same run.
 
     python benchmarks/bench_hf_load.py [--hidden 512] [--layers 8] [--rows 500000] [--repeats 5]
 

