@@ -152,22 +152,28 @@ def test_remove_engram_gives_the_base_classes_back(tmp_path):
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["model_type"] == "llama"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def _family(name):
+    tf, v, h = transformers, S.vocab(), S.HIDDEN
+    small = dict(vocab_size=v, hidden_size=h, num_hidden_layers=2, num_attention_heads=4)
+    kv = dict(small, intermediate_size=64, num_key_value_heads=2)
+    return {
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**kv)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=8, **kv)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(sliding_window=None, **kv)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(head_dim=8, **kv)),
+        "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(intermediate_size=64, **small)),
+        "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(intermediate_size=64, **small)),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(ffn_dim=64, word_embed_proj_dim=h, **small)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=v, n_embd=h, n_layer=2, n_head=4)),
+    }[name]()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma", "phi", "gpt_neox", "opt", "gpt2"])
 def test_other_families_round_trip(tmp_path, family):
     torch.manual_seed(0)
-    if family == "qwen2":
-        cfg = transformers.Qwen2Config(
-            vocab_size=S.vocab(), hidden_size=S.HIDDEN, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        )  # fmt: skip
-        base = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = transformers.GPT2Config(
-            vocab_size=S.vocab(), n_embd=S.HIDDEN, n_layer=2, n_head=4, n_positions=128
-        )
-        base = transformers.GPT2LMHeadModel(cfg)
+    base = _family(family).eval()
     name = type(base).__name__
-    model = _engram_model(base.eval())
+    model = _engram_model(base)
     _, d = _folder(tmp_path, model)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(d)
     assert type(loaded).__name__ == f"Engram{name}"
