@@ -134,10 +134,10 @@ def test_an_own_sparse_optimizer_is_allowed_when_said():
     table = model.engram.module(1).table.weight
     opt = torch.optim.SparseAdam([table], lr=1e-2)
     x = S.batch(2, 9)
-    with pytest.raises(ValueError, match="own_table_optimizer = True"):
+    with pytest.raises(ValueError, match="allow_sparse_gradients = True"):
         model(input_ids=x, labels=x).loss.backward()
     model.zero_grad(set_to_none=True)
-    model.engram.own_table_optimizer = True
+    model.engram.allow_sparse_gradients = True
     before = table.detach().clone()
     model(input_ids=x, labels=x).loss.backward()
     opt.step()

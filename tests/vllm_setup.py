@@ -111,10 +111,14 @@ def reference(folder: str | os.PathLike[str], engram: bool = True) -> Any:
 
     from engram.hf import load_engram
 
+    from engram.hf import remove_engram
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    if hasattr(model, "engram") or not engram:  # an Engram model's folder: from_pretrained attached it
+    if hasattr(model, "engram"):  # an Engram model's folder: from_pretrained attached its part
+        if not engram:
+            remove_engram(model)  # the backbone alone
         return model
-    return load_engram(model, folder)  # a folder written before Engram models had their own type
+    return load_engram(model, folder) if engram else model  # an older folder: the part attached here
 
 
 def greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -168,9 +168,10 @@ class EngramAttachment(nn.Module):
         # set by engram.distributed.prepare_data_parallel, called by EngramOptimizer before its step.
         self.table_sync: Any = None
         self.handles: list[Any] = []
-        # True: the tables' sparse gradients go to an optimizer of the user's own (torch.optim.SparseAdam,
-        # SGD), not refused when no sparse row optimizer holds them (`SparseGradientGuard`)
-        self.own_table_optimizer = False
+        # True: the tables' sparse gradients stay on .grad for code of the user's own (an optimizer that takes
+        # them, torch.optim.SparseAdam; reading them), not refused when no sparse row optimizer holds them
+        # (`SparseGradientGuard`)
+        self.allow_sparse_gradients = False
         # set_engram_trainable's word: None (not said), True (trained, beside an adapter too), False (frozen)
         self.trainable: bool | None = None
         self.guards = [SparseGradientGuard.install(self, k, m.table) for k, m in layers.items()]
@@ -242,7 +243,7 @@ class SparseGradientGuard:
 
     def __call__(self, p: torch.Tensor) -> None:
         att = self.att()
-        if att is None or p.grad is None or not p.grad.is_sparse or att.own_table_optimizer:
+        if att is None or p.grad is None or not p.grad.is_sparse or att.allow_sparse_gradients:
             return
         if takes_sparse_gradient(p):
             return
@@ -251,8 +252,8 @@ class SparseGradientGuard:
             "HF Trainer's default optimizer (AdamW) and its gradient clipping cannot use one. Build the "
             "optimizer with engram.hf.build_optimizer(model) and pass it: Trainer(..., optimizers=("
             "build_optimizer(model), None)), TRL's trainers the same; or freeze the tables "
-            "(engram.hf.set_engram_trainable(model, False)); for an optimizer of your own that takes sparse "
-            "gradients, set model.engram.own_table_optimizer = True"
+            "(engram.hf.set_engram_trainable(model, False)); for code of your own that takes sparse gradients "
+            "(torch.optim.SparseAdam, reading .grad), set model.engram.allow_sparse_gradients = True"
         )
 
 

@@ -11,8 +11,8 @@ The hooks are small objects holding the attachment, not closures, so `copy.deepc
 a copy whose hooks drive the copy's own Engram modules.
 
 Under `torch.compile` the hooks on the model and the stack run outside the graph
-(`torch.compiler.disable`: hashing is numpy/numba work on the host, and the decode states are keyed
-by cache objects), as do each Engram layer's table gather and kernel gate (`engram.model.module`);
+(`engram.model.graph_break.outside_graph`: hashing is numpy/numba work on the host, and the decode
+states are keyed by cache objects), as do each Engram layer's table gather and kernel gate (`engram.model.module`);
 the layer hook and Engram's projection and gate are traced. So `fullgraph=True` cannot hold: it
 raises `torch._dynamo.exc.Unsupported` at the first of these hooks (the stack's pre-hook under
 `torch.compile(model)`). The gather's break falls inside the stack's loop over layers, so dynamo
@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engram.model.graph_break import outside_graph
+
 __all__ = ["install_hooks", "remove_hooks"]
 
 _CACHE_NAMES = ("cache", "past_key_values")
@@ -39,7 +41,7 @@ class _TakeRows:
     def __init__(self, att: Any) -> None:
         self.att = att
 
-    @torch.compiler.disable  # per-call state on the host, read by the stack's pre-hook
+    @outside_graph  # per-call state on the host, read by the stack's pre-hook
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self.att.rows.given = kwargs.pop("engram_rows", None)
         return args, kwargs
@@ -51,7 +53,7 @@ class _ModelPreHook:
     def __init__(self, att: Any, names: list[str]) -> None:
         self.att, self.names = att, names
 
-    @torch.compiler.disable  # host work: hashing (numpy / numba), the decode states of caches
+    @outside_graph  # host work: hashing (numpy / numba), the decode states of caches
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if module.training and torch.is_grad_enabled():
             self.att.check_adapter_training(module)
@@ -79,7 +81,7 @@ class _ModelPostHook:
     def __init__(self, att: Any) -> None:
         self.att = att
 
-    @torch.compiler.disable  # host work: a cache the model made gets its decode state
+    @outside_graph  # host work: a cache the model made gets its decode state
     def __call__(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self.att.rows.end(output)
 

@@ -26,6 +26,7 @@ from engram.addressing.hashing import NgramHasher
 from engram.addressing.layout import Layout
 from engram.config import EngramConfig, Variant
 from engram.kernels.reference import gate, signed_sqrt_gate
+from engram.model.graph_break import outside_graph
 from engram.model.table import EngramTable, TrainableTable
 
 __all__ = ["Engram", "GroupRMSNorm", "ShortConv", "signed_sqrt_gate"]
@@ -175,7 +176,7 @@ class Engram(nn.Module):
     # table's torch.unique has a data-dependent shape and its sparse gradient is a layout AOTAutograd
     # cannot trace, and the stored tables gather with numba / memory-mapped files. The projection and
     # gate after it compile.
-    @torch.compiler.disable
+    @outside_graph
     def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """(B, T, heads) rows -> (B, T, heads * head_dim) embeddings in `dtype`."""
         return self.table.gather(rows, dtype).flatten(-2)
@@ -254,7 +255,7 @@ class Engram(nn.Module):
     # Outside torch.compile's graph, so a compiled model runs the kernel eager mode runs and gives
     # the same bits (numba cannot be traced; the Triton gate is an autograd.Function around a
     # hand-written kernel). Where no kernel applies (CPU training), the twin is traced and compiled.
-    @torch.compiler.disable
+    @outside_graph
     def _kernel_gate(
         self,
         h: torch.Tensor,

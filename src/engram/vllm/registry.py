@@ -117,6 +117,7 @@ def engram_architectures(architectures: str | list[str], model_config: Any) -> l
     folder = getattr(model_config, "model", None)
     ours = set(ARCHITECTURES.values())
     if any(a in ours for a in archs):
+        _check_impl(model_config, folder)
         _check_served(model_config)
         return archs
     engram_model = getattr(getattr(model_config, "hf_config", None), "model_type", None) == "engram"
@@ -129,14 +130,19 @@ def engram_architectures(architectures: str | list[str], model_config: Any) -> l
             f"serves (Engram on {', '.join(ARCHITECTURES)}): vLLM would serve it without Engram; serve it with "
             "engram.hf and HF generate()"
         )
+    _check_impl(model_config, folder)
+    _check_served(model_config)
+    return covered
+
+
+def _check_impl(model_config: Any, folder: Any) -> None:
+    """Refuse vLLM's Transformers backend, which would serve the folder without Engram."""
     impl = getattr(model_config, "model_impl", "auto")
     if str(getattr(impl, "value", impl)) not in ("auto", "vllm"):
         raise ValueError(
             f"{folder} holds an Engram part, but model_impl={impl!r} picks vLLM's Transformers backend, which "
             "would serve it without Engram: leave model_impl at 'auto' (or 'vllm')"
         )
-    _check_served(model_config)
-    return covered
 
 
 def _check_served(model_config: Any) -> None:
