@@ -109,9 +109,7 @@ def reference(folder: str | os.PathLike[str], engram: bool = True) -> Any:
     """The HF model as engram.hf serves the folder: the backbone from its files, the part attached."""
     from transformers import AutoModelForCausalLM
 
-    from engram.hf import load_engram
-
-    from engram.hf import remove_engram
+    from engram.hf import load_engram, remove_engram
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     if hasattr(model, "engram"):  # an Engram model's folder: from_pretrained attached its part
