@@ -33,8 +33,9 @@ def _table_file(name: str) -> bool:
 def is_model_folder(src: str | os.PathLike[str]) -> bool:
     """Whether `src` is an HF model's folder with its Engram part in `engram/` (not a part itself)."""
     d = Path(src)
+    # the part first: a checkpoint's own config.json is read (and refused, when damaged) by its reader
     return (
-        path_kind(d / "config.json") == "a file" and foreign_config(d) and path_kind(d / PART) == "a folder"
+        path_kind(d / PART) == "a folder" and path_kind(d / "config.json") == "a file" and foreign_config(d)
     )
 
 
