@@ -237,7 +237,8 @@ def test_bad_input_refused_with_one_line(folder, corpus, tmp_path, capsys):
     assert "has no weights" in _refused(capsys, "hf-eval", no_tok, "--corpus", corpus)
     err = _refused(capsys, *base, "--corpus", corpus, "--layers", "1,3")
     assert "3 decoder layers (ids 0..2)" in err
-    err = _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", out, "--table-rows", "100T")
+    # within the row bound (64Gi = 2^36, MAX_LAYER_ROWS) but not this machine's memory (18 TB to train)
+    err = _refused(capsys, "hf-train", folder, "--corpus", corpus, "--out", out, "--table-rows", "64Gi")
     assert "--table-rows" in err and "GB available" in err and "or fewer" in err
     (out / "x").parent.mkdir()
     (out / "x").write_text("x")

@@ -13,11 +13,65 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PRESETS", "EngramConfig", "MultiplierScheme", "Variant"]
+__all__ = [
+    "MAX_ENGRAM_DIM",
+    "MAX_HC_MULT",
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_HIDDEN_SIZE",
+    "MAX_KERNEL_SIZE",
+    "MAX_LAYER_ID",
+    "MAX_LAYER_ROWS",
+    "MAX_NGRAM_SIZE",
+    "MAX_PRIMES",
+    "MAX_TABLE_ROWS_MULTIPLE",
+    "MAX_VOCAB_SIZE",
+    "PRESETS",
+    "EngramConfig",
+    "MultiplierScheme",
+    "Variant",
+    "check_eps",
+]
+
+# ------------------------------------------------------------------------------------------- bounds
+# Every size a config holds is checked against one of these before any work: generous for real models
+# (V4.1: orders 2-4, 8 heads, rows 256 wide, ~384M rows a layer, 48 primes) but a mistyped size (10^9
+# heads, 10^6-grams) is refused at once instead of running for minutes or exhausting memory.
+MAX_NGRAM_SIZE = 16  # orders 2..16 (V4.1: 4; the paper's demo and Qwen4-Exp: 3)
+MAX_HEADS = 64  # hash heads per order (V4.1: 8)
+MAX_LAYER_ID = 1023  # layer ids 0..1023 (V4.1: 1 and 14; the deepest models have a few hundred)
+MAX_HEAD_DIM = 4096  # width of a table row (V4.1: 256)
+MAX_ENGRAM_DIM = 65536  # rows_per_token * head_dim, one token's lookup (V4.1: 24 * 256 = 6144)
+MAX_HIDDEN_SIZE = 65536  # backbone width (V4.1: 5120; the widest open models ~16K)
+MAX_HC_MULT = 64  # residual streams (V4.1: 4)
+MAX_KERNEL_SIZE = 64  # the short conv's kernel (the demo and Qwen4-Exp: 4)
+MAX_VOCAB_SIZE = 1 << 24  # tokenizer ids, 16,777,216 (DeepSeek-V4: 129,280; the largest ~262K)
+MAX_TABLE_ROWS_MULTIPLE = 1 << 20  # padding multiple of a table's rows (Qwen4-Exp: 128)
+# rows of one layer's table, estimated before any prime is searched as n_heads * sum(engram_vocab_size)
+# (2^36 = 68.7 billion, 179x V4.1's 384M: 18 TB a layer as FP8 rows); also bounds each prime-search base
+MAX_LAYER_ROWS = 1 << 36
+# primes a layout searches, n_layers * (max_ngram_size - 1) * n_heads (V4.1: 48), each ~25-100 us of
+# sympy.nextprime: 16384 take about a second
+MAX_PRIMES = 16384
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_eps(name: str, value: Any, hi: float = 1.0) -> float:
+    """`value` as a float in (0, hi]: a finite number, not NaN (which passes `<= 0`); TypeError or
+    ValueError naming the field, the value and the range."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and 0 < value <= hi):
+        raise ValueError(f"{name}={value!r} is out of range: give a finite number in (0, {hi:g}], e.g. 1e-6")
+    return float(value)
 
 
 class Variant(enum.StrEnum):
@@ -96,9 +150,6 @@ class EngramConfig:
                 f"{', '.join(repr(m.value) for m in MultiplierScheme)}"
             ) from None
         set_(self, "layer_ids", _tuple_of_ints("layer_ids", self.layer_ids))
-        if isinstance(self.engram_vocab_size, int):
-            set_(self, "engram_vocab_size", (self.engram_vocab_size,) * max(self.max_ngram_size - 1, 0))
-        set_(self, "engram_vocab_size", _tuple_of_ints("engram_vocab_size", self.engram_vocab_size))
         for name in (
             "max_ngram_size",
             "n_heads",
@@ -115,6 +166,17 @@ class EngramConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"EngramConfig.{name} must be an int, got {v!r}")
+        # before engram_vocab_size is expanded to one base per order (max_ngram_size 10^9: 10^9 bases)
+        if not 2 <= self.max_ngram_size <= MAX_NGRAM_SIZE:
+            raise ValueError(
+                f"max_ngram_size={self.max_ngram_size}: Engram needs at least 2-grams and hashes at most "
+                f"{MAX_NGRAM_SIZE}-grams; give 2 to {MAX_NGRAM_SIZE} (MAX_NGRAM_SIZE; V4.1 uses 4)"
+            )
+        if isinstance(self.engram_vocab_size, int):
+            set_(self, "engram_vocab_size", (self.engram_vocab_size,) * (self.max_ngram_size - 1))
+        set_(self, "engram_vocab_size", _tuple_of_ints("engram_vocab_size", self.engram_vocab_size))
+        set_(self, "norm_eps", check_eps("norm_eps", self.norm_eps))
+        set_(self, "gate_clamp", check_eps("gate_clamp", self.gate_clamp))
 
         if not self.layer_ids:
             raise ValueError("layer_ids is empty: give at least one layer, e.g. (1,)")
@@ -122,9 +184,9 @@ class EngramConfig:
             raise ValueError(f"layer_ids {self.layer_ids} repeats a layer; each layer has one table")
         if min(self.layer_ids) < 0:
             raise ValueError(f"layer_ids {self.layer_ids} has a negative layer; layers count from 0")
-        if self.max_ngram_size < 2:
+        if max(self.layer_ids) > MAX_LAYER_ID:
             raise ValueError(
-                f"max_ngram_size={self.max_ngram_size}: Engram needs at least 2-grams (use >= 2)"
+                f"layer_ids has layer {max(self.layer_ids)}: give layer ids from 0 to {MAX_LAYER_ID} (MAX_LAYER_ID)"
             )
         if len(self.engram_vocab_size) != self.max_ngram_size - 1:
             raise ValueError(
@@ -133,10 +195,41 @@ class EngramConfig:
             )
         if min(self.engram_vocab_size) < 2:
             raise ValueError(f"engram_vocab_size {self.engram_vocab_size} must be >= 2 (prime-search bases)")
-        if self.n_heads < 1:
-            raise ValueError(f"n_heads={self.n_heads} must be >= 1")
-        if self.vocab_size < 1:
-            raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
+        if not 1 <= self.n_heads <= MAX_HEADS:
+            raise ValueError(
+                f"n_heads={self.n_heads}: give 1 to {MAX_HEADS} hash heads per order (MAX_HEADS; V4.1 uses 8)"
+            )
+        for name, hi in (
+            ("head_dim", MAX_HEAD_DIM),
+            ("hidden_size", MAX_HIDDEN_SIZE),
+            ("hc_mult", MAX_HC_MULT),
+            ("kernel_size", MAX_KERNEL_SIZE),
+            ("vocab_size", MAX_VOCAB_SIZE),
+            ("table_rows_multiple", MAX_TABLE_ROWS_MULTIPLE),
+        ):
+            v = getattr(self, name)
+            if not 1 <= v <= hi:
+                raise ValueError(f"{name}={v}: give 1 to {hi:,} (MAX_{name.upper()})")
+        if self.engram_dim > MAX_ENGRAM_DIM:
+            raise ValueError(
+                f"one token's lookup is (max_ngram_size - 1) * n_heads * head_dim = {self.max_ngram_size - 1} * "
+                f"{self.n_heads} * {self.head_dim} = {self.engram_dim:,} values, over {MAX_ENGRAM_DIM:,} "
+                "(MAX_ENGRAM_DIM; V4.1: 6,144): give fewer heads or orders, or a smaller head_dim"
+            )
+        rows = self.n_heads * sum(self.engram_vocab_size)  # about the sum of one layer's primes
+        if rows > MAX_LAYER_ROWS:
+            raise ValueError(
+                f"n_heads * sum(engram_vocab_size) = {self.n_heads} * {sum(self.engram_vocab_size):,} = about "
+                f"{rows:,} rows a layer, over {MAX_LAYER_ROWS:,} (MAX_LAYER_ROWS = 2^36; V4.1: 384M): give "
+                "smaller engram_vocab_size bases (the rows of one head) or fewer heads"
+            )
+        primes = self.n_layers * self.rows_per_token
+        if primes > MAX_PRIMES:
+            raise ValueError(
+                f"layers * orders * heads = {self.n_layers} * {self.max_ngram_size - 1} * {self.n_heads} = "
+                f"{primes:,} primes to search, over {MAX_PRIMES:,} (MAX_PRIMES; V4.1: 48): give fewer layers, "
+                "orders or heads"
+            )
         if not 1 <= self.compressed_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"compressed_vocab_size={self.compressed_vocab_size} must be in [1, vocab_size={self.vocab_size}]"
@@ -147,13 +240,6 @@ class EngramConfig:
             )
         if self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0 (it seeds numpy.random.default_rng)")
-        for name in ("head_dim", "hidden_size", "hc_mult", "kernel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.norm_eps <= 0 or self.gate_clamp <= 0:
-            raise ValueError(f"norm_eps={self.norm_eps} and gate_clamp={self.gate_clamp} must be > 0")
-        if self.table_rows_multiple < 1:
-            raise ValueError(f"table_rows_multiple={self.table_rows_multiple} must be >= 1 (1 = no padding)")
         rid = self.restart_after_id
         if rid is not None:
             if isinstance(rid, bool) or not isinstance(rid, int):
@@ -207,8 +293,8 @@ class EngramConfig:
     def replace(self, **changes: Any) -> EngramConfig:
         """A copy with some fields changed (validated again)."""
         if "engram_vocab_size" not in changes and "max_ngram_size" in changes:
-            base = self.engram_vocab_size[0]
-            changes["engram_vocab_size"] = (base,) * (changes["max_ngram_size"] - 1)
+            # one base, spread over the orders by __post_init__ once max_ngram_size is checked
+            changes["engram_vocab_size"] = self.engram_vocab_size[0]
         changes.setdefault("declared_num_embeddings", None)
         return dataclasses.replace(self, **changes)
 
@@ -379,7 +465,7 @@ def _from_engram_keys(d: Mapping[str, Any], name: str, tokenizer: str | None) ->
     }
     for key, hf_key in HF_ENGRAM_OPTIONAL:
         if hf_key in d:
-            kw[key] = d[hf_key]
+            kw[key] = check_eps(hf_key, d[hf_key]) if key in ("norm_eps", "gate_clamp") else d[hf_key]
     declared = d.get("engram_num_embeddings")
     if isinstance(declared, list):
         declared = tuple(declared)
@@ -439,7 +525,7 @@ def _from_qwen4_exp_keys(d: Mapping[str, Any], name: str) -> EngramConfig:
         hidden_size=hidden,
         hc_mult=_int_key(g, "hc_count"),
         kernel_size=_int_key(g, "ple_conv_kernel_size"),
-        norm_eps=float(g["rms_norm_eps"]),
+        norm_eps=check_eps("rms_norm_eps", g["rms_norm_eps"]),
         multiplier_scheme=MultiplierScheme.SPLITMIX64,
         table_rows_multiple=_int_key(g, "make_ngram_vocab_size_divisible_by"),
     )

@@ -28,6 +28,7 @@ from engram.cli.options import (
     threads,
     whole_number,
 )
+from engram.config import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYER_ROWS
 from engram.device import Precision
 
 __all__ = ["register"]
@@ -245,11 +246,19 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--table-rows",
         type=row_count,
-        help=f"table rows per layer, e.g. 500K (default: half the backbone's parameters; {SIZE_HELP})",
+        help=f"table rows per layer, e.g. 500K, at most {MAX_LAYER_ROWS:,} (default: half the backbone's "
+        f"parameters; {SIZE_HELP})",
     )
-    p.add_argument("--heads", type=positive_int, default=4, help="hash heads per n-gram order (default 4)")
     p.add_argument(
-        "--head-dim", type=positive_int, help="width of a table row (default 32, 64 from hidden 256)"
+        "--heads",
+        type=positive_int,
+        default=4,
+        help=f"hash heads per n-gram order (default 4; 1 to {MAX_HEADS})",
+    )
+    p.add_argument(
+        "--head-dim",
+        type=positive_int,
+        help=f"width of a table row (default 32, 64 from hidden 256; at most {MAX_HEAD_DIM})",
     )
     p.add_argument(
         "--mode", choices=MODES, default="frozen", help="what trains besides Engram (default frozen)"

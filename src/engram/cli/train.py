@@ -119,13 +119,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     out = Path(args.out)
     _check_resume(args, out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_memory(cfg)
     data = prepare_data(cfg)
-    trainer = Trainer(cfg, data, build_model(cfg, data), out_dir=out, device=device, precision=precision)
+    model = build_model(cfg, data)
+    out.mkdir(parents=True, exist_ok=True)  # after every check: a refused run leaves no folder
+    trainer = Trainer(cfg, data, model, out_dir=out, device=device, precision=precision)
     _resume(args, trainer, out, verbose=True)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     _train_and_report(args, trainer, out, lambda m: m.num_params(), main_rank=True)
     return 0
+
+
+def _check_memory(cfg: Any, available: int | None = None) -> None:
+    """Refuse a run whose parameters and tables would not fit in the memory available now (a lower
+    bound, `TrainConfig.train_bytes`, estimated before anything is allocated or written)."""
+    from engram.apps.hf.settings import available_memory
+
+    need = cfg.train_bytes()
+    available = available_memory() if available is None else available
+    if available is not None and need > available:
+        e = cfg.engram
+        tables = (
+            ""
+            if e is None
+            else f"; Engram: {e.n_layers} table(s) of about {e.n_heads * sum(e.engram_vocab_size):,} rows x {e.head_dim}"
+        )
+        raise ValueError(
+            f"this run needs at least {need / 1e9:.3g} GB to train (dim {cfg.dim}, {cfg.n_layers} layers{tables}), "
+            f"but this machine has {available / 1e9:.3g} GB available: give a smaller model or smaller "
+            "engram_vocab_size bases (rows per head)"
+        )
 
 
 def _check_resume(args: argparse.Namespace, out: Path) -> None:

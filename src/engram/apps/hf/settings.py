@@ -20,6 +20,7 @@ from typing import Any
 from engram.apps.hf.corpus import HELD_OUT, SEQ_LEN_ONE
 from engram.apps.hf.folder import EVAL_BLOCKS
 from engram.checkpoint.input_files import path_kind
+from engram.config import MAX_ENGRAM_DIM, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYER_ID, MAX_LAYER_ROWS, MAX_PRIMES
 
 __all__ = [
     "TABLE_SYNCS",
@@ -39,6 +40,10 @@ __all__ = [
 
 # engram.distributed.TableSync's values (imported only to run across processes)
 TABLE_SYNCS = ("sharded", "replicated")
+# n-gram orders of hf-train's Engram: 2 and 3 (engram.apps.hf.train's _ORDERS), for the bounds below
+_ORDERS = 2
+# LoRA's rank: generous (runs use 8 to 256) but a mistyped one is refused before peft allocates it
+MAX_LORA_RANK = 4096
 
 
 class TrainMode(enum.Enum):
@@ -86,6 +91,7 @@ class HFTrainSettings:
                 raise ValueError(f"--{name.replace('_', '-')} {v!r}: give a whole number >= 1")
         if self.seq_len == 1:
             raise ValueError(SEQ_LEN_ONE)
+        self._check_sizes()
         for name in ("checkpoint_every", "eval_blocks", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -107,8 +113,51 @@ class HFTrainSettings:
             raise ValueError(f"--table-sync {self.table_sync!r}: give one of {', '.join(TABLE_SYNCS)}")
         if not self.engram and self.table_sync is not None:
             raise ValueError("--table-sync describes Engram's tables: drop it with --no-engram")
-        if not 0 <= self.held_out < 1:
-            raise ValueError(f"--held-out {self.held_out}: give a fraction in [0, 1), e.g. 0.05")
+        h = self.held_out
+        if isinstance(h, bool) or not isinstance(h, int | float) or not 0 <= h < 1:  # NaN too
+            raise ValueError(f"--held-out {h!r}: give a fraction in [0, 1), e.g. 0.05")
+
+    def _check_sizes(self) -> None:
+        """The sizes of Engram and LoRA against engram.config's bounds, before the model is read: a
+        mistyped one (--heads 1000000000) is refused at once, never after minutes of prime search."""
+        if self.heads > MAX_HEADS:
+            raise ValueError(
+                f"--heads {self.heads}: give 1 to {MAX_HEADS} hash heads per n-gram order (default 4)"
+            )
+        d = self.head_dim
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_HEAD_DIM):
+            raise ValueError(
+                f"--head-dim {d!r}: give a row width from 1 to {MAX_HEAD_DIM} (default 32 or 64)"
+            )
+        if d is not None and _ORDERS * self.heads * d > MAX_ENGRAM_DIM:
+            raise ValueError(
+                f"--heads {self.heads} --head-dim {d}: one token reads {_ORDERS} orders x {self.heads} heads x {d} "
+                f"= {_ORDERS * self.heads * d:,} values, over {MAX_ENGRAM_DIM:,}: give fewer heads or a "
+                "smaller --head-dim"
+            )
+        if self.table_rows is not None and self.table_rows > MAX_LAYER_ROWS:
+            raise ValueError(
+                f"--table-rows {self.table_rows:,}: give at most {MAX_LAYER_ROWS:,} rows a layer (2^36)"
+            )
+        if self.lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"--lora-rank {self.lora_rank}: give 1 to {MAX_LORA_RANK} (default 8)")
+        if self.layers is not None:
+            bad = [
+                i
+                for i in self.layers
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_LAYER_ID
+            ]
+            if bad:
+                raise ValueError(
+                    f"--layers {','.join(map(str, self.layers))}: {bad} out of range: give decoder layer ids "
+                    f"from 0 to {MAX_LAYER_ID}"
+                )
+            primes = len(self.layers) * _ORDERS * self.heads
+            if primes > MAX_PRIMES:
+                raise ValueError(
+                    f"--layers ({len(self.layers)} layers) x {_ORDERS} orders x --heads {self.heads} = {primes:,} "
+                    f"primes to search, over {MAX_PRIMES:,}: give fewer layers or heads"
+                )
 
     @property
     def num_steps(self) -> int:

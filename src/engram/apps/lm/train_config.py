@@ -17,7 +17,7 @@ from typing import Any
 
 from engram.checkpoint.input_files import input_file
 from engram.checkpoint.json_file import read_json
-from engram.config import EngramConfig
+from engram.config import MAX_HC_MULT, MAX_HIDDEN_SIZE, MAX_LAYER_ID, MAX_VOCAB_SIZE, EngramConfig
 
 __all__ = [
     "DEFAULT_ENGRAM",
@@ -28,6 +28,15 @@ __all__ = [
     "TableOptimizer",
     "TrainConfig",
 ]
+
+# Bounds on a run's sizes beyond EngramConfig's (engram.config: MAX_HIDDEN_SIZE for dim, MAX_HC_MULT
+# for hc, MAX_VOCAB_SIZE for bpe_vocab_size, MAX_LAYER_ID + 1 layers): generous for a model trained
+# here (the presets: dim 64-192, seq_len 64-256) but a mistyped size is refused before any work.
+MAX_MLP_HIDDEN = 4 * MAX_HIDDEN_SIZE  # a feed-forward layer's (or one expert's) width
+MAX_SEQ_LEN = 1 << 20  # tokens a sequence
+MAX_BATCH_SIZE = 1 << 16  # sequences a step
+MAX_EXPERTS = 1024  # routed experts of a MoE feed-forward
+_DEEPSEEK_V4_VOCAB = 129_280  # the deepseek-v4 tokenizer's ids, for the memory estimate
 
 
 class TableOptimizer(enum.StrEnum):
@@ -162,9 +171,32 @@ class TrainConfig:
                 )
         if self.engram_mode not in ENGRAM_MODES:
             raise ValueError(f"engram_mode={self.engram_mode!r}: use one of {ENGRAM_MODES}")
-        for name in ("steps", "batch_size", "seq_len", "dim", "n_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name, hi in (
+            ("steps", None),
+            ("batch_size", MAX_BATCH_SIZE),
+            ("seq_len", MAX_SEQ_LEN),
+            ("dim", MAX_HIDDEN_SIZE),
+            ("n_layers", MAX_LAYER_ID + 1),
+            ("n_heads", self.dim),
+            ("mlp_hidden", MAX_MLP_HIDDEN),
+            ("hc", MAX_HC_MULT),
+            ("bpe_vocab_size", MAX_VOCAB_SIZE),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}={v!r}: give a whole number")
+            if v < 1 or (hi is not None and v > hi):
+                raise ValueError(
+                    f"{name}={v} must be >= 1"
+                    + ("" if hi is None else f" and at most {hi:,}")
+                    + (" (dim)" if name == "n_heads" else "")
+                )
+        if self.moe_experts > MAX_EXPERTS:
+            raise ValueError(f"moe_experts={self.moe_experts}: give at most {MAX_EXPERTS} experts (0: dense)")
+        if self.moe_hidden is not None and not 1 <= self.moe_hidden <= MAX_MLP_HIDDEN:
+            raise ValueError(
+                f"moe_hidden={self.moe_hidden}: give 1 to {MAX_MLP_HIDDEN:,} (or null: mlp_hidden // moe_top_k)"
+            )
         if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
             raise ValueError(
                 f"moe_experts={self.moe_experts}, moe_top_k={self.moe_top_k}: give 0 experts (dense) or "
@@ -207,6 +239,30 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    def train_bytes(self) -> int:
+        """A lower bound on the memory training takes, before anything is allocated: the parameters in
+        float32 with their gradients and AdamW's two moments (16 bytes each; the embedding counted where
+        the tokenizer's size is known: 'bpe', 'deepseek-v4'), and the Engram tables with their optimizer
+        state (about n_heads * sum(engram_vocab_size) rows a layer, 8 bytes a value and 8 a row; 16 a
+        value for dense-adam). Activations are not counted."""
+        vocab = {"bpe": self.bpe_vocab_size, "deepseek-v4": _DEEPSEEK_V4_VOCAB}.get(self.tokenizer, 0)
+        d = self.dim
+        if self.moe_experts:
+            width = self.moe_hidden or max(1, self.mlp_hidden // self.moe_top_k)
+            ffn = self.moe_experts * (3 * d * width + d)
+        else:
+            ffn = 3 * d * self.mlp_hidden
+        params = vocab * d * (1 if self.tie_embeddings else 2) + self.n_layers * (4 * d * d + ffn)
+        tables = 0
+        e = self.engram
+        if e is not None:
+            params += e.n_layers * e.engram_dim * e.hidden_size * (e.hc_mult + 1)  # key / value projections
+            per_row = (
+                16 * e.head_dim if self.table_optimizer is TableOptimizer.DENSE_ADAM else 8 * e.head_dim + 8
+            )
+            tables = e.n_layers * e.n_heads * sum(e.engram_vocab_size) * per_row
+        return 16 * params + tables
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values: `engram` as EngramConfig.to_dict() (or None), enums as their strings."""

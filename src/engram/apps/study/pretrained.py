@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -125,6 +126,19 @@ class PretrainedPlan:
     train_chars: int | None = None  # None: the whole training split
     held_chars: int | None = None
     checkpoint_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("lora_lr", "full_lr", "engram_lr", "table_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:  # NaN too
+                raise ValueError(f"{name}={v!r}: give a finite learning rate > 0")
+        factors = self.pilot_factors
+        if not factors or any(
+            isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < math.inf for f in factors
+        ):
+            raise ValueError(
+                f"pilot_factors={factors!r}: give one or more finite multiples > 0 of the default table rows"
+            )
 
     def tokens(self) -> int:
         return self.steps * self.batch_size * self.seq_len
