@@ -20,6 +20,7 @@ from engram.checkpoint.v41 import (
     DEFAULT_MAX_SHARD_BYTES,
     TableFormat,
     load_engram_modules,
+    row_file_name,
     save_checkpoint,
     stored_tables,
 )
@@ -54,7 +55,9 @@ def convert_table(
     """Rewrite a checkpoint with quantised tables (`to` a row format: "fp8", "int8", "int8-row", "int4")
     or float ones (`to="float"`, in `dtype`).
 
-    `row_file`: also write each layer's quantised table as an SSD row file (`write_row_files`).
+    `row_file`: also write each layer's quantised table as an SSD row file (`write_row_files`). Row files
+    an earlier conversion left in `dst_dir` are removed either way (they describe that one's tables), as
+    are the temporaries of a conversion killed there (`save_checkpoint`); a failed write removes its own.
 
     The source is loaded (and checked) as `load_engram_modules` does; `verify` scans tables of any size
     for NaN / Inf (by default only those up to `SCAN_LIMIT_BYTES`), so damage is not copied on.
@@ -99,7 +102,7 @@ def convert_table(
 
 def row_file_path(ckpt_dir: str | os.PathLike[str], layer_id: int) -> Path:
     """Where a checkpoint keeps layer `layer_id`'s row file."""
-    return Path(ckpt_dir) / f"engram_layer{layer_id}.rows"
+    return Path(ckpt_dir) / row_file_name(layer_id)
 
 
 def write_row_files(ckpt_dir: str | os.PathLike[str]) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from engram.apps.tools.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
+from engram.checkpoint.folder_lock import write_lock
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
 from engram.cli.options import (
     SIZE_HELP,
@@ -113,10 +115,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         verify=args.verify,
         row_file=args.row_file,
     )
-    if is_model_folder(args.src):  # an Engram model's folder: HF's files copied, the part converted
-        written = convert_model_folder(args.src, args.dst, **options)
-    else:
-        written = convert_table(args.src, args.dst, **options)
+    with write_lock(args.dst, f"engram convert {shlex.quote(args.src)} {shlex.quote(args.dst)}"):
+        if is_model_folder(args.src):  # an Engram model's folder: HF's files copied, the part converted
+            written = convert_model_folder(args.src, args.dst, **options)
+        else:
+            written = convert_table(args.src, args.dst, **options)
     elapsed = time.perf_counter() - t0
     shards = [p for p in written if p.suffix != ".rows"]
     row_files = [p for p in written if p.suffix == ".rows"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
+from engram.checkpoint.folder_lock import write_lock
 from engram.cli.options import human, human_bytes, input_file, output_folder
 
 __all__ = ["register"]
@@ -47,19 +49,20 @@ def cmd_hf_from_gguf(args: argparse.Namespace) -> int:
             "give one GGUF file: either the GGUF argument or --smollm2 (engram hf-from-gguf FILE.gguf OUT, "
             "or engram hf-from-gguf --smollm2 OUT)"
         )
-    for _, what in clear_dead_runs(args.out):  # said even where this run is refused below
-        print(f"engram hf-from-gguf: {what}", file=sys.stderr)
-    source = smollm2_gguf_path() if args.smollm2 else args.gguf
-    try:
-        r = gguf_to_folder(
-            source, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress
-        )
-    except (
-        ModuleNotFoundError
-    ) as e:  # the gguf package (or transformers) missing: our message names the extra
-        if e.name not in ("gguf", "transformers", "accelerate"):
-            raise
-        raise ValueError(str(e)) from None
+    with write_lock(args.out, f"engram hf-from-gguf {shlex.quote(args.out)}"):
+        for _, what in clear_dead_runs(args.out):  # said even where this run is refused below
+            print(f"engram hf-from-gguf: {what}", file=sys.stderr)
+        source = smollm2_gguf_path() if args.smollm2 else args.gguf
+        try:
+            r = gguf_to_folder(
+                source, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=not args.no_progress
+            )
+        except (
+            ModuleNotFoundError
+        ) as e:  # the gguf package (or transformers) missing: our message names the extra
+            if e.name not in ("gguf", "transformers", "accelerate"):
+                raise
+            raise ValueError(str(e)) from None
     if args.json:
         d = {
             "folder": str(r.folder),

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engram.checkpoint.folder_lock import write_lock
 from engram.cli.options import (
     add_device_options,
     corpus_source,
@@ -72,6 +73,12 @@ def cmd_pretrained(args: argparse.Namespace, command: str, device: torch.device,
 
 
 def cmd_study(args: argparse.Namespace) -> int:
+    """One writer a report folder: the study runs holding --out's write lock."""
+    with write_lock(args.out, f"engram study {args.study} --out {shlex.quote(args.out)}"):
+        return _run_study(args)
+
+
+def _run_study(args: argparse.Namespace) -> int:
     from engram.apps.study.report import run_counts, study_lines
     from engram.apps.study.studies import STUDIES, run_study, study_base
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engram.checkpoint.folder_lock import write_lock
 from engram.cli.options import (
     add_device_options,
     add_verify_option,
@@ -51,16 +53,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if sys.argv[1:2] == ["demo"]
         else "engram demo"
     )
-    results = run_demo(
-        cfg,
-        seeds=tuple(range(args.seeds)),
-        minutes=args.minutes,
-        out_dir=args.out,
-        progress=not args.no_progress,
-        command=command.strip(),
-        device=device,
-        precision=precision,
-    )
+    with write_lock(args.out, _command("demo", args.out)):
+        results = run_demo(
+            cfg,
+            seeds=tuple(range(args.seeds)),
+            minutes=args.minutes,
+            out_dir=args.out,
+            progress=not args.no_progress,
+            command=command.strip(),
+            device=device,
+            precision=precision,
+        )
     if args.json:
         print(json.dumps({"summary": results["summary"], "report": str(Path(args.out) / "report.md")}))
     else:
@@ -118,16 +121,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     set_threads(args)
     cfg = _train_config(args)
     out = Path(args.out)
-    _check_resume(args, out)
-    _check_memory(cfg)
-    data = prepare_data(cfg)
-    model = build_model(cfg, data)
-    out.mkdir(parents=True, exist_ok=True)  # after every check: a refused run leaves no folder
-    trainer = Trainer(cfg, data, model, out_dir=out, device=device, precision=precision)
-    _resume(args, trainer, out, verbose=True)
-    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    _train_and_report(args, trainer, out, lambda m: m.num_params(), main_rank=True)
+    with write_lock(out, _command("train", args.out)):  # one writer a run folder, for the whole run
+        _check_resume(args, out)
+        _check_memory(cfg)
+        data = prepare_data(cfg)
+        model = build_model(cfg, data)
+        out.mkdir(parents=True, exist_ok=True)  # after every check: a refused run leaves no folder
+        trainer = Trainer(cfg, data, model, out_dir=out, device=device, precision=precision)
+        _resume(args, trainer, out, verbose=True)
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        _train_and_report(args, trainer, out, lambda m: m.num_params(), main_rank=True)
     return 0
+
+
+def _command(name: str, out: str) -> str:
+    """What a folder's write lock records of this command: `engram NAME --out OUT`."""
+    return f"engram {name} --out {shlex.quote(str(out))}"
 
 
 def _check_memory(cfg: Any, available: int | None = None) -> None:
@@ -253,9 +262,8 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
     rank, cuda:LOCAL_RANK)."""
     import torch.distributed as dist
 
-    from engram.apps.lm.train import prepare_data
-    from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
-    from engram.distributed import Backend, TableInit, global_num_params, init_distributed, table_owners
+    from engram.distributed import Backend, init_distributed
+    from engram.distributed.shard_checkpoint import agreed
 
     device, precision = device_from_args(args, distributed=True)  # refusals before any process group
     cfg = _train_config(args)  # config errors before any process group is started
@@ -263,38 +271,53 @@ def _cmd_train_distributed(args: argparse.Namespace) -> int:
     backend = Backend.NCCL if device.type == "cuda" else Backend.GLOO
     env = init_distributed(backend, threads=args.threads, timeout=args.collective_timeout)
     try:
-        # --table-ranks N: rows on ranks 0..N-1 only (None: the tables' default, every rank)
-        owners = None if args.table_ranks is None else table_owners(args.table_ranks, env.world)
-        out = Path(args.out)
-        if env.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-        data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
-        # born sharded by default: no rank draws a whole table. COPY and CHUNKED build the same model
-        # bit for bit (a row from (seed, layer, row) only) and checkpoints do not depend on it, so a
-        # run started with either resumes under either
-        init = TableInit(args.table_init or TableInit.CHUNKED)
-        model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
-        # what else changes what the ranks do: checked to be the same on every rank, with cfg
-        settings = {f"--{k.replace('_', '-')}": getattr(args, k) for k in _RANK_SETTINGS}
-        settings["--table-init"] = init.value
-        trainer = DistributedTrainer(
-            cfg,
-            data,
-            model,
-            out_dir=out,
-            device=env.device,
-            sharded_checkpoints=args.sharded_checkpoints,
-            settings=settings,
-            precision=precision,
-        )
-        trainer.barrier()  # every rank sees the same checkpoints: none is written before all have looked
-        _resume(args, trainer, out, verbose=env.is_main)
-        if env.is_main:
-            (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        _train_and_report(args, trainer, out, global_num_params, main_rank=env.is_main)
+        with contextlib.ExitStack() as held:
+            # one writer a run folder: rank 0 holds the lock for the launch (the other ranks write only
+            # into the checkpoint folders rank 0 makes); a refusal is every rank's, so none waits
+            with agreed(None, lambda: f"writing {args.out}"):
+                if env.is_main:
+                    held.enter_context(write_lock(args.out, _command("train --distributed", args.out)))
+            _train_ranks(args, cfg, env, device, precision)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _train_ranks(args: argparse.Namespace, cfg: Any, env: Any, device: Any, precision: Any) -> None:
+    """_cmd_train_distributed's work on this rank, its process group started and the folder locked."""
+    from engram.apps.lm.train import prepare_data
+    from engram.apps.lm.train_distributed import DistributedTrainer, build_distributed_model
+    from engram.distributed import TableInit, global_num_params, table_owners
+
+    # --table-ranks N: rows on ranks 0..N-1 only (None: the tables' default, every rank)
+    owners = None if args.table_ranks is None else table_owners(args.table_ranks, env.world)
+    out = Path(args.out)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(cfg)  # every rank (deterministic; the trainer checks the ranks agree)
+    # born sharded by default: no rank draws a whole table. COPY and CHUNKED build the same model
+    # bit for bit (a row from (seed, layer, row) only) and checkpoints do not depend on it, so a
+    # run started with either resumes under either
+    init = TableInit(args.table_init or TableInit.CHUNKED)
+    model = build_distributed_model(cfg, data, init=init, device=env.device, owners=owners)
+    # what else changes what the ranks do: checked to be the same on every rank, with cfg
+    settings = {f"--{k.replace('_', '-')}": getattr(args, k) for k in _RANK_SETTINGS}
+    settings["--table-init"] = init.value
+    trainer = DistributedTrainer(
+        cfg,
+        data,
+        model,
+        out_dir=out,
+        device=env.device,
+        sharded_checkpoints=args.sharded_checkpoints,
+        settings=settings,
+        precision=precision,
+    )
+    trainer.barrier()  # every rank sees the same checkpoints: none is written before all have looked
+    _resume(args, trainer, out, verbose=env.is_main)
+    if env.is_main:
+        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    _train_and_report(args, trainer, out, global_num_params, main_rank=env.is_main)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

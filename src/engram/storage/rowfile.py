@@ -222,7 +222,8 @@ def write_row_file(
 ) -> Path:
     """Write the table values / scales of row format `fmt` (None: what their dtypes say, `format_of`; FP8:
     values (N, dim) float8_e4m3fn / scales (N, dim // 32) float8_e8m0fnu) as a row file at `path`
-    (through a temporary file, fsynced, then renamed); returns the path.
+    (through a temporary file `.{name}.tmp-{pid}`, fsynced, then renamed; removed if the write fails);
+    returns the path.
 
     `identity` (<= 64 ASCII bytes) names the layout the rows were hashed with and `tables` the table they
     were copied from (`engram.storage.integrity.table_fingerprint`), so a reader can refuse a file made
@@ -239,17 +240,23 @@ def write_row_file(
     v = _row_bytes_of(values)
     s = _row_bytes_of(scales)
     path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
+    # the checkpoint writers' temporary name (engram.checkpoint.temporaries): a killed write's is cleared
+    # by the next writer of the folder; a failed one (a full disk, Ctrl-C) removes its own here
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     per = h.rows_per_group
     step = max(per, _WRITE_CHUNK_ROWS // per * per)  # whole groups per chunk
-    with open(tmp, "wb") as f:
-        f.write(h.pack())
-        for r0 in range(0, h.rows, step):
-            r1 = min(r0 + step, h.rows)
-            f.write(_packed(h, v[r0:r1], s[r0:r1]).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(h.pack())
+            for r0 in range(0, h.rows, step):
+                r1 = min(r0 + step, h.rows)
+                f.write(_packed(h, v[r0:r1], s[r0:r1]).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

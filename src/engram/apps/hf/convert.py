@@ -14,7 +14,7 @@ from typing import Any
 from engram.checkpoint.convert import convert_table
 from engram.checkpoint.files import member_file
 from engram.checkpoint.input_files import path_kind
-from engram.checkpoint.v41.format import INDEX_FILE, foreign_config, is_shard_name
+from engram.checkpoint.v41.format import INDEX_FILE, foreign_config, is_row_file_name, is_shard_name
 
 __all__ = ["PART", "convert_model_folder", "is_model_folder"]
 
@@ -23,11 +23,7 @@ PART = "engram"  # engram.hf.io.PART_FOLDER: where a model folder keeps its part
 
 def _table_file(name: str) -> bool:
     """A file of the tables that the conversion writes anew (shards, their index, row files)."""
-    return (
-        is_shard_name(name)
-        or name == INDEX_FILE
-        or (name.startswith("engram_layer") and name.endswith(".rows"))
-    )
+    return is_shard_name(name) or name == INDEX_FILE or is_row_file_name(name)
 
 
 def is_model_folder(src: str | os.PathLike[str]) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -55,6 +56,7 @@ from engram.apps.hf.settings import (
     partial_folder,
     table_bytes,
 )
+from engram.checkpoint.folder_lock import write_lock
 from engram.checkpoint.input_files import path_kind
 from engram.device import Precision, check_precision, resolve_device
 
@@ -316,15 +318,22 @@ def train_folder(
     ranks.check_same({f"--{k.replace('_', '-')}": v for k, v in launch.items()})
     if not ranks.is_main:
         say = _quiet
-    if resume_if_possible:  # continue an earlier run if there is one (every rank sees the same folder)
-        resume = path_kind(partial_folder(s.out)) is not None
-        if not resume:
-            say(
-                f"--resume-if-possible: no earlier run for {s.out} (in {partial_folder(s.out)}): training from the start"
-            )
-    # one process on cuda:N: the Trainer places the model on the current CUDA device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return _train_folder(s, ranks, resume, progress, say, timeout, device, precision)
+    with contextlib.ExitStack() as held:
+        # one writer an OUT (its partial folder beside it too): rank 0 holds the lock for the launch,
+        # which alone writes OUT; a refusal is every rank's
+        with ranks.agreed():
+            if ranks.is_main:
+                held.enter_context(write_lock(s.out, f"engram hf-train --out {shlex.quote(str(s.out))}"))
+        if resume_if_possible:  # continue an earlier run if there is one (every rank sees the same folder)
+            resume = path_kind(partial_folder(s.out)) is not None
+            if not resume:
+                say(
+                    f"--resume-if-possible: no earlier run for {s.out} (in {partial_folder(s.out)}): training "
+                    "from the start"
+                )
+        # one process on cuda:N: the Trainer places the model on the current CUDA device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            return _train_folder(s, ranks, resume, progress, say, timeout, device, precision)
 
 
 def _train_folder(

@@ -19,15 +19,17 @@ from typing import Any
 
 from engram.apps.hf.folder import check_folder, load_tokenizer, model_depth
 from engram.checkpoint.files import member_file, open_tensors
+from engram.checkpoint.folder_lock import write_lock
 from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
+from engram.checkpoint.temporaries import clear_dead_temporaries, temporary_path
 from engram.hf.base import INDEX_FILE, weight_files
 
 __all__ = ["upgrade_folder"]
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_path(path)
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
@@ -46,7 +48,7 @@ def _drop_table_copies(folder: Path) -> list[str]:
         if not any(n.startswith("engram.") for n in names):
             continue
         keep = {n: f.tensor(n).contiguous() for n in names if not n.startswith("engram.")}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp = temporary_path(path)
         try:
             save_file(keep, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, path)
@@ -66,11 +68,18 @@ def upgrade_folder(folder: str | os.PathLike[str], *, verify: bool = False) -> d
     {"folder", "upgraded": False when it was one already, "architecture", "weight_files_rewritten"}.
     Raises ValueError naming the file and the fix for a folder without a part, or whose part does not
     fit its backbone or tokenizer (nothing is changed then)."""
+    d = Path(folder)
+    config = check_folder(d)  # first: a missing folder is refused before its lock file is made
+    with write_lock(d, f"engram hf-upgrade {d}"):  # one writer a folder
+        return _upgrade(d, config, verify)
+
+
+def _upgrade(d: Path, config: Any, verify: bool) -> dict[str, Any]:
+    """upgrade_folder's work, the folder's write lock held."""
     from engram.hf.auto import AUTO_MAP, MODEL_TYPE, REMOTE_CODE, REMOTE_CODE_FILE, engram_settings_of
     from engram.hf.io import PART_FOLDER, read_engram
 
-    d = Path(folder)
-    config = check_folder(d)
+    clear_dead_temporaries(d)  # what an upgrade killed mid-write left
     if getattr(config, "model_type", None) == MODEL_TYPE:
         return {"folder": str(d), "upgraded": False, "architecture": config.architectures[0]}
     if path_kind(d / PART_FOLDER) != "a folder":

@@ -29,6 +29,7 @@ from engram.checkpoint.json_file import read_json
 from engram.checkpoint.optim_state import OptimizerStateError
 from engram.checkpoint.shard_format import SHARDS_FOLDER
 from engram.checkpoint.shards import OPTIMIZER_FILE, is_table_key, read_checkpoint, shards_of_state
+from engram.checkpoint.temporaries import pid_alive
 from engram.checkpoint.v41 import LAYOUT_FINGERPRINT_KEY
 from engram.model.lm import EngramLM, LMConfig
 
@@ -68,19 +69,6 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 _TMP_RE = re.compile(r"^\.tmp-step-\d+-(\d+|sharded)$")
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this machine (signal 0 checks, sends nothing)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def remove_stale_tmp(out_dir: str | Path) -> list[tuple[Path, str]]:
     """Remove the temporary folders interrupted checkpoint writes left in `out_dir`/checkpoints:
     `.tmp-step-NNNNNNN-<pid>` whose process is gone, and a distributed run's `.tmp-step-NNNNNNN-sharded`
@@ -96,7 +84,7 @@ def remove_stale_tmp(out_dir: str | Path) -> list[tuple[Path, str]]:
         tag = m.group(1)
         if tag == "sharded":
             why = "left by an interrupted write of a distributed run"
-        elif _alive(int(tag)):
+        elif pid_alive(int(tag)):
             continue  # that process may still be writing it
         else:
             why = f"left by process {tag}, which is gone (a checkpoint write interrupted)"

@@ -55,6 +55,7 @@ from engram.apps.lm.train_config import (
 from engram.checkpoint.files import save_tensors
 from engram.checkpoint.optim_state import optimizers_from_tensors, optimizers_to_tensors
 from engram.checkpoint.shards import read_checkpoint
+from engram.checkpoint.temporaries import removed_on_failure
 from engram.config import EngramConfig
 from engram.device import Precision, autocast, check_precision, resolve_device, to_device
 from engram.model.lm import EngramLM, LMConfig
@@ -404,28 +405,32 @@ class Trainer:
         assert self.out_dir is not None
         root = self.out_dir / "checkpoints"
         final = root / f"step-{self.step:07d}"
+        own: list[Path] = []  # the temporary folder made here, removed if the write fails (a full disk,
+        # Ctrl-C); a distributed run's, which every rank wrote into, is cleared by the next run
         if tmp is None:
             tmp = self._checkpoint_tmp(str(os.getpid()))
-        # a checkpoint names no device (save_tensors copies device tensors to the host), so it loads on
-        # any: read_checkpoint reads to the host, the loads copy into the model and the optimizers
-        save_tensors(tmp / "model.safetensors", model_tensors, layout_metadata(self.model.config))
-        save_tensors(tmp / "optimizer.safetensors", opt_tensors)
-        state = {
-            "step": self.step,
-            "train_config": self.cfg.to_dict(),
-            "lm_config": self.model.config.to_dict(),
-            "optimizer_groups": groups,
-            "history": self.history,
-            "train_seconds": self.train_seconds,
-            "device": str(self.device),  # where it was trained, and how: a record, never a requirement
-            "precision": self.precision.value,
-            **(extra_state or {}),
-        }
-        (tmp / "state.json").write_text(json.dumps(state))
-        self.data.tokenizer.save(str(tmp / "tokenizer.json"))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # atomic: readers see the old set or the new one, never half
+            own.append(tmp)
+        with removed_on_failure(*own):
+            # a checkpoint names no device (save_tensors copies device tensors to the host), so it loads on
+            # any: read_checkpoint reads to the host, the loads copy into the model and the optimizers
+            save_tensors(tmp / "model.safetensors", model_tensors, layout_metadata(self.model.config))
+            save_tensors(tmp / "optimizer.safetensors", opt_tensors)
+            state = {
+                "step": self.step,
+                "train_config": self.cfg.to_dict(),
+                "lm_config": self.model.config.to_dict(),
+                "optimizer_groups": groups,
+                "history": self.history,
+                "train_seconds": self.train_seconds,
+                "device": str(self.device),  # where it was trained, and how: a record, never a requirement
+                "precision": self.precision.value,
+                **(extra_state or {}),
+            }
+            (tmp / "state.json").write_text(json.dumps(state))
+            self.data.tokenizer.save(str(tmp / "tokenizer.json"))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic: readers see the old set or the new one, never half
         for old in sorted(root.glob("step-*"))[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         self._saved_step = self.step

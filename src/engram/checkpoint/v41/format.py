@@ -46,10 +46,12 @@ __all__ = [
     "file_crc32s",
     "foreign_config",
     "format_problems",
+    "is_row_file_name",
     "is_shard_name",
     "layer_prefix",
     "layout_problems",
     "plan_layers",
+    "row_file_name",
     "seal_of",
     "shard_metadata",
     "shard_names",
@@ -68,6 +70,7 @@ BASE_MODEL_KEY = "engram_base_model"  # JSON: the model the part was trained on 
 SEAL_KEY = "engram_seal"  # sha256 of the file's other engram_* metadata: an edited header is refused
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # the safetensors dtypes a float tensor may have
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_ROW_FILE_RE = re.compile(r"^engram_layer\d+\.rows$")
 _ENGRAM_RE = re.compile(r"^layers\.(\d+)\.engram\.(.+)$")
 
 
@@ -103,6 +106,16 @@ def shard_names(n: int) -> list[str]:
 def is_shard_name(name: str) -> bool:
     """Whether `name` is a shard's file name (of any shard count)."""
     return _SHARD_RE.match(name) is not None
+
+
+def row_file_name(layer_id: int) -> str:
+    """The file name of layer `layer_id`'s SSD row file beside a checkpoint's shards."""
+    return f"engram_layer{layer_id}.rows"
+
+
+def is_row_file_name(name: str) -> bool:
+    """Whether `name` is a row file's name (of any layer)."""
+    return _ROW_FILE_RE.match(name) is not None
 
 
 def config_diffs(a: EngramConfig, b: EngramConfig, *, stored_only: bool = False) -> list[str]:

@@ -16,12 +16,14 @@ from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.files import save_tensors
 from engram.checkpoint.hf_config import to_hf_dict
 from engram.checkpoint.mmap_table import MmapQuantTable
+from engram.checkpoint.temporaries import clear_dead_temporaries, temporary_path
 from engram.checkpoint.v41.format import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
     config_diffs,
     foreign_config,
+    is_row_file_name,
     is_shard_name,
     layer_prefix,
     shard_metadata,
@@ -130,9 +132,10 @@ def save_checkpoint(
 ) -> list[Path]:
     """Write `config.json`, the safetensors shard(s) and (for several shards) the index; return the shards.
 
-    Each file is written to a temporary name in `ckpt_dir` and moved into place with os.replace, so a
-    reader never sees a half-written file; shards of an earlier save that this one does not write are
-    removed afterwards. `fp8`, `float_dtype` and `row_format` as in `engram_state_dict`. Each shard
+    Each file is written to a temporary name in `ckpt_dir` (`.{name}.tmp-{pid}`, removed again if the
+    write fails) and moved into place with os.replace, so a reader never sees a half-written file; the
+    temporaries of a killed earlier save are removed first, and the files of an earlier save that this one
+    does not describe (shards of another shard count, row files of the old tables) afterwards. `fp8`, `float_dtype` and `row_format` as in `engram_state_dict`. Each shard
     records the CRC32 of every tensor it holds and a seal over its metadata (`shard_metadata`), plus
     `extra_metadata` (engram_* keys: the base model a part was trained on).
     """
@@ -153,9 +156,10 @@ def save_checkpoint(
     out_dir = Path(ckpt_dir)
     _check_not_foreign(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_dead_temporaries(out_dir)
     n = len(shards)
     names = shard_names(n)
-    tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in [*names, INDEX_FILE, CONFIG_FILE]}
+    tmp = {name: temporary_path(out_dir / name) for name in [*names, INDEX_FILE, CONFIG_FILE]}
     try:
         total = 0
         weight_map: dict[str, str] = {}
@@ -177,7 +181,8 @@ def save_checkpoint(
     finally:
         for p in tmp.values():
             p.unlink(missing_ok=True)
-    for old in out_dir.iterdir():  # shards of an earlier save with another shard count
-        if is_shard_name(old.name) and old.name not in names:
+    for old in out_dir.iterdir():  # shards of an earlier save with another shard count; row files of its
+        # tables (they record those tables' fingerprint: `write_row_files` writes them anew for these)
+        if (is_shard_name(old.name) and old.name not in names) or is_row_file_name(old.name):
             old.unlink()
     return [out_dir / name for name in names]

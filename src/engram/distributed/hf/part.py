@@ -49,6 +49,8 @@ from engram.checkpoint.v41 import (
     TABLE_FORMAT_KEY,
     crc32_entry,
     foreign_config,
+    is_row_file_name,
+    is_shard_name,
     layer_prefix,
     seal_of,
 )
@@ -235,8 +237,11 @@ def _publish(
     finally:
         for p in small.values():
             p.unlink(missing_ok=True)
-    for old in out.glob("model-*-of-*.safetensors"):  # shards of an earlier save with another count
-        if old.name != PART_FILE:
+    written = {row_file_path(out, int(lid)).name for lid in rows}
+    for old in out.iterdir():  # shards of an earlier save with another count, row files of its tables
+        if (is_shard_name(old.name) and old.name != PART_FILE) or (
+            is_row_file_name(old.name) and old.name not in written
+        ):
             old.unlink()
 
 
