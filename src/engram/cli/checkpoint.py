@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engram.apps.tools.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
+from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
 from engram.cli.options import (
     SIZE_HELP,
@@ -102,9 +105,29 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_run_layer)
 
 
+def check_has_config(folder: str, what: str) -> None:
+    """Refuse a folder without config.json in the CLI's words (the library's says `config=...`, an
+    argument the command line does not have): a training run named as such. A missing folder is left
+    to the loader."""
+    d = Path(folder)
+    if path_kind(d) != "a folder" or os.path.lexists(d / "config.json"):
+        return
+    if path_kind(d / "state.json") == "a file" or os.path.lexists(d / "checkpoints"):
+        raise ValueError(
+            f"{folder} is a training run of `engram train` (state.json / checkpoints/), not a checkpoint in "
+            f"the V4.1 format: {what} reads a folder with config.json + *.safetensors (what `engram convert` "
+            "and `engram hf-train` write); a run is read by `engram eval`, `generate` and `quantise-check`"
+        )
+    raise ValueError(
+        f"{folder} has no config.json: {what} reads a checkpoint in the V4.1 format (config.json + "
+        "*.safetensors); give its folder, or restore its config.json"
+    )
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from engram.apps.hf.convert import convert_model_folder, is_model_folder
 
+    check_has_config(args.src, "engram convert")
     t0 = time.perf_counter()
     options = dict(
         to=args.to,
@@ -146,6 +169,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_run_layer(args: argparse.Namespace) -> int:
     """0 when every row is in range and every gate in (0, 1), else 1."""
+    if args.checkpoint is not None:
+        check_has_config(args.checkpoint, "engram run-layer --checkpoint")
     report = run_layer(
         args.checkpoint,
         args.text,
