@@ -89,7 +89,9 @@ def register(sub: Any) -> None:
         type=input_folder,
         help="a checkpoint directory (default: build a scaled-down V4.1 checkpoint in a temporary directory)",
     )
-    p.add_argument("--text", type=utf8_text, default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})")
+    p.add_argument(
+        "--text", type=utf8_text, default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})"
+    )
     p.add_argument(
         "--base",
         type=positive_int,

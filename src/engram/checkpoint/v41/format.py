@@ -134,7 +134,12 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (reading one blocks): not ours
             return True
         d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (
+        OSError,
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        RecursionError,
+    ):  # not ours: reported on reading
         return True
     return not (isinstance(d, dict) and any(k.startswith(("engram_", "ple_")) for k in d))
 
