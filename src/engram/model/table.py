@@ -344,12 +344,15 @@ class QuantTable(EngramTable):
         fmt: RowFormat | str | None = None,
         *,
         what: str = "",
+        check: bool = True,
     ) -> None:
         super().__init__()
         self.row_format = format_of(values, scales) if fmt is None else as_row_format(fmt)
         what = what or f"QuantTable({self.row_format.value})"
         self.num_rows, self.dim = quant_table_shape(values, scales, self.row_format, what)
-        if not values.is_meta:  # one rule for values and scales: no byte that dequantises to NaN
+        # one rule for values and scales: no byte that dequantises to NaN (one pass over the bytes); a
+        # loader passes check=False and scans them itself, naming the file, within its scan limit
+        if check and not values.is_meta:
             check_quant_table(values, scales, self.row_format, what, _BUILD_FIX)
         self.register_buffer("weight", values)  # (rows, width) in the format's value dtype
         self.register_buffer("scale", scales)  # (rows, scales a row) in its scale dtype
@@ -393,8 +396,8 @@ class FP8Table(QuantTable):
     the stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
     """
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
-        super().__init__(values, scales, RowFormat.FP8, what="FP8Table")
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, *, check: bool = True) -> None:
+        super().__init__(values, scales, RowFormat.FP8, what="FP8Table", check=check)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> FP8Table:

@@ -335,7 +335,11 @@ def load_engram_modules(
                 table = MmapQuantTable(w.path, w.name, sc.name, rf, scale_path=sc.path)
             else:
                 values, scales = (_mapped(opened, e).clone() for e in (w, sc))
-                table = FP8Table(values, scales) if rf is RowFormat.FP8 else QuantTable(values, scales, rf)
+                table = (  # scanned below, by size or with verify, naming the file
+                    FP8Table(values, scales, check=False)
+                    if rf is RowFormat.FP8
+                    else QuantTable(values, scales, rf, check=False)
+                )
             assert isinstance(table.weight, torch.Tensor) and isinstance(table.scale, torch.Tensor)
             nbytes = sum(t.numel() * t.element_size() for t in (table.weight, table.scale))
             where = f"{w.path}: table {w.name!r} (with {sc.name!r})"
