@@ -559,9 +559,12 @@ def test_large_tables_are_scanned_only_with_verify(bad, monkeypatch, capsys):
     with pytest.warns(integrity.UnscannedTableWarning, match="was not scanned for NaN / Inf"):
         load_engram_modules(bad)
     assert "row 5, column 0" in load_error(bad, verify=True)
-    assert main(["convert", str(bad), str(bad.parent / "f"), "--to", "float"]) == 0
+    # not scanned, but dequantising its NaN byte is refused as a NaN scale byte is (one rule), and
+    # nothing is left behind
+    assert main(["convert", str(bad), str(bad.parent / "f"), "--to", "float"]) == 2
     err = capsys.readouterr().err
     assert "engram convert: note: " in err and "only with --verify" in err
+    assert "value byte 0x7F (NaN in e4m3) at row 5, column 0" in err and not (bad.parent / "f").exists()
     assert main(["convert", str(bad), str(bad.parent / "g"), "--to", "float", "--verify"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("engram convert: error: ") and "row 5, column 0" in err and "Traceback" not in err

@@ -16,10 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.convert import convert_table, make_scaled_v41_checkpoint, open_row_file
 from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.checkpoint.v41 import TABLE_FORMAT_KEY, load_engram_modules, stored_tables
-from engram.checkpoint.v41.format import CRC32_KEY, SEAL_KEY
+from engram.checkpoint.v41.format import CRC32_KEY, SEAL_KEY, seal_of, shard_metadata
 from engram.cli import main
 from engram.model.table import QuantTable, requantize_table
 from engram.rowformat.formats import RowFormat
@@ -143,6 +144,11 @@ def test_a_recorded_format_that_disagrees_with_the_tensors_is_refused(converted,
     d = tmp_path / "edited"
     shutil.copytree(converted["int8"], d)
     _rewrite(shard(d), lambda t, meta: meta.update({f"{TABLE_FORMAT_KEY}.14": "int4"}))
+    # edited after the write: the seal says so, the one problem of the file (its entries are not trusted)
+    with pytest.raises(ValueError, match=r"\(1 problem\(s\)\):\n  - .*does not match its seal"):
+        load_engram_modules(d)
+    # written so (the seal over the wrong entry): the entry is compared with the tensors
+    _rewrite(shard(d), lambda t, meta: meta.update({SEAL_KEY: seal_of(meta)}))
     with pytest.raises(
         ValueError,
         match=r"layer 14's table is recorded as format 'int4' \(engram_table_format\.14\) but its tensors are int8 "
@@ -168,11 +174,19 @@ def test_nan_or_zero_scales_in_a_checkpoint_are_refused(converted, tmp_path, bad
     ):
         load_engram_modules(d)
 
-    def unsealed(t, meta) -> None:  # a writer that records no CRC32s (DeepSeek's own files record none)
+    def unsealed(t, meta) -> None:  # CRC32s and seal removed: an int4 file is written only with them
         for key in (CRC32_KEY, SEAL_KEY):
             meta.pop(key, None)
 
     _rewrite(shard(d), unsealed)
+    with pytest.raises(ValueError, match=r"no engram_seal and no engram_crc32.*its seal was removed"):
+        load_engram_modules(d)
+
+    def resealed(t, meta) -> None:  # a writer that wrote the bad scales, with their CRC32s and a seal
+        meta.clear()
+        meta.update(shard_metadata(layout_fingerprint(Layout(stored_tables(converted["int4"])[0])), t))
+
+    _rewrite(shard(d), resealed)
     with pytest.raises(
         ValueError,
         match=r"model-00001-of-00001\.safetensors: table 'layers\.1\.engram\.embed\.weight' .*1 of its \d+ scales "

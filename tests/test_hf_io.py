@@ -437,12 +437,14 @@ def test_a_part_saved_before_crc32s_loads_with_a_note(tmp_path):
     """A part of ours that records no CRC32s (saved before they were added): loaded, its bytes unchecked,
     and a note says so and how to add them."""
     from engram.checkpoint.files import load_tensors, open_tensors, save_tensors
-    from engram.checkpoint.v41.format import CRC32_KEY, SEAL_KEY
+    from engram.checkpoint.v41.format import BASE_MODEL_KEY, CRC32_KEY, SEAL_KEY
     from engram.storage.integrity import UnscannedTableWarning
 
     part = save_engram(_trained(), tmp_path / "p")
     shard = part / "model-00001-of-00001.safetensors"
-    meta = {k: v for k, v in open_tensors(shard).metadata.items() if k not in (CRC32_KEY, SEAL_KEY, "format")}
+    # as written before seals: no CRC32s, no seal, nor the base model record that came with them
+    drop = (CRC32_KEY, SEAL_KEY, BASE_MODEL_KEY, "format")
+    meta = {k: v for k, v in open_tensors(shard).metadata.items() if k not in drop}
     tensors = {k: v.clone() for k, v in load_tensors(shard).items()}
     save_tensors(shard, tensors, meta)
     with pytest.warns(

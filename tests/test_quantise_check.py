@@ -149,22 +149,28 @@ def test_the_gate_exits_1_naming_the_format_and_0_within(run_dir, capsys):
     assert code == 1
     assert "engram quantise-check: gate: int4 raises the held-out loss of" in out.err
     assert "more than --max-loss-increase 0" in out.err and "int4" in out.out
-    # two folders (here the same run twice): the seed summary, and a gate that passes
-    code, r = run_json(capsys, run_dir, run_dir, "--formats", "int8,fp8", "--max-loss-increase", "1")
+    # two folders (here the run and a copy of it, one seed): the seed summary, no spread, a gate that passes
+    import shutil
+
+    copy = run_dir.parent / "copy"
+    if not copy.exists():
+        shutil.copytree(run_dir, copy)
+    code, r = run_json(capsys, run_dir, copy, "--formats", "int8,fp8", "--max-loss-increase", "1")
     assert code == 0 and r["gate"] == {"max_loss_increase": 1.0, "failed": []}
     assert [s["format"] for s in r["seed_summary"]] == ["int8", "fp8"]
-    assert r["seed_summary"][0]["float_seed_spread"] == 0.0
+    assert r["seed_summary"][0]["float_seed_spread"] is None  # one seed: unknown, not 0
 
 
 def test_seed_summary_says_which_format_loses_more_than_the_seed_spread():
-    def result(loss: float, changes: dict[str, float]) -> dict:
+    def result(loss: float, changes: dict[str, float], seed: int) -> dict:
         rows = [{"format": "float", "loss": loss, "loss_change": 0.0}]
         return {
             "folder": "x",
+            "seed": {"seed": seed},
             "formats": rows + [{"format": k, "loss_change": v} for k, v in changes.items()],
         }
 
-    seeds = [result(4.20, {"int8": 0.001, "int4": 0.05}), result(4.22, {"int8": -0.001, "int4": 0.07})]
+    seeds = [result(4.20, {"int8": 0.001, "int4": 0.05}, 0), result(4.22, {"int8": -0.001, "int4": 0.07}, 1)]
     s = {d["format"]: d for d in R.seed_summary(seeds)}
     spread = 0.02 / 2**0.5  # the float losses' standard deviation
     assert s["int8"]["float_seed_spread"] == pytest.approx(spread) and s["int8"]["within_seed_spread"]

@@ -12,16 +12,24 @@ line, `engram CMD: error: ...`, exit status 2, never as a traceback; other error
 interpreter raised inside our code, a RuntimeError) keep their traceback, with a note asking for a
 report. A table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`; an
 Engram part on another base model than it was trained on (`BaseModelWarning`) one line
-`engram CMD: warning: ...`.
+`engram CMD: warning: ...`. Ctrl-C (SIGINT) and SIGTERM stop a command with one line, `engram CMD:
+stopped by ...` (for a run that resumes: what is kept and the command line that continues it), exit
+status 130 (`INTERRUPTED`): `main` raises `Stopped` from a SIGTERM handler it installs for the command's
+duration, then restores the handler there was.
 """
 
 from __future__ import annotations
 
 import argparse
 import dis
+import os
+import shlex
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import engram
@@ -30,7 +38,57 @@ from engram.cli.hf import register as register_hf
 from engram.cli.train import add_training_commands
 from engram.storage.integrity import UnscannedTableWarning
 
-__all__ = ["build_parser", "main"]
+__all__ = ["INTERRUPTED", "Stopped", "build_parser", "main"]
+
+INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C or SIGTERM (the shells' 128 + SIGINT)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread while a command runs: unwinds as Ctrl-C does (every `finally`
+    that removes a temporary runs), and ends in the same one line."""
+
+
+@contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM raises `Stopped` while inside (only the main thread may set a handler: elsewhere nothing
+    changes); the handler there was is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped()
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _stopped_line(args: argparse.Namespace, argv: Sequence[str], e: KeyboardInterrupt) -> str:
+    """The line a stopped command prints: what stopped it and, for a run that resumes (`--resume` and
+    `--out`), what is kept and the command line that continues it."""
+    line = f"engram {args.command}: stopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}"
+    out = getattr(args, "out", None)
+    if not hasattr(args, "resume") or out is None:
+        return line
+    again = [a for a in argv if a not in ("--resume", "--resume-if-possible")]
+    if args.command == "train":
+        from engram.apps.lm.run_checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(out) if os.path.isdir(out) else None
+        if ckpt is None:
+            return f"{line}; no checkpoint was written yet in {out}: start it again"
+        return (
+            f"{line}; the last checkpoint in {out} ({ckpt.name}) is intact: continue with "
+            f"`{shlex.join(['engram', *again, '--resume'])}`"
+        )
+    return (
+        f"{line}; what it saved for {out} is kept: continue with "
+        f"`{shlex.join(['engram', *again, '--resume-if-possible'])}` (from its last checkpoint, if it "
+        "wrote one)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     show = warnings.showwarning
 
@@ -71,10 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             show(message, category, *rest, **kw)
 
     try:
-        with warnings.catch_warnings():  # restores showwarning afterwards
+        with warnings.catch_warnings(), _sigterm_stops():  # restore showwarning and SIGTERM afterwards
             warnings.simplefilter("always", UnscannedTableWarning)
             warnings.showwarning = note
             return int(args.func(args))
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Stopped): the `finally`s ran on the way out
+        print(_stopped_line(args, argv, e), file=sys.stderr, flush=True)
+        return INTERRUPTED
     except BrokenPipeError:  # `engram ... | head`: the reader left; not an error
         sys.stderr.close()
         return 0

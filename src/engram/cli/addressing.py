@@ -25,6 +25,7 @@ from engram.cli.options import (
     positive_int,
     text_from_args,
     tokenizer_source,
+    utf8_text,
 )
 
 __all__ = ["register"]
@@ -55,7 +56,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("hash", help="the table rows of every token of a text, per layer and order")
     add_config_options(p)
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--text", help="text to tokenize and hash")
+    g.add_argument("--text", type=utf8_text, help="text to tokenize and hash")
     g.add_argument("--ids", help="token ids, space or comma separated")
     p.add_argument("--all-heads", action="store_true", help="show all heads of each order, not only head 0")
     p.set_defaults(func=cmd_hash)

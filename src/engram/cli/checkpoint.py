@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from engram.apps.tools.run_layer import DEFAULT_BASE, DEFAULT_HIDDEN_SIZE, DEFAULT_TEXT, run_layer
 from engram.checkpoint.convert import convert_table
 from engram.checkpoint.folder_lock import write_lock
+from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.v41 import DEFAULT_MAX_SHARD_BYTES, TableFormat
 from engram.cli.options import (
     SIZE_HELP,
@@ -28,6 +31,7 @@ from engram.cli.options import (
     output_folder,
     positive_int,
     seed,
+    utf8_text,
 )
 
 __all__ = ["register"]
@@ -87,7 +91,9 @@ def register(sub: Any) -> None:
         type=input_folder,
         help="a checkpoint directory (default: build a scaled-down V4.1 checkpoint in a temporary directory)",
     )
-    p.add_argument("--text", default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})")
+    p.add_argument(
+        "--text", type=utf8_text, default=DEFAULT_TEXT, help=f"text to run (default: {DEFAULT_TEXT!r})"
+    )
     p.add_argument(
         "--base",
         type=positive_int,
@@ -104,9 +110,29 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_run_layer)
 
 
+def check_has_config(folder: str, what: str) -> None:
+    """Refuse a folder without config.json in the CLI's words (the library's says `config=...`, an
+    argument the command line does not have): a training run named as such. A missing folder is left
+    to the loader."""
+    d = Path(folder)
+    if path_kind(d) != "a folder" or os.path.lexists(d / "config.json"):
+        return
+    if path_kind(d / "state.json") == "a file" or os.path.lexists(d / "checkpoints"):
+        raise ValueError(
+            f"{folder} is a training run of `engram train` (state.json / checkpoints/), not a checkpoint in "
+            f"the V4.1 format: {what} reads a folder with config.json + *.safetensors (what `engram convert` "
+            "and `engram hf-train` write); a run is read by `engram eval`, `generate` and `quantise-check`"
+        )
+    raise ValueError(
+        f"{folder} has no config.json: {what} reads a checkpoint in the V4.1 format (config.json + "
+        "*.safetensors); give its folder, or restore its config.json"
+    )
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from engram.apps.hf.convert import convert_model_folder, is_model_folder
 
+    check_has_config(args.src, "engram convert")
     t0 = time.perf_counter()
     options = dict(
         to=args.to,
@@ -149,6 +175,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_run_layer(args: argparse.Namespace) -> int:
     """0 when every row is in range and every gate in (0, 1), else 1."""
+    if args.checkpoint is not None:
+        check_has_config(args.checkpoint, "engram run-layer --checkpoint")
     report = run_layer(
         args.checkpoint,
         args.text,

@@ -29,6 +29,7 @@ from engram.cli.options import (
     seed,
     set_threads,
     threads,
+    utf8_text,
     whole_number,
 )
 from engram.device import Precision
@@ -48,7 +49,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--checkpoint", type=input_folder, required=True, help="a run folder or a checkpoints/step-N folder"
     )
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", type=utf8_text, required=True, help="text to continue")
     p.add_argument(
         "--tokens",
         type=whole_number(1, MAX_NEW_TOKENS),

@@ -293,6 +293,21 @@ def hasher_for(config: EngramConfig) -> tuple[Any, Any]:
 
 
 # ------------------------------------------------------------------------------------------- text
+def utf8_text(text: str) -> str:
+    """argparse type of a text given on the command line (--prompt, --text): bytes that are not UTF-8
+    reach Python as surrogate escapes, which no tokenizer takes; refused naming the first such byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02X}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text ({byte} at character {e.start}); give the text in UTF-8 (e.g. convert it "
+            "with iconv -t UTF-8)"
+        ) from None
+    return text
+
+
 def add_text_options(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument(
         "--text-file",

@@ -9,6 +9,7 @@ import math
 import sys
 from typing import Any
 
+from engram.apps.tools.quantise_check import NGRAM_MAX
 from engram.cli.hf import block_length, fraction
 from engram.cli.options import (
     add_device_options,
@@ -52,13 +53,13 @@ def loss_increase(text: str) -> float:
 
 
 def cmd_quantise_check(args: argparse.Namespace) -> int:
-    from engram.apps.tools.quantise_check import check_folder, folder_kind
+    from engram.apps.tools.quantise_check import check_folder, check_ngram, comparable
     from engram.apps.tools.quantise_report import format_report, format_summary, gate_failures, seed_summary
 
-    kinds = {f: folder_kind(f) for f in args.folders}  # every folder checked before any work
-    if len(set(kinds.values())) > 1:
-        listed = ", ".join(f"{f} ({k})" for f, k in kinds.items())
-        raise ValueError(f"folders of two kinds ({listed}): give the seeds of one model, one kind at a time")
+    # every folder read before any work: one kind, each once, configs equal but for the seed, --ngram
+    # no longer than their blocks
+    for record in comparable(args.folders, args.seq_len):
+        check_ngram(args.ngram, record)
     device, precision = device_from_args(args)
     set_threads(args)
     results = []
@@ -137,8 +138,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--ngram",
-        type=whole_number(2),
-        help="the memory probe's n-gram: context tokens and the target (default: Engram's longest key + 1)",
+        type=whole_number(2, NGRAM_MAX, " (and at most the block length)"),
+        help="the memory probe's n-gram: context tokens and the target, from 2 to the block length and at "
+        f"most {NGRAM_MAX} (default: Engram's longest key + 1)",
     )
     p.add_argument(
         "--batch-size", type=positive_int, help="sequences a forward (default: 32 for a run, 8 HF)"

@@ -285,7 +285,10 @@ def _check_tokenizer(
     tokenizer_file: Path | None,
 ) -> str | None:
     """What the map was checked against: `tokenizer`, else `tokenizer_file` when there is one; None
-    (with a TokenizerNotCheckedWarning) when there is neither."""
+    (with a TokenizerNotCheckedWarning) when there is neither. One link rule for both: a tokenizer.json
+    read from a folder (the model folder's, or `tokenizer` naming a folder) must not link out of it."""
+    if isinstance(tokenizer, str | Path) and os.path.isdir(tokenizer):
+        member_path(tokenizer, TOKENIZER_FILE, f"{tokenizer} holds the tokenizer")  # as the folder's own
     if tokenizer is None and tokenizer_file is not None:
         # a link out of the model folder is refused as every file a folder reader opens
         member_path(

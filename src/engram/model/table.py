@@ -22,6 +22,7 @@ from engram.model.table_init import RowInit
 from engram.rowformat.formats import RowFormat, as_row_format, check_pair, format_of
 from engram.rowformat.fp8 import BLOCK, SCALE_DTYPE, VALUE_DTYPE, check_rows
 from engram.storage import hugepages, lookup, quant
+from engram.storage.integrity import check_quant_table
 from engram.storage.outpool import OutputPool
 
 __all__ = [
@@ -323,6 +324,9 @@ def quant_table_shape(
     return int(values.shape[0]), int(dim)
 
 
+_BUILD_FIX = "every stored byte must dequantise to a finite number: quantise float rows with from_float"
+
+
 class QuantTable(EngramTable):
     """A frozen table of any row format (`engram.rowformat.formats.RowFormat`): values [rows, width] and
     scales [rows, scales a row] as buffers `weight` / `scale`, as `FP8Table` keeps FP8 (which this also
@@ -340,11 +344,16 @@ class QuantTable(EngramTable):
         fmt: RowFormat | str | None = None,
         *,
         what: str = "",
+        check: bool = True,
     ) -> None:
         super().__init__()
         self.row_format = format_of(values, scales) if fmt is None else as_row_format(fmt)
         what = what or f"QuantTable({self.row_format.value})"
         self.num_rows, self.dim = quant_table_shape(values, scales, self.row_format, what)
+        # one rule for values and scales: no byte that dequantises to NaN (one pass over the bytes); a
+        # loader passes check=False and scans them itself, naming the file, within its scan limit
+        if check and not values.is_meta:
+            check_quant_table(values, scales, self.row_format, what, _BUILD_FIX)
         self.register_buffer("weight", values)  # (rows, width) in the format's value dtype
         self.register_buffer("scale", scales)  # (rows, scales a row) in its scale dtype
         self.out_pool = OutputPool()  # reused CPU outputs of gather (a plain attribute, not state)
@@ -387,8 +396,8 @@ class FP8Table(QuantTable):
     the stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
     """
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor) -> None:
-        super().__init__(values, scales, RowFormat.FP8, what="FP8Table")
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, *, check: bool = True) -> None:
+        super().__init__(values, scales, RowFormat.FP8, what="FP8Table", check=check)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> FP8Table:

@@ -27,6 +27,7 @@ __all__ = [
     "check_row_range",
     "check_rows",
     "check_scale_bytes",
+    "check_value_bytes",
     "exp2_bits",
     "fp8_row_bytes",
     "prepare_out",
@@ -102,6 +103,18 @@ def check_scale_bytes(s_u8: torch.Tensor, describe_row: Callable[[int], str], bl
         raise ValueError(
             f"scale byte 255 (NaN scale) at {describe_row(r)}, block {j} "
             f"(columns {j * block}..{(j + 1) * block - 1}); a stored table must have finite scales"
+        )
+
+
+def check_value_bytes(v_u8: torch.Tensor, describe_row: Callable[[int], str]) -> None:
+    """Raise if any value byte (uint8 [R, D]) is 0x7F / 0xFF (NaN in e4m3): the rule `check_scale_bytes`
+    applies to scale byte 255, so no stored byte dequantises to NaN; `describe_row(r)` names row r."""
+    bad = (v_u8 & 0x7F) == 0x7F
+    if bool(bad.any()):  # sync point on CUDA
+        r, c = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"value byte 0x{int(v_u8[r, c]):02X} (NaN in e4m3) at {describe_row(r)}, column {c}; a stored "
+            "table must have finite values"
         )
 
 

@@ -99,16 +99,17 @@ _FP8_NAN: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor], str], ...] = 
 )
 
 
-def check_fp8_table(weight: torch.Tensor, scale: torch.Tensor, where: str) -> None:
+def check_fp8_table(weight: torch.Tensor, scale: torch.Tensor, where: str, fix: str = _FIX) -> None:
     """ValueError if an FP8 table's values (float8_e4m3fn [rows, dim]) hold a NaN byte (0x7F / 0xFF) or its
-    scales (float8_e8m0fnu [rows, dim // 32]) the NaN byte 255; reads every byte (`scan_table` decides)."""
+    scales (float8_e8m0fnu [rows, dim // 32]) the NaN byte 255; reads every byte (`scan_table` decides).
+    `fix`: what the message tells to do (default: a damaged file's)."""
     for t, (name, test, nan) in zip((weight, scale), _FP8_NAN, strict=True):
         flat = t.reshape(-1).view(torch.uint8)
         bad, first = _count(flat, test)
         if bad:
             raise ValueError(
                 f"{where}: {bad} of its {flat.numel()} {name} are the byte {nan} (the first at "
-                f"{_position(first, t.shape)}); {_FIX}"
+                f"{_position(first, t.shape)}); {fix}"
             )
 
 
@@ -146,17 +147,19 @@ def _int_scale_problem(t: torch.Tensor, first: int, bad: int, shape_txt: str) ->
     return f"{bad} of its {t.numel()} scales are not finite and positive (the first, {value}, at {shape_txt})"
 
 
-def check_quant_table(weight: torch.Tensor, scale: torch.Tensor, fmt: RowFormat, where: str) -> None:
+def check_quant_table(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: RowFormat, where: str, fix: str = _FIX
+) -> None:
     """`check_fp8_table` for any row format: an integer format's values are all valid, its bfloat16
     scales must be finite and positive (NaN, inf, zero or negative: the file is damaged)."""
     if fmt is RowFormat.FP8:
-        check_fp8_table(weight, scale, where)
+        check_fp8_table(weight, scale, where, fix)
         return
     flat = scale.reshape(-1)
     bad, first = _count(flat, _bad_int_scale)
     if bad:
         raise ValueError(
-            f"{where}: {_int_scale_problem(flat, first, bad, _position(first, scale.shape))}; {_FIX}"
+            f"{where}: {_int_scale_problem(flat, first, bad, _position(first, scale.shape))}; {fix}"
         )
 
 

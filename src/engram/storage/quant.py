@@ -22,6 +22,7 @@ from engram.rowformat.fp8 import (
     check_dequant_dtype,
     check_fp8_pair,
     check_scale_bytes,
+    check_value_bytes,
     exp2_bits,
     prepare_out,
     scale_bytes_to_float,
@@ -150,7 +151,7 @@ def dequantize_rows(
 
     Exact in float32; bf16/fp16 are the float32 result rounded once.  Written into ``out`` if given (same
     shape and dtype, contiguous).  Raises TypeError for wrong dtypes, ValueError for mismatched shapes or a
-    NaN (255) scale byte.
+    NaN byte: a scale byte 255 or a value byte 0x7F / 0xFF (one rule: no stored byte dequantises to NaN).
     """
     dim, nb = check_fp8_pair(values, scales, block)
     check_dequant_dtype(dtype)
@@ -160,6 +161,7 @@ def dequantize_rows(
     v_u8 = values.view(torch.uint8).reshape(n_rows, dim)  # [R, D]; same-size dtype view, no conversion
     s_u8 = scales.view(torch.uint8).reshape(n_rows, nb)  # [R, nb]
     check_scale_bytes(s_u8, lambda r: row_name(r, lead), block)
+    check_value_bytes(v_u8, lambda r: row_name(r, lead))
     dequantize_into(v_u8, s_u8, block, result.view(n_rows, dim))
     return result
 

@@ -58,6 +58,7 @@ __all__ = [
 MAGIC = b"ENGRMROW"
 VERSION = 3  # 2: the table fingerprint (`tables`) joined the header; 3: the row format (FP8 files stay 2)
 PAGE_BYTES = 4096  # the page a read costs (and O_DIRECT's alignment)
+_MIN_PAGE_BYTES = 512  # page_bytes is a whole number of sectors (O_DIRECT), one of which holds the header
 # magic, version, header bytes, rows, dim, block, row bytes, row stride, rows per group, pages per group,
 # page bytes, layer id, identity (64 ascii), tables (64 ascii), label (128 utf-8), (version 3) the row
 # format's code (`RowFormat.code`); then a crc32 of those
@@ -86,6 +87,16 @@ class RowFileHeader:
     ) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"a row file needs rows >= 1, got {rows!r}")
+        if (
+            isinstance(page_bytes, bool)
+            or not isinstance(page_bytes, int)
+            or page_bytes < _MIN_PAGE_BYTES
+            or page_bytes % _MIN_PAGE_BYTES
+        ):
+            raise ValueError(
+                f"a row file's page_bytes must be a multiple of {_MIN_PAGE_BYTES} (a disk sector, which "
+                f"holds the header), got {page_bytes!r}; the default is {PAGE_BYTES}"
+            )
         self.rows, self.dim = rows, dim
         self.fmt = as_row_format(fmt)
         self.fmt.check_dim(dim)

@@ -51,9 +51,11 @@ class TensorParallelTable(EngramTable):
 
 def _slice(table: EngramTable, lo: int, hi: int) -> EngramTable:
     if isinstance(table, FP8Table):
-        return FP8Table(table.weight[lo:hi].clone(), table.scale[lo:hi].clone())
+        return FP8Table(table.weight[lo:hi].clone(), table.scale[lo:hi].clone(), check=False)  # as loaded
     if isinstance(table, QuantTable):  # an INT8 / 4-bit table (export_quantised)
-        return QuantTable(table.weight[lo:hi].clone(), table.scale[lo:hi].clone(), table.row_format)
+        return QuantTable(  # a slice of a loaded table: checked as its loader checked it
+            table.weight[lo:hi].clone(), table.scale[lo:hi].clone(), table.row_format, check=False
+        )
     if isinstance(table, TrainableTable):
         shard = TrainableTable.from_weight(table.weight.detach()[lo:hi].clone())
         shard.requires_grad_(False)

@@ -8,8 +8,9 @@ format: bytes a row (here and at V4.1's 256-wide rows), V4.1's two tables in GB,
 change against the float table, next-token accuracy split into memory and generalisation (the
 probes' `seen_mask`: the n-gram ending at the target occurred in the training text or not), the
 tables' relative error and the rows whose dequantisation error is largest. Several folders (seeds of
-one model) add each format's loss change over seeds against the float table's seed spread
-(`quantise_report`, which also formats the results). Plain functions, no argparse: the command is
+one model: `comparable` refuses folders whose configs differ in more than the seed, and one folder twice)
+add each format's loss change over seeds against the float table's seed spread (`quantise_report`, which
+also formats the results). Plain functions, no argparse: the command is
 `engram.cli.quantise`'s. Design: docs/storage.md.
 """
 
@@ -36,11 +37,16 @@ from engram.model.table import EngramTable, QuantTable, TrainableTable, dequanti
 from engram.rowformat.formats import RowFormat
 
 __all__ = [
+    "NGRAM_MAX",
     "REFERENCE",
     "FolderKind",
+    "FolderRecord",
     "RowErrors",
     "TableSlot",
     "check_folder",
+    "check_ngram",
+    "comparable",
+    "describe",
     "folder_kind",
     "hf_slots",
     "lm_slots",
@@ -54,6 +60,13 @@ __all__ = [
 REFERENCE = "float"  # the float table every format is measured against
 V41 = "deepseek-v4.1"  # the preset whose table size the GB column is of
 _CHUNK_ROWS = 1 << 16  # rows per chunk when reading or comparing a whole table
+# The memory probe's longest n-gram: its set holds one n-tuple a training token (about 56 + 8n bytes
+# each: n 1000 on a million tokens is 8 GB), and an n-gram longer than a block is never in one.
+NGRAM_MAX = 32
+# Config fields that do not make a different model: where files go, how often to save or log, threads.
+_NOT_MODEL = frozenset(
+    {"out", "threads", "checkpoint_every", "keep_checkpoints", "eval_every", "extra", "table_sync"}
+)
 
 
 class FolderKind:
@@ -74,6 +87,122 @@ def folder_kind(folder: str | Path) -> str:
         f"{folder} is neither a training run (state.json or checkpoints/step-*: `engram train --out`) nor an "
         "HF model folder (config.json: `engram hf-train --out`): give one of those"
     )
+
+
+# ------------------------------------------------------------------------------------------ seeds
+@dataclass(frozen=True)
+class FolderRecord:
+    """What a folder says it is, read before any work: its kind, its config flattened to dotted keys
+    (`engram.table_rows`; the seeds and `_NOT_MODEL` fields left out; the steps trained included), its
+    seeds (None where it records none) and the block length it is scored in."""
+
+    folder: str
+    kind: str
+    config: dict[str, Any]
+    seed: tuple[Any, ...] | None
+    seq_len: int
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _split_seeds(config: dict[str, Any]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """(the model fields of a flat config, its seeds: every `seed` / `*.seed` / `*_seed` field, by name)."""
+    model, seeds = {}, []
+    for k in sorted(config):
+        last = k.rsplit(".", 1)[-1]
+        if last == "seed" or last.endswith("_seed"):
+            seeds.append((k, config[k]))
+        elif last not in _NOT_MODEL:
+            model[k] = config[k]
+    return model, tuple(seeds)
+
+
+def describe(folder: str | Path, seq_len: int | None = None) -> FolderRecord:
+    """`FolderRecord` of a training run (its newest checkpoint's state.json: training config and step) or
+    an engram.hf folder (engram_train.json's settings and steps, the part's engram/config.json); `seq_len`:
+    an HF folder's block length when given (else the run's, else 128). ValueError naming the folder."""
+    kind = folder_kind(folder)
+    if kind == FolderKind.RUN:
+        from engram.apps.lm.run_checkpoint import latest_checkpoint, read_state
+
+        ckpt = latest_checkpoint(folder)
+        if ckpt is None:
+            raise ValueError(f"no checkpoint in {folder} (expected state.json or checkpoints/step-*)")
+        state, cfg, _ = read_state(ckpt)
+        model, seeds = _split_seeds(_flatten({**cfg.to_dict(), "step": state["step"]}))
+        return FolderRecord(str(folder), kind, model, seeds, cfg.seq_len)
+    from engram.apps.hf.folder import RUN_FILE
+    from engram.checkpoint.files import member_file
+    from engram.checkpoint.json_file import read_json
+
+    flat: dict[str, Any] = {}
+    recorded = path_kind(Path(folder) / RUN_FILE) == "a file"
+    if recorded:
+        run = read_json(member_file(folder, RUN_FILE, "the model folder's record of its training run"))
+        settings = run.get("settings") if isinstance(run, dict) else None
+        if not isinstance(settings, dict):
+            raise ValueError(f"{Path(folder) / RUN_FILE}: no 'settings' object (the record hf-train writes)")
+        flat.update(_flatten({**settings, "steps": run.get("steps")}))
+    part = Path(folder) / "engram" / "config.json"
+    if path_kind(part) == "a file":
+        part_cfg = read_json(member_file(Path(folder) / "engram", "config.json", "the Engram part's"))
+        if isinstance(part_cfg, dict):
+            flat.update(_flatten(part_cfg, "part."))
+    model, seeds = _split_seeds(flat)
+    block = seq_len or flat.get("seq_len") or 128
+    return FolderRecord(str(folder), kind, model, seeds if recorded else None, int(block))
+
+
+def check_ngram(ngram: int | None, record: FolderRecord) -> None:
+    """Refuse a memory-probe n-gram longer than NGRAM_MAX or than `record`'s blocks (ValueError)."""
+    if ngram is None:
+        return
+    _ngram(None, ngram)
+    top = min(NGRAM_MAX, record.seq_len)
+    if ngram > top:
+        why = (
+            f"{record.folder}'s blocks are {record.seq_len} tokens" if top < NGRAM_MAX else "the most probed"
+        )
+        raise ValueError(f"--ngram {ngram} is too long ({why}): give a whole number from 2 to {top}")
+
+
+def comparable(folders: Sequence[str | Path], seq_len: int | None = None) -> list[FolderRecord]:
+    """The `FolderRecord`s of folders compared as seeds of one model: of one kind, no folder twice (a
+    symlink or a trailing slash resolves to the same), configs equal but for the seeds. ValueError on the
+    first that is not, naming the folders and the fields that differ."""
+    records = [describe(f, seq_len) for f in folders]
+    kinds = {r.kind for r in records}
+    if len(kinds) > 1:
+        listed = ", ".join(f"{r.folder} ({r.kind})" for r in records)
+        raise ValueError(f"folders of two kinds ({listed}): give the seeds of one model, one kind at a time")
+    seen: dict[Path, str] = {}
+    for r in records:
+        real = Path(r.folder).resolve()
+        if real in seen:
+            raise ValueError(
+                f"{r.folder} is {seen[real]} again: one run has no seed spread; give each folder once"
+            )
+        seen[real] = r.folder
+    first = records[0]
+    for r in records[1:]:
+        keys = sorted(set(first.config) | set(r.config))
+        diff = [k for k in keys if first.config.get(k) != r.config.get(k)]
+        if diff:
+            shown = ", ".join(f"{k} ({first.config.get(k)!r} vs {r.config.get(k)!r})" for k in diff[:6])
+            more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+            raise ValueError(
+                f"{first.folder} and {r.folder} are not seeds of one model: they differ in {shown}{more}; "
+                "give runs whose configs differ only in the seed"
+            )
+    return records
 
 
 # ------------------------------------------------------------------------------------------ tables
@@ -403,7 +532,9 @@ def check_folder(
     `hf-eval`'s 8 for an HF folder). `max_tokens` applies to a run (a fixed sample of its held-out split; None:
     all of it), `corpus`, `held_text`, `seq_len`, `held_out`, `max_blocks` to an HF folder."""
     device = torch.device("cpu") if device is None else device
-    kind = folder_kind(folder)
+    record = describe(folder, seq_len)
+    check_ngram(ngram, record)  # before any work: a long n-gram's set outgrows memory
+    kind = record.kind
     if kind == FolderKind.RUN:
         hf_only = {
             "corpus": corpus,
@@ -476,4 +607,5 @@ def check_folder(
         {"layer": s.layer, "rows": s.weight.shape[0], "dim": s.weight.shape[1], "stored": s.stored}
         for s in sc.slots
     ]
-    return {"folder": str(folder), "kind": kind, **sc.info, "tables": tables, "formats": rows}
+    seed = None if record.seed is None else dict(record.seed)
+    return {"folder": str(folder), "kind": kind, "seed": seed, **sc.info, "tables": tables, "formats": rows}

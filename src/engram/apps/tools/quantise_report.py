@@ -11,20 +11,27 @@ from typing import Any
 
 from engram.apps.tools.quantise_check import REFERENCE
 
-__all__ = ["format_report", "format_summary", "gate_failures", "seed_summary"]
+__all__ = ["distinct_seeds", "format_report", "format_summary", "gate_failures", "seed_summary"]
+
+
+def distinct_seeds(results: Sequence[dict[str, Any]]) -> int:
+    """How many different seeds the results were trained with (a folder that records none counts none)."""
+    return len({repr(sorted(r["seed"].items())) for r in results if r.get("seed") is not None})
 
 
 def seed_summary(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Over several folders (seeds of one model): per format the loss change's mean and standard
     deviation, against the float table's seed spread (the standard deviation of its loss over the
-    folders), and whether the mean change is within it."""
+    folders), and whether the mean change is within it. Fewer than two distinct seeds (`seed`: each
+    result's recorded seeds) give no spread: it and the verdict are None (unknown), never 0."""
     if len(results) < 2:
         raise ValueError(f"a seed spread needs 2 or more folders, got {len(results)}")
     names = [r["format"] for r in results[0]["formats"]]
     for res in results[1:]:
         if [r["format"] for r in res["formats"]] != names:
             raise ValueError("folders checked with different formats: check them in one call")
-    spread = statistics.stdev(res["formats"][0]["loss"] for res in results)
+    known = distinct_seeds(results) >= 2
+    spread = statistics.stdev(res["formats"][0]["loss"] for res in results) if known else None
     out = []
     for j, name in enumerate(names[1:], 1):
         changes = [res["formats"][j]["loss_change"] for res in results]
@@ -36,7 +43,7 @@ def seed_summary(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "loss_change_std": statistics.stdev(changes),
                 "loss_changes": changes,
                 "float_seed_spread": spread,
-                "within_seed_spread": mean <= spread,
+                "within_seed_spread": None if spread is None else mean <= spread,
             }
         )
     return out
@@ -93,10 +100,24 @@ def format_report(res: dict[str, Any]) -> list[str]:
 def format_summary(summary: Sequence[dict[str, Any]], folders: int) -> list[str]:
     """The lines of `seed_summary`: each format's loss change against the float table's seed spread."""
     spread = summary[0]["float_seed_spread"]
-    lines = [f"over {folders} folders: the float table's held-out loss has seed spread {spread:.5f} (std)"]
+    if spread is None:
+        lines = [
+            f"over {folders} folders: the float table's seed spread is unknown (fewer than 2 distinct seeds "
+            "recorded): give runs of different seeds to compare against it"
+        ]
+    else:
+        lines = [
+            f"over {folders} folders: the float table's held-out loss has seed spread {spread:.5f} (std)"
+        ]
     for s in summary:
-        ratio = f" ({s['loss_change_mean'] / spread:.2f}x)" if spread > 0 else ""
-        verdict = "within the seed spread" if s["within_seed_spread"] else "LOSES MORE than the seed spread"
+        ratio = f" ({s['loss_change_mean'] / spread:.2f}x)" if spread else ""
+        verdict = (
+            "seed spread unknown"
+            if spread is None
+            else "within the seed spread"
+            if s["within_seed_spread"]
+            else "LOSES MORE than the seed spread"
+        )
         lines.append(
             f"  {s['format']:<9} loss change {s['loss_change_mean']:+.5f} +- {s['loss_change_std']:.5f}: "
             f"{verdict}{ratio}"

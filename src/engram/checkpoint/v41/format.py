@@ -14,7 +14,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -36,9 +36,12 @@ __all__ = [
     "FLOAT_DTYPES",
     "INDEX_FILE",
     "LAYOUT_FINGERPRINT_KEY",
+    "SEALED_ONLY_DTYPES",
+    "SEALED_ONLY_KEYS",
     "SEAL_KEY",
     "TABLE_FINGERPRINT_KEY",
     "TABLE_FORMAT_KEY",
+    "UNLISTED",
     "LayerPlan",
     "TableFormat",
     "config_diffs",
@@ -68,6 +71,7 @@ TABLE_FORMAT_KEY = (
 CRC32_KEY = "engram_crc32"  # JSON {tensor name: 8 hex digits}: the CRC32 of each tensor's bytes in the file
 BASE_MODEL_KEY = "engram_base_model"  # JSON: the model the part was trained on (`engram.hf.base`)
 SEAL_KEY = "engram_seal"  # sha256 of the file's other engram_* metadata: an edited header is refused
+UNLISTED = "*"  # in `plan_layers`' explained names: an unreadable file whose tensors are not known
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # the safetensors dtypes a float tensor may have
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _ROW_FILE_RE = re.compile(r"^engram_layer\d+\.rows$")
@@ -143,7 +147,12 @@ def foreign_config(directory: str | os.PathLike[str]) -> bool:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a folder, a FIFO (reading one blocks): not ours
             return True
         d = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (
+        OSError,
+        UnicodeDecodeError,
+        json.JSONDecodeError,
+        RecursionError,
+    ):  # not ours: reported on reading
         return True
     return not (isinstance(d, dict) and any(k.startswith(("engram_", "ple_")) for k in d))
 
@@ -163,13 +172,28 @@ def seal_of(meta: Mapping[str, str]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def file_crc32s(meta: Mapping[str, str], where: str) -> dict[str, int] | None:
+# What only a writer that seals its files writes (both came with seals: no file from before holds them):
+# a file showing one without its seal and CRC32s had them removed.
+SEALED_ONLY_KEYS = (TABLE_FORMAT_KEY, BASE_MODEL_KEY)  # metadata entries (TABLE_FORMAT_KEY: + ".{L}")
+SEALED_ONLY_DTYPES = frozenset({"I8", "U8"})  # the values of an INT8 / 4-bit table (`TableFormat`)
+
+
+def file_crc32s(meta: Mapping[str, str], where: str, dtypes: Iterable[str] = ()) -> dict[str, int] | None:
     """{tensor name: CRC32} a file's metadata records, after checking its seal; None for a file that
     records none (DeepSeek's own, or a part written before parts carried them). ValueError naming
-    `where` for a seal that does not match (the header was edited or damaged) or a damaged entry."""
-    if SEAL_KEY not in meta and CRC32_KEY not in meta:
-        return None
+    `where` for a seal that does not match (the header was edited or damaged), a damaged entry, or a
+    file without seal and CRC32s that shows it was written with them (`SEALED_ONLY_KEYS` in its
+    metadata, or a tensor of `dtypes`, the file's, in `SEALED_ONLY_DTYPES`): they were removed."""
     fix = "the file was damaged or edited after it was written: re-copy it, or save the part again"
+    if SEAL_KEY not in meta and CRC32_KEY not in meta:
+        shows = sorted(k for k in meta if k.split(".", 1)[0] in SEALED_ONLY_KEYS)
+        shows += sorted({f"a table of {d} values" for d in dtypes if d in SEALED_ONLY_DTYPES})
+        if shows:
+            raise ValueError(
+                f"{where}: no {SEAL_KEY} and no {CRC32_KEY}, but it holds {shows[0]}, which only a version "
+                f"of engram that seals its files writes: its seal was removed; {fix}"
+            )
+        return None
     if meta.get(SEAL_KEY) != seal_of(meta):
         raise ValueError(f"{where}: its metadata does not match its seal ({SEAL_KEY}); {fix}")
     try:
@@ -270,7 +294,9 @@ def plan_layers(
 ) -> dict[int, LayerPlan]:
     """Check every tensor of `found` ({name: entry}) against what `config` expects (present, dtype,
     shape; nothing unexpected); append problems (a name in `explained` is not reported missing: its
-    file was reported unreadable); return the per-layer plans of the layers without problems."""
+    file was reported unreadable; `UNLISTED` in it: a file whose header lists nothing was, so no tensor
+    is reported missing: one line for one damaged file); return the per-layer plans of the layers
+    without problems."""
     layout = Layout(config)
     declared = config.declared_num_embeddings
     dim, block = config.head_dim, BLOCK
@@ -281,7 +307,7 @@ def plan_layers(
         problems.append(f"{name}: {what}")
 
     def missing(name: str, what: str) -> None:
-        if name not in explained:
+        if name not in explained and UNLISTED not in explained:
             problem(name, f"missing; expected {what}")
 
     for layer_id in config.layer_ids:

@@ -24,6 +24,7 @@ from engram.checkpoint.v41.format import (
     INDEX_FILE,
     LAYOUT_FINGERPRINT_KEY,
     TABLE_FINGERPRINT_KEY,
+    UNLISTED,
     LayerPlan,
     config_diffs,
     file_crc32s,
@@ -40,6 +41,7 @@ from engram.storage.integrity import (
     check_finite,
     check_quant_table,
     scan_table,
+    table_fingerprint,
     tensor_crc32,
 )
 
@@ -123,7 +125,8 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str], 
             entries, metas[path] = opened.entries(), opened.metadata
         except ValueError as e:
             problems.append(str(e))
-            explained.update(listed_names(path))  # what the damaged file held: unreadable, not "missing"
+            # what the damaged file held: unreadable, not "missing" (all of it when its header lists nothing)
+            explained.update(listed_names(path) or [UNLISTED])
             continue
         for name, entry in entries.items():
             if name in found:
@@ -137,22 +140,27 @@ def _scan(ckpt_dir: Path) -> tuple[dict[str, TensorEntry], list[str], set[str], 
 _CRCS = dict[tuple[Path, str], int]  # (file, tensor) -> the CRC32 its file records
 
 
-def _crc32s(found: dict[str, TensorEntry], metas: dict[Path, dict[str, str]], problems: list[str]) -> _CRCS:
+def _crc32s(
+    found: dict[str, TensorEntry], metas: dict[Path, dict[str, str]], problems: list[str], refused: set[Path]
+) -> _CRCS:
     """The CRC32 of each found tensor that its file records, each file's seal checked (a problem for a
-    seal that does not match, or a tensor of a sealed file without one). A file of ours that records
-    none (a part saved before parts carried CRC32s) is loaded unchecked, with an UnscannedTableWarning."""
+    seal that does not match, a file whose seal was removed, or a tensor of a sealed file without one).
+    A file of ours that records none (a part saved before parts carried CRC32s) is loaded unchecked but
+    for its FP8 tables' fingerprints, with an UnscannedTableWarning. A file refused is added to `refused`."""
     crcs: _CRCS = {}
     for path in sorted(metas):
         try:
-            recorded = file_crc32s(metas[path], str(path))
+            dtypes = [e.dtype for e in found.values() if e.path == path]
+            recorded = file_crc32s(metas[path], str(path), dtypes)
         except ValueError as e:
             problems.append(str(e))
+            refused.add(path)
             continue
         if recorded is None:
             if LAYOUT_FINGERPRINT_KEY in metas[path]:  # ours (DeepSeek's files record nothing of theirs)
                 warnings.warn(
-                    f"{path} records no CRC32s (saved before parts carried them): its bytes are not checked; "
-                    "save the part again to add them",
+                    f"{path} records no CRC32s (saved before parts carried them): its bytes are not checked "
+                    "but for the FP8 tables' fingerprints; save the part again to add them",
                     UnscannedTableWarning,
                     stacklevel=4,
                 )
@@ -178,7 +186,10 @@ def _plan(
     file_config = read_checkpoint_config(ckpt_dir) if (ckpt_dir / CONFIG_FILE).is_file() else None
     if config is None:
         if file_config is None:
-            raise FileNotFoundError(f"{ckpt_dir / CONFIG_FILE}: no config.json; pass config=...")
+            raise FileNotFoundError(
+                f"{ckpt_dir / CONFIG_FILE}: no config.json: not a checkpoint in the V4.1 format; restore its "
+                "config.json, or (in Python) pass config=EngramConfig(...)"
+            )
         config = file_config
     elif file_config is not None:
         diffs = config_diffs(config, file_config, stored_only=True)
@@ -192,9 +203,11 @@ def _plan(
 
     found, problems, explained, metas = _scan(ckpt_dir)
     plans = plan_layers(config, found, problems, explained)
-    problems += layout_problems(config, metas)
-    problems += format_problems(plans, metas)
-    crcs = _crc32s(found, metas, problems)
+    refused: set[Path] = set()
+    crcs = _crc32s(found, metas, problems, refused)
+    trusted = {path: meta for path, meta in metas.items() if path not in refused}  # one line a file refused
+    problems += layout_problems(config, trusted)
+    problems += format_problems(plans, trusted)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
@@ -273,7 +286,7 @@ def load_engram_modules(
     CRC32 its file records: a byte damaged after the write is refused, naming the file and the tensor
     (tables are checked through the file's mapping a block at a time: one larger than memory too).
     """
-    config, plans, _, crcs = _plan(Path(ckpt_dir), config)
+    config, plans, metas, crcs = _plan(Path(ckpt_dir), config)
 
     opened: dict[Path, TensorFile] = {}
 
@@ -290,6 +303,17 @@ def load_engram_modules(
                 f"{e.path}: tensor {e.name!r}: its bytes do not match the CRC32 its file recorded when it was "
                 f"written (now {got:08x}, recorded {want:08x}): the file was damaged since; re-copy it, or "
                 "save the part again"
+            )
+
+    def check_fingerprint(
+        layer_id: int, w: TensorEntry, weight: torch.Tensor, scale: torch.Tensor, where: str
+    ) -> None:
+        want = metas.get(w.path, {}).get(f"{TABLE_FINGERPRINT_KEY}.{layer_id}")
+        if want is not None and table_fingerprint(weight, scale) != want:
+            raise ValueError(
+                f"{where}: its bytes do not match the table fingerprint its file recorded when it was written "
+                f"({TABLE_FINGERPRINT_KEY}.{layer_id}): the file was damaged since; re-copy it, or convert "
+                "it again"
             )
 
     def check(e: TensorEntry, t: torch.Tensor) -> torch.Tensor:
@@ -311,13 +335,19 @@ def load_engram_modules(
                 table = MmapQuantTable(w.path, w.name, sc.name, rf, scale_path=sc.path)
             else:
                 values, scales = (_mapped(opened, e).clone() for e in (w, sc))
-                table = FP8Table(values, scales) if rf is RowFormat.FP8 else QuantTable(values, scales, rf)
+                table = (  # scanned below, by size or with verify, naming the file
+                    FP8Table(values, scales, check=False)
+                    if rf is RowFormat.FP8
+                    else QuantTable(values, scales, rf, check=False)
+                )
             assert isinstance(table.weight, torch.Tensor) and isinstance(table.scale, torch.Tensor)
             nbytes = sum(t.numel() * t.element_size() for t in (table.weight, table.scale))
             where = f"{w.path}: table {w.name!r} (with {sc.name!r})"
             if scan_table(nbytes, verify, where):
                 check_crc(w, table.weight)
                 check_crc(sc, table.scale)
+                if (w.path, w.name) not in crcs:  # a file from before CRC32s: its fingerprint, if any
+                    check_fingerprint(layer_id, w, table.weight, table.scale, where)
                 check_quant_table(table.weight, table.scale, rf, where)
         else:
             data = _mapped(opened, plan.weight).clone()
