@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import sympy
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -381,3 +382,20 @@ def test_hf_train_settings_library_checks():
     with pytest.raises(ValueError, match=r"--held-out '0\.1'"):
         HFTrainSettings(**base, held_out="0.1")  # type: ignore[arg-type]
     HFTrainSettings(**base, heads=64, head_dim=512, layers=tuple(range(128)), table_rows=2**36)
+
+
+@pytest.mark.parametrize("field", ["rope_theta", "norm_eps", "init_std"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
+def test_lm_config_float_fields_are_finite_and_in_range(field, value):
+    from engram.model.lm import LMConfig
+
+    with pytest.raises(ValueError, match=rf"LMConfig.{field}=.* must be a finite number"):
+        LMConfig(vocab_size=64, **{field: value})
+
+
+@pytest.mark.parametrize("std", [float("nan"), float("inf"), -0.1])
+def test_a_tables_init_std_is_finite(std):
+    from engram.model.table_init import RowInit
+
+    with pytest.raises(ValueError, match="init std must be a finite number"):
+        RowInit(8, 4, std, 0, torch.float32, torch.device("cpu"))

@@ -84,6 +84,14 @@ class LMConfig:
             )
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of even width")
+        for name, high in (("rope_theta", 1e12), ("norm_eps", 1.0), ("init_std", 1.0)):
+            v = getattr(self, name)  # NaN passes a `<= 0` check: finite and in range, said as such
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not (math.isfinite(v) and 0 < v <= high)
+            ):
+                raise ValueError(f"LMConfig.{name}={v!r} must be a finite number in (0, {high:g}]")
         e = self.engram
         if e is not None:
             problems = []

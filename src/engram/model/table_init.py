@@ -12,6 +12,7 @@ Design: docs/distributed.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -82,6 +83,13 @@ class RowInit:
             raise ValueError(f"a table needs num_rows >= 1 and dim >= 1, got {self.num_rows} x {self.dim}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not abs(self.seed) < 1 << 40:
             raise ValueError(f"a table's seed must be an int of magnitude below 2**40, got {self.seed!r}")
+        std = self.std
+        if (
+            isinstance(std, bool)
+            or not isinstance(std, int | float)
+            or not (math.isfinite(std) and 0 <= std <= 1)
+        ):
+            raise ValueError(f"a table's init std must be a finite number in [0, 1], got {std!r}")
 
     def rows(self, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [lo, hi) of the table (hi - lo, dim), in `dtype` on `device` (or into `out`)."""
