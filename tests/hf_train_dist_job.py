@@ -5,7 +5,7 @@ in the launch's process group (gloo), so that one launch runs them all.
 `job(ctx, args, runs)`: rank 0 writes the tiny HF folder and the corpus (`inputs`) into
 ctx.root/JOB_DIR, then every rank runs `runs` in turn, each {"name", "out" (a folder there), "extra"
 (options after `args`), and optionally "interrupt_at", "rank_argv", "fail_on_rank"}; returns {name:
-outcome}, an outcome being {"code": main's exit status, or "interrupted", "err": what it printed on
+outcome}, an outcome being {"code": main's exit status (130: interrupted, as Ctrl-C), or "interrupted" (the interrupt escaped main), "err": what it printed on
 stderr, "whole_tables": how many lazy tables (add_engram's under a process group) were drawn whole on
 this rank}. `interrupt_at` N: every rank raises KeyboardInterrupt before step N+1 (as a Ctrl-C of the
 launch would), after the checkpoints written so far. `rank_argv` {"R": [...]}: options added on rank R

@@ -179,8 +179,10 @@ def test_resume_equals_uninterrupted(folder, corpus, whole, tmp_path, capsys, mo
         return step(self, *a, **kw)
 
     monkeypatch.setattr(transformers.Trainer, "training_step", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args)
+    capsys.readouterr()
+    assert run("hf-train", folder, "--corpus", corpus, "--out", tmp_path / "cut", *FAST, *args) == 130
+    stopped = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.startswith("engram hf-train: stopped by Ctrl-C") and "--resume" in stopped, stopped
     monkeypatch.undo()
     assert not (tmp_path / "cut").exists()
     capsys.readouterr()
