@@ -214,6 +214,7 @@ def test_a_saved_folder_evaluates_as_the_model(folder, expected, model, model_ar
     _assert_not_lls(got, expected[1])
 
 
+@pytest.mark.slow  # a subprocess indexing lm-eval's tasks, ~17 s
 def test_engram_lm_eval_command_line(folder, expected, tmp_path):
     """`engram-lm-eval --model engram` (lm-eval 0.4.13's command line, engram registered first) in a
     fresh python, offline, at batch size 4: its --log_samples output holds the Engram model's values."""

@@ -51,6 +51,7 @@ def _steps(out: Path) -> set[str]:
     return {p.name for p in (out / "checkpoints").glob("step-*")}
 
 
+@pytest.mark.slow  # two training subprocesses stopped by signals, ~23 s
 def test_train_stops_in_one_line_and_resumes(tmp_path):
     """Ctrl-C while it trains, then SIGTERM while the resumed run trains, then the command the line
     names continues the run (three processes: one run, stopped twice)."""

@@ -65,6 +65,7 @@ def test_python_block_runs(workdir, index):
     exec(compile(python[index], f"README block {index}", "exec"), ns)
 
 
+@pytest.mark.slow  # two lm-eval command lines, ~30 s: run by .ci/run's slow step
 def test_lm_eval_command_lines_run(workdir):
     (cmds,) = [c for lang, c in blocks() if lang == "bash"]
     for line in cmds.strip().splitlines():
