@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from engram.cli import INTERRUPTED, Stopped, _stopped_line, main
 
 
