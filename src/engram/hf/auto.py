@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 import transformers
 from torch import nn
 from transformers.configuration_utils import PreTrainedConfig
@@ -44,9 +43,9 @@ from engram.hf.io import (
     ADAPTER_FILE,
     ADAPTER_PREFIX,
     PART_FOLDER,
-    CheckedPart,
     attach_part,
-    read_engram,
+    read_folder_engram,
+    row_sharded_layer,
     save_part,
 )
 
@@ -61,7 +60,6 @@ __all__ = [
     "engram_config_class",
     "engram_model_class",
     "engram_settings",
-    "engram_settings_of",
     "make_engram_model",
     "make_plain_model",
     "register",
@@ -186,7 +184,7 @@ class EngramPreTrainedMixin:
         att = get_attachment(self)  # type: ignore[arg-type]
         _write_settings(self.config, att, type(self))
         checkpoint = _TRAINER_CHECKPOINT.fullmatch(Path(save_directory).name) is not None
-        sharded = _row_sharded(att)
+        sharded = row_sharded_layer(att) is not None
         if save_part and sharded and not checkpoint:  # (a Trainer checkpoint's shards: EngramShardsCallback)
             raise ValueError(
                 f"{type(self).__name__}'s tables are row-sharded across processes: save_pretrained(folder, "
@@ -268,29 +266,20 @@ def base_model_class(config: Any) -> type[nn.Module]:
 
 
 # --------------------------------------------------------------------------------- converting a model
-def engram_settings(att: EngramAttachment) -> dict[str, Any]:
+def engram_settings(config: EngramConfig, boundaries: str | None, eos_token_id: int | None) -> dict[str, Any]:
     """The `engram` entry of an Engram model's config: where the part is, its Engram config (as
-    attached), and the attachment options."""
+    attached: an attachment's `config`, or a read part's `CheckedPart.config`), and the attachment
+    options."""
     return {
         "part": PART_FOLDER,
-        "config": att.config.to_dict(),
-        "boundaries": att.rows.boundaries,
-        "eos_token_id": att.rows.eos_token_id,
-    }
-
-
-def engram_settings_of(checked: CheckedPart) -> dict[str, Any]:
-    """`engram_settings` of a part read from its folder (`engram.hf.io.check_part`)."""
-    return {
-        "part": PART_FOLDER,
-        "config": checked.config.to_dict(),
-        "boundaries": checked.boundaries,
-        "eos_token_id": checked.eos_token_id,
+        "config": config.to_dict(),
+        "boundaries": boundaries,
+        "eos_token_id": eos_token_id,
     }
 
 
 def _write_settings(config: Any, att: EngramAttachment, model_cls: type) -> None:
-    config.engram = engram_settings(att)
+    config.engram = engram_settings(att.config, att.rows.boundaries, att.rows.eos_token_id)
     config.auto_map = dict(AUTO_MAP)
     plain = _plain_model_class(model_cls)
     config.base_architectures = [plain.__name__]
@@ -383,17 +372,8 @@ def _from_pretrained(path: Any, model_args: tuple[Any, ...], kwargs: dict[str, A
     family = engram_model_class(base_model_class(config))
     read = kwargs.pop("engram_part", None)  # read and checked by the caller (hf-eval)
     verify = bool(kwargs.pop("engram_verify", False))
-    if read is None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        num_layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
-        read = read_engram(  # checked (sizes, tokenizer, every CRC) before the backbone is loaded
-            folder,
-            backbone=f"the model in {folder}",
-            hidden_size=getattr(text, "hidden_size", None),
-            num_layers=int(num_layers) if num_layers is not None else 1 << 30,
-            vocab_size=getattr(text, "vocab_size", None),
-            verify=verify,
-        )
+    if read is None:  # checked (sizes, tokenizer, every CRC) before the backbone is loaded
+        read = read_folder_engram(folder, config, verify=verify)
     settings = getattr(config, "engram", None)
     if isinstance(settings, dict) and isinstance(settings.get("config"), dict):
         diffs = config_diffs(EngramConfig.from_dict(settings["config"]), read.checked.config)
@@ -430,15 +410,6 @@ def _load_beside_adapter(model: nn.Module, folder: Path) -> None:
         state = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
     if state:
         model.engram.load_state_dict(state, strict=True)
-
-
-def _row_sharded(att: EngramAttachment) -> bool:
-    """Whether a table holds fewer rows than its layout's (this process's shard: engram.distributed)."""
-    for m in att.layers.values():
-        w = getattr(m.table, "weight", None)
-        if isinstance(w, torch.Tensor) and w.shape[0] != m.table.num_rows:
-            return True
-    return False
 
 
 def save_part_of(model: nn.Module, directory: str | os.PathLike[str]) -> Path:

@@ -61,12 +61,15 @@ __all__ = [
     "TokenizerNotCheckedWarning",
     "attach_part",
     "check_part",
+    "config_sizes",
     "engram_part",
     "export_fp8",
     "export_quantised",
     "load_engram",
     "read_engram",
+    "read_folder_engram",
     "read_options",
+    "row_sharded_layer",
     "save_engram",
     "save_part",
     "warn_if_older_folder",
@@ -114,18 +117,28 @@ def engram_part(directory: str | os.PathLike[str]) -> Path:
     return d / PART_FOLDER if foreign_config(d) else d
 
 
+def row_sharded_layer(att: Any) -> int | None:
+    """The first layer whose table holds fewer rows than its layout's (this process's shard of a
+    row-sharded table: `engram.distributed`), or None."""
+    for lid, m in att.layers.items():
+        w = getattr(m.table, "weight", None)
+        if isinstance(w, torch.Tensor) and w.shape[0] != m.table.num_rows:
+            return int(lid)
+    return None
+
+
 def _save(
     model: nn.Module, directory: str | os.PathLike[str], fp8: bool, row_format: RowFormat | None = None
 ) -> Path:
     att = get_attachment(model)
-    for lid, m in att.layers.items():
-        w = getattr(m.table, "weight", None)
-        if isinstance(w, torch.Tensor) and w.shape[0] != m.table.num_rows:
-            raise ValueError(
-                f"layer {lid}'s table holds {w.shape[0]} of its {m.table.num_rows} rows (row-sharded across "
-                "processes): save it with engram.distributed.save_engram / export_fp8 / export_quantised, which "
-                "every rank calls"
-            )
+    sharded = row_sharded_layer(att)
+    if sharded is not None:
+        lid, m = sharded, att.module(sharded)
+        raise ValueError(
+            f"layer {lid}'s table holds {m.table.weight.shape[0]} of its {m.table.num_rows} rows (row-sharded "
+            "across processes): save it with engram.distributed.save_engram / export_fp8 / export_quantised, "
+            "which every rank calls"
+        )
     out = engram_part(directory)
     modules = {int(k): m for k, m in att.layers.items()}
     # the model it was trained on, under the seal with every tensor's CRC32 (engram.hf.base)
@@ -435,6 +448,39 @@ def read_engram(
     base = recorded_metadata(d, BASE_MODEL_KEY)
     _, modules = load_engram_modules(d, mmap=mmap, dtype=dtype, verify=verify)
     return ReadPart(checked, modules, base)
+
+
+def config_sizes(config: Any) -> tuple[int, int, int | None]:
+    """(decoder layers, hidden size, vocabulary size or None) of an HF config (a multimodal one's text
+    config); ValueError when the first two cannot be read."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = next(
+        (getattr(text, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, k)), None
+    )
+    hidden = next((getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(text, k)), None)
+    if not isinstance(depth, int) or not isinstance(hidden, int):
+        raise ValueError(
+            f"cannot read the depth and width of {type(config).__name__}: not a decoder-only LM?"
+        )
+    vocab = getattr(text, "vocab_size", None)
+    return depth, hidden, vocab if isinstance(vocab, int) else None
+
+
+def read_folder_engram(
+    folder: str | os.PathLike[str], config: Any, *, tokenizer: Any = None, verify: bool = False
+) -> ReadPart:
+    """`read_engram` of an HF model folder's part against the backbone its `config` (the folder's,
+    read) describes: checked before the backbone is loaded."""
+    depth, hidden, vocab = config_sizes(config)
+    return read_engram(
+        folder,
+        backbone=f"the model in {folder}",
+        hidden_size=hidden,
+        num_layers=depth,
+        vocab_size=vocab,
+        tokenizer=tokenizer,
+        verify=verify,
+    )
 
 
 def attach_part(model: nn.Module, read: ReadPart, *, decoder_layers: Any = None) -> nn.Module:

@@ -87,16 +87,10 @@ def check_folder(folder: str | os.PathLike[str]) -> Any:
 
 
 def model_depth(config: Any) -> tuple[int, int]:
-    """(decoder layers, hidden size) of an HF config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    depth = next(
-        (getattr(text, k) for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(text, k)), None
-    )
-    hidden = next((getattr(text, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(text, k)), None)
-    if not isinstance(depth, int) or not isinstance(hidden, int):
-        raise ValueError(
-            f"cannot read the depth and width of {type(config).__name__}: not a decoder-only LM?"
-        )
+    """(decoder layers, hidden size) of an HF config (`engram.hf.io.config_sizes`)."""
+    from engram.hf.io import config_sizes
+
+    depth, hidden, _ = config_sizes(config)
     return depth, hidden
 
 
@@ -240,20 +234,9 @@ def evaluate_folder(
     has_engram = path_kind(Path(folder) / "engram") == "a folder"
     read = None
     if has_engram:  # checked and read before the backbone loads: a damaged part costs no model load
-        from engram.hf.io import read_engram
+        from engram.hf.io import read_folder_engram
 
-        depth, hidden = model_depth(hf_config)
-        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        vocab = getattr(text, "vocab_size", None)
-        read = read_engram(
-            folder,
-            backbone=f"the model in {folder}",
-            hidden_size=hidden,
-            num_layers=depth,
-            vocab_size=vocab if isinstance(vocab, int) else None,
-            tokenizer=tok,
-            verify=verify,
-        )
+        read = read_folder_engram(folder, hf_config, tokenizer=tok, verify=verify)
     model = load_model(folder, part=read)
     if device is not None:
         model.to(device)

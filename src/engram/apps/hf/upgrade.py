@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engram.apps.hf.folder import check_folder, load_tokenizer, model_depth
+from engram.apps.hf.folder import check_folder, load_tokenizer
 from engram.checkpoint.files import member_file, open_tensors
 from engram.checkpoint.folder_lock import write_lock
 from engram.checkpoint.input_files import path_kind
@@ -76,8 +76,8 @@ def upgrade_folder(folder: str | os.PathLike[str], *, verify: bool = False) -> d
 
 def _upgrade(d: Path, config: Any, verify: bool) -> dict[str, Any]:
     """upgrade_folder's work, the folder's write lock held."""
-    from engram.hf.auto import AUTO_MAP, MODEL_TYPE, REMOTE_CODE, REMOTE_CODE_FILE, engram_settings_of
-    from engram.hf.io import PART_FOLDER, read_engram
+    from engram.hf.auto import AUTO_MAP, MODEL_TYPE, REMOTE_CODE, REMOTE_CODE_FILE, engram_settings
+    from engram.hf.io import PART_FOLDER, read_folder_engram
 
     clear_dead_temporaries(d)  # what an upgrade killed mid-write left
     if getattr(config, "model_type", None) == MODEL_TYPE:
@@ -94,18 +94,8 @@ def _upgrade(d: Path, config: Any, verify: bool) -> dict[str, Any]:
             f"{d / 'config.json'} names no architecture ('architectures'): restore the config.json the model "
             "was saved with"
         )
-    depth, hidden = model_depth(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None)
-    read = read_engram(  # the part against the backbone and tokenizer, every CRC: nothing changed on refusal
-        d,
-        backbone=f"the model in {d}",
-        hidden_size=hidden,
-        num_layers=depth,
-        vocab_size=vocab if isinstance(vocab, int) else None,
-        tokenizer=load_tokenizer(str(d)),
-        verify=verify,
-    )
+    # the part against the backbone and tokenizer, every CRC: nothing changed on refusal
+    read = read_folder_engram(d, config, tokenizer=load_tokenizer(str(d)), verify=verify)
     rewritten = _drop_table_copies(d)
     raw.update(
         {
@@ -113,7 +103,9 @@ def _upgrade(d: Path, config: Any, verify: bool) -> dict[str, Any]:
             "architectures": [f"Engram{archs[0]}"],
             "base_model_type": raw["model_type"],
             "base_architectures": [archs[0]],
-            "engram": engram_settings_of(read.checked),
+            "engram": engram_settings(
+                read.checked.config, read.checked.boundaries, read.checked.eos_token_id
+            ),
             "auto_map": dict(AUTO_MAP),
         }
     )
