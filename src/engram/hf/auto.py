@@ -38,10 +38,9 @@ from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.tokenizer_fit import COMPRESSION_FILE
 from engram.checkpoint.v41.format import config_diffs
 from engram.config import EngramConfig
+from engram.hf.adapter import load_beside_adapter
 from engram.hf.attach import EngramAttachment, add_engram, engram_dtype, get_attachment
 from engram.hf.io import (
-    ADAPTER_FILE,
-    ADAPTER_PREFIX,
     PART_FOLDER,
     attach_part,
     read_folder_engram,
@@ -389,27 +388,12 @@ def _from_pretrained(path: Any, model_args: tuple[Any, ...], kwargs: dict[str, A
     attach_part(model, read)
     adapter = (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path")
     if adapter is not None:  # transformers loaded a peft adapter folder's adapter into the model
-        _load_beside_adapter(model, Path(adapter))
+        load_beside_adapter(model, adapter)
     dtype = engram_dtype(model)
     if any(p.is_floating_point() and p.dtype != dtype for p in model.engram.parameters()):
         model.engram.to(dtype)
     model.engram.train(model.training)
     return model
-
-
-def _load_beside_adapter(model: nn.Module, folder: Path) -> None:
-    """Engram's tensors that `save_engram(peft_model, folder)` put into the adapter's weight file, when it
-    holds them (else the part from the base folder stays)."""
-    from safetensors import safe_open
-
-    path = folder / ADAPTER_FILE
-    if path_kind(path) != "a file":
-        return
-    prefix = ADAPTER_PREFIX + "engram."
-    with safe_open(str(path), "pt") as f:
-        state = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118
-    if state:
-        model.engram.load_state_dict(state, strict=True)
 
 
 def save_part_of(model: nn.Module, directory: str | os.PathLike[str]) -> Path:

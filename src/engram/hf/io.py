@@ -37,6 +37,7 @@ from engram.checkpoint.v41 import (
     save_checkpoint,
 )
 from engram.config import EngramConfig
+from engram.hf.adapter import is_peft_model, save_beside_adapter
 from engram.hf.attach import (
     add_engram,
     boundary_config,
@@ -49,8 +50,6 @@ from engram.hf.base import base_record, check_model_base
 from engram.rowformat.formats import RowFormat, as_row_format
 
 __all__ = [
-    "ADAPTER_FILE",
-    "ADAPTER_PREFIX",
     "COMPRESSION_FILE",
     "OPTIONS_FILE",
     "PART_FOLDER",
@@ -156,42 +155,6 @@ def _save(
     return out
 
 
-ADAPTER_FILE = "adapter_model.safetensors"  # peft's adapter weights (PeftModel.save_pretrained)
-ADAPTER_PREFIX = "base_model.model."  # where a PeftModel keeps the model it wraps, in its state dict
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
-
-
-def _save_beside_adapter(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Engram's tensors added to the adapter's weight file, under the names a PeftModel gives them, so
-    that `PeftModel.from_pretrained` / `AutoPeftModelForCausalLM.from_pretrained` load them with the
-    adapter (as peft stores `modules_to_save`)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    path = Path(directory) / ADAPTER_FILE
-    if path_kind(path) != "a file":
-        raise FileNotFoundError(
-            f"{path} is missing: save the adapter first (peft_model.save_pretrained({str(directory)!r})), "
-            "then save_engram(peft_model, the same folder) adds Engram's tensors to it"
-        )
-    att = get_attachment(model)
-    prefix = next(n for n, m in model.named_modules() if m is att) + "."
-    with safe_open(str(path), "pt") as f:
-        metadata = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(prefix)}  # noqa: SIM118
-    tensors.update({prefix + k: v.detach().contiguous() for k, v in att.state_dict().items()})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Write the Engram part of `model` (tables in their float dtype) to `directory`; return the part's
     folder. Into an HF model folder the part goes to `directory/engram/` (what `save_pretrained` of an
@@ -199,8 +162,8 @@ def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     adapter) goes into the adapter's weight file in `directory` (after `peft_model.save_pretrained(
     directory)`), where `AutoPeftModelForCausalLM.from_pretrained(directory)` loads it; the file's path
     is returned."""
-    if _is_peft_model(model):
-        return _save_beside_adapter(model, directory)
+    if is_peft_model(model):
+        return save_beside_adapter(model, directory)
     return _save(model, directory, fp8=False)
 
 

@@ -22,7 +22,7 @@ from engram.checkpoint.files import member_file, open_tensors
 from engram.checkpoint.folder_lock import write_lock
 from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
-from engram.checkpoint.temporaries import clear_dead_temporaries, temporary_path
+from engram.checkpoint.temporaries import clear_dead_temporaries, removed_on_failure, temporary_path
 from engram.hf.base import INDEX_FILE, weight_files
 
 __all__ = ["upgrade_folder"]
@@ -30,11 +30,9 @@ __all__ = ["upgrade_folder"]
 
 def _write(path: Path, text: str) -> None:
     tmp = temporary_path(path)
-    try:
+    with removed_on_failure(tmp):
         tmp.write_text(text)
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _drop_table_copies(folder: Path) -> list[str]:
@@ -49,11 +47,9 @@ def _drop_table_copies(folder: Path) -> list[str]:
             continue
         keep = {n: f.tensor(n).contiguous() for n in names if not n.startswith("engram.")}
         tmp = temporary_path(path)
-        try:
+        with removed_on_failure(tmp):
             save_file(keep, str(tmp), metadata={"format": "pt"})
             os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         changed.append(path.name)
     if changed and os.path.lexists(folder / INDEX_FILE):
         index_path = member_file(folder, INDEX_FILE, "the model folder's")
