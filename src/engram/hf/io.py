@@ -64,6 +64,7 @@ __all__ = [
     "engram_part",
     "export_fp8",
     "export_quantised",
+    "folder_model_type",
     "load_engram",
     "read_engram",
     "read_folder_engram",
@@ -84,17 +85,26 @@ class OlderFolderWarning(UserWarning):
     bare backbone, so `from_pretrained` alone loads it without Engram (`engram hf-upgrade` fixes that)."""
 
 
+def folder_model_type(directory: str | os.PathLike[str]) -> str | None:
+    """The `model_type` of an HF folder's config.json, read as JSON (no transformers); None when there is
+    none or it cannot be read (the folder's readers refuse a damaged config.json themselves)."""
+    path = Path(directory) / "config.json"
+    if path_kind(path) != "a file":
+        return None
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return model_type if isinstance(model_type, str) else None
+
+
 def warn_if_older_folder(directory: str | os.PathLike[str]) -> None:
     """An OlderFolderWarning when `directory` is an HF model folder with an Engram part (`engram/`) whose
     config.json is not an Engram model's (model type `engram`)."""
     d = Path(directory)
     if path_kind(d / PART_FOLDER) != "a folder" or path_kind(d / "config.json") != "a file":
         return
-    try:
-        model_type = json.loads((d / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return  # the readers refuse a damaged config.json themselves
-    if model_type != "engram":
+    if folder_model_type(d) not in ("engram", None):
         warnings.warn(
             f"{d} was written before Engram models had their own model type: AutoModelForCausalLM."
             f"from_pretrained loads it without Engram; `engram hf-upgrade {d}` makes it load with Engram",

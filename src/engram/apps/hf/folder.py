@@ -27,7 +27,6 @@ __all__ = [
     "check_folder",
     "evaluate_folder",
     "held_out_loss",
-    "is_engram_model",
     "load_model",
     "load_tokenizer",
     "model_depth",
@@ -110,11 +109,6 @@ def load_tokenizer(folder: str) -> Any:
     return tok
 
 
-def is_engram_model(config: Any) -> bool:
-    """Whether an HF config is an Engram model's (model type `engram`: a folder engram-lm wrote)."""
-    return getattr(config, "model_type", None) == "engram"
-
-
 def load_model(
     folder: str, *, engram: bool = True, tokenizer: Any = None, part: Any = None, verify: bool = False
 ) -> nn.Module:
@@ -125,9 +119,11 @@ def load_model(
     model's folder is refused: its part would be dropped)."""
     import transformers
 
+    from engram.hf.io import folder_model_type
+
     has_part = path_kind(Path(folder) / "engram") == "a folder"
-    engram_model = is_engram_model(check_folder(folder)) if has_part else False
-    if not engram and (engram_model or has_part):
+    engram_model = has_part and folder_model_type(folder) == "engram"  # the callers checked the folder
+    if not engram and has_part:
         raise ValueError(
             f"{folder} holds an Engram model (its engram/ part): Engram is attached to a plain backbone; give "
             "the backbone's folder (the one the Engram model was trained from)"
