@@ -100,3 +100,50 @@ def test_main_answers_an_interrupt_with_one_line_and_restores_sigterm(monkeypatc
     assert main(["hash", "--text", "in the beginning"]) == INTERRUPTED
     assert capsys.readouterr().err == "engram hash: stopped by SIGTERM\n"
     assert seen[0] is not before and signal.getsignal(signal.SIGTERM) is before
+
+
+_SERVE = """
+import signal, sys, time
+from pathlib import Path
+import engram.cli.serve as serve
+from engram.cli import main
+from engram.vllm.server import ServerPlan
+
+# the server: a child that notes SIGTERM (and, told to, ignores it as a stuck server would)
+CHILD = '''
+import signal, sys, time
+from pathlib import Path
+def term(*_):
+    Path(sys.argv[1]).write_text("SIGTERM")
+    if sys.argv[2] == "exits":
+        sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print("serving", flush=True)
+while True:
+    time.sleep(0.05)
+'''
+serve.vllm_missing = lambda: None
+serve.plan_server = lambda *a, **k: ServerPlan([sys.executable, "-c", CHILD, sys.argv[2], sys.argv[3]], {})
+serve.STOP_GRACE_S = 3.0
+sys.exit(main(["serve", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("server", ["exits", "stuck"])
+def test_serve_passes_sigterm_on_to_the_server(tmp_path, server):
+    """SIGTERM reaches `engram serve` alone (not its process group): it is passed on to vLLM's server,
+    whose exit status is the command's; a server that does not stop within the grace time is killed.
+    Either way the command ends (it used to wait forever for a server that was never told)."""
+    noted = tmp_path / "noted"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, str(tmp_path), str(noted), server],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "serving\n", proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert noted.read_text() == "SIGTERM"
+    assert "Traceback" not in err, err
+    assert proc.returncode == (0 if server == "exits" else 128 + signal.SIGKILL), err

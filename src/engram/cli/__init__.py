@@ -24,46 +24,21 @@ import argparse
 import dis
 import os
 import shlex
-import signal
 import sys
-import threading
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import engram
 from engram.cli import addressing, bench, checkpoint, generate, gguf, quantise, serve, study, systems
 from engram.cli.hf import register as register_hf
+from engram.cli.stopping import Stopped, sigterm_stops
 from engram.cli.train import add_training_commands
 from engram.storage.integrity import UnscannedTableWarning
 
 __all__ = ["INTERRUPTED", "Stopped", "build_parser", "main"]
 
 INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C or SIGTERM (the shells' 128 + SIGINT)
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread while a command runs: unwinds as Ctrl-C does (every `finally`
-    that removes a temporary runs), and ends in the same one line."""
-
-
-@contextmanager
-def _sigterm_stops() -> Iterator[None]:
-    """SIGTERM raises `Stopped` while inside (only the main thread may set a handler: elsewhere nothing
-    changes); the handler there was is restored afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise Stopped()
-
-    before = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def _stopped_line(args: argparse.Namespace, argv: Sequence[str], e: KeyboardInterrupt) -> str:
@@ -130,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             show(message, category, *rest, **kw)
 
     try:
-        with warnings.catch_warnings(), _sigterm_stops():  # restore showwarning and SIGTERM afterwards
+        with warnings.catch_warnings(), sigterm_stops():  # restore showwarning and SIGTERM afterwards
             warnings.simplefilter("always", UnscannedTableWarning)
             warnings.showwarning = note
             return int(args.func(args))

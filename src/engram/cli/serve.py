@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
 
 from engram.cli.options import input_folder
+from engram.cli.stopping import Stopped
 from engram.vllm.server import DTYPES, plan_server, vllm_missing
 
 __all__ = ["register"]
@@ -74,6 +76,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     server = subprocess.Popen(plan.argv, env={**os.environ, **plan.env})
     try:
-        return server.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached the server too (same process group): let it finish
+        status = server.wait()
+    except KeyboardInterrupt as e:
+        status = _stop_server(server, e)
+    return status if status >= 0 else 128 - status  # a server ended by a signal: the shells' 128 + N
+
+
+STOP_GRACE_S = 30.0  # how long a stopped server may take to shut down before it is killed
+
+
+def _stop_server(server: subprocess.Popen, e: KeyboardInterrupt) -> int:
+    """Stop vLLM's server after engram serve was stopped, then return its exit status. Ctrl-C reached
+    the server too (one process group); SIGTERM was sent to engram serve alone, so it is passed on (a
+    server left running would hold the port with no parent). A server still running after
+    `STOP_GRACE_S`, or a second Ctrl-C / SIGTERM, kills it: the command always ends."""
+    if isinstance(e, Stopped):
+        server.send_signal(signal.SIGTERM)
+    try:
+        return server.wait(timeout=STOP_GRACE_S)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        server.kill()
         return server.wait()
