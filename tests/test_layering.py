@@ -156,6 +156,7 @@ FLOORS: dict[str, int] = {
     "checkpoint": 4,
     "systems": 5,
     "hf": 5,
+    "memory": 6,
     "distributed": 6,
     "apps": 7,
     "vllm": 7,
