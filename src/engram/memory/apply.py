@@ -39,6 +39,7 @@ __all__ = [
     "applied_patches",
     "apply_patch",
     "reader_fingerprint",
+    "reader_fingerprint_of",
     "remove_patch",
     "rows_crc",
     "table_row_format",
@@ -91,14 +92,23 @@ class EngramLayers:
 
 def reader_fingerprint(module: Engram) -> str:
     """sha256 of every weight of an Engram layer but its table (the projections, norms and gate that
-    read the rows: a patch's rows mean something only to them), each rounded to bfloat16 first, so
-    the same model loaded in float32 or bfloat16 has the same one."""
-    h = hashlib.sha256()
+    read the rows: a patch's rows mean something only to them): `reader_fingerprint_of` its
+    parameters and buffers by their names in the module."""
     named = itertools.chain(module.named_parameters(), module.named_buffers())
-    for name, t in sorted((n, t) for n, t in named if not n.startswith("table.")):
+    return reader_fingerprint_of({n: t for n, t in named if not n.startswith("table.")})
+
+
+def reader_fingerprint_of(named: dict[str, torch.Tensor]) -> str:
+    """sha256 over {name: tensor} (an Engram layer's weights but the table, named as in `Engram`'s
+    state_dict: "wkv.weight", ...), in name order, each floating tensor rounded to bfloat16 first, so
+    the same model loaded in float32 or bfloat16 has the same one. What a server that holds the
+    weights in its own modules (the vLLM plugin) computes from the part's tensors."""
+    h = hashlib.sha256()
+    for name in sorted(named):
+        t = named[name].detach()
         h.update(f"{name}:{list(t.shape)}\n".encode())
-        b = t.detach().to("cpu", torch.bfloat16).contiguous() if t.is_floating_point() else t.detach().cpu()
-        h.update(b.reshape(-1).view(torch.uint8).numpy().tobytes())
+        b = t.to("cpu", torch.bfloat16) if t.is_floating_point() else t.cpu()
+        h.update(b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -122,7 +122,9 @@ def shared_rows(per_fact: list[dict[int, np.ndarray]], targets: list[str]) -> di
     out: dict[int, np.ndarray] = {}
     for lid in sorted({k for p in per_fact for k in p}):
         rows = np.concatenate([p[lid] for p in per_fact]) if per_fact else np.empty(0, np.int64)
-        owner = np.concatenate([np.full(p[lid].size, i) for i, p in enumerate(per_fact)]) if per_fact else rows
+        owner = (
+            np.concatenate([np.full(p[lid].size, i) for i, p in enumerate(per_fact)]) if per_fact else rows
+        )
         ids = np.array([targets[i] for i in owner.tolist()], dtype=object)
         order = np.argsort(rows, kind="stable")
         rows, ids = rows[order], ids[order]
