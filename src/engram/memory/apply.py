@@ -143,15 +143,21 @@ def _read_rows(table: EngramTable, rows: torch.Tensor) -> tuple[torch.Tensor, to
     return values, None
 
 
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte float tensor (FP8 values, ue8m0 scales) as bytes: indexing writes are not implemented
+    for those dtypes, and bytes are what a patch moves."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
 @torch.no_grad()
 def _write_rows(
     table: EngramTable, rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
 ) -> None:
     w = table.weight
     idx = rows.to(w.device)
-    w.index_copy_(0, idx, values.to(w.device, w.dtype))
+    _u8(w).index_copy_(0, idx, _u8(values.to(w.device, w.dtype)))
     if scales is not None:
-        table.scale.index_copy_(0, idx, scales.to(w.device))
+        _u8(table.scale).index_copy_(0, idx, _u8(scales.to(w.device)))
 
 
 def rows_crc(values: torch.Tensor, scales: torch.Tensor | None) -> int:
@@ -183,9 +189,9 @@ def _base_of(st: _TableState | None, table: EngramTable, rows: torch.Tensor) -> 
     if st is not None and st.rows.numel():
         idx = torch.searchsorted(st.rows, rows).clamp(max=st.rows.numel() - 1)
         kept = st.rows[idx] == rows
-        values[kept] = st.values[idx[kept]]
+        _u8(values)[kept] = _u8(st.values)[idx[kept]]
         if scales is not None:
-            scales[kept] = st.scales[idx[kept]]  # type: ignore[index]
+            _u8(scales)[kept] = _u8(st.scales)[idx[kept]]  # type: ignore[arg-type]
     return values, scales
 
 
@@ -250,9 +256,9 @@ def _recompute(table: EngramTable, st: _TableState, lid: int, rows: torch.Tensor
         if not bool(hit.any()):
             continue
         count += hit
-        single_v[hit] = lr.values[idx[hit]].to(single_v.dtype)
+        _u8(single_v)[hit] = _u8(lr.values[idx[hit]].to(single_v.dtype))
         if single_s is not None:
-            single_s[hit] = lr.scales[idx[hit]]  # type: ignore[index]
+            _u8(single_s)[hit] = _u8(lr.scales)[idx[hit]]  # type: ignore[arg-type]
         if base_f is None:
             base_f = rows_as_float(base_v, base_s, row_format)
             total = base_f.clone()
@@ -264,9 +270,9 @@ def _recompute(table: EngramTable, st: _TableState, lid: int, rows: torch.Tensor
     if bool(many.any()):
         assert total is not None
         v, s = rows_in_format(total[many], row_format)
-        single_v[many] = v.to(single_v.dtype)
+        _u8(single_v)[many] = _u8(v.to(single_v.dtype))
         if single_s is not None:
-            single_s[many] = s  # type: ignore[index]
+            _u8(single_s)[many] = _u8(s)  # type: ignore[arg-type]
     _write_rows(table, rows, single_v, single_s)
 
 

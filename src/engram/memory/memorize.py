@@ -18,12 +18,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from engram.addressing.hashing import NgramHasher
 from engram.memory.apply import EngramLayers, layer_rows, reader_fingerprint, rows_crc, table_row_format
 from engram.memory.choose import FactTokens, RowChoice, fact_rows, merge_rows, rows_read, shared_rows
 from engram.memory.facts import Fact, check_facts
 from engram.memory.patch import LayerRows, MemoryPatch, rows_as_float, rows_in_format
+from engram.model.lm import EngramLM
 from engram.model.table import EngramTable
 
 __all__ = ["MemorizeResult", "MemorizeSettings", "encode_facts", "memorize"]
@@ -131,6 +134,19 @@ def _batch(facts: list[FactTokens], pad: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask, labels
 
 
+def target_loss(
+    model: nn.Module, layers: EngramLayers, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Mean cross-entropy of the labelled tokens (right-padded batch): an HF model computes it itself;
+    the demo's `EngramLM` takes rows hashed here (padding dead: it enters no n-gram window)."""
+    if not isinstance(model, EngramLM):
+        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    dead = mask == 0
+    rows = torch.as_tensor(np.asarray(layers.hasher.hash(ids.numpy(), dead.numpy())))
+    logits = model(ids, rows, dead_mask=dead)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
 def _check_reads(layers: EngramLayers) -> None:
     for lid, m in layers.modules.items():
         wkv = getattr(m, "wkv", None)
@@ -151,16 +167,21 @@ def memorize(
     reference: Sequence[Sequence[int]] | None = None,
     name: str = "",
     progress: Callable[[int, float], None] | None = None,
+    hasher: NgramHasher | None = None,
 ) -> MemorizeResult:
     """Write `facts` into the rows of `model`'s Engram tables (module docstring); returns the patch.
-    `reference`: token sequences (e.g. held-out text) whose rows are left out of every fact's
-    choice, so that text reads none of the patch. `progress(pass, loss)` after each pass."""
+        `reference`: token sequences (e.g. held-out text) whose rows are left out of every fact's
+        choice, so that text reads none of the patch. `progress(pass, loss)` after each pass. `hasher`: the
+    demo's `EngramLM` hashes its rows outside the model (`load_generator` returns its hasher)."""
     s = settings or MemorizeSettings()
     facts = check_facts(facts)
-    layers = EngramLayers.of(model)
+    layers = EngramLayers.of(model, hasher)
     _check_reads(layers)
     formats = {lid: table_row_format(m.table, f"layer {lid}") for lid, m in layers.modules.items()}
-    max_len = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    cfg = getattr(model, "config", None)
+    max_len = (
+        cfg.max_seq_len if isinstance(model, EngramLM) else getattr(cfg, "max_position_embeddings", None)
+    )
     encoded = encode_facts(tokenizer, facts, max_len)
     # rows other text reads (the reference), or facts with other answers choose too, are nobody's
     everything = [fact_rows(layers.hasher, f, s.choice) for f in encoded]
@@ -203,11 +224,11 @@ def memorize(
             for b in range(0, len(order), s.batch_size):
                 part = [encoded[i] for i in order[b : b + s.batch_size]]
                 ids, mask, labels = _batch(part, pad)
-                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+                loss = target_loss(model, layers, ids, mask, labels)
                 opt.zero_grad(set_to_none=True)
-                out.loss.backward()
+                loss.backward()
                 opt.step()
-                total += float(out.loss.detach()) * len(part)
+                total += float(loss.detach()) * len(part)
                 count += len(part)
             losses.append(total / count)
             if progress is not None:
