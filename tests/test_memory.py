@@ -329,3 +329,25 @@ def test_the_demo_lm_takes_patches(corpus):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert applied_patches(lm, hasher=hasher) == []
+
+
+def test_target_loss_of_a_left_padded_batch_equals_each_fact_alone(model):
+    """batch_of pads in front and target_loss keeps the last positions' logits only: the loss equals the
+    plain one, each fact run alone with every logit (mean over all target tokens)."""
+    import torch.nn.functional as F
+
+    from engram.memory.memorize import batch_of, encode_facts, target_loss
+
+    facts = [*FACTS, Fact("In the beginning God created the heaven and", " the earth.")]
+    enc = encode_facts(hs.tokenizer(), facts)
+    assert len({len(f.ids) for f in enc}) > 1  # the padding differs from fact to fact
+    ids, mask, labels = batch_of(enc, 0)
+    with torch.no_grad():
+        got = target_loss(model, EngramLayers.of(model), ids, mask, labels)
+        losses = []
+        for f in enc:
+            logits = model(input_ids=torch.tensor([f.ids])).logits[0]
+            t = torch.tensor(f.ids)
+            losses.append(F.cross_entropy(logits[f.prompt_len - 1 : -1], t[f.prompt_len :], reduction="sum"))
+    want = torch.stack(losses).sum() / sum(len(f.ids) - f.prompt_len for f in enc)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -122,29 +122,40 @@ def encode_facts(tokenizer: Any, facts: Sequence[Fact], max_len: int | None = No
 
 
 def batch_of(facts: list[FactTokens], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids, attention_mask and labels (-100 but on target tokens), right-padded."""
+    """input_ids, attention_mask and labels (-100 but on target tokens), left-padded: every target
+    ends at the last column, so only the last few positions need logits (`target_loss`)."""
     n = max(len(f.ids) for f in facts)
     ids = torch.full((len(facts), n), pad, dtype=torch.long)
     mask = torch.zeros((len(facts), n), dtype=torch.long)
     labels = torch.full((len(facts), n), -100, dtype=torch.long)
     for i, f in enumerate(facts):
-        ids[i, : len(f.ids)] = torch.tensor(f.ids)
-        mask[i, : len(f.ids)] = 1
-        labels[i, f.prompt_len : len(f.ids)] = torch.tensor(f.ids[f.prompt_len :])
+        ids[i, n - len(f.ids) :] = torch.tensor(f.ids)
+        mask[i, n - len(f.ids) :] = 1
+        labels[i, n - len(f.ids) + f.prompt_len :] = torch.tensor(f.ids[f.prompt_len :])
     return ids, mask, labels
 
 
 def target_loss(
     model: nn.Module, layers: EngramLayers, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
-    """Mean cross-entropy of the labelled tokens (right-padded batch): an HF model computes it itself;
-    the demo's `EngramLM` takes rows hashed here (padding dead: it enters no n-gram window)."""
-    if not isinstance(model, EngramLM):
-        return model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    dead = mask == 0
-    rows = torch.as_tensor(np.asarray(layers.hasher.hash(ids.numpy(), dead.numpy())))
-    logits = model(ids, rows, dead_mask=dead)
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+    """Mean cross-entropy of the labelled tokens of a left-padded batch (`batch_of`). An HF model
+    computes logits for the last positions only (the LM head is a fifth of SmolLM2's work a token), at
+    positions counted from each row's first real token; the demo's `EngramLM` takes rows hashed here
+    (padding dead: it enters no n-gram window). Both use rotary positions, which only differences of
+    positions reach, so the padding in front changes nothing."""
+    labelled = (labels != -100).any(0).nonzero()
+    keep = ids.shape[1] - int(labelled[0]) + 1 if labelled.numel() else 1  # the first target's predictor on
+    if isinstance(model, EngramLM):
+        dead = mask == 0
+        rows = torch.as_tensor(np.asarray(layers.hasher.hash(ids.numpy(), dead.numpy())))
+        logits = model(ids, rows, dead_mask=dead)[:, -keep:]
+    else:
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
+    targets = labels[
+        :, ids.shape[1] - keep + 1 :
+    ]  # (B, keep - 1): what each kept position but the last predicts
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
 def _check_reads(layers: EngramLayers) -> None:
