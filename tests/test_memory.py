@@ -351,3 +351,15 @@ def test_target_loss_of_a_left_padded_batch_equals_each_fact_alone(model):
             losses.append(F.cross_entropy(logits[f.prompt_len - 1 : -1], t[f.prompt_len :], reduction="sum"))
     want = torch.stack(losses).sum() / sum(len(f.ids) - f.prompt_len for f in enc)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fact_whose_rows_are_all_taken_is_named():
+    """Two facts whose prompts end in the same three tokens, with other answers and no subject, share
+    every answer row: neither has a row of its own, and memorize says so (not silent)."""
+    from engram.memory import NoRowsWarning
+
+    facts = [Fact("In the light and God said", " light"), Fact("And the void and God said", " void"), *FACTS]
+    with pytest.warns(NoRowsWarning, match=r"facts have no row of their own"):
+        res = memorize(_model(), hs.tokenizer(), facts, MemorizeSettings(steps=1, choice="answer"))
+    assert len(res.rows_per_fact) == 4 and len(res.facts_without_rows) >= 1
+    assert all(res.rows_per_fact[facts.index(f)] == 0 for f in res.facts_without_rows)

@@ -16,7 +16,7 @@ from engram.memory.apply import (
 from engram.memory.choose import RowChoice
 from engram.memory.facts import Fact, read_facts
 from engram.memory.locality import patch_hits
-from engram.memory.memorize import MemorizeResult, MemorizeSettings, memorize
+from engram.memory.memorize import MemorizeResult, MemorizeSettings, NoRowsWarning, memorize
 from engram.memory.patch import MemoryPatch, load_patch, save_patch
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "MemorizeResult",
     "MemorizeSettings",
     "MemoryPatch",
+    "NoRowsWarning",
     "PatchOverlapWarning",
     "RowChoice",
     "applied_patches",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,15 @@ from engram.memory.patch import LayerRows, MemoryPatch, rows_as_float, rows_in_f
 from engram.model.lm import EngramLM
 from engram.model.table import EngramTable
 
-__all__ = ["MemorizeResult", "MemorizeSettings", "batch_of", "encode_facts", "memorize", "target_loss"]
+__all__ = [
+    "MemorizeResult",
+    "MemorizeSettings",
+    "NoRowsWarning",
+    "batch_of",
+    "encode_facts",
+    "memorize",
+    "target_loss",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +71,13 @@ class MemorizeResult:
     patch: MemoryPatch
     losses: list[float]  # the mean target loss of each pass
     seconds: float
+    rows_per_fact: list[int]  # rows each fact was given (all layers), in the facts' order
+    facts_without_rows: list[Fact]  # facts every row of which another fact or the reference reads
+
+
+class NoRowsWarning(UserWarning):
+    """Some facts have no row of their own (every row they could use is another fact's or the
+    reference's): the patch cannot carry them."""
 
 
 class _RowOverlay(EngramTable):
@@ -207,6 +223,17 @@ def memorize(
         for lid in layers.modules
     }
     chosen = {lid: r for lid, r in chosen.items() if r.numel()}
+    counts = [sum(int(v.size) for v in pf.values()) for pf in per_fact]
+    without = [f for f, n in zip(facts, counts, strict=True) if n == 0]
+    if without and chosen:
+        shown = "; ".join(f"{f.where or repr(f.prompt)}" for f in without[:3])
+        warnings.warn(
+            f"{len(without)} of {len(facts)} facts have no row of their own ({shown}{'; ...' if len(without) > 3 else ''}): "
+            "every row they could use is read by a fact with another answer or by the reference text, so the "
+            "patch cannot carry them; give them a subject, or write them in a patch of their own",
+            NoRowsWarning,
+            stacklevel=2,
+        )
     if not chosen:
         raise ValueError(
             "no row is left to carry the facts: every chosen row is read by the reference text; give less "
@@ -271,4 +298,4 @@ def memorize(
         len(facts),
         name,
     )
-    return MemorizeResult(patch, losses, time.perf_counter() - start)
+    return MemorizeResult(patch, losses, time.perf_counter() - start, counts, without)
