@@ -363,3 +363,32 @@ def test_a_fact_whose_rows_are_all_taken_is_named():
         res = memorize(_model(), hs.tokenizer(), facts, MemorizeSettings(steps=1, choice="answer"))
     assert len(res.rows_per_fact) == 4 and len(res.facts_without_rows) >= 1
     assert all(res.rows_per_fact[facts.index(f)] == 0 for f in res.facts_without_rows)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param("bf16", id="cpu-bf16"),
+        pytest.param("cuda", marks=pytest.mark.gpu, id="cuda"),
+    ],
+)
+def test_memorize_in_bf16_or_on_a_gpu_writes_a_patch_that_works_on_the_cpu(patch, where):
+    """bf16 forwards (autocast; the rows' changes stay float32) and a model on CUDA write a float32
+    patch of the same rows as the float32 CPU run, which applies to a float32 CPU model."""
+    from engram.device import cpu_has_bf16
+
+    if where == "bf16" and not cpu_has_bf16():
+        pytest.skip("this CPU has no bfloat16 arithmetic")
+    if where == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    m = _model()
+    settings = dataclasses.replace(STEPS, precision="bf16" if where == "bf16" else "float32")
+    res = memorize(m.to("cuda") if where == "cuda" else m, hs.tokenizer(), FACTS, settings)
+    p = res.patch
+    assert p.row_format == "float32" and res.losses[-1] < res.losses[0]
+    assert {k: v.rows.tolist() for k, v in p.layers.items()} == {
+        k: v.rows.tolist() for k, v in patch.layers.items()
+    }
+    cpu = _model()
+    apply_patch(cpu, p)
+    remove_patch(cpu, p)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engram.addressing.hashing import NgramHasher
+from engram.device import Precision, autocast, check_precision
 from engram.memory.apply import EngramLayers, layer_rows, reader_fingerprint, rows_crc, table_row_format
 from engram.memory.choose import FactTokens, RowChoice, fact_rows, merge_rows, rows_read, shared_rows
 from engram.memory.facts import Fact, check_facts
@@ -52,9 +53,11 @@ class MemorizeSettings:
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0
+    precision: Precision = Precision.FLOAT32  # bf16: forwards under autocast (rows and changes stay float32)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choice", RowChoice(self.choice))
+        object.__setattr__(self, "precision", Precision(self.precision))
         for name in ("steps", "batch_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -88,7 +91,7 @@ class _RowOverlay(EngramTable):
         self.__dict__["base"] = base  # not a submodule: the model's parameters stay the same set
         self.num_rows, self.dim = base.num_rows, base.dim
         self.rows = rows
-        self.delta = nn.Parameter(torch.zeros(rows.numel(), base.dim))
+        self.delta = nn.Parameter(torch.zeros(rows.numel(), base.dim, device=rows.device))
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         out = self.base.gather(rows, torch.float32)  # (..., dim)
@@ -163,7 +166,8 @@ def target_loss(
     keep = ids.shape[1] - int(labelled[0]) + 1 if labelled.numel() else 1  # the first target's predictor on
     if isinstance(model, EngramLM):
         dead = mask == 0
-        rows = torch.as_tensor(np.asarray(layers.hasher.hash(ids.numpy(), dead.numpy())))
+        rows = torch.as_tensor(np.asarray(layers.hasher.hash(ids.cpu().numpy(), dead.cpu().numpy())))
+        rows = rows.to(ids.device)
         logits = model(ids, rows, dead_mask=dead)[:, -keep:]
     else:
         positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -240,6 +244,8 @@ def memorize(
             "reference text, or another row choice"
         )
     pad = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+    device = next(model.parameters()).device
+    check_precision(s.precision, device, "precision")
     start = time.perf_counter()
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     was_training = model.training
@@ -249,7 +255,7 @@ def memorize(
             p.requires_grad_(False)
         for lid, rows in chosen.items():
             m = layers.modules[lid]
-            overlays[lid] = _RowOverlay(m.table, rows)
+            overlays[lid] = _RowOverlay(m.table, rows.to(device))
             m.table = overlays[lid]
         model.eval()  # no dropout: the rows are fitted to the model as it runs
         params = [o.delta for o in overlays.values()]
@@ -261,8 +267,9 @@ def memorize(
             total, count = 0.0, 0
             for b in range(0, len(order), s.batch_size):
                 part = [encoded[i] for i in order[b : b + s.batch_size]]
-                ids, mask, labels = batch_of(part, pad)
-                loss = target_loss(model, layers, ids, mask, labels)
+                ids, mask, labels = (t.to(device) for t in batch_of(part, pad))
+                with autocast(device, s.precision):
+                    loss = target_loss(model, layers, ids, mask, labels)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -276,9 +283,9 @@ def memorize(
             m_table = o.base
             before = layer_rows(m_table, o.rows, formats[lid])
             base_f = rows_as_float(before.values, before.scales, formats[lid])
-            new_v, new_s = rows_in_format(base_f + o.delta.detach(), formats[lid])
+            new_v, new_s = rows_in_format(base_f + o.delta.detach().cpu(), formats[lid])
             patch_layers[lid] = LayerRows(
-                o.rows.clone(), new_v, new_s, rows_crc(before.values, before.scales)
+                o.rows.cpu().clone(), new_v, new_s, rows_crc(before.values, before.scales)
             )
     finally:
         for lid, o in overlays.items():
