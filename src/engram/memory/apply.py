@@ -149,9 +149,18 @@ def _write_rows(
 ) -> None:
     w = table.weight
     idx = rows.to(w.device)
-    w.index_copy_(0, idx, values.to(w.device, w.dtype))
-    if scales is not None:
-        table.scale.index_copy_(0, idx, scales.to(w.device))
+    values = values.to(w.device, w.dtype)
+    if scales is None:
+        w.index_copy_(0, idx, values)
+    else:  # as bytes: torch has no index_copy_ for FP8's float8_e4m3fn values and e8m0 scales on the CPU
+        _raw(w).index_copy_(0, idx, _raw(values))
+        _raw(table.scale).index_copy_(0, idx, _raw(scales.to(w.device)))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t`'s bytes (uint8; the last dim times its item size): what quantised rows are copied
+    as, since torch has no index_put / index_copy_ for some of their dtypes (float8_e8m0fnu)."""
+    return t.view(torch.uint8)
 
 
 def rows_crc(values: torch.Tensor, scales: torch.Tensor | None) -> int:
@@ -185,7 +194,7 @@ def _base_of(st: _TableState | None, table: EngramTable, rows: torch.Tensor) -> 
         kept = st.rows[idx] == rows
         values[kept] = st.values[idx[kept]]
         if scales is not None:
-            scales[kept] = st.scales[idx[kept]]  # type: ignore[index]
+            _raw(scales)[kept] = _raw(st.scales[idx[kept]])  # type: ignore[index]
     return values, scales
 
 
@@ -252,7 +261,7 @@ def _recompute(table: EngramTable, st: _TableState, lid: int, rows: torch.Tensor
         count += hit
         single_v[hit] = lr.values[idx[hit]].to(single_v.dtype)
         if single_s is not None:
-            single_s[hit] = lr.scales[idx[hit]]  # type: ignore[index]
+            _raw(single_s)[hit] = _raw(lr.scales[idx[hit]])  # type: ignore[index]
         if base_f is None:
             base_f = rows_as_float(base_v, base_s, row_format)
             total = base_f.clone()
@@ -266,7 +275,7 @@ def _recompute(table: EngramTable, st: _TableState, lid: int, rows: torch.Tensor
         v, s = rows_in_format(total[many], row_format)
         single_v[many] = v.to(single_v.dtype)
         if single_s is not None:
-            single_s[many] = s  # type: ignore[index]
+            _raw(single_s)[many] = _raw(s)  # type: ignore[arg-type]
     _write_rows(table, rows, single_v, single_s)
 
 
