@@ -7,6 +7,8 @@ A room per thing you run, each with its own header:
   callbacks, ranks).
 - `study/`: `engram study` (memory, ablations, baselines, allocation, optimizers, pretrained): plans,
   runs, reports, probes.
+- `memory/`: `engram memorize` and `engram patch` (info, check), and the patch files `hf-eval` and
+  `generate` take with `--patch` (memory patches: `engram.memory`).
 - `tools/`: `engram bench` (every benchmark, one table) and `engram run-layer`.
 The library below (`engram.model`, `engram.hf`, `engram.distributed`, ...) never imports a program.
 """

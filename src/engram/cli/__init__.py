@@ -5,17 +5,17 @@ package adds its commands (`register(subparsers)`) and calls plain library funct
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
 (demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan memory / plan-memory,
 plan train: `plan_train`), `study`, `serve`, `gguf` (hf-from-gguf), `hf` (hf-train, hf-eval),
-`quantise` (quantise-check); `options` holds what they share.
+`quantise` (quantise-check), `memory` (memorize, patch info / check); `options` holds what they share.
 Library modules hold no argparse. A command's ValueError, OSError (a path refused), TypeError of our
 own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
 line, `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs: a TypeError the
 interpreter raised inside our code, a RuntimeError) keep their traceback, with a note asking for a
-report. A table a loader did not scan (`UnscannedTableWarning`) is one line `engram CMD: note: ...`; an
-Engram part on another base model than it was trained on (`BaseModelWarning`) one line
-`engram CMD: warning: ...`. Ctrl-C (SIGINT) and SIGTERM stop a command with one line, `engram CMD:
-stopped by ...` (for a run that resumes: what is kept and the command line that continues it), exit
-status 130 (`INTERRUPTED`): `main` raises `Stopped` from a SIGTERM handler it installs for the command's
-duration, then restores the handler there was.
+report. A table a loader did not scan (`UnscannedTableWarning`), or memory patches that share rows
+(`PatchOverlapWarning`), is one line `engram CMD: note: ...`; an Engram part on another base model than
+it was trained on (`BaseModelWarning`) one line `engram CMD: warning: ...`. Ctrl-C (SIGINT) and
+SIGTERM stop a command with one line, `engram CMD: stopped by ...` (for a run that resumes: what is kept
+and the command line that continues it), exit status 130 (`INTERRUPTED`): `main` raises `Stopped` from a
+SIGTERM handler it installs for the command's duration, then restores the handler there was.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import engram
-from engram.cli import addressing, bench, checkpoint, generate, gguf, quantise, serve, study, systems
+from engram.cli import addressing, bench, checkpoint, generate, gguf, memory, quantise, serve, study, systems
 from engram.cli.hf import register as register_hf
 from engram.cli.stopping import Stopped, sigterm_stops
 from engram.cli.train import add_training_commands
@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_hf(sub)
     gguf.register(sub)
     quantise.register(sub)
+    memory.register(sub)
     return parser
 
 
@@ -95,8 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def note(message: Any, category: type[Warning], *rest: Any, **kw: Any) -> None:
         base = sys.modules.get("engram.hf.base")  # imported by whatever warned of another base model
         io = sys.modules.get("engram.hf.io")  # imported by whatever read an older HF folder
-        if issubclass(category, UnscannedTableWarning) or (
-            io is not None and issubclass(category, io.OlderFolderWarning)
+        patches = sys.modules.get("engram.memory.apply")  # imported by whatever applied a memory patch
+        if (
+            issubclass(category, UnscannedTableWarning)
+            or (io is not None and issubclass(category, io.OlderFolderWarning))
+            or (patches is not None and issubclass(category, patches.PatchOverlapWarning))
         ):
             print(f"engram {args.command}: note: {message}", file=sys.stderr)
         elif base is not None and issubclass(category, base.BaseModelWarning):

@@ -1,4 +1,5 @@
-"""`engram generate`: continue a prompt with a trained checkpoint, optionally with offloaded tables.
+"""`engram generate`: continue a prompt with a trained checkpoint, optionally with offloaded tables and
+memory patches (`--patch`, `engram.apps.memory.files`).
 
 The generation itself is `engram.apps.lm.generate` (`load_generator`, `generate`); the offload is
 `engram.systems.offload_engram`. Only option checks, the run and the printing here.
@@ -17,11 +18,13 @@ from typing import Any
 import torch
 
 from engram.apps.lm.generate import MIN_TEMPERATURE, check_options, generate, load_generator
+from engram.apps.memory.files import PatchFile, apply_patches, read_patches
 from engram.cli.options import (
     add_device_options,
     add_verify_option,
     device_from_args,
     human_bytes,
+    input_file,
     input_folder,
     non_negative_int,
     output_folder,
@@ -87,6 +90,14 @@ def register(sub: Any) -> None:
         type=output_folder,
         help="with --offload ssd: folder for the table files (default: a temp folder)",
     )
+    p.add_argument(
+        "--patch",
+        action="append",
+        type=input_file,
+        metavar="PATCH",
+        help="a memory patch file for this checkpoint's Engram tables, applied before generating (and "
+        "before --offload); repeat it for several, applied in the order given",
+    )
     add_device_options(p, "generate")
     add_verify_option(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")
@@ -102,12 +113,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--cache-rows and --offload-dir apply to offloaded tables: add --offload host|ssd")
     device, precision = device_from_args(args)
     set_threads(args)
+    patches = read_patches(args.patch or ())  # checked before the model loads
     model, tok, hasher, state = load_generator(args.checkpoint, verify=args.verify, device=device)
     if args.mask_engram and not model.engrams:
         raise ValueError(f"{state['path']} has no Engram modules to mask; drop --mask-engram")
+    if patches:
+        if hasher is None:
+            raise ValueError(
+                f"{state['path']} has no Engram layers, so a memory patch has no rows to write; drop --patch"
+            )
+        # into the tables in memory, before --offload quantises and moves them (the patched rows with them)
+        apply_patches(model, patches, hasher=hasher)
     with tempfile.TemporaryDirectory(prefix="engram-generate-") as tmp:  # --offload ssd's default folder
         tables = _offload(model, args, args.offload_dir or tmp) if args.offload else {}
-        return _generate_and_print(args, model, tok, hasher, state, tables, precision)
+        return _generate_and_print(args, model, tok, hasher, state, tables, precision, patches)
 
 
 def _generate_and_print(
@@ -118,6 +137,7 @@ def _generate_and_print(
     state: dict[str, Any],
     tables: dict,
     precision: Precision,
+    patches: list[PatchFile],
 ) -> int:
     prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
@@ -161,6 +181,7 @@ def _generate_and_print(
             "seconds": out.seconds,
             "tokens_per_s": out.tokens_per_s,
             "offload": offload or None,
+            "patches": [{"path": p.path, "name": p.patch.name} for p in patches],
         }
         print(json.dumps(result, ensure_ascii=False))
         return 0
@@ -171,7 +192,8 @@ def _generate_and_print(
     how = "greedy" if greedy else f"temperature {args.temperature:g}, top-k {args.top_k}, seed {args.seed}"
     print(
         f"--- {args.tokens} tokens x {args.batch} sequence(s) in {out.seconds:.2f} s ({out.tokens_per_s:.1f} tokens/s); "
-        f"{state['path']} (step {state['step']}), engram {engram}, {how}",
+        f"{state['path']} (step {state['step']}), engram {engram}, {how}"
+        + "".join(f", patch {p.path}" for p in patches),
         file=sys.stderr,
     )
     for lid, st in offload.items():

@@ -1,7 +1,7 @@
 """The commands on Hugging Face model folders: `hf-train` (attach Engram, train with the HF Trainer,
-write one folder: `engram.apps.hf.train`), `hf-eval` (held-out loss of a folder:
-`engram.apps.hf.folder`) and `hf-upgrade` (an older folder made an Engram model's:
-`engram.apps.hf.upgrade`)."""
+write one folder: `engram.apps.hf.train`), `hf-eval` (held-out loss of a folder, with memory patches
+applied by `--patch`: `engram.apps.hf.folder`) and `hf-upgrade` (an older folder made an Engram
+model's: `engram.apps.hf.upgrade`)."""
 
 from __future__ import annotations
 
@@ -187,11 +187,15 @@ def cmd_hf_eval(args: argparse.Namespace) -> int:
         device=device,
         precision=precision,
         verify=args.verify,
+        patches=args.patch or (),
     )
     if args.json:
         print(json.dumps(r))
     else:
         part = "with its Engram part" if r["engram"] else "without Engram"
+        if r["patches"]:
+            part += f" and the patch{'es' if len(r['patches']) > 1 else ''} "
+            part += ", ".join(p["path"] for p in r["patches"])
         print(
             f"{r['folder']} ({part}): loss {r['loss']:.4f} nats/token (perplexity {r['perplexity']:.2f}) "
             "over "
@@ -337,6 +341,14 @@ def register(sub: Any) -> None:
         help="blocks evaluated (default: the folder's run's, else 64; 0: all)",
     )
     p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument(
+        "--patch",
+        action="append",
+        type=input_file,
+        metavar="PATCH",
+        help="a memory patch file (engram memorize) applied before the evaluation; repeat it for several, "
+        "applied in the order given",
+    )
     add_verify_option(p)
     p.set_defaults(func=cmd_hf_eval)
 

@@ -440,10 +440,16 @@ def config_sizes(config: Any) -> tuple[int, int, int | None]:
 
 
 def read_folder_engram(
-    folder: str | os.PathLike[str], config: Any, *, tokenizer: Any = None, verify: bool = False
+    folder: str | os.PathLike[str],
+    config: Any,
+    *,
+    tokenizer: Any = None,
+    verify: bool = False,
+    mmap: bool = True,
 ) -> ReadPart:
     """`read_engram` of an HF model folder's part against the backbone its `config` (the folder's,
-    read) describes: checked before the backbone is loaded."""
+    read) describes: checked before the backbone is loaded. `mmap=False`: quantised tables read into
+    memory (where rows are written: memory patches)."""
     depth, hidden, vocab = config_sizes(config)
     return read_engram(
         folder,
@@ -453,6 +459,7 @@ def read_folder_engram(
         vocab_size=vocab,
         tokenizer=tokenizer,
         verify=verify,
+        mmap=mmap,
     )
 
 

@@ -1,13 +1,14 @@
 """An HF causal-LM folder for `engram hf-train` / `hf-eval`: the checks that read nothing heavy
 (config.json, a tokenizer, weights; depth and width), loading its tokenizer and model with errors that
 name the folder, the held-out loss of a model, and `evaluate_folder` (a folder with or without its
-Engram part, on a corpus split as `hf-train` split it).
+Engram part, and with memory patches applied, on a corpus split as `hf-train` split it).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from engram.apps.hf.corpus import HELD_OUT, SEQ_LEN_ONE, read_corpus, read_documents
 from engram.apps.hf.weights import check_links, check_weights, reason
+from engram.apps.memory.files import apply_patches, describe, read_patches
 from engram.checkpoint.files import member_file
 from engram.checkpoint.input_files import path_kind
 from engram.checkpoint.json_file import read_json
@@ -27,6 +29,7 @@ __all__ = [
     "check_folder",
     "evaluate_folder",
     "held_out_loss",
+    "load_engram_folder",
     "load_model",
     "load_tokenizer",
     "model_depth",
@@ -152,6 +155,28 @@ def load_model(
     return model
 
 
+def _require_engram(folder: str, why: str) -> None:
+    """Refuse a folder without an Engram part (engram/) for `why` (what needs one), with the fix."""
+    if path_kind(Path(folder) / "engram") != "a folder":
+        raise ValueError(
+            f"{folder} has no Engram part (engram/), so {why}: train one with `engram hf-train {folder} "
+            "--corpus TEXT --out DIR` first, and give DIR"
+        )
+
+
+def load_engram_folder(folder: str, *, verify: bool = False) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of an HF folder with its Engram part, its tables in memory (quantised ones
+    too: rows a memory patch writes); a folder without Engram is refused, naming the fix. The part is
+    checked before the backbone loads, as `evaluate_folder` checks it."""
+    from engram.hf.io import read_folder_engram
+
+    hf_config = check_folder(folder)
+    _require_engram(folder, "it has no Engram rows to write facts into")
+    tok = load_tokenizer(folder)
+    read = read_folder_engram(folder, hf_config, tokenizer=tok, verify=verify, mmap=False)
+    return load_model(folder, part=read), tok
+
+
 def _cannot_load(folder: str, e: BaseException) -> ValueError:
     return ValueError(
         f"{folder}: transformers cannot load it as a causal LM ({reason(e)}): give a folder "
@@ -196,17 +221,22 @@ def evaluate_folder(
     device: torch.device | None = None,
     precision: Precision = Precision.FLOAT32,
     verify: bool = False,
+    patches: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Loss of an HF folder (with its Engram part when it has `engram/`) on a corpus's held-out blocks:
     the split of `hf-train`, its `seq_len`, `held_out` and `eval_blocks` read from the folder's
     engram_train.json when not given (else 128, 5% and 64). `held_out=0`: the whole corpus;
     `max_blocks=0`: every block. On `device` (default the CPU) in `precision`. The part is checked as
     `load_engram` checks it (every tensor's CRC32, tables over 256 MiB only with `verify`; another base
-    model: a `BaseModelWarning`)."""
+    model: a `BaseModelWarning`). `patches`: memory patch files applied in that order before the
+    evaluation (`engram.memory`; one that does not fit the model is refused, naming its file)."""
     if seq_len == 1:
         raise ValueError(SEQ_LEN_ONE)
+    files = read_patches(patches)  # checked before anything heavy is read
     docs = read_documents(corpus)
     hf_config = check_folder(folder)
+    if files:
+        _require_engram(folder, "a memory patch has no rows to write")
     saved = {}
     if os.path.lexists(Path(folder) / RUN_FILE):
         run = read_json(member_file(folder, RUN_FILE, "the model folder's record of its training run"))
@@ -232,8 +262,9 @@ def evaluate_folder(
     if has_engram:  # checked and read before the backbone loads: a damaged part costs no model load
         from engram.hf.io import read_folder_engram
 
-        read = read_folder_engram(folder, hf_config, tokenizer=tok, verify=verify)
+        read = read_folder_engram(folder, hf_config, tokenizer=tok, verify=verify, mmap=not files)
     model = load_model(folder, part=read)
+    apply_patches(model, files)  # on the CPU, before the move: the tables' original rows stay there
     if device is not None:
         model.to(device)
     result = held_out_loss(model, blocks, batch_size, precision)
@@ -246,5 +277,8 @@ def evaluate_folder(
         "seq_len": seq_len,
         "held_out": held_out,
         "blocks": blocks.shape[0],
+        "patches": [
+            {k: d[k] for k in ("path", "name", "facts", "rows", "fingerprint")} for d in map(describe, files)
+        ],
         **result,
     }

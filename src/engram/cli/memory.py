@@ -1,0 +1,243 @@
+"""`engram memorize` (facts written into an HF model folder's Engram rows, as a memory patch file) and
+`engram patch info` / `engram patch check` (what a patch file holds; whether a folder's model takes
+patches): `engram.apps.memory` runs them on `engram.memory`. Only option checks, the run and the
+printing here. `--patch` of `hf-eval` and `generate` is theirs (`engram.cli.hf`, `engram.cli.generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from engram.cli.options import (
+    add_verify_option,
+    input_file,
+    input_folder,
+    output_file,
+    positive_float,
+    positive_int,
+    seed,
+    set_threads,
+    threads,
+)
+from engram.memory import MemorizeSettings, RowChoice
+
+__all__ = ["register"]
+
+DEFAULTS = MemorizeSettings()
+PATCH_CHECK_HELP = "whether an HF model folder's model takes memory patches, applied in the order given"
+PATCH_INFO_HELP = "what a memory patch file holds: facts, rows per layer, bytes, row format, fingerprint"
+
+
+def register(sub: Any) -> None:
+    """Add `memorize` and `patch info|check` to the `engram` subparsers."""
+    p = sub.add_parser(
+        "memorize",
+        help="write facts (a JSONL file) into an HF model folder's Engram rows, as a memory patch file",
+    )
+    p.add_argument(
+        "folder", type=input_folder, help="an HF model folder with its Engram part (hf-train's --out)"
+    )
+    p.add_argument(
+        "--facts",
+        type=input_file,
+        required=True,
+        metavar="FACTS.jsonl",
+        help='a JSONL file, one fact a line: {"prompt": ..., "target": " answer"}, optional "subject"',
+    )
+    p.add_argument(
+        "--out",
+        type=output_file,
+        required=True,
+        metavar="PATCH.safetensors",
+        help="the patch file to write (a new file: *.safetensors)",
+    )
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=DEFAULTS.steps,
+        metavar="N",
+        help=f"passes over the facts (default {DEFAULTS.steps})",
+    )
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=DEFAULTS.lr,
+        metavar="X",
+        help=f"Adam learning rate on the rows (default {DEFAULTS.lr:g})",
+    )
+    p.add_argument(
+        "--rows",
+        choices=[c.value for c in RowChoice],
+        default=DEFAULTS.choice.value,
+        help="which rows carry a fact: those before the answer, those of its subject's n-grams, or both "
+        f"(default {DEFAULTS.choice.value})",
+    )
+    p.add_argument(
+        "--rows-per-fact",
+        type=positive_int,
+        metavar="N",
+        help="at most N rows a fact in each layer (default: every row chosen)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=DEFAULTS.batch_size,
+        metavar="N",
+        help=f"facts a step (default {DEFAULTS.batch_size})",
+    )
+    p.add_argument(
+        "--reference",
+        type=input_file,
+        metavar="TEXTFILE",
+        help='a UTF-8 text file (or JSONL with a "text" field, as hf-eval\'s --corpus) whose rows no fact '
+        "takes: text that must read none of the patch",
+    )
+    p.add_argument("--name", help="the patch's name (default: the --out file's name less .patch.safetensors)")
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=DEFAULTS.seed,
+        metavar="N",
+        help=f"the order of the facts (default {DEFAULTS.seed})",
+    )
+    p.add_argument("--threads", type=threads, metavar="N", help="torch threads (default: the idle cores)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_verify_option(p)
+    p.set_defaults(func=cmd_memorize)
+
+    patch = sub.add_parser(
+        "patch", help="memory patch files: what one holds (info), what fits a model (check)"
+    )
+    what = patch.add_subparsers(dest="patch", metavar="WHAT", required=True)
+    p = what.add_parser("info", help=PATCH_INFO_HELP)
+    p.add_argument(
+        "patch_file", type=input_file, metavar="PATCH", help="a patch file (engram memorize --out)"
+    )
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=cmd_patch_info)
+    p = what.add_parser("check", help=PATCH_CHECK_HELP)
+    p.add_argument("folder", type=input_folder, help="an HF model folder with its Engram part")
+    p.add_argument("patches", nargs="+", metavar="PATCH", help="patch files, applied in this order")
+    p.add_argument("--threads", type=threads, metavar="N", help="torch threads (default: the idle cores)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_verify_option(p)
+    p.set_defaults(func=cmd_patch_check)
+
+
+def cmd_memorize(args: argparse.Namespace) -> int:
+    from engram.apps.memory.memorize import memorize_folder
+
+    settings = MemorizeSettings(
+        choice=RowChoice(args.rows),
+        rows_per_fact=args.rows_per_fact,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    set_threads(args)
+    with _bars(not args.no_progress, args.steps) as progress:
+        r = memorize_folder(
+            args.folder,
+            args.facts,
+            args.out,
+            settings,
+            reference=args.reference,
+            name=args.name,
+            progress=progress,
+            verify=args.verify,
+        )
+    if args.json:
+        print(json.dumps(r))
+    else:
+        layers = ", ".join(f"layer {k}: {n:,}" for k, n in r["rows_per_layer"].items())
+        print(
+            f"{r['patch']}: {r['facts']:,} facts in {r['rows']:,} rows ({layers}), {r['bytes']:,} bytes "
+            f"({r['bytes_per_fact']:,.0f} a fact); loss {r['loss_first']:.4f} -> {r['loss']:.4f} after "
+            f"{r['steps']} passes, {r['seconds']:.1f} s"
+        )
+    return 0
+
+
+@contextlib.contextmanager
+def _bars(shown: bool, passes: int) -> Iterator[Callable[[int, float], None] | None]:
+    """The progress bar of `engram memorize` (a tick a pass, the loss beside it; drawn from the first
+    pass on, once the model is loaded) and transformers' loading bars, shown or not: yields the callback
+    `memorize` takes, or None."""
+    import transformers.utils.logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    bars: list[Any] = []
+
+    def progress(step: int, loss: float) -> None:
+        if not bars:
+            from tqdm.auto import tqdm
+
+            bars.append(
+                tqdm(
+                    total=passes, desc="memorize", unit="pass", mininterval=0.5 if sys.stderr.isatty() else 10
+                )
+            )
+        bars[0].update(step - bars[0].n)
+        bars[0].set_postfix(loss=f"{loss:.3f}")
+
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield progress if shown else None
+    finally:
+        if bars:
+            bars[0].close()
+        if was and not shown:
+            hf_logging.enable_progress_bar()
+
+
+def cmd_patch_info(args: argparse.Namespace) -> int:
+    from engram.apps.memory.files import describe, read_patches
+
+    d = describe(read_patches([args.patch_file])[0])
+    if args.json:
+        print(json.dumps(d))
+        return 0
+    layers = ", ".join(f"layer {k}: {n:,} of {d['table_rows'][k]:,}" for k, n in d["rows_per_layer"].items())
+    print(f"{d['path']}: memory patch {d['name']!r}")
+    print(f"  facts        {d['facts']:,}")
+    print(f"  rows         {d['rows']:,} ({layers})")
+    print(
+        f"  bytes        {d['bytes']:,} ({d['row_bytes']:,} of rows; {d['bytes'] / max(d['facts'], 1):,.0f} a fact)"
+    )
+    print(f"  row format   {d['row_format']}, {d['dim']} values a row")
+    print(f"  fingerprint  {d['fingerprint']}")
+    print(f"  fits         layout {d['layout'][:12]}, tokenizer {d['tokenizer'][:12]}")
+    return 0
+
+
+def cmd_patch_check(args: argparse.Namespace) -> int:
+    from engram.apps.memory.memorize import check_patches
+
+    set_threads(args)
+    results = check_patches(args.folder, args.patches, verify=args.verify)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for r in results:
+            if r["fits"]:
+                shares = "".join(f"; {s}" for s in r["shares"])
+                print(f"{r['path']}: fits ({r['rows']:,} rows){shares}")
+            else:
+                print(f"{r['path']}: does not fit: {r['error']}")
+    refused = [r["path"] for r in results if not r["fits"]]
+    if refused:
+        print(
+            f"engram patch: error: the model of {args.folder} refused {len(refused)} of the {len(results)} "
+            f"patches ({', '.join(refused)}): each line above says why",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
