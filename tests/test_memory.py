@@ -392,3 +392,21 @@ def test_memorize_in_bf16_or_on_a_gpu_writes_a_patch_that_works_on_the_cpu(patch
     cpu = _model()
     apply_patch(cpu, p)
     remove_patch(cpu, p)
+
+
+def test_no_row_of_an_ngram_that_reaches_before_the_start_is_chosen(model):
+    """A subject at the prompt's start: its first n-grams read pads (any text starting with it reads
+    them): they are never chosen; the n-grams wholly inside the prompt are."""
+    from engram.memory.choose import fact_rows
+    from engram.memory.memorize import encode_facts
+
+    hasher = EngramLayers.of(model).hasher
+    (fact,) = encode_facts(hs.tokenizer(), [Fact("Zorvath the land is called", " light", subject="Zorvath")])
+    rows = np.asarray(hasher.hash(np.asarray(fact.ids)))  # (T, layers, heads)
+    orders = 2 + np.arange(rows.shape[2]) // hasher.config.n_heads
+    reaching = {int(rows[t, 0, h]) for t in range(2) for h, n in enumerate(orders) if t - n + 1 < 0}
+    inside = {
+        int(rows[t, 0, h]) for t in range(rows.shape[0] - 1) for h, n in enumerate(orders) if t - n + 1 >= 0
+    }
+    chosen = set(fact_rows(hasher, fact, "both")[1].tolist())
+    assert chosen and chosen <= inside and not (chosen & (reaching - inside))

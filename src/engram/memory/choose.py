@@ -8,7 +8,8 @@ the rows of the n-grams ending at t hold. `RowChoice`:
 - SUBJECT: the rows of every n-gram that holds a token of the fact's subject (its entity: "Talven
   Orrik"), wherever it ends: the fact's own trigger, which the model must carry to the answer.
 - BOTH: the union.
-`common` rows (those a reference text reads: `rows_read`, or other facts: `shared_rows`) are left
+An n-gram that reaches before the sequence's start (pads, then its first tokens) is never chosen:
+every text that starts with those tokens reads it. `common` rows (those a reference text reads: `rows_read`, or other facts: `shared_rows`) are left
 out, so that text is untouched; `max_rows` keeps the answer's rows first, then the longest n-grams,
 the latest first. Knows tokens and rows, nothing of models.
 """
@@ -47,12 +48,25 @@ class FactTokens:
         return range(self.prompt_len - 1, len(self.ids) - 1)
 
 
-def rows_read(hasher: NgramHasher, sequences: list[list[int]]) -> dict[int, np.ndarray]:
-    """{layer id: sorted unique rows} that the token sequences read (e.g. a reference text's)."""
+def rows_read(hasher: NgramHasher, sequences: list[list[int]] | list[np.ndarray]) -> dict[int, np.ndarray]:
+    """{layer id: sorted unique rows} that the token sequences read (e.g. a reference text's), however
+    they are cut into blocks: a block's first tokens read pads before its start, so each sequence is
+    hashed again with a window start every k + 1 tokens, at each phase, for k = 0 .. max_ngram_size - 2
+    (a block starting k tokens before a position: what that position reads)."""
+    back = hasher.config.max_ngram_size - 1
     out: dict[int, list[np.ndarray]] = {lid: [] for lid in hasher.config.layer_ids}
-    for ids in sequences:
-        if len(ids):
-            rows = np.asarray(hasher.hash(np.asarray(ids, dtype=np.int64)))  # (T, layers, heads)
+    for seq in sequences:
+        ids = np.asarray(seq, dtype=np.int64)
+        if not ids.size:
+            continue
+        passes: list[np.ndarray | None] = [None]
+        for k in range(back):
+            for phase in range(min(k + 1, ids.size)):
+                starts = np.zeros(ids.size, dtype=bool)
+                starts[phase :: k + 1] = True
+                passes.append(starts)
+        for starts in passes:
+            rows = np.asarray(hasher.hash(ids, starts=starts))  # (T, layers, heads)
             for i, lid in enumerate(hasher.config.layer_ids):
                 out[lid].append(rows[:, i].reshape(-1))
     return {lid: np.unique(np.concatenate(v)) if v else np.empty(0, np.int64) for lid, v in out.items()}
@@ -77,6 +91,8 @@ def fact_rows(
     answer = set(fact.answer_positions)
     for t in range(last):
         for h, n in enumerate(orders):
+            if t - n + 1 < 0:  # the n-gram reaches before the start: pads and a first token any text may share
+                continue
             by_answer = t in answer and choice in (RowChoice.ANSWER, RowChoice.BOTH)
             by_subject = False
             if fact.subject is not None and choice in (RowChoice.SUBJECT, RowChoice.BOTH):

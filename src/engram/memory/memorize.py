@@ -218,7 +218,7 @@ def memorize(
     everything = [fact_rows(layers.hasher, f, s.choice) for f in encoded]
     common = shared_rows(everything, [f.target for f in facts])
     if reference:
-        common = merge_rows(common, rows_read(layers.hasher, [list(r) for r in reference]))
+        common = merge_rows(common, rows_read(layers.hasher, list(reference)))
     per_fact = [
         fact_rows(layers.hasher, f, s.choice, common=common, max_rows=s.rows_per_fact) for f in encoded
     ]

@@ -55,12 +55,10 @@ def _pieces(text: str, size: int) -> list[str]:
 def reference_sequences(
     documents: Sequence[str], tokenizer: Any, config: EngramConfig, *, chunk_chars: int = CHUNK_CHARS
 ) -> list[np.ndarray]:
-    """Token sequences (int64 arrays) that read every row `documents` read when cut into blocks of any
-    length: the ids as `hf-eval` reads a corpus (no special tokens, the documents joined by the
-    tokenizer's EOS), tokenized `chunk_chars` at a time; then, since a block's first n-grams read pads
-    before its start, the same ids with `max_ngram_size - 1` pad ids before every (max_ngram_size - 1)-th
-    token, once for each offset (what a block starting at any token reads). Cut into sequences of
-    `SEQUENCE_TOKENS` that overlap by `max_ngram_size - 1`, so no n-gram is lost at a cut."""
+    """Token sequences (int64 arrays) of `documents` as `hf-eval` reads a corpus (no special tokens, the
+    documents joined by the tokenizer's EOS), tokenized `chunk_chars` at a time, cut into sequences of
+    `SEQUENCE_TOKENS` that overlap by `max_ngram_size - 1`, so no n-gram is lost at a cut (the rows a
+    block starting anywhere reads are `engram.memory.choose.rows_read`'s)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     parts: list[np.ndarray] = []
     for doc in documents:
@@ -70,12 +68,8 @@ def reference_sequences(
             parts.append(np.array([eos], dtype=np.int64))
     stream = np.concatenate(parts) if parts else np.empty(0, np.int64)
     back = config.max_ngram_size - 1  # tokens an n-gram reaches back
-    streams = [stream]
-    for k in range(min(back, stream.size)):  # pads where a block could start: the start's own n-grams
-        at = np.repeat(np.arange(k, stream.size, back), back)
-        streams.append(np.insert(stream, at, config.pad_token_id))
     step = SEQUENCE_TOKENS - back
-    return [x[i : i + SEQUENCE_TOKENS] for x in streams for i in range(0, max(x.size - back, 1), step)]
+    return [stream[i : i + SEQUENCE_TOKENS] for i in range(0, max(stream.size - back, 1), step)]
 
 
 def _refuse_existing(out: str | os.PathLike[str]) -> None:
