@@ -18,6 +18,7 @@ import hf_setup as S
 import training_setup
 from cli_setup import CPU
 from engram.apps.study import memorize as SM
+from engram.apps.study import memorize_arms as MA
 from engram.apps.study import memorize_models as MM
 from engram.apps.study.memorize_report import METRICS
 from engram.cli import main
@@ -130,23 +131,23 @@ def test_in_prompt_questions_hold_the_fact(study, folder, monkeypatch):
     ctx = SM.in_prompt(rec)
     assert ctx == f"{rec['prompt']}{rec['target']}. "
     seen: list[str] = []
-    real = SM._fact
+    real = MA.question
 
     def spy(r, q=None, prefix=""):
         f = real(r, q, prefix)
         seen.append(f.prompt)
         return f
 
-    monkeypatch.setattr(SM, "_fact", spy)
+    monkeypatch.setattr(MA, "question", spy)
     s = MM.hf_subject(str(folder), "", (out / "memorize" / "corpus" / "held.txt").read_text(), 512, 64)
-    SM._answers(s, s.model, [rec], SM.in_prompt, PLAN)
+    MA.answers(s, s.model, [rec], MA.in_prompt)
     assert seen == [ctx + q["prompt"] for q in [rec, *rec["paraphrases"], rec["indirect"]]]
 
 
 def test_a_second_run_trains_and_measures_nothing(study, folder, corpus, demo_cfg, monkeypatch):
     out, r = study
     assert r["new_runs"] == 2 * 2 * 5 and r["new_pilot_runs"] == 2 * 2 * 2  # every arm but none
-    for name in ("memorize", "_fit", "_answers", "locality"):
+    for name in ("memorize", "fit", "answers", "locality", "position_losses"):
         monkeypatch.setattr(SM, name, lambda *a, **kw: pytest.fail("measured again"))
     again = _study(out, folder, corpus, demo_cfg)
     assert again["new_runs"] == 0 and again["new_pilot_runs"] == 0

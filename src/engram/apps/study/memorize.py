@@ -2,7 +2,7 @@
 LoRA, a fine-tuned last layer and the fact given in the prompt, for 10, 100 and 1,000 of the shipped
 synthetic facts (`facts_gen.FACTS_PATH`; seed s's n facts: the first n of a permutation drawn with s).
 
-Models (`subjects`): an HF folder with Engram, and the demo's own Engram LM. The HF folder is --model
+Models: an HF folder with Engram, and the demo's own Engram LM. The HF folder is --model
 (a plain folder gets Engram first, trained as `engram study pretrained`'s Engram-alone arm trains it:
 its plan, default layers and rows); without it, that arm's seed-0 folder when `<out>/pretrained/
 results.json` names one, else SmolLM2-135M converted into `<out>/smollm2-135m` and trained so. The demo
@@ -11,31 +11,43 @@ tiny one; minutes on 2 cores); `demo=False` skips it. Everything but that traini
 `memorize` writes patches there.
 
 Arms (`ARMS`), each on the same facts, passes, batch and batch order, loss on the target tokens only:
-none, patch, lora-r1, lora-r8, last-layer, in-prompt. LoRA's and the last layer's learning rates: a
-pilot on seed 0 (`pilot_lrs`). Measurements: `memorize_probes`; report: `memorize_report`.
+none, patch, lora-r1, lora-r8, last-layer, in-prompt (`memorize_arms`). LoRA's and the last layer's
+learning rates: a pilot on seed 0 (`MemorizePlan`). Models: `memorize_models`; measurements:
+`memorize_probes`; report: `memorize_report`.
 Resumable as `study pretrained`: a run's record `<out>/runs/memorize-<key>.json` (atomic), its key a
 hash of the model's files, the facts, the arm and its settings; a finished run is reused.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import hashlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from engram.apps.study.facts_gen import FACTS_PATH
+from engram.apps.study.memorize_arms import (
+    LORA_RANKS,
+    answers,
+    fact_subset,
+    fit,
+    in_prompt,
+    metrics,
+    nbytes,
+    question,
+    read_records,
+    trainable,
+)
 from engram.apps.study.memorize_models import (
     Subject,
     demo_folder,
@@ -44,12 +56,11 @@ from engram.apps.study.memorize_models import (
     hf_folder,
     hf_subject,
 )
-from engram.apps.study.memorize_probes import greedy, locality, padded, position_losses, score
+from engram.apps.study.memorize_probes import locality, position_losses
 from engram.apps.study.memorize_report import summarize, write_report
 from engram.apps.study.pretrained import pretrained_plan, write_corpus
 from engram.apps.study.pretrained_report import write_atomic
 from engram.memory import (
-    Fact,
     MemorizeSettings,
     apply_patch,
     memorize,
@@ -57,14 +68,12 @@ from engram.memory import (
     remove_patch,
     save_patch,
 )
-from engram.memory.memorize import target_loss
 
 __all__ = ["ARMS", "MemorizePlan", "fact_subset", "memorize_plan", "read_records", "run_memorize_study"]
 
 STUDY = "memorize"
 _VERSION = 1
 ARMS = ("none", "patch", "lora-r1", "lora-r8", "last-layer", "in-prompt")
-_LORA_RANKS = {"lora-r1": 1, "lora-r8": 8}
 
 
 @dataclass(frozen=True)
@@ -117,183 +126,9 @@ def memorize_plan(
     return p if facts is None else replace(p, facts=tuple(sorted(set(facts))))
 
 
-# ------------------------------------------------------------------------------------------- facts
-_NEEDS = {
-    "prompt": str,
-    "target": str,
-    "subject": str,
-    "paraphrases": list,
-    "indirect": dict,
-    "neighbours": list,
-}
-
-
-def _text(v: Any) -> bool:
-    return isinstance(v, str) and bool(v.strip())
-
-
-def _questions(qs: list[Any]) -> bool:
-    return bool(qs) and all(
-        isinstance(q, dict) and _text(q.get("prompt")) and _text(q.get("target")) for q in qs
-    )
-
-
-def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The study's fact records (one JSON object a line, as `facts_gen` writes them)."""
-    p = Path(path)
-    out = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{n}: not a JSON object ({e}); write one record a line") from None
-        bad = [k for k, t in _NEEDS.items() if not isinstance(r.get(k) if isinstance(r, dict) else None, t)]
-        if not bad:  # each question {"prompt", "target"}; neighbours: prompts
-            bad = [
-                k
-                for k, qs in (("paraphrases", r["paraphrases"]), ("indirect", [r["indirect"]]))
-                if not _questions(qs)
-            ]
-            bad += [] if r["neighbours"] and all(_text(q) for q in r["neighbours"]) else ["neighbours"]
-        if bad:
-            raise ValueError(
-                f"{p}:{n}: no {bad[0]!r} of the right kind; each record needs {', '.join(_NEEDS)} "
-                "(python -m engram.apps.study.facts_gen writes the shipped file)"
-            )
-        r.setdefault("id", f"line{n}")
-        out.append(r)
-    if not out:
-        raise ValueError(f"{p}: no fact records")
-    return out
-
-
-def fact_subset(total: int, n: int, seed: int) -> list[int]:
-    """Seed `seed`'s `n` facts: the first n of a permutation of range(total) drawn with that seed (so the
-    10 facts of a seed are among its 100)."""
-    return torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n].tolist()
-
-
-def _fact(r: dict[str, Any], q: dict[str, Any] | None = None, prefix: str = "") -> Fact:
-    q = q or r
-    return Fact(prefix + q["prompt"], q["target"])
-
-
-def in_prompt(r: dict[str, Any]) -> str:
-    """The in-prompt arm's context: the fact as a sentence, then a space."""
-    return f"{r['prompt']}{r['target']}. "
-
-
-# ------------------------------------------------------------------------------------------- arms
-def _fit(
-    s: Subject,
-    model: nn.Module,
-    params: list[nn.Parameter],
-    facts: list[Fact],
-    lr: float,
-    plan: MemorizePlan,
-    seed: int,
-) -> tuple[list[float], float]:
-    """Adam on `params` as memorize trains rows: the same passes, batches and order; (losses, seconds)."""
-    start = time.perf_counter()
-    encoded = s.questions(facts)
-    layers = s.layers(model)
-    opt = torch.optim.Adam(params, lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    model.eval()  # no dropout, as memorize
-    losses = []
-    for _ in range(plan.steps):
-        order = torch.randperm(len(encoded), generator=g).tolist()
-        total = 0.0
-        for b in range(0, len(order), plan.batch_size):
-            part = [encoded[i] for i in order[b : b + plan.batch_size]]
-            ids, mask = padded([f.ids for f in part], s.pad)
-            labels = torch.full_like(ids, -100)
-            for i, f in enumerate(part):
-                labels[i, f.prompt_len : len(f.ids)] = ids[i, f.prompt_len : len(f.ids)]
-            loss = target_loss(model, layers, ids, mask, labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) * len(part)
-        losses.append(total / len(encoded))
-    return losses, time.perf_counter() - start
-
-
-def _trainable(s: Subject, arm: str, seed: int) -> tuple[nn.Module, list[nn.Parameter]]:
-    """A copy of the base model with the arm's parameters made trainable (the rest frozen)."""
-    model = copy.deepcopy(s.model)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if arm in _LORA_RANKS:
-        import peft
-
-        r = _LORA_RANKS[arm]
-        cfg = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=s.lora_targets(model))
-        with torch.random.fork_rng():  # LoRA's A is drawn from the global generator
-            torch.manual_seed(seed)
-            peft.inject_adapter_in_model(cfg, model)
-        params = [p for n, p in model.named_parameters() if "lora_" in n]
-    else:
-        params = list(s.decoder_layers(model)[-1].parameters())
-    for p in params:
-        p.requires_grad_(True)
-    return model, params
-
-
-def _answers(
-    s: Subject,
-    model: nn.Module,
-    recs: list[dict[str, Any]],
-    prefix: Callable[[dict[str, Any]], str],
-    plan: MemorizePlan,
-) -> list[dict[str, Any]]:
-    """Per record: direct and indirect [exact, logprob], paraphrase [[exact, logprob], ...] and the
-    neighbours' greedy tokens [[ids], ...], each question after `prefix(record)`."""
-    f = s.logits(model)
-    questions = {
-        "direct": [[r] for r in recs],
-        "paraphrase": [r["paraphrases"] for r in recs],
-        "indirect": [[r["indirect"]] for r in recs],
-    }
-    out: list[dict[str, Any]] = [{} for _ in recs]
-    for kind, qs in questions.items():
-        facts = [_fact(r, q, prefix(r)) for r, rq in zip(recs, qs, strict=True) for q in rq]
-        ok, lp = score(f, s.questions(facts), s.pad, plan.eval_batch)
-        at = 0
-        for o, rq in zip(out, qs, strict=True):
-            got = [[bool(ok[at + j]), float(lp[at + j])] for j in range(len(rq))]
-            o[kind] = got if kind == "paraphrase" else got[0]
-            at += len(rq)
-    prompts = [encode_text(s.tokenizer, prefix(r) + q, True) for r in recs for q in r["neighbours"]]
-    tokens = greedy(f, prompts, plan.neighbour_tokens, s.pad, plan.eval_batch)
-    at = 0
-    for o, r in zip(out, recs, strict=True):
-        o["neighbours"] = tokens[at : at + len(r["neighbours"])]
-        at += len(r["neighbours"])
-    return out
-
-
-def _metrics(ans: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float]:
-    """Mean recall and log-prob of each kind of question, and the share of neighbour prompts whose
-    greedy tokens differ from the untrained model's (`base`: its answers to the same records)."""
-    m = {}
-    for kind in ("direct", "paraphrase", "indirect"):
-        qs = [q for a in ans for q in (a[kind] if kind == "paraphrase" else [a[kind]])]
-        m[f"{kind}_recall"] = float(np.mean([q[0] for q in qs]))
-        m[f"{kind}_logprob"] = float(np.mean([q[1] for q in qs]))
-    changed = [
-        x != y
-        for a, b in zip(ans, base, strict=True)
-        for x, y in zip(a["neighbours"], b["neighbours"], strict=True)
-    ]
-    m["neighbour_change"] = float(np.mean(changed))
-    return m
-
-
-def _nbytes(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+# ------------------------------------------------------------------------------------------- runs
+def _ev(p: MemorizePlan) -> tuple[int, int]:
+    return p.eval_batch, p.neighbour_tokens
 
 
 @dataclass
@@ -303,8 +138,23 @@ class _Ctx:
     records: list[dict[str, Any]]
     facts_fp: str
     say: Callable[[str], None]
+    progress: bool
     fresh: int = 0
     pilots: int = 0
+
+
+@contextlib.contextmanager
+def _passes(ctx: _Ctx, what: str) -> Iterator[Callable[[int, float], None]]:
+    """A progress bar over a run's passes (none without `ctx.progress`); yields its tick."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=ctx.plan.steps, desc=what, leave=False, disable=not ctx.progress) as bar:
+
+        def tick(_: int, loss: float) -> None:
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        yield tick
 
 
 def _key(ctx: _Ctx, s: Subject, what: dict[str, Any]) -> str:
@@ -332,7 +182,7 @@ def _base(ctx: _Ctx, s: Subject, ids: list[int]) -> dict[str, Any]:
     todo = [i for i in ids if str(i) not in rec["records"]]
     if todo:
         ctx.say(f"{s.name}: the untrained model on {len(todo)} facts")
-        ans = _answers(s, s.model, [ctx.records[i] for i in todo], lambda r: "", ctx.plan)
+        ans = answers(s, s.model, [ctx.records[i] for i in todo], lambda r: "", *_ev(ctx.plan))
         rec["records"].update({str(i): a for i, a in zip(todo, ans, strict=True)})
         write_atomic(path, json.dumps(rec))
     return rec
@@ -341,15 +191,15 @@ def _base(ctx: _Ctx, s: Subject, ids: list[int]) -> dict[str, Any]:
 def _none(base: dict[str, Any], ids: list[int]) -> dict[str, float]:
     """The untrained model's metrics on facts `ids` (from its answers per record)."""
     recs = [base["records"][str(i)] for i in ids]
-    m = _metrics(recs, recs)
+    m = metrics(recs, recs)
     return {**m, "held_out_delta": 0.0, "bytes_per_fact": 0.0, "train_seconds": 0.0}
 
 
 def _pilot(ctx: _Ctx, s: Subject, arm: str, n: int) -> list[dict[str, Any]]:
     """Final training loss of `arm` at each of its lrs on seed 0's `n` facts (records cached)."""
     p = ctx.plan
-    lrs = p.lora_lrs if arm in _LORA_RANKS else p.layer_lrs
-    facts = [_fact(ctx.records[i]) for i in fact_subset(len(ctx.records), n, 0)]
+    lrs = p.lora_lrs if arm in LORA_RANKS else p.layer_lrs
+    facts = [question(ctx.records[i]) for i in fact_subset(len(ctx.records), n, 0)]
     out = []
     for lr in lrs:
         what = {
@@ -365,8 +215,9 @@ def _pilot(ctx: _Ctx, s: Subject, arm: str, n: int) -> list[dict[str, Any]]:
         rec = _read(path)
         if rec is None:
             ctx.say(f"{s.name}: pilot {arm}, {n} facts, lr {lr:g}")
-            model, params = _trainable(s, arm, 0)
-            losses, secs = _fit(s, model, params, facts, lr, p, 0)
+            model, params = trainable(s, arm, 0)
+            with _passes(ctx, f"pilot {arm}") as tick:
+                losses, secs = fit(s, model, params, facts, lr, p.steps, p.batch_size, 0, tick)
             rec = {"version": _VERSION, "losses": losses, "seconds": secs}
             write_atomic(path, json.dumps(rec))
             ctx.pilots += 1
@@ -403,13 +254,13 @@ def _run(
         return {**rec, "cached": True}
     ctx.say(f"{s.name}: {arm}, {n} facts, seed {seed}" + (f", lr {lr:g}" if lr else ""))
     recs = [ctx.records[i] for i in ids]
-    facts = [_fact(r) for r in recs]
+    facts = [question(r) for r in recs]
     base_ans = [base["records"][str(i)] for i in ids]
     f = s.logits(s.model)
     extra: dict[str, Any] = {}
     if arm == "in-prompt":
-        ans = _answers(s, s.model, recs, in_prompt, p)
-        m = _metrics(ans, base_ans)
+        ans = answers(s, s.model, recs, in_prompt, *_ev(p))
+        m = metrics(ans, base_ans)
         ctx_tokens = [len(encode_text(s.tokenizer, in_prompt(r), False)) for r in recs]
         m.update(
             held_out_delta=0.0,
@@ -420,14 +271,16 @@ def _run(
     elif arm == "patch":
         settings = MemorizeSettings(steps=p.steps, lr=lr or p.patch_lr, batch_size=p.batch_size, seed=seed)
         t = time.perf_counter()  # the row choice included, as LoRA's time includes encoding the facts
-        res = memorize(s.model, s.tokenizer, facts, settings, name=f"{n} facts, seed {seed}", hasher=s.hasher)
+        with _passes(ctx, arm) as tick:
+            name = f"{n} facts, seed {seed}"
+            res = memorize(s.model, s.tokenizer, facts, settings, name=name, progress=tick, hasher=s.hasher)
         secs = time.perf_counter() - t
         file = save_patch(res.patch, path.with_suffix(".patch.safetensors"))
         hasher = s.layers(s.model).hasher
         hits = np.stack([patch_hits(hasher, res.patch, b.tolist()) for b in s.held])
         apply_patch(s.model, res.patch, hasher=s.hasher)
         try:
-            ans = _answers(s, s.model, recs, lambda r: "", p)
+            ans = answers(s, s.model, recs, lambda r: "", *_ev(p))
         finally:
             remove_patch(s.model, res.patch, hasher=s.hasher)
         loc = locality(
@@ -438,7 +291,7 @@ def _run(
             lambda: remove_patch(s.model, res.patch, hasher=s.hasher),
             8,
         )
-        m = _metrics(ans, base_ans)
+        m = metrics(ans, base_ans)
         m.update(
             held_out_delta=loc["held_out_loss"] - base["held_out_loss"],
             train_seconds=secs,
@@ -448,15 +301,16 @@ def _run(
             locality={**loc, "rows": res.patch.num_rows, "file_bytes": file.stat().st_size}, losses=res.losses
         )
     else:
-        model, params = _trainable(s, arm, seed)
-        losses, secs = _fit(s, model, params, facts, lr or 0.0, p, seed)
-        ans = _answers(s, model, recs, lambda r: "", p)
-        m = _metrics(ans, base_ans)
+        model, params = trainable(s, arm, seed)
+        with _passes(ctx, arm) as tick:
+            losses, secs = fit(s, model, params, facts, lr or 0.0, p.steps, p.batch_size, seed, tick)
+        ans = answers(s, model, recs, lambda r: "", *_ev(p))
+        m = metrics(ans, base_ans)
         held = float(position_losses(s.logits(model), s.held, 8).mean())
         m.update(
             held_out_delta=held - base["held_out_loss"],
             train_seconds=secs,
-            bytes_per_fact=_nbytes(params) / n,
+            bytes_per_fact=nbytes(params) / n,
         )
         extra.update(losses=losses, params=sum(q.numel() for q in params))
         del model
@@ -483,7 +337,7 @@ def _lrs(ctx: _Ctx, s: Subject) -> tuple[dict[tuple[str, int], float], list[dict
     lrs: dict[tuple[str, int], float] = {}
     pilots: list[dict[str, Any]] = []
     for arm in ("lora-r1", "lora-r8", "last-layer"):
-        grid = p.lora_lrs if arm in _LORA_RANKS else p.layer_lrs
+        grid = p.lora_lrs if arm in LORA_RANKS else p.layer_lrs
         for n in piloted:
             if len(grid) == 1:
                 lrs[arm, n] = grid[0]
@@ -560,7 +414,7 @@ def run_memorize_study(
             raise ValueError(f"--demo-run {demo_run} with --no-demo: give one of them")
         train, held, corpus_info = write_corpus(out / STUDY, corpus, pretrained_plan(quick))
         held_text = held.read_text(encoding="utf-8")
-        ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say)
+        ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
         subjects, skipped = [], []
         folder, how = hf_folder(out, model, train, quick=quick, progress=progress, say=say, device=device)
         subjects.append(hf_subject(folder, how, held_text, plan.held_tokens, plan.block_len))
