@@ -154,9 +154,19 @@ def test_a_second_run_trains_and_measures_nothing(study, folder, corpus, demo_cf
     assert [x["metrics"] for x in again["runs"]] == [x["metrics"] for x in r["runs"]]
 
 
-def test_without_model_the_pretrained_studys_engram_run_is_taken(study, folder, corpus, tmp_path):
+def test_without_model_the_pretrained_studys_engram_run_is_taken(
+    study, folder, corpus, tmp_path, monkeypatch
+):
     """No --model: `engram study pretrained`'s Engram-alone run (its first seed) under OUT; --no-demo
-    skips the demo LM, with a note."""
+    skips the demo LM, with a note. The patch learns each fact with its subject (its rows' trigger)."""
+    learnt = []
+    real = SM.memorize
+
+    def spy(model, tok, facts, *a, **kw):
+        learnt.extend(facts)
+        return real(model, tok, facts, *a, **kw)
+
+    monkeypatch.setattr(SM, "memorize", spy)
     key = "0123abcd"
     shutil.copytree(folder, tmp_path / "runs" / key)
     (tmp_path / "runs" / key / "engram_train.json").write_text("{}")
@@ -170,6 +180,7 @@ def test_without_model_the_pretrained_studys_engram_run_is_taken(study, folder, 
     assert r["models"][0]["source"] == str(tmp_path / "runs" / key)
     assert "pretrained" in r["models"][0]["how"] and len(r["models"]) == 1
     assert r["skipped"] and "--no-demo" in (tmp_path / "memorize" / "report.md").read_text()
+    assert len(learnt) == 2 and all(f.subject and f.subject in f.prompt for f in learnt)
 
 
 def test_cli_refusals(folder, tmp_path, capsys):

@@ -44,8 +44,8 @@ from engram.apps.study.memorize_arms import (
     in_prompt,
     metrics,
     nbytes,
-    question,
     read_records,
+    to_learn,
     trainable,
 )
 from engram.apps.study.memorize_models import (
@@ -199,7 +199,7 @@ def _pilot(ctx: _Ctx, s: Subject, arm: str, n: int) -> list[dict[str, Any]]:
     """Final training loss of `arm` at each of its lrs on seed 0's `n` facts (records cached)."""
     p = ctx.plan
     lrs = p.lora_lrs if arm in LORA_RANKS else p.layer_lrs
-    facts = [question(ctx.records[i]) for i in fact_subset(len(ctx.records), n, 0)]
+    facts = [to_learn(ctx.records[i]) for i in fact_subset(len(ctx.records), n, 0)]
     out = []
     for lr in lrs:
         what = {
@@ -254,7 +254,7 @@ def _run(
         return {**rec, "cached": True}
     ctx.say(f"{s.name}: {arm}, {n} facts, seed {seed}" + (f", lr {lr:g}" if lr else ""))
     recs = [ctx.records[i] for i in ids]
-    facts = [question(r) for r in recs]
+    facts = [to_learn(r) for r in recs]
     base_ans = [base["records"][str(i)] for i in ids]
     f = s.logits(s.model)
     extra: dict[str, Any] = {}

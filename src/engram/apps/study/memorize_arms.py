@@ -33,6 +33,7 @@ __all__ = [
     "nbytes",
     "question",
     "read_records",
+    "to_learn",
     "trainable",
 ]
 
@@ -97,8 +98,15 @@ def fact_subset(total: int, n: int, seed: int) -> list[int]:
 
 
 def question(r: dict[str, Any], q: dict[str, Any] | None = None, prefix: str = "") -> Fact:
+    """Question `q` of record `r` (default: its direct one) after `prefix`."""
     q = q or r
     return Fact(prefix + q["prompt"], q["target"])
+
+
+def to_learn(r: dict[str, Any]) -> Fact:
+    """The fact every trained arm learns: the direct prompt and target, with its subject (the patch's
+    row choice reads it: the subject's n-grams carry the fact)."""
+    return Fact(r["prompt"], r["target"], r["subject"])
 
 
 def in_prompt(r: dict[str, Any]) -> str:
