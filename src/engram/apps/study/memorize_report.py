@@ -259,6 +259,9 @@ def _plot(results: dict[str, Any], path: Path) -> None:
                     linestyle="--" if arm in ("none", "in-prompt") else "-",
                 )
             ax.set_xscale("log")
+            sizes = results["plan"]["facts"]
+            ax.set_xticks(sizes, [f"{n:,}" for n in sizes])
+            ax.minorticks_off()
             ax.set_xlabel("facts written")
             ax.set_title(f"{m['name']}: {title}", fontsize=9)
         row[0].legend(fontsize=7)
