@@ -19,7 +19,7 @@ import hf_setup as S
 from cli_setup import CPU, refused, train_tiny_run
 from engram.cli import main
 from engram.memory import EngramLayers, MemoryPatch, load_patch, save_patch
-from engram.memory.apply import layer_rows, reader_fingerprint, table_row_format
+from engram.memory.apply import layer_rows, reader_signature, table_row_format
 from engram.memory.patch import LayerRows
 
 transformers = pytest.importorskip("transformers")
@@ -347,12 +347,12 @@ def _lm_patch(run: Path, prompt: str, out: Path) -> Path:
         fmt = table_row_format(m.table)
         lr = layer_rows(m.table, torch.from_numpy(np.unique(rows[:, i])), fmt)
         new[lid] = LayerRows(
-            lr.rows, lr.values + 5 * torch.randn(lr.values.shape, generator=g), None, lr.before_crc
+            lr.rows, lr.values + 5 * torch.randn(lr.values.shape, generator=g), None, lr.before
         )
     mods = layers.modules
     patch = MemoryPatch(
         new, fmt, m.table.dim, {k: mods[k].table.num_rows for k in new}, layers.layout, layers.tokenizer,
-        {k: reader_fingerprint(mods[k]) for k in new}, 0, "far",
+        {k: reader_signature(mods[k]) for k in new}, 0, "far",
     )  # fmt: skip
     return save_patch(patch, out)
 

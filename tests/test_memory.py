@@ -33,7 +33,7 @@ from engram.memory import (
     remove_patch,
     save_patch,
 )
-from engram.memory.apply import layer_rows, reader_fingerprint
+from engram.memory.apply import layer_rows, reader_signature
 from engram.memory.patch import LayerRows
 from engram.model.table import QuantTable
 
@@ -80,7 +80,7 @@ def _hand_patch(m, rows: dict[int, list[int]], shift: float, name: str) -> Memor
     for lid, rs in rows.items():
         table = layers.modules[lid].table
         before = layer_rows(table, torch.tensor(sorted(rs)), "float32")
-        out[lid] = LayerRows(before.rows, before.values + shift, None, before.before_crc)
+        out[lid] = LayerRows(before.rows, before.values + shift, None, before.before)
     return MemoryPatch(
         out,
         "float32",
@@ -88,7 +88,7 @@ def _hand_patch(m, rows: dict[int, list[int]], shift: float, name: str) -> Memor
         {lid: layers.modules[lid].table.num_rows for lid in out},
         layers.layout,
         layers.tokenizer,
-        {lid: reader_fingerprint(layers.modules[lid]) for lid in out},
+        {lid: reader_signature(layers.modules[lid]) for lid in out},
         facts=1,
         name=name,
     )
@@ -156,7 +156,11 @@ def test_stacked_patches_sum_their_changes_whatever_the_order():
     assert torch.equal(w1, w2)  # the order of applying does not matter
     w0 = base[1]
     assert torch.equal(w1[3], a.layers[1].values[0]) and torch.equal(w1[9], b.layers[1].values[1])
-    assert torch.equal(w1[7], w0[7] + (a.layers[1].values[2] - w0[7]) + (b.layers[1].values[0] - w0[7]))
+    first, second = (
+        p.layers[1].values[p.layers[1].rows.tolist().index(7)]
+        for p in sorted([a, b], key=lambda p: p.fingerprint)
+    )
+    assert torch.equal(w1[7], w0[7] + (first - w0[7]) + (second - w0[7]))  # summed in fingerprint order
     remove_patch(m1, a)  # the other's rows exactly, the rest back to the original
     w = _tables(m1)[1]
     assert torch.equal(w[7], b.layers[1].values[0]) and torch.equal(w[3], w0[3])
@@ -410,3 +414,16 @@ def test_no_row_of_an_ngram_that_reaches_before_the_start_is_chosen(model):
     }
     chosen = set(fact_rows(hasher, fact, "both")[1].tolist())
     assert chosen and chosen <= inside and not (chosen & (reaching - inside))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_patch_fits_the_same_model_in_bf16_or_fp16(patch, dtype):
+    """The reader is compared with a tolerance and the replaced rows by their bfloat16 rounding: the
+    model a patch was written on, loaded in bfloat16 or float16, takes it (rows cast to its dtype)."""
+    m = _model().to(dtype)
+    before = _tables(m)
+    apply_patch(m, patch)
+    lid, lr = next(iter(patch.layers.items()))
+    assert torch.equal(_tables(m)[lid][lr.rows], lr.values.to(dtype))
+    remove_patch(m, patch)
+    assert all(torch.equal(before[k], v) for k, v in _tables(m).items())

@@ -23,7 +23,7 @@ from engram.addressing.hashing import NgramHasher
 from engram.checkpoint.v41 import load_engram_modules
 from engram.cli import main
 from engram.memory import EngramLayers, MemoryPatch, apply_patch, remove_patch, save_patch
-from engram.memory.apply import layer_rows, reader_fingerprint, table_row_format
+from engram.memory.apply import layer_rows, reader_signature, table_row_format
 from engram.memory.patch import LayerRows, rows_as_float, rows_in_format
 from engram.model.table import FP8Table, TrainableTable
 from engram.systems import TieredTable
@@ -50,7 +50,7 @@ def write_patch(layers: EngramLayers, prompts: list[list[int]], path, *, seed: i
         old = layer_rows(table, rows, fmt)
         x = rows_as_float(old.values, old.scales, fmt)
         values, scales = rows_in_format(x + scale * x.std() * torch.randn(x.shape, generator=g), fmt)
-        out[lid] = LayerRows(rows, values, scales, old.before_crc)
+        out[lid] = LayerRows(rows, values, scales, old.before)
     m = layers.modules
     patch = MemoryPatch(
         out,
@@ -59,7 +59,7 @@ def write_patch(layers: EngramLayers, prompts: list[list[int]], path, *, seed: i
         {lid: m[lid].table.num_rows for lid in out},
         layers.layout,
         layers.tokenizer,
-        {lid: reader_fingerprint(m[lid]) for lid in out},
+        {lid: reader_signature(m[lid]) for lid in out},
         name=path.stem,
     )
     save_patch(patch, path)
@@ -123,8 +123,8 @@ def test_memory_tables_hold_what_hf_holds_with_the_same_patches(served):
 
 
 def test_a_float16_server_takes_the_patches_a_float32_model_wrote(served):
-    """The patch knows the layers' weights by their bfloat16 rounding, which float16 weights do not
-    keep: they are patched in float32 and cast, so the same patch serves in float16 too."""
+    """A float16 server takes the patch a float32 model wrote (its reader and rows compared with a
+    tolerance)."""
     folder, paths, *_, table = served
     part = read_part(folder, **SHAPE)
     got = load_tables(part, serve_options({"patches": paths}), torch.float16)[1]

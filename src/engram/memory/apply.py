@@ -1,7 +1,7 @@
 """Applying, removing and stacking memory patches on a loaded model's Engram tables.
 
 `apply_patch(model, patch)` checks that the patch fits (layout, tokenizer, each layer's reader, the
-table's size and row format, and the CRC32 of the rows it replaces), keeps the rows' original bytes,
+table's size and row format, and a sketch of the rows it replaces), keeps the rows' original bytes,
 and writes the patch's rows; `remove_patch` writes back what the remaining patches say, so removing
 every patch restores each table bit for bit. Stacking: a row one applied patch writes holds that
 patch's bytes exactly; a row several write holds base + the sum of their changes (each patch's row
@@ -15,10 +15,10 @@ quantised one): a memory-mapped table is refused. Works on an Hugging Face model
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import warnings
 import weakref
+import zlib
 from typing import Any
 
 import torch
@@ -28,20 +28,27 @@ from engram.addressing.hashing import NgramHasher
 from engram.addressing.layout import layout_fingerprint
 from engram.checkpoint.mmap_table import MmapQuantTable
 from engram.hf.attach import EngramAttachment
-from engram.memory.patch import FLOAT_ROWS, LayerRows, MemoryPatch, rows_as_float, rows_in_format
+from engram.memory.patch import (
+    FLOAT_ROWS,
+    LayerRows,
+    MemoryPatch,
+    rows_as_float,
+    rows_in_format,
+    rows_sketch,
+    sketch_mismatch,
+)
 from engram.model.module import Engram
 from engram.model.table import EngramTable, QuantTable, TrainableTable
-from engram.storage.integrity import tensor_crc32
 
 __all__ = [
     "EngramLayers",
     "PatchOverlapWarning",
     "applied_patches",
     "apply_patch",
-    "reader_fingerprint",
-    "reader_fingerprint_of",
+    "reader_mismatch",
+    "reader_signature",
+    "reader_signature_of",
     "remove_patch",
-    "rows_crc",
     "table_row_format",
 ]
 
@@ -90,26 +97,56 @@ class EngramLayers:
         return self.hasher.compression.fingerprint
 
 
-def reader_fingerprint(module: Engram) -> str:
-    """sha256 of every weight of an Engram layer but its table (the projections, norms and gate that
-    read the rows: a patch's rows mean something only to them): `reader_fingerprint_of` its
-    parameters and buffers by their names in the module."""
+READER_PROBES = 64  # values of each reader weight a patch records (at seeded positions)
+READER_TOLERANCE = 2.0**-7  # relative: bfloat16 keeps 8 bits, float16 11; another model differs by O(1)
+
+
+def reader_signature(module: Engram) -> dict[str, Any]:
+    """What a patch records of the Engram weights that read its rows (every weight of the layer but the
+    table: `wkv`, norms, gate): `reader_signature_of` its parameters and buffers by their names."""
     named = itertools.chain(module.named_parameters(), module.named_buffers())
-    return reader_fingerprint_of({n: t for n, t in named if not n.startswith("table.")})
+    return reader_signature_of({n: t for n, t in named if not n.startswith("table.")})
 
 
-def reader_fingerprint_of(named: dict[str, torch.Tensor]) -> str:
-    """sha256 over {name: tensor} (an Engram layer's weights but the table, named as in `Engram`'s
-    state_dict: "wkv.weight", ...), in name order, each floating tensor rounded to bfloat16 first, so
-    the same model loaded in float32 or bfloat16 has the same one. What a server that holds the
-    weights in its own modules (the vLLM plugin) computes from the part's tensors."""
-    h = hashlib.sha256()
+def reader_signature_of(named: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """{name: {"shape", "rms", "probes"}} over {name: tensor} (named as in `Engram`'s state_dict:
+    "wkv.weight", ...): each tensor's shape, root mean square and its values at `READER_PROBES`
+    positions drawn from a generator seeded by its name and size. Compared with a tolerance
+    (`reader_mismatch`), so the same weights in float32, bfloat16 or float16 match, and weights of
+    another model or training run do not."""
+    out: dict[str, Any] = {}
     for name in sorted(named):
-        t = named[name].detach()
-        h.update(f"{name}:{list(t.shape)}\n".encode())
-        b = t.to("cpu", torch.bfloat16) if t.is_floating_point() else t.cpu()
-        h.update(b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+        flat = named[name].detach().reshape(-1)
+        seed = zlib.crc32(f"{name}:{flat.numel()}".encode())
+        n = min(READER_PROBES, flat.numel())
+        idx = torch.randint(0, max(flat.numel(), 1), (n,), generator=torch.Generator().manual_seed(seed))
+        x = flat.float() if not flat.is_floating_point() else flat
+        rms = torch.linalg.vector_norm(x, dtype=torch.float32) / max(flat.numel(), 1) ** 0.5
+        probes = x.index_select(0, idx.to(x.device)).float().cpu()
+        out[name] = {
+            "shape": list(named[name].shape),
+            "rms": float(rms),
+            "probes": [float(v) for v in probes],
+        }
+    return out
+
+
+def reader_mismatch(have: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """None when two reader signatures describe the same weights (to `READER_TOLERANCE` of each value,
+    plus a thousandth of the tensor's rms for values near zero); else what differs."""
+    if sorted(have) != sorted(want):
+        return f"weights {sorted(want)} expected, found {sorted(have)}"
+    for name, w in want.items():
+        h = have[name]
+        if h["shape"] != w["shape"]:
+            return f"{name} has shape {h['shape']}, expected {w['shape']}"
+        scale = max(abs(h["rms"]), abs(w["rms"]))
+        if abs(h["rms"] - w["rms"]) > READER_TOLERANCE * scale:
+            return f"{name} has rms {h['rms']:.6g}, expected {w['rms']:.6g}"
+        for a, b in zip(h["probes"], w["probes"], strict=True):
+            if abs(a - b) > READER_TOLERANCE * max(abs(a), abs(b)) + 1e-3 * scale:
+                return f"{name} holds {a:.6g} where it held {b:.6g}"
+    return None
 
 
 def table_row_format(table: EngramTable, where: str = "") -> str:
@@ -158,15 +195,6 @@ def _write_rows(
     _u8(w).index_copy_(0, idx, _u8(values.to(w.device, w.dtype)))
     if scales is not None:
         _u8(table.scale).index_copy_(0, idx, _u8(scales.to(w.device)))
-
-
-def rows_crc(values: torch.Tensor, scales: torch.Tensor | None) -> int:
-    """CRC32 of stored rows as a patch records them: float rows rounded to bfloat16 first (so a float32
-    and a bfloat16 copy of one table agree), quantised rows' bytes as they are (values, then scales)."""
-    if values.is_floating_point() and values.element_size() > 1:
-        return tensor_crc32(values.to(torch.bfloat16))
-    crc = tensor_crc32(values)
-    return crc if scales is None else tensor_crc32(scales, crc)
 
 
 @dataclasses.dataclass
@@ -220,10 +248,11 @@ def _check_fit(layers: EngramLayers, patch: MemoryPatch) -> None:
                 f"{name} holds {patch.row_format} rows, layer {lid}'s table holds {fmt} rows; write the patch "
                 "on a model whose table is in that format"
             )
-        if reader_fingerprint(m) != patch.readers[lid]:
+        differs = reader_mismatch(reader_signature(m), patch.readers[lid])
+        if differs is not None:
             raise ValueError(
                 f"{name} was made for another model: layer {lid}'s Engram weights (its projections and "
-                f"gate, which read the rows) differ from the ones it was written for; {fix}"
+                f"gate, which read the rows) differ from the ones it was written for ({differs}); {fix}"
             )
 
 
@@ -291,11 +320,13 @@ def apply_patch(
         if st is not None and fp in st.patches:
             raise ValueError(f"{name} is already applied to this model (remove it first to apply it again)")
         base_v, base_s = _base_of(st, table, lr.rows)
-        if rows_crc(base_v, base_s) != lr.before_crc:
+        x = rows_as_float(base_v, base_s, table_row_format(table))
+        differ = sketch_mismatch(rows_sketch(x), lr.before, x.abs().sum(-1))
+        if differ:
             raise ValueError(
-                f"{name} was made for another table: the {lr.rows.numel()} rows it replaces at layer {lid} "
-                "hold other values here than where it was written (another training run, or the table "
-                "changed since); write the patch again for this model (engram memorize)"
+                f"{name} was made for another table: {differ} of the {lr.rows.numel()} rows it replaces at "
+                f"layer {lid} hold other values here than where it was written (another training run, or "
+                "the table changed since); write the patch again for this model (engram memorize)"
             )
     shared: dict[str, int] = {}
     for lid, lr in patch.layers.items():
@@ -351,11 +382,8 @@ def remove_patch(
             del _STATE[table]
 
 
-def layer_rows(
-    table: EngramTable, rows: torch.Tensor, row_format: str, before_crc: int | None = None
-) -> LayerRows:
-    """A `LayerRows` of `rows` (sorted, unique) as `table` holds them now (`before_crc` given: the CRC32
-    of the rows the patch replaces; default, these contents' own)."""
+def layer_rows(table: EngramTable, rows: torch.Tensor, row_format: str) -> LayerRows:
+    """A `LayerRows` of `rows` (sorted, unique) as `table` holds them now, their own sketch as `before`
+    (what a patch replacing them with other values records)."""
     values, scales = _read_rows(table, rows)
-    crc = rows_crc(values, scales) if before_crc is None else before_crc
-    return LayerRows(rows.cpu(), values, scales, crc)
+    return LayerRows(rows.cpu(), values, scales, rows_sketch(rows_as_float(values, scales, row_format)))

@@ -91,7 +91,9 @@ def fact_rows(
     answer = set(fact.answer_positions)
     for t in range(last):
         for h, n in enumerate(orders):
-            if t - n + 1 < 0:  # the n-gram reaches before the start: pads and a first token any text may share
+            if (
+                t - n + 1 < 0
+            ):  # the n-gram reaches before the start: pads and a first token any text may share
                 continue
             by_answer = t in answer and choice in (RowChoice.ANSWER, RowChoice.BOTH)
             by_subject = False

@@ -24,7 +24,7 @@ from torch import nn
 
 from engram.addressing.hashing import NgramHasher
 from engram.device import Precision, autocast, check_precision
-from engram.memory.apply import EngramLayers, layer_rows, reader_fingerprint, rows_crc, table_row_format
+from engram.memory.apply import EngramLayers, layer_rows, reader_signature, table_row_format
 from engram.memory.choose import FactTokens, RowChoice, fact_rows, merge_rows, rows_read, shared_rows
 from engram.memory.facts import Fact, check_facts
 from engram.memory.patch import LayerRows, MemoryPatch, rows_as_float, rows_in_format
@@ -284,9 +284,7 @@ def memorize(
             before = layer_rows(m_table, o.rows, formats[lid])
             base_f = rows_as_float(before.values, before.scales, formats[lid])
             new_v, new_s = rows_in_format(base_f + o.delta.detach().cpu(), formats[lid])
-            patch_layers[lid] = LayerRows(
-                o.rows.cpu().clone(), new_v, new_s, rows_crc(before.values, before.scales)
-            )
+            patch_layers[lid] = LayerRows(o.rows.cpu().clone(), new_v, new_s, before.before)
     finally:
         for lid, o in overlays.items():
             layers.modules[lid].table = o.base
@@ -301,7 +299,7 @@ def memorize(
         {lid: layers.modules[lid].table.num_rows for lid in patch_layers},
         layers.layout,
         layers.tokenizer,
-        {lid: reader_fingerprint(layers.modules[lid]) for lid in patch_layers},
+        {lid: reader_signature(layers.modules[lid]) for lid in patch_layers},
         len(facts),
         name,
     )

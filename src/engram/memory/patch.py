@@ -3,8 +3,8 @@
 `MemoryPatch` holds, per Engram layer, sorted unique row ids and their new contents in the table's
 own row format (float32 / bfloat16 rows of a trainable table, or values + scales of a quantised one:
 FP8, INT8, 4-bit), plus what it was made for: the layout's and the tokenizer's fingerprints, the
-fingerprint of each layer's reader (every Engram weight but the table: what the rows mean), and
-the CRC32 of the patched rows' bytes before the patch. `save_patch` / `load_patch` write and read
+signature of each layer's reader (every Engram weight but the table: what the rows mean), and
+a sketch of the rows it replaces (`rows_sketch`). `save_patch` / `load_patch` write and read
 one safetensors file, sealed and CRC-checked like every part. Knows nothing of models: applying is
 `engram.memory.apply`'s. Design: docs/memory.md.
 """
@@ -36,11 +36,18 @@ __all__ = [
     "load_patch",
     "rows_as_float",
     "rows_in_format",
+    "rows_sketch",
     "save_patch",
+    "sketch_mismatch",
 ]
 
 PATCH_FORMAT = "engram-memory-patch/1"  # the file's engram_patch_format entry
-FLOAT_ROWS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+FLOAT_ROWS = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 _KEY = "engram_patch"  # the metadata entry holding the patch's description (JSON)
 _FORMAT_KEY = "engram_patch_format"
 
@@ -49,18 +56,23 @@ _FORMAT_KEY = "engram_patch_format"
 class LayerRows:
     """One layer's part of a patch: `rows` int64 [R] sorted and unique; `values` [R, width] in the
     row format's value dtype (float rows: [R, dim]); `scales` [R, scales a row] for a quantised format,
-    None for float rows; `before_crc`: CRC32 of those rows' bytes (values, then scales) in the table
-    the patch was made for."""
+    None for float rows; `before`: float32 [R, 2], the `rows_sketch` of those rows in the table the
+    patch was made for (what it replaces)."""
 
     rows: torch.Tensor
     values: torch.Tensor
     scales: torch.Tensor | None
-    before_crc: int
+    before: torch.Tensor
 
     @property
     def nbytes(self) -> int:
         s = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.rows.numel() * 8 + self.values.numel() * self.values.element_size() + s
+        return (
+            self.rows.numel() * 8
+            + self.values.numel() * self.values.element_size()
+            + s
+            + self.before.numel() * 4
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +85,7 @@ class MemoryPatch:
     table_rows: dict[int, int]  # each layer's table size
     layout: str  # engram.addressing.layout.layout_fingerprint
     tokenizer: str  # the compression map's tokenizer fingerprint
-    readers: dict[int, str]  # each layer's reader fingerprint (engram.memory.apply.reader_fingerprint)
+    readers: dict[int, dict[str, Any]]  # each layer's reader signature (engram.memory.apply.reader_signature)
     facts: int = 0  # how many facts it holds (what memorize wrote it from)
     name: str = ""
 
@@ -107,7 +119,7 @@ class MemoryPatch:
         h = hashlib.sha256(json.dumps(self.describe(with_name=False), sort_keys=True).encode())
         for lid in sorted(self.layers):
             lr = self.layers[lid]
-            for t in (lr.rows, lr.values, lr.scales):
+            for t in (lr.rows, lr.values, lr.scales, lr.before):
                 if t is not None:
                     h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
@@ -124,7 +136,6 @@ class MemoryPatch:
                 str(lid): {
                     "table_rows": self.table_rows[lid],
                     "rows": int(lr.rows.numel()),
-                    "before_crc32": f"{lr.before_crc:08x}",
                     "reader": self.readers[lid],
                 }
                 for lid, lr in sorted(self.layers.items())
@@ -156,11 +167,28 @@ def rows_in_format(x: torch.Tensor, row_format: str) -> tuple[torch.Tensor, torc
     return quant.quantize(x, RowFormat(row_format))
 
 
+SKETCH_TOLERANCE = 2.0**-7  # of a row's L1 norm: bfloat16 rounds each value by at most 2^-8 of itself
+
+
+def rows_sketch(x: torch.Tensor) -> torch.Tensor:
+    """float32 [R, 2]: float rows [R, D] projected on two fixed +-1 vectors (seeded by D). What a patch
+    records of the rows it replaces: compared with a tolerance (`sketch_mismatch`), so the same rows
+    in float32, bfloat16 or float16 match and rows of another table or training run do not."""
+    g = torch.Generator().manual_seed(0x5EED + x.shape[-1])
+    signs = torch.randint(0, 2, (x.shape[-1], 2), generator=g).float().mul_(2).sub_(1)
+    return x.float() @ signs.to(x.device)
+
+
+def sketch_mismatch(have: torch.Tensor, want: torch.Tensor, l1: torch.Tensor) -> int:
+    """How many rows' sketches differ by more than `SKETCH_TOLERANCE` of the row's L1 norm (`l1`, [R])."""
+    return int(((have - want).abs() > SKETCH_TOLERANCE * l1[:, None] + 1e-30).any(-1).sum())
+
+
 def _check_layer(p: MemoryPatch, lid: int, lr: LayerRows, where: str) -> None:
     """Shapes, dtypes and row ids of one layer's rows; ValueError naming `where` and the layer."""
     fix = "write it with engram.memory.memorize (or save_patch of a MemoryPatch built right)"
     if lid not in p.table_rows or lid not in p.readers:
-        raise ValueError(f"{where}: layer {lid} has rows but no table size or reader fingerprint; {fix}")
+        raise ValueError(f"{where}: layer {lid} has rows but no table size or reader signature; {fix}")
     r = lr.rows
     if r.dtype != torch.int64 or r.dim() != 1:
         raise ValueError(
@@ -184,6 +212,11 @@ def _check_layer(p: MemoryPatch, lid: int, lr: LayerRows, where: str) -> None:
             f"{where}: layer {lid}'s values are {lr.values.dtype} {list(lr.values.shape)}, expected "
             f"{value_dtype(p.row_format)} {want_v} ({p.row_format} rows of width {p.dim}); {fix}"
         )
+    if lr.before.dtype != torch.float32 or list(lr.before.shape) != [n, 2]:
+        raise ValueError(
+            f"{where}: layer {lid}'s sketch of the replaced rows is {lr.before.dtype} {list(lr.before.shape)}, "
+            f"expected float32 {[n, 2]}; {fix}"
+        )
     if want_s is None:
         if lr.scales is not None:
             raise ValueError(f"{where}: layer {lid} has scales, but {p.row_format} rows have none; {fix}")
@@ -203,6 +236,7 @@ def _tensors(p: MemoryPatch) -> dict[str, torch.Tensor]:
         out[f"values.{lid}"] = lr.values.detach().cpu().contiguous()
         if lr.scales is not None:
             out[f"scales.{lid}"] = lr.scales.detach().cpu().contiguous()
+        out[f"before.{lid}"] = lr.before.detach().cpu().contiguous()
     return out
 
 
@@ -260,7 +294,7 @@ def load_patch(path: str | os.PathLike[str]) -> MemoryPatch:
                 tensors[f"rows.{lid}"],
                 tensors[f"values.{lid}"],
                 tensors.get(f"scales.{lid}"),
-                int(v["before_crc32"], 16),
+                tensors[f"before.{lid}"],
             )
             for lid, v in layers.items()
         }

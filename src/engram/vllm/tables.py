@@ -23,7 +23,6 @@ FP8 is refused, naming `export_fp8`). No vLLM import.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any
 
@@ -68,19 +67,11 @@ def build_tables(plan: ServePlan, dtype: torch.dtype) -> dict[int, Engram]:
     mode = options.tables
     # host: read into memory here (what offload_engram does with a mapped file), patched, then tiered
     mapped = mode in (TableMode.MMAP, TableMode.ROWFILE)
-    # a patch knows the layers' weights by their bfloat16 rounding (engram.memory's reader fingerprint),
-    # and float16 weights round to other values: loaded in float32, patched, then cast
-    load = torch.float32 if plan.patches and dtype == torch.float16 else dtype
-    _, modules = load_engram_modules(part.part, part.config, mmap=mapped, dtype=load, verify=options.verify)
+    _, modules = load_engram_modules(part.part, part.config, mmap=mapped, dtype=dtype, verify=options.verify)
     for m in modules.values():  # serving: no gradients
         m.requires_grad_(False)
     if plan.patches:
         _apply_patches(plan, modules)
-    if load != dtype:  # every weight but the table (float tables stay float32, as the loader keeps them)
-        for m in modules.values():
-            for name, t in itertools.chain(m.named_parameters(), m.named_buffers()):
-                if not name.startswith("table.") and t.is_floating_point():
-                    t.data = t.data.to(dtype)
     holder = nn.ModuleDict({str(k): v for k, v in modules.items()})
     if mode is TableMode.HOST:
         offload_engram(holder, "host")
