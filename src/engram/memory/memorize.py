@@ -50,7 +50,7 @@ class MemorizeSettings:
     choice: RowChoice = RowChoice.BOTH
     rows_per_fact: int | None = 16
     steps: int = 30
-    lr: float = 0.05
+    lr: float = 1.0  # large: a trained reader maps rows to values through small weights (docs/memory.md)
     batch_size: int = 32
     seed: int = 0
     precision: Precision = Precision.FLOAT32  # bf16: forwards under autocast (rows and changes stay float32)

@@ -86,7 +86,7 @@ class MemorizePlan:
     facts: tuple[int, ...] = (10, 100, 1000)
     steps: int = 30
     batch_size: int = 32
-    patch_lr: float = 0.05  # memorize's default
+    patch_lr: float = MemorizeSettings.lr  # memorize's default
     lora_lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3)
     layer_lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
     pilot_max_facts: int = 100
