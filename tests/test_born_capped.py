@@ -38,6 +38,7 @@ def runs(tmp_path_factory) -> list[dict]:
     return [*gloo_ranks.spawn(born_capped_job.job, WORLD, d, WORLD, str(d), ROWS, CAP), {"folder": str(d)}]
 
 
+@pytest.mark.slow  # the module's runs: ranks under a memory cap, ~35 s
 def test_capped_ranks_train_checkpoint_resume_and_save(runs):
     """Every rank ran the whole job under a cap below the whole table + state: trained (finite
     losses), resumed the rows it checkpointed, wrote its part; the same cap refused the whole table."""
@@ -65,6 +66,7 @@ def test_capped_ranks_train_checkpoint_resume_and_save(runs):
         assert err is not None and "allocate" in err, err
 
 
+@pytest.mark.slow  # the module's runs: ranks under a memory cap, ~35 s
 def test_one_process_serves_the_part_memory_mapped(runs):
     """The part the 3 capped ranks wrote, loaded in one process through MmapFP8Table: generate() runs."""
     got = B.serve(runs[WORLD]["folder"], new_tokens=4)

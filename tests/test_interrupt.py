@@ -124,7 +124,7 @@ while True:
 '''
 serve.vllm_missing = lambda: None
 serve.plan_server = lambda *a, **k: ServerPlan([sys.executable, "-c", CHILD, sys.argv[2], sys.argv[3]], {})
-serve.STOP_GRACE_S = 3.0
+serve.STOP_GRACE_S = 1.0
 sys.exit(main(["serve", sys.argv[1]]))
 """
 

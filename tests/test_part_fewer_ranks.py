@@ -153,6 +153,7 @@ def _no_temporaries(where: Path) -> None:
     assert not left, left
 
 
+@pytest.mark.slow  # the module's runs: ranks writing one part, ~30 s
 def test_a_rank_writing_to_another_folder_publishes_nothing(runs):
     """Rank 1 given another folder (as a folder its machine does not share would be): it says so, the
     others name it as failed; the part is unchanged and rank 1's folder holds nothing."""
@@ -166,6 +167,7 @@ def test_a_rank_writing_to_another_folder_publishes_nothing(runs):
     _no_temporaries(runs[0]["where"])
 
 
+@pytest.mark.slow  # the module's runs: ranks writing one part, ~30 s
 def test_a_rank_raising_before_it_writes_publishes_nothing(runs):
     errors = [r["raised"][0] for r in runs]
     assert errors[2] == "ValueError: rank 2 could not quantise its rows (simulated)"
@@ -176,6 +178,7 @@ def test_a_rank_raising_before_it_writes_publishes_nothing(runs):
     _no_temporaries(runs[0]["where"])
 
 
+@pytest.mark.slow  # the module's runs: ranks writing one part, ~30 s
 def test_a_rank_that_does_not_come_publishes_nothing_within_the_timeout(runs):
     for r in runs[:2]:
         error, seconds = r["absent"]
@@ -191,6 +194,7 @@ def test_a_rank_that_does_not_come_publishes_nothing_within_the_timeout(runs):
     _no_temporaries(runs[0]["where"])
 
 
+@pytest.mark.slow  # the module's runs: ranks writing one part, ~30 s
 def test_a_rank_killed_while_writing_publishes_nothing_and_nobody_hangs(runs):
     assert runs[0]["exitcodes"] == [0, 17, 0]
     for r in (runs[0], runs[2]):
