@@ -18,7 +18,7 @@ import torch
 import hf_setup as S
 from cli_setup import CPU, refused, train_tiny_run
 from engram.cli import main
-from engram.memory import EngramLayers, MemoryPatch, load_patch, save_patch
+from engram.memory import EngramLayers, MemorizeSettings, MemoryPatch, load_patch, save_patch
 from engram.memory.apply import layer_rows, reader_signature, table_row_format
 from engram.memory.patch import LayerRows
 
@@ -123,7 +123,10 @@ def test_memorize_writes_a_patch_that_load_patch_reads(root, folder, capsys):
     assert p.num_rows == r["rows"] == sum(r["rows_per_layer"].values()) > 0 and list(p.layers) == [1]
     assert r["bytes"] == out.stat().st_size and r["bytes_per_fact"] == r["bytes"] / 2
     assert r["loss"] < r["loss_first"] and r["steps"] == 8 and r["fingerprint"] == p.fingerprint
-    assert r["settings"]["rows"] == "both" and r["settings"]["rows_per_fact"] is None
+    assert (
+        r["settings"]["rows"] == "both"
+        and r["settings"]["rows_per_fact"] == MemorizeSettings().rows_per_fact == 16
+    )
     # the text summary: one line naming the file, the facts, rows, bytes and the loss
     out2 = root / "two.safetensors"
     assert (
@@ -145,6 +148,50 @@ def test_memorize_writes_a_patch_that_load_patch_reads(root, folder, capsys):
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert line.startswith(f"{out2}: 2 facts in ") and "bytes" in line and "loss" in line
     assert load_patch(out2).name == "two" and load_patch(out2).num_rows <= 2 * 3
+
+
+def test_memorize_rows_per_fact_all_takes_every_chosen_row(root, folder, capsys):
+    facts = jsonl(root / "all.jsonl", FACTS)
+    capped = run_json(
+        capsys,
+        "memorize",
+        folder,
+        "--facts",
+        facts,
+        "--out",
+        root / "c1.safetensors",
+        *FAST,
+        "--rows-per-fact",
+        "1",
+    )
+    every = run_json(
+        capsys,
+        "memorize",
+        folder,
+        "--facts",
+        facts,
+        "--out",
+        root / "all.safetensors",
+        *FAST,
+        "--rows-per-fact",
+        "all",
+    )
+    assert every["settings"]["rows_per_fact"] is None and capped["settings"]["rows_per_fact"] == 1
+    assert every["rows"] > capped["rows"]
+    refused(
+        capsys,
+        [
+            "memorize",
+            str(folder),
+            "--facts",
+            str(facts),
+            "--out",
+            str(root / "x.safetensors"),
+            "--rows-per-fact",
+            "0",
+        ],
+        "--rows-per-fact",
+    )
 
 
 def test_patch_info(patches, capsys):

@@ -29,6 +29,13 @@ from engram.memory import MemorizeSettings, RowChoice
 __all__ = ["register"]
 
 DEFAULTS = MemorizeSettings()
+
+
+def rows_cap(text: str) -> int | None:
+    """--rows-per-fact: a whole number >= 1, or 'all' (None: every chosen row)."""
+    return None if text.strip().lower() == "all" else positive_int(text)
+
+
 PATCH_CHECK_HELP = "whether an HF model folder's model takes memory patches, applied in the order given"
 PATCH_INFO_HELP = "what a memory patch file holds: facts, rows per layer, bytes, row format, fingerprint"
 
@@ -79,9 +86,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--rows-per-fact",
-        type=positive_int,
+        type=rows_cap,
+        default=DEFAULTS.rows_per_fact,
         metavar="N",
-        help="at most N rows a fact in each layer (default: every row chosen)",
+        help=f"at most N rows a fact in each layer, or 'all': every row chosen (default {DEFAULTS.rows_per_fact})",
     )
     p.add_argument(
         "--batch-size",
