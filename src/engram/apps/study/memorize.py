@@ -59,7 +59,7 @@ from engram.apps.study.memorize_models import (
 from engram.apps.study.memorize_probes import locality, position_losses
 from engram.apps.study.memorize_report import summarize, write_report
 from engram.apps.study.pretrained import pretrained_plan, write_corpus
-from engram.apps.study.pretrained_report import write_atomic
+from engram.apps.study.pretrained_report import read_record, write_atomic
 from engram.memory import (
     MemorizeSettings,
     apply_patch,
@@ -165,18 +165,10 @@ def _key(ctx: _Ctx, s: Subject, what: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) and rec.get("version") == _VERSION else None
-
-
 def _base(ctx: _Ctx, s: Subject, ids: list[int]) -> dict[str, Any]:
     """The untrained model's answers per record (added to as more records are needed) and held-out loss."""
     path = ctx.out / "runs" / f"memorize-base-{_key(ctx, s, {'arm': 'base'})}.json"
-    rec = _read(path) or {"version": _VERSION, "records": {}}
+    rec = read_record(path, _VERSION) or {"version": _VERSION, "records": {}}
     if "held_out_loss" not in rec:
         rec["held_out_loss"] = float(position_losses(s.logits(s.model), s.held, 8).mean())
     todo = [i for i in ids if str(i) not in rec["records"]]
@@ -212,7 +204,7 @@ def _pilot(ctx: _Ctx, s: Subject, arm: str, n: int) -> list[dict[str, Any]]:
             "batch": p.batch_size,
         }
         path = ctx.out / "runs" / f"memorize-{_key(ctx, s, what)}.json"
-        rec = _read(path)
+        rec = read_record(path, _VERSION)
         if rec is None:
             ctx.say(f"{s.name}: pilot {arm}, {n} facts, lr {lr:g}")
             model, params = trainable(s, arm, 0)
@@ -249,7 +241,7 @@ def _run(
     train = {"steps": p.steps, "batch": p.batch_size, "lr": lr} if arm != "in-prompt" else {}
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
     path = ctx.out / "runs" / f"memorize-{key}.json"
-    rec = _read(path)
+    rec = read_record(path, _VERSION)
     if rec is not None:
         return {**rec, "cached": True}
     ctx.say(f"{s.name}: {arm}, {n} facts, seed {seed}" + (f", lr {lr:g}" if lr else ""))

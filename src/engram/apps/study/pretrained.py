@@ -51,7 +51,7 @@ from engram.apps.hf.train import (
     partial_folder,
     train_folder,
 )
-from engram.apps.study.pretrained_report import findings, write_atomic, write_report
+from engram.apps.study.pretrained_report import findings, read_record, write_atomic, write_report
 from engram.apps.study.probes import (
     cloze_accuracy,
     cloze_items,
@@ -321,12 +321,6 @@ def _dir_bytes(d: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------- runs
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) and rec.get("version") == _RECORD_VERSION else None
 
 
 def _write(path: Path, rec: dict[str, Any]) -> None:
@@ -389,7 +383,7 @@ def _run(
     blob = json.dumps(what, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:20]
     runs = ctx.out / "runs"
-    rec = _read(runs / f"{key}.json")
+    rec = read_record(runs / f"{key}.json", _RECORD_VERSION)
     if rec is not None:
         return {**rec, "seed": seed, "cached": True}  # "no training": one record for every seed
     summary: dict[str, Any] | None = None

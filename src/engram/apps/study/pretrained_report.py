@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["findings", "table_lines", "write_atomic", "write_report"]
+__all__ = ["findings", "read_record", "table_lines", "write_atomic", "write_report"]
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -19,6 +19,16 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def read_record(path: Path, version: int) -> dict[str, Any] | None:
+    """A cached run's JSON record written at `version`, or None (missing, unreadable, another version:
+    the run is done again)."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("version") == version else None
 
 
 def findings(summary: list[dict[str, Any]]) -> list[str]:
