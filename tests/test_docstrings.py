@@ -5,8 +5,9 @@ The public API is every name in the `__all__` of `engram`, `engram.hf`, `engram.
 defines in our code (not those it inherits from torch or the standard library). For each: a
 docstring exists and opens with a one-line summary; griffe (mkdocstrings' parser, with its default
 options) parses it as Google style without a warning; every parameter of the signature is in its
-`Args:` (a class's in the class docstring), a function that returns something has `Returns:` (or
-`Yields:`), and every exception the function raises by name in its own body is in `Raises:`.
+`Args:` (a class's in the class docstring), an enum's members and a NamedTuple's fields are in its
+`Attributes:`, a function that returns something has `Returns:` (or `Yields:`), and every exception
+the function raises by name in its own body is in `Raises:`. Every `>>>` example runs (doctest).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 griffe = pytest.importorskip("griffe")
 
@@ -30,6 +32,7 @@ import engram  # noqa: E402
 PACKAGES = ("engram", "engram.hf", "engram.systems", "engram.distributed", "engram.vllm")
 SRC = Path(engram.__file__).resolve().parent.parent
 PARAMETERS = griffe.DocstringSectionKind.parameters
+ATTRIBUTES = griffe.DocstringSectionKind.attributes
 RETURNS = (griffe.DocstringSectionKind.returns, griffe.DocstringSectionKind.yields)
 RAISES = griffe.DocstringSectionKind.raises
 HOOKS = {"extra_repr"}  # torch's repr hook: nn.Module calls it, nobody else
@@ -37,6 +40,13 @@ HOOKS = {"extra_repr"}  # torch's repr hook: nn.Module calls it, nobody else
 
 def _ours(obj: object) -> bool:
     return (getattr(obj, "__module__", None) or "").split(".")[0] == "engram"
+
+
+def _members(obj: object) -> list[str]:
+    """An enum's members or a NamedTuple's fields: what its docstring's `Attributes:` lists."""
+    if isinstance(obj, enum.EnumMeta):
+        return [m.name for m in obj]  # type: ignore[var-annotated]
+    return list(getattr(obj, "_fields", ()))
 
 
 def _public_api() -> dict[str, tuple[str, str]]:
@@ -176,6 +186,13 @@ def test_docstring(tree, name: str) -> None:
         missing = [p for p in wanted if p not in documented]
         assert not missing, f"{name}: Args: does not document {missing}"
 
+    if kind == "class":
+        module, _, qualname = path.rpartition(".")
+        members = _members(getattr(importlib.import_module(module), qualname))
+        listed = {a.name for s in sections if s.kind is ATTRIBUTES for a in s.value}
+        missing = [m for m in members if m not in listed]
+        assert not missing, f"{name}: Attributes: does not document {missing}"
+
     if kind in ("function", "method"):
         returns = obj.returns
         gives = returns is not None and str(returns) not in ("None", "NoReturn", "Never", "Self")
@@ -195,8 +212,13 @@ def test_docstring(tree, name: str) -> None:
         assert raised <= listed, f"{name} raises {sorted(raised - listed)} without saying so in Raises:"
 
 
-def test_examples_run(tree) -> None:
-    """Every `>>>` example in those docstrings runs and prints what it shows (doctest)."""
+def test_examples_run(tree, tmp_path, monkeypatch) -> None:
+    """Every `>>>` example in those docstrings runs and prints what it shows (doctest).
+
+    In a scratch folder (an example may write a file there), on a fork of torch's generator (the
+    examples draw random tables; the tests after them see the generator as it was).
+    """
+    monkeypatch.chdir(tmp_path)
     parser, failures, ran = doctest.DocTestParser(), [], 0
     for name, (path, _) in sorted(API.items()):
         obj = _lookup(tree, path)
@@ -205,7 +227,8 @@ def test_examples_run(tree) -> None:
         test = parser.get_doctest(obj.docstring.value, {}, name, str(obj.filepath), obj.docstring.lineno)
         out = io.StringIO()
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-        result = runner.run(test, out=out.write)
+        with torch.random.fork_rng(devices=[]):
+            result = runner.run(test, out=out.write)
         ran += 1
         if result.failed:
             failures.append(out.getvalue())

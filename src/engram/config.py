@@ -90,7 +90,15 @@ def check_eps(name: str, value: Any, hi: float = 1.0) -> float:
 
 
 class Variant(enum.StrEnum):
-    """The published Engram modules: SPEC §1's two, and Qwen4-Exp's PLE."""
+    """The published Engram modules: SPEC §1's two, and Qwen4-Exp's PLE.
+
+    Attributes:
+        V4_1: DeepSeek-V4.1's: fused wkv, no short conv, FP8 + ue8m0 table.
+        DEMO_V1: The paper's demo: separate key projections, short causal conv.
+        QWEN4_EXP_PLE: Qwen4-Exp's Per-Layer Embedding (transformers' `qwen4_exp`): raw ids,
+            splitmix64 multipliers, windows restarting after EOS, one fused key projection normed per
+            stream, dilated conv.
+    """
 
     V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
     DEMO_V1 = "demo-v1"  # the paper's demo: separate key projections, short causal conv

@@ -50,7 +50,13 @@ _PARALLEL_MIN_TOKENS = 16_384
 
 
 class HashBackend(enum.StrEnum):
-    """Which implementation `NgramHasher` hashes with (all give identical rows)."""
+    """Which implementation `NgramHasher` hashes with (all give identical rows).
+
+    Attributes:
+        AUTO: numba on the CPU, Triton for CUDA tensors.
+        NUMBA: `engram.kernels.cpu_hash`: compiled on first use, cached on disk.
+        NUMPY: The vectorised reference twin.
+    """
 
     AUTO = "auto"  # numba on the CPU, Triton for CUDA tensors
     NUMBA = "numba"  # engram.kernels.cpu_hash: compiled on first use, cached on disk

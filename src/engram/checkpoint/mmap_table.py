@@ -154,13 +154,12 @@ class MmapFP8Table(MmapQuantTable):
         ValueError: A tensor is missing or has the wrong dtype or shape; the message names the file.
 
     Examples:
-        >>> import os, tempfile, torch
+        >>> import torch
         >>> from safetensors.torch import save_file
         >>> from engram import FP8Table, MmapFP8Table
         >>> fp8 = FP8Table.from_float(torch.randn(100, 64))
-        >>> path = os.path.join(tempfile.mkdtemp(), "table.safetensors")
-        >>> save_file({"table.weight": fp8.weight, "table.scale": fp8.scale}, path)
-        >>> table = MmapFP8Table(path, "table.weight", "table.scale")
+        >>> save_file({"table.weight": fp8.weight, "table.scale": fp8.scale}, "table.safetensors")
+        >>> table = MmapFP8Table("table.safetensors", "table.weight", "table.scale")
         >>> rows = torch.tensor([3, 7])
         >>> table.num_rows, torch.equal(table.gather(rows), fp8.gather(rows))
         (100, True)

@@ -25,7 +25,12 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 
 
 class Backend(enum.StrEnum):
-    """The process group's backend."""
+    """The process group's backend.
+
+    Attributes:
+        NCCL: CUDA, one device per rank.
+        GLOO: CPU.
+    """
 
     NCCL = "nccl"  # CUDA, one device per rank
     GLOO = "gloo"  # CPU

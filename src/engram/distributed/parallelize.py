@@ -34,7 +34,12 @@ __all__ = [
 
 
 class TableInit(enum.StrEnum):
-    """How a sharded table starts (`engram train --distributed --table-init`)."""
+    """How a sharded table starts (`engram train --distributed --table-init`).
+
+    Attributes:
+        COPY: The owned rows of the model's existing full table.
+        CHUNKED: Seeded per fixed-size chunk of rows (world-size independent).
+    """
 
     COPY = "copy"  # owned rows of the model's existing full table
     CHUNKED = "chunked"  # seeded per fixed-size chunk of rows (world-size independent)

@@ -25,7 +25,16 @@ __all__ = ["CachePlan", "RowCache"]
 
 
 class CachePlan(NamedTuple):
-    """The host-side outcome of one call of `RowCache.plan` over sorted distinct rows uniq (U,)."""
+    """The host-side outcome of one call of `RowCache.plan` over sorted distinct rows uniq (U,).
+
+    Attributes:
+        hit_idx: (H,) int64 positions in uniq of the cached rows.
+        hit_slots: (H,) their slots.
+        miss_idx: (M,) positions in uniq of the rows to fetch: the I admitted ones first, then the
+            others, each run ascending (lru, clock, lfu admit a prefix of the misses, so there it is
+            ascending throughout; pinned and pinned+lru may admit any subset).
+        ins_slots: (I,) slots given to the first I misses (I <= M).
+    """
 
     hit_idx: np.ndarray  # (H,) int64 positions in uniq of the cached rows
     hit_slots: np.ndarray  # (H,) their slots

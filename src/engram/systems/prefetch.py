@@ -189,7 +189,13 @@ def offload_engram(
 
 
 class PrefetchedBatch(NamedTuple):
-    """One batch from a `Prefetcher`."""
+    """One batch from a `Prefetcher`.
+
+    Attributes:
+        token_ids: As the iterable gave it: (B, T) torch or numpy.
+        rows: (B, T, n_layers, heads) int64 on the host, the hasher's layer order.
+        handles: layer_id -> the prefetch of that layer's rows (`rows[:, :, index of that layer]`).
+    """
 
     token_ids: Any  # as the iterable gave it: (B, T) torch or numpy
     rows: torch.Tensor  # (B, T, n_layers, heads) int64 on the host, the hasher's layer order

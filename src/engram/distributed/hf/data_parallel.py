@@ -75,7 +75,12 @@ __all__ = [
 
 
 class TableSync(enum.StrEnum):
-    """How an HF model's Engram tables stay one table across data-parallel ranks."""
+    """How an HF model's Engram tables stay one table across data-parallel ranks.
+
+    Attributes:
+        REPLICATED: Every rank holds the table; sparse row gradients averaged across ranks.
+        SHARDED: Each rank owns 1/N of the rows and their optimizer state; rows exchanged.
+    """
 
     REPLICATED = "replicated"  # every rank holds the table; sparse row gradients averaged across ranks
     SHARDED = "sharded"  # each rank owns 1/N of the rows and their optimizer state; rows exchanged
