@@ -476,6 +476,7 @@ class HashStream:
             The rows, shaped like `feed`'s.
 
         Raises:
+            TypeError: The ids or `seqs` are not integers, or a mask is not bool.
             ValueError: `out` given for host ids, a draft past `max_draft` while the state is on
                 the device, or bad ids, masks or `seqs` (as in `feed`).
         """
