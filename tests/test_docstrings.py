@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-griffe = pytest.importorskip("griffe")
+griffe = pytest.importorskip("griffe")  # mkdocstrings' parser: the docs extra
+pytest.importorskip("transformers")  # engram.hf, whose API is checked here
 
 import engram  # noqa: E402
 
@@ -45,7 +46,7 @@ def _ours(obj: object) -> bool:
 def _members(obj: object) -> list[str]:
     """An enum's members or a NamedTuple's fields: what its docstring's `Attributes:` lists."""
     if isinstance(obj, enum.EnumMeta):
-        return [m.name for m in obj]  # type: ignore[var-annotated]
+        return [m.name for m in obj]
     return list(getattr(obj, "_fields", ()))
 
 
@@ -59,7 +60,9 @@ def _public_api() -> dict[str, tuple[str, str]]:
             if inspect.isclass(obj) or inspect.isfunction(obj):
                 path = f"{obj.__module__}.{obj.__qualname__}"
                 api[f"{package}.{name}"] = (path, "class" if inspect.isclass(obj) else "function")
-                if hasattr(obj, "__wrapped__"):  # functools.wraps: the wrapper, as the source shows it, too
+                wrapper = getattr(getattr(obj, "__code__", None), "co_filename", "")
+                if hasattr(obj, "__wrapped__") and Path(wrapper).is_relative_to(SRC):
+                    # functools.wraps in our code: the wrapper, as the source shows it to griffe, too
                     api[f"{package}.{name} (wrapper)"] = (f"{package}.{name}", "function")
             else:  # a constant: its docstring is the string under its assignment
                 api[f"{package}.{name}"] = (f"{package}.{name}", "attribute")
