@@ -2,7 +2,7 @@
 
 Holds `Variant` (which published module), `EngramConfig` (every number the hash layout and the
 module need, validated on construction; derived values are properties) and `PRESETS`
-(`deepseek-v4.1`, `demo-v1`, `tiny`, `qwen4-exp-ple`). `EngramConfig.from_hf_config` reads the
+(`deepseek-v4.1`, `demo-v1`, `tiny`, `qwen4-exp-tiny`). `EngramConfig.from_hf_config` reads the
 keys of a Hugging Face config (DeepSeek-V4.1's `engram_*`, Qwen4-Exp's `ple_*` / `ngram_*`). It
 imports nothing else of engram: primes are `engram.addressing.layout`'s, and the check of a declared
 `engram_num_embeddings` against them (and the writing of `engram_*` keys) is
@@ -65,8 +65,23 @@ def _is_real(value: Any) -> bool:
 
 
 def check_eps(name: str, value: Any, hi: float = 1.0) -> float:
-    """`value` as a float in (0, hi]: a finite number, not NaN (which passes `<= 0`); TypeError or
-    ValueError naming the field, the value and the range."""
+    """Check that a config value is a finite number in (0, hi] and return it as a float.
+
+    NaN is refused too (it passes `<= 0`).
+
+    Args:
+        name: The field's name, quoted in the error.
+        value: The value to check.
+        hi: The upper bound of the range, included.
+
+    Returns:
+        `value` as a float.
+
+    Raises:
+        TypeError: `value` is not a number (bools are refused).
+        ValueError: `value` is not finite or lies outside (0, hi]; the message names the field,
+            the value and the range.
+    """
     if not _is_real(value):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if not (math.isfinite(value) and 0 < value <= hi):
@@ -75,7 +90,15 @@ def check_eps(name: str, value: Any, hi: float = 1.0) -> float:
 
 
 class Variant(enum.StrEnum):
-    """The published Engram modules: SPEC §1's two, and Qwen4-Exp's PLE."""
+    """The published Engram modules: SPEC §1's two, and Qwen4-Exp's PLE.
+
+    Attributes:
+        V4_1: DeepSeek-V4.1's: fused wkv, no short conv, FP8 + ue8m0 table.
+        DEMO_V1: The paper's demo: separate key projections, short causal conv.
+        QWEN4_EXP_PLE: Qwen4-Exp's Per-Layer Embedding (transformers' `qwen4_exp`): raw ids,
+            splitmix64 multipliers, windows restarting after EOS, one fused key projection normed per
+            stream, dilated conv.
+    """
 
     V4_1 = "deepseek-v4.1"  # fused wkv, no short conv, FP8 + ue8m0 table
     DEMO_V1 = "demo-v1"  # the paper's demo: separate key projections, short causal conv
@@ -106,8 +129,52 @@ def _tuple_of_ints(name: str, value: Any) -> tuple[int, ...]:
 class EngramConfig:
     """Everything that fixes Engram's addressing and module shapes.
 
-    `engram_vocab_size` is the prime-search base per n-gram order (orders 2..max_ngram_size);
-    V4.1 uses 16000000 for every order, the paper's demo 129280*5.
+    A frozen dataclass, validated on construction (`__post_init__`): every size is checked against
+    the `MAX_*` bounds of this module before any work, and derived values (`orders`,
+    `rows_per_token`, `engram_dim`, `n_layers`) are properties. The addressing fields must match the
+    checkpoint and the tokenizer bit for bit. Presets live in `PRESETS` (`EngramConfig.preset`).
+
+    Args:
+        name: A label for the config (a preset's name, or "custom").
+        variant: Which published module (`Variant`); a string value is converted.
+        layer_ids: The backbone layers (0-based) that get an Engram module, each once.
+        max_ngram_size: The largest n-gram order hashed; orders run 2..max_ngram_size.
+        n_heads: K, the hash heads per order.
+        engram_vocab_size: The prime-search base per n-gram order (orders 2..max_ngram_size);
+            V4.1 uses 16000000 for every order, the paper's demo 129280*5. One int is spread
+            over all orders.
+        vocab_size: The tokenizer's ids, added tokens included.
+        compressed_vocab_size: The ids after tokenizer compression (`TokenizerCompression`).
+        pad_token_id: The id that pads windows at a sequence's start.
+        seed: Seeds the hash multipliers (numpy `default_rng` or splitmix64, by `multiplier_scheme`).
+        tokenizer: A known tokenizer name or a tokenizer.json path, or None.
+        head_dim: The width of one table row.
+        hidden_size: The backbone's residual width (dim).
+        hc_mult: Residual streams (mHC); 1 is a plain residual.
+        kernel_size: The short conv's kernel (demo-v1 and Qwen4-Exp only).
+        norm_eps: The RMSNorm epsilon, in (0, 1].
+        gate_clamp: The |dot| floor before the gate's signed square root, in (0, 1].
+        restart_after_id: Windows restart after this tokenizer id (Qwen4-Exp: EOS): the token after
+            it looks back at nothing before it (pads), as if a new sequence began. None: no
+            automatic restarts (V4.1).
+        multiplier_scheme: How a layer's odd hash multipliers are drawn (`MultiplierScheme`).
+        table_rows_multiple: Each layer's table is padded up to a multiple of this many rows.
+        declared_num_embeddings: What a loaded config.json declared for `engram_num_embeddings`
+            (an int or one per layer), kept for the round trip and checked against the prime sums
+            by `engram.checkpoint.hf_config.from_hf_dict`; not compared by `==`.
+
+    Raises:
+        TypeError: A field has the wrong type (e.g. a float where an int belongs).
+        ValueError: A field is out of range or the fields disagree; the message names the field,
+            the value and the fix.
+
+    Examples:
+        >>> from engram import EngramConfig
+        >>> config = EngramConfig.preset("tiny")
+        >>> config.orders, config.rows_per_token, config.engram_dim
+        ((2, 3), 8, 256)
+        >>> config.replace(n_heads=2).rows_per_token
+        4
     """
 
     name: str = "custom"
@@ -279,10 +346,21 @@ class EngramConfig:
 
     @property
     def n_layers(self) -> int:
+        """Layers with an Engram module: len(layer_ids)."""
         return len(self.layer_ids)
 
     def layer_index(self, layer_id: int) -> int:
-        """Position of `layer_id` in `layer_ids` (the hasher's layer axis)."""
+        """The position of `layer_id` in `layer_ids` (the hasher's layer axis).
+
+        Args:
+            layer_id: A backbone layer id.
+
+        Returns:
+            Its index in `layer_ids`.
+
+        Raises:
+            ValueError: The layer has no Engram module in this config.
+        """
         try:
             return self.layer_ids.index(layer_id)
         except ValueError:
@@ -291,7 +369,17 @@ class EngramConfig:
             ) from None
 
     def replace(self, **changes: Any) -> EngramConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed, validated again.
+
+        Changing `max_ngram_size` alone spreads the first order's `engram_vocab_size` base over the
+        new orders; `declared_num_embeddings` is dropped unless given.
+
+        Args:
+            **changes: Fields to change, by name.
+
+        Returns:
+            The new config.
+        """
         if "engram_vocab_size" not in changes and "max_ngram_size" in changes:
             # one base, spread over the orders by __post_init__ once max_ngram_size is checked
             changes["engram_vocab_size"] = self.engram_vocab_size[0]
@@ -301,7 +389,17 @@ class EngramConfig:
     # ------------------------------------------------------------------ presets
     @staticmethod
     def preset(name: str) -> EngramConfig:
-        """One of `PRESETS`: 'deepseek-v4.1', 'demo-v1', 'tiny'."""
+        """One of `PRESETS` by name.
+
+        Args:
+            name: 'deepseek-v4.1', 'demo-v1', 'qwen4-exp-tiny' or 'tiny'.
+
+        Returns:
+            The preset's config.
+
+        Raises:
+            ValueError: No preset has that name; the message lists the known ones.
+        """
         try:
             return PRESETS[name]
         except KeyError:
@@ -312,12 +410,25 @@ class EngramConfig:
     # ------------------------------------------------------------------ Hugging Face configs
     @classmethod
     def from_hf_config(cls, config: Any, *, name: str = "hf", tokenizer: str | None = None) -> EngramConfig:
-        """The config of a Hugging Face model config: a transformers config object or a plain dict
-        (a config.json), of either family: DeepSeek-V4.1's `engram_*` keys or Qwen4-Exp's `ple_*` /
-        `ngram_*` keys (of a `Qwen4ExpTextConfig`, or a `Qwen4ExpConfig`'s `text_config`).
+        """The Engram config that a Hugging Face model config holds.
 
+        Either family of keys is read: DeepSeek-V4.1's `engram_*` keys or Qwen4-Exp's `ple_*` /
+        `ngram_*` keys (of a `Qwen4ExpTextConfig`, or a `Qwen4ExpConfig`'s `text_config`).
         A declared `engram_num_embeddings` is kept, not checked (the primes are not this module's):
         `engram.checkpoint.hf_config.from_hf_dict` reads the same keys and checks it.
+
+        Args:
+            config: A transformers config object or a plain dict (a config.json).
+            name: The new config's `name`.
+            tokenizer: The new config's `tokenizer` (`engram_*` keys only; Qwen4-Exp hashes raw ids).
+
+        Returns:
+            The config.
+
+        Raises:
+            TypeError: `config` is neither a mapping nor an object with `to_dict`, or a key has the
+                wrong type.
+            ValueError: The config holds neither family of keys, or its values are invalid.
         """
         d = _hf_mapping(config)
         if "engram_layer_ids" in d:
@@ -332,7 +443,13 @@ class EngramConfig:
 
     # ------------------------------------------------------------------ plain round trip
     def to_dict(self) -> dict[str, Any]:
-        """Every field as JSON-ready values (the Hugging Face `engram_*` keys are `engram.checkpoint.hf_config`'s)."""
+        """Every field as JSON-ready values (enums as their values, tuples as lists).
+
+        The Hugging Face `engram_*` keys are `engram.checkpoint.hf_config`'s.
+
+        Returns:
+            A dict keyed by field name; `from_dict` reads it back.
+        """
         d: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -341,7 +458,17 @@ class EngramConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EngramConfig:
-        """The inverse of `to_dict`; refuses unknown keys (a dict of another format or version)."""
+        """The inverse of `to_dict`.
+
+        Args:
+            d: A dict written by `to_dict` (lists for the tuple fields are accepted).
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: `d` has keys that are not fields (a dict of another format or version).
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -583,3 +710,4 @@ PRESETS: dict[str, EngramConfig] = {
         hc_mult=2,
     ),
 }
+"""The preset registry, by name: 'deepseek-v4.1', 'demo-v1', 'qwen4-exp-tiny' and 'tiny' (CPU-sized)."""

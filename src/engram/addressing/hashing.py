@@ -50,7 +50,13 @@ _PARALLEL_MIN_TOKENS = 16_384
 
 
 class HashBackend(enum.StrEnum):
-    """Which implementation `NgramHasher` hashes with (all give identical rows)."""
+    """Which implementation `NgramHasher` hashes with (all give identical rows).
+
+    Attributes:
+        AUTO: numba on the CPU, Triton for CUDA tensors.
+        NUMBA: `engram.kernels.cpu_hash`: compiled on first use, cached on disk.
+        NUMPY: The vectorised reference twin.
+    """
 
     AUTO = "auto"  # numba on the CPU, Triton for CUDA tensors
     NUMBA = "numba"  # engram.kernels.cpu_hash: compiled on first use, cached on disk
@@ -102,10 +108,22 @@ class _KernelTables:
 
 
 def check_compression(config: EngramConfig, compression: TokenizerCompression | None) -> TokenizerCompression:
-    """The compression map that hashes `config`'s ids (None: the identity, for a config that hashes raw
-    ids), refused (ValueError) unless it covers the config's vocab_size ids with exactly its
-    compressed_vocab_size compressed ids. `NgramHasher` checks its map with it; a checkpoint's
-    config.json is checked with it before anything is served or converted."""
+    """The compression map that hashes `config`'s ids, checked against the config.
+
+    `NgramHasher` checks its map with it; a checkpoint's config.json is checked with it before
+    anything is served or converted.
+
+    Args:
+        config: The config.
+        compression: The map, or None: the identity, for a config that hashes raw ids.
+
+    Returns:
+        The map (the identity for None).
+
+    Raises:
+        ValueError: The map does not cover the config's vocab_size ids with exactly its
+            compressed_vocab_size compressed ids (or None for a config that compresses ids).
+    """
     if compression is None:  # raw-id variants (Qwen4-Exp): the identity map
         if config.compressed_vocab_size != config.vocab_size:
             raise ValueError(
@@ -134,10 +152,30 @@ class NgramHasher:
 
     `hash(ids)` returns int64 rows of shape [B, T, n_layers, rows_per_token] (or [T, ...] for
     1-D input), columns in (order, head) order, each head's table offset included.
-    `backend` (a `HashBackend` or its value) and `threads` are the defaults of every call that
-    does not pass its own; `threads=None` uses every core for inputs of >= 16K tokens.
-    Without `compression`, ids are hashed raw (the identity map; the config must have
-    compressed_vocab_size == vocab_size, as raw-id variants like Qwen4-Exp's PLE do).
+
+    Args:
+        config: The config whose layout (primes, offsets, multipliers) the rows follow.
+        compression: The tokenizer's compression map. Without it, ids are hashed raw (the identity
+            map; the config must have compressed_vocab_size == vocab_size, as raw-id variants like
+            Qwen4-Exp's PLE do).
+        backend: A `HashBackend` or its value: the default of every call that does not pass its own.
+        threads: The default thread count of every call that does not pass its own; None uses
+            every core for inputs of >= 16K tokens.
+
+    Raises:
+        ValueError: The compression map does not fit the config (see `check_compression`), or
+            `backend` or `threads` is invalid.
+
+    Examples:
+        >>> import numpy as np
+        >>> from engram import EngramConfig, NgramHasher
+        >>> config = EngramConfig.preset("tiny").replace(vocab_size=1000, compressed_vocab_size=1000)
+        >>> hasher = NgramHasher(config)  # no compression map: raw ids
+        >>> rows = hasher.hash(np.array([5, 6, 7, 8]))
+        >>> rows.shape  # (T, n_layers, rows_per_token)
+        (4, 1, 8)
+        >>> rows[:, 0, :3].tolist()
+        [[1207, 5200, 10502], [3852, 5211, 9263], [2453, 4284, 9534], [3512, 7976, 11877]]
     """
 
     def __init__(
@@ -165,7 +203,14 @@ class NgramHasher:
         self._device_tables: dict[Any, tuple[Any, ...]] = {}  # per CUDA device: lookup, layout (Triton path)
 
     def kernel_tables(self, backend: HashBackend | str | None = None) -> _KernelTables | None:
-        """The numba kernels with this layout for `backend` (default: the hasher's), or None for numpy."""
+        """The numba kernels' view of this layout (built on first use, compiling numba then).
+
+        Args:
+            backend: The backend to ask for; None is the hasher's.
+
+        Returns:
+            The kernels with this layout's arrays, or None for the numpy backend.
+        """
         b = self.backend if backend is None else _check_backend(backend)
         if b is HashBackend.NUMPY:
             return None
@@ -184,7 +229,18 @@ class NgramHasher:
         return self._int32_ok
 
     def check_out_dtype(self, out_dtype: Any) -> np.dtype:
-        """`out_dtype` (numpy or torch int64 / int32) as a numpy dtype; int32 only if `int32_ok`."""
+        """Check an output dtype for rows.
+
+        Args:
+            out_dtype: A numpy or torch dtype (or its name): int64, or int32 if `int32_ok`.
+
+        Returns:
+            It as a numpy dtype.
+
+        Raises:
+            TypeError: It is neither int64 nor int32.
+            ValueError: It is int32 but a table has 2^31 rows or more.
+        """
         dt = out_dtype if isinstance(out_dtype, np.dtype) else _as_dtype(out_dtype)
         if dt == _INT64:
             return dt
@@ -203,6 +259,14 @@ class NgramHasher:
         return self.config.max_ngram_size - 1
 
     def output_shape(self, batch: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the rows of ids of shape `batch`.
+
+        Args:
+            batch: The ids' shape, e.g. (B, T).
+
+        Returns:
+            `batch` followed by (n_layers, rows_per_token).
+        """
         return (*batch, self.config.n_layers, self.config.rows_per_token)
 
     # ------------------------------------------------------------------ public entry
@@ -216,15 +280,29 @@ class NgramHasher:
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> Any:
-        """Physical rows for raw tokenizer ids ([T] or [B, T]; numpy, torch or a list).
+        """Physical rows for raw tokenizer ids.
 
-        `dead_mask` (bool, same shape) marks dead (image) positions. `starts` (bool, same shape)
-        marks positions that begin a new window: from there on, nothing before reads as anything but
-        the pad id (as at a sequence start). With `config.restart_after_id` set, the position after
-        every such id starts a window too. A torch tensor input gives a torch tensor on the same
-        device; anything else gives a numpy array. `out_dtype` int32 halves the output (allowed when
-        every table has < 2^31 rows, as in V4.1); `backend` and `threads` override the hasher's
-        defaults (see `hash_compressed`).
+        With `config.restart_after_id` set, the position after every such id starts a window too.
+        CUDA tensors are hashed on their device by the Triton kernel (with the default backend).
+
+        Args:
+            token_ids: Tokenizer ids, [T] or [B, T]: numpy, torch or a list.
+            dead_mask: Bool, the shape of `token_ids`: True at dead (image) positions.
+            starts: Bool, the shape of `token_ids`: True at positions that begin a new window: from
+                there on, nothing before reads as anything but the pad id (as at a sequence start).
+            out_dtype: int64, or int32, which halves the output (allowed when every table has
+                < 2^31 rows, as in V4.1).
+            backend: Overrides the hasher's default (see `hash_compressed`).
+            threads: Overrides the hasher's default (see `hash_compressed`).
+
+        Returns:
+            The rows, [T, n_layers, rows_per_token] or [B, T, n_layers, rows_per_token]: a torch
+                tensor on the input's device for a torch input, a numpy array otherwise.
+
+        Raises:
+            TypeError: The ids are not integers, or a mask is not bool.
+            ValueError: An id lies outside the vocabulary, or a shape or `out_dtype` is wrong; the
+                message names the value and its position.
         """
         auto = backend in (None, HashBackend.AUTO, "auto")
         if auto and isinstance(token_ids, torch.Tensor) and kernels.use_triton(token_ids):
@@ -250,9 +328,17 @@ class NgramHasher:
     def boundaries(
         self, ids: np.ndarray, starts: np.ndarray | None
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(starts, ends) of raw ids (B, T): `starts` with the restarts after `restart_after_id`
-        added (the position after each such id), and `ends` (True where the id is that id: the
-        window after it restarts, which carries into the next chunk); None where nothing is marked."""
+        """Where windows start and end in raw ids, with the config's `restart_after_id`.
+
+        Args:
+            ids: Raw tokenizer ids, (B, T).
+            starts: Bool, True where the caller starts a window, or None.
+
+        Returns:
+            The pair (starts, ends): `starts` with the restarts after `restart_after_id` added (the position
+                after each such id), and `ends` (True where the id is that id: the window after it
+                restarts, which carries into the next chunk); None where nothing is marked.
+        """
         starts = None if starts is None else starts.reshape(ids.shape)
         rid = self.config.restart_after_id
         if rid is None:
@@ -265,8 +351,16 @@ class NgramHasher:
         return (derived if starts is None else derived | starts), ends
 
     def device_tables(self, device: Any) -> tuple[Any, ...]:
-        """(compression lookup, multipliers, primes, offsets) as int64 tensors on `device`, made once
-        per device: what the Triton hash kernel reads (`hash` of CUDA tensors, `HashStream.step`)."""
+        """The hasher's arrays on a device, made once per device.
+
+        What the Triton hash kernel reads (`hash` of CUDA tensors, `HashStream.step`).
+
+        Args:
+            device: A torch device.
+
+        Returns:
+            (compression lookup, multipliers, primes, offsets) as int64 tensors on `device`.
+        """
         tables = self._device_tables.get(device)
         if tables is None:
             tables = tuple(
@@ -328,12 +422,18 @@ class NgramHasher:
         window: np.ndarray | None,
         starts: np.ndarray | None = None,
     ) -> list[np.ndarray]:
-        """The max_ngram look-back columns [B, T] each, pads and blocking applied.
+        """The max_ngram look-back columns, pads and blocking applied.
 
-        xc: (B, T) compressed ids; dead: (B, T) bool or None; window: (B, max_ngram-1) carried
-        look-back of the position before xc[:, 0] (window[:, 0] is the most recent token), or
-        None at a sequence start (all pads); starts: (B, T) bool or None, True where a window
-        restarts (look-back i of position t is blocked if a start lies in t-i+1 .. t).
+        Args:
+            xc: (B, T) compressed ids.
+            dead: (B, T) bool or None: True at dead positions.
+            window: (B, max_ngram-1) carried look-back of the position before xc[:, 0]
+                (window[:, 0] is the most recent token), or None at a sequence start (all pads).
+            starts: (B, T) bool or None, True where a window restarts (look-back i of position t
+                is blocked if a start lies in t-i+1 .. t).
+
+        Returns:
+            max_ngram_size arrays of shape (B, T): column i holds the token i back from each position.
         """
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
@@ -367,12 +467,25 @@ class NgramHasher:
         backend: HashBackend | str | None = None,
         threads: int | None = None,
     ) -> np.ndarray:
-        """Rows (B, T, n_layers, rows_per_token) for compressed ids xc (B, T); see `lookback`
-        (`starts`: True where a window restarts; a start at position 0 hides the carried window).
+        """Rows for compressed ids, the hasher's core: identical rows for every backend and input.
 
-        Writes into `out` when given (C-contiguous, int64 or int32, that shape) and returns it;
-        else allocates `out_dtype`. `threads`: None = all cores for large inputs (>= 16K tokens),
-        one otherwise; the rows never depend on it. Identical rows for every backend and input.
+        Args:
+            xc: (B, T) compressed ids.
+            dead: (B, T) bool or None, as in `lookback`.
+            window: (B, max_ngram-1) carried look-back, as in `lookback`, or None.
+            starts: (B, T) bool or None: True where a window restarts; a start at position 0 hides
+                the carried window.
+            out: Written into when given (C-contiguous, int64 or int32, the rows' shape).
+            out_dtype: The dtype allocated without `out`: int64, or int32 (see `check_out_dtype`).
+            backend: None is the hasher's default.
+            threads: None is the hasher's default (all cores for large inputs, >= 16K tokens, one
+                otherwise); the rows never depend on it.
+
+        Returns:
+            The rows, (B, T, n_layers, rows_per_token): `out` when given.
+
+        Raises:
+            ValueError: A shape disagrees with `xc`'s, or `out` is not C-contiguous.
         """
         xc = np.asarray(xc)
         if xc.ndim != 2:
@@ -425,7 +538,17 @@ class NgramHasher:
         window: np.ndarray | None = None,
         starts: np.ndarray | None = None,
     ) -> np.ndarray:
-        """The numpy twin of `hash_compressed`: int64 rows from whole-array operations."""
+        """The numpy twin of `hash_compressed`: int64 rows from whole-array operations.
+
+        Args:
+            xc: (B, T) compressed ids.
+            dead: (B, T) bool or None, as in `lookback`.
+            window: (B, max_ngram-1) carried look-back, as in `lookback`, or None.
+            starts: (B, T) bool or None, as in `lookback`.
+
+        Returns:
+            The rows, (B, T, n_layers, rows_per_token), int64.
+        """
         b, t = xc.shape
         cols = self.lookback(xc, dead, window, starts)
         k = self.config.n_heads
@@ -438,9 +561,15 @@ class NgramHasher:
         return out
 
     def mixes(self, cols: list[np.ndarray], layer_index: int) -> Iterator[np.ndarray]:
-        """mix_2, mix_3, ... (each like cols[0], int64) of one layer from `lookback` columns.
+        """The n-gram mixes of one layer from `lookback` columns.
 
-        Yields the same buffer, updated in place: copy a value to keep it past the next step.
+        Args:
+            cols: The columns `lookback` returns.
+            layer_index: The layer's position in `config.layer_ids`.
+
+        Yields:
+            mix_2, mix_3, ... (each like cols[0], int64): the same buffer, updated in place; copy
+                a value to keep it past the next step.
         """
         m = self.multipliers[layer_index]
         mix = np.multiply(cols[0], m[0])
@@ -459,11 +588,21 @@ class NgramHasher:
         starts: np.ndarray | None = None,
         ends: np.ndarray | None = None,
     ) -> np.ndarray:
-        """The look-back window (B, max_ngram-1) of the position after the first `lengths[b]` tokens of
-        each row of xc (all T tokens by default), given the window before xc.
+        """The look-back window after a chunk, given the window before it.
 
-        `starts` (B, T) as in `lookback`; `ends` (B, T) bool: True where the window restarts after
-        the token (see `boundaries`), so a window after such a token is all pads."""
+        Args:
+            xc: (B, T) compressed ids.
+            dead: (B, T) bool or None, as in `lookback`.
+            window: (B, max_ngram-1) look-back before xc, or None (all pads).
+            lengths: (B,) tokens of each row that count (all T by default).
+            starts: (B, T) bool or None, as in `lookback`.
+            ends: (B, T) bool or None: True where the window restarts after the token (see
+                `boundaries`), so a window after such a token is all pads.
+
+        Returns:
+            The window (B, max_ngram-1) of the position after the first `lengths[b]` tokens of
+                each row, most recent first.
+        """
         n, pad = self.config.max_ngram_size, self.pad
         b, t = xc.shape
         _, ext = self._extend(xc, dead, window)

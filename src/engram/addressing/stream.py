@@ -43,7 +43,7 @@ __all__ = ["HashStream"]
 
 
 class HashStream:
-    """Incremental hashing of `batch_size` sequences.
+    """Incremental hashing of `batch_size` sequences, giving the rows of hashing each whole at once.
 
     - `feed(ids)`: hash and commit a chunk ([T] for one sequence, [B', T] for the sequences `seqs`).
     - `step(ids)`: one token for every sequence (ids [B]); returns rows [B, n_layers, heads].
@@ -59,8 +59,32 @@ class HashStream:
     until `to_host()`: steps, drafts, commits, rollbacks and resets run there without a host sync,
     and any host-side method (feed of host ids, `window`, `state_dict`, ...) copies it down and back
     (a sync point). The device checks ids, pending drafts and commit counts itself and records what
-    fails; `check()`, or any host-side method, raises it (see `check`). `max_draft`: drafted tokens
-    a sequence can hold on the device. `capture()` records a step, a draft or a commit in a CUDA graph.
+    fails; `check()`, or any host-side method, raises it (see `check`). `capture()` records a step,
+    a draft or a commit in a CUDA graph.
+
+    Args:
+        hasher: The hasher whose rows the stream gives.
+        batch_size: Sequences decoded together (fixed: graphs and device state are sized by it).
+        max_draft: Drafted tokens a sequence can hold on the device.
+
+    Raises:
+        TypeError: `batch_size` is not an int.
+        ValueError: `batch_size` or `max_draft` is below 1.
+
+    Examples:
+        >>> import numpy as np
+        >>> from engram import EngramConfig, HashStream, NgramHasher
+        >>> config = EngramConfig.preset("tiny").replace(vocab_size=1000, compressed_vocab_size=1000)
+        >>> hasher = NgramHasher(config)
+        >>> stream = HashStream(hasher)
+        >>> prefill = stream.feed(np.array([5, 6, 7]))  # (3, n_layers, rows_per_token)
+        >>> step = stream.step(np.array([8]))  # (1, n_layers, rows_per_token)
+        >>> bool((np.concatenate([prefill, step]) == hasher.hash(np.array([5, 6, 7, 8]))).all())
+        True
+        >>> _ = stream.draft(np.array([9, 10]))
+        >>> stream.commit(1)  # keep 9, forget 10
+        >>> stream.position.tolist(), stream.window.tolist()
+        ([5], [[9, 8]])
     """
 
     def __init__(self, hasher: NgramHasher, batch_size: int = 1, *, max_draft: int = 16) -> None:
@@ -100,12 +124,15 @@ class HashStream:
 
     @property
     def max_draft(self) -> int:
+        """Drafted tokens a sequence can hold on the device."""
         return self._max_draft
 
     @property
     def window(self) -> np.ndarray:
-        """(B, max_ngram-1) committed look-back, most recent first, pads and blocking applied (on the
-        host: reading it while the state is on a GPU is a sync point)."""
+        """(B, max_ngram-1) committed look-back, most recent first, pads and blocking applied.
+
+        On the host: reading it while the state is on a GPU is a sync point.
+        """
         self._pull()
         return self._window
 
@@ -123,7 +150,11 @@ class HashStream:
 
     # ------------------------------------------------------------------ where the state lives
     def to_device(self, device: Any = None) -> None:
-        """Keep the state on a CUDA device (default: the current one) from now on (copies it there)."""
+        """Keep the state on a CUDA device from now on (copies it there).
+
+        Args:
+            device: A CUDA device; None is the current one.
+        """
         self._on_device(_cuda_device(device))
 
     def to_host(self) -> None:
@@ -247,9 +278,24 @@ class HashStream:
 
     # ------------------------------------------------------------------ committed tokens
     def feed(self, token_ids: Any, dead_mask: Any = None, seqs: Any = None, *, starts: Any = None) -> Any:
-        """Hash and commit a chunk; rows [T, n_layers, heads] (1-D input) or [B', T, ...].
+        """Hash and commit a chunk (on the host; a device-resident state comes down and goes back).
 
-        `starts` (bool like token_ids): True where a new window begins (a new document)."""
+        Args:
+            token_ids: [T] for one sequence, or [B', T] for the sequences `seqs`.
+            dead_mask: Bool like `token_ids`: True at dead (image) positions.
+            seqs: Indices of the sequences the rows of `token_ids` are (default: all; exactly one
+                for 1-D ids).
+            starts: Bool like `token_ids`: True where a new window begins (a new document).
+
+        Returns:
+            The rows, [T, n_layers, heads] (1-D input) or [B', T, n_layers, heads]; a torch tensor
+                for a torch input.
+
+        Raises:
+            RuntimeError: Drafted tokens are pending for these sequences.
+            TypeError: The ids or `seqs` are not integers, or a mask is not bool.
+            ValueError: An id lies outside the vocabulary, a shape disagrees, or `seqs` is invalid.
+        """
         return self._host_call(lambda: self._feed(token_ids, dead_mask, seqs, starts))
 
     def _feed(self, token_ids: Any, dead_mask: Any, seqs: Any, starts: Any) -> Any:
@@ -273,21 +319,32 @@ class HashStream:
         out: Any = None,
         check_ids: bool = True,
     ) -> Any:
-        """One decode step: one token per sequence (ids [B]); rows [B, n_layers, heads].
-
-        `starts` (bool [B]): True for a sequence whose token begins a new window (sees only pads).
-
-        Without `out`, a torch input gives a torch int64 tensor (on the input's device), anything
-        else a numpy array. `out`: a preallocated C-contiguous int64 or int32 array (numpy, or a
-        torch tensor on the ids' device) of shape [B, n_layers, heads]; the rows are written into it
-        and it is returned. Bad ids, a bad mask, or drafts pending raise and leave the state unchanged.
+        """One decode step: one token per sequence, hashed and committed.
 
         CUDA ids (with triton): one Triton launch on the ids' device compresses, checks and hashes the
         ids against the window kept there and commits them into it in place: no copy, no host sync, no
         allocation with `out` (`capture("step")` records it in a CUDA graph). An id out of range, or
         drafts pending, cannot raise there: that sequence is left unchanged with a dead token's rows and
-        the error is raised by `check()` or the next host-side method (`check_ids` is ignored: the device
-        check is free).
+        the error is raised by `check()` or the next host-side method.
+
+        Args:
+            token_ids: [B] ids, one per sequence.
+            dead_mask: Bool [B]: True for a dead (image) token.
+            starts: Bool [B]: True for a sequence whose token begins a new window (sees only pads).
+            out: A preallocated C-contiguous int64 or int32 array (numpy, or a torch tensor on the
+                ids' device) of shape [B, n_layers, heads]; the rows are written into it.
+            check_ids: Accepted for the callers that pass it; the ids are checked either way (on
+                the device the check is free).
+
+        Returns:
+            The rows [B, n_layers, heads]: `out` when given; else a torch int64 tensor (on the
+                input's device) for a torch input, a numpy array otherwise.
+
+        Raises:
+            RuntimeError: Drafted tokens are pending (on the host).
+            TypeError: The ids are not integers, a mask is not bool, or `out` is of the wrong kind.
+            ValueError: The ids are not [B], an id lies outside the vocabulary, or `out` has the
+                wrong shape or dtype. Nothing is committed then.
         """
         cpu_tensor = False
         if type(token_ids) is torch.Tensor:
@@ -406,8 +463,23 @@ class HashStream:
     ) -> Any:
         """Hash tentative tokens after the committed ones and any earlier drafts (nothing committed).
 
-        CUDA ids: one launch on the device, like `step` (no sync; `out`: a preallocated int64/int32
-        tensor of the rows' shape). On the host `out` is not taken."""
+        CUDA ids: one launch on the device, like `step` (no sync).
+
+        Args:
+            token_ids: [T] for one sequence, or [B', T] for the sequences `seqs`.
+            dead_mask: Bool like `token_ids`: True at dead (image) positions.
+            seqs: Indices of the sequences the rows of `token_ids` are (default: all).
+            starts: Bool like `token_ids`: True where a new window begins.
+            out: For CUDA ids only: a preallocated int64/int32 tensor of the rows' shape.
+
+        Returns:
+            The rows, shaped like `feed`'s.
+
+        Raises:
+            TypeError: The ids or `seqs` are not integers, or a mask is not bool.
+            ValueError: `out` given for host ids, a draft past `max_draft` while the state is on
+                the device, or bad ids, masks or `seqs` (as in `feed`).
+        """
         if (
             type(token_ids) is torch.Tensor
             and self.hasher.backend is HashBackend.AUTO
@@ -477,10 +549,20 @@ class HashStream:
         return out
 
     def commit(self, n_accepted: Any, seqs: Any = None) -> None:
-        """Keep the first `n_accepted` drafted tokens (int or one per selected sequence); drop the rest.
+        """Keep the first `n_accepted` drafted tokens of each selected sequence; drop the rest.
 
-        On the device (one launch, no sync): `n_accepted` may be a tensor there (e.g. the verifier's
-        accepted counts); a count above the drafts pending is recorded, not raised (see `check`)."""
+        On the device (one launch, no sync) a count above the drafts pending is recorded, not raised
+        (see `check`).
+
+        Args:
+            n_accepted: An int, or one per selected sequence; on the device it may be a tensor
+                there (e.g. the verifier's accepted counts).
+            seqs: The sequences (default: all).
+
+        Raises:
+            TypeError: The counts are not integers.
+            ValueError: A count is negative or above that sequence's drafts (on the host).
+        """
         if self._resident:
             self._commit_device(n_accepted, seqs)
             return
@@ -505,12 +587,22 @@ class HashStream:
         ds.commit(commit_counts(n_accepted, self._select(seqs), seqs is None, self._batch_size, ds.device))
 
     def rollback(self, seqs: Any = None) -> None:
-        """Forget every drafted token of the selected sequences."""
+        """Forget every drafted token of the selected sequences.
+
+        Args:
+            seqs: The sequences (default: all).
+        """
         self.commit(0, seqs)
 
     def reset(self, seqs: Any = None) -> None:
-        """Start the selected sequences afresh (a new request in that batch slot); on the device
-        without a sync (a recorded error of those sequences stays until `check`)."""
+        """Start the selected sequences afresh (a new request in that batch slot).
+
+        On the device this runs without a sync (a recorded error of those sequences stays until
+        `check`).
+
+        Args:
+            seqs: The sequences (default: all).
+        """
         idx = self._select(seqs)
         if self._resident:
             assert self._device is not None
@@ -521,7 +613,11 @@ class HashStream:
         self._n_draft[idx] = 0
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Committed state (window, position) for checkpointing a generation; drafts are not saved."""
+        """The committed state, for checkpointing a generation; drafts are not saved.
+
+        Returns:
+            Copies of `window` and `position`, under those keys.
+        """
         self._pull()
         return {"window": self._window.copy(), "position": self._position.copy()}
 
@@ -538,12 +634,24 @@ class HashStream:
     ) -> StreamGraph:
         """A CUDA graph of one device operation on this stream, bound to static buffers.
 
-        `kind`: "step" (ids [B]), "draft" (ids [B, tokens]) or "commit" (n_accepted [B]);
-        `dead_mask` / `starts`: whether the graph takes those masks. The state moves to the CUDA
-        `device` (default: the current one) and stays there; capturing changes nothing in it (the
+        The state moves to the CUDA `device` and stays there; capturing changes nothing in it (the
         kernel is compiled by a run whose changes are undone). Replay with `graph(ids, ...)`, which
         refuses inputs of another shape: a graph is for this batch size only. A graph replays on the
         state it was captured on; it raises once the stream moved to another device.
+
+        Args:
+            kind: "step" (ids [B]), "draft" (ids [B, tokens]) or "commit" (n_accepted [B]).
+            tokens: Tokens per sequence: 1 for a step, >= 1 for a draft.
+            dead_mask: Whether the graph takes a dead mask.
+            starts: Whether the graph takes a starts mask.
+            out_dtype: The rows' dtype, torch.int64 or torch.int32.
+            device: A CUDA device; None is the current one.
+
+        Returns:
+            The graph, called with the inputs to replay it.
+
+        Raises:
+            ValueError: An unknown `kind`, or a bad `tokens` count.
         """
         if kind not in ("step", "draft", "commit"):
             raise ValueError(f"kind={kind!r} is not one of 'step', 'draft', 'commit'")

@@ -24,16 +24,27 @@ __all__ = ["MmapFP8Table", "MmapQuantTable"]
 
 
 class MmapQuantTable(EngramTable):
-    """A table of row format `fmt` memory-mapped from a safetensors file: `gather` reads only the
-    requested rows.
+    """A table of any row format, memory-mapped from a safetensors file: `gather` reads only its rows.
 
     `weight` (values [rows, width]) and `scale` (scales [rows, scales a row]) are read-only views of the
     file, not buffers: they stay on the host (a state_dict does not hold them, `.to()` leaves them), and
     `gather(rows, dtype, device)` returns rows on `device` (default: the rows' device). The file's page
     cache is the only copy (pages are read as touched), so a table larger than RAM works: the mapping
     is read-only and shared (`TensorFile.mapped`), which the kernel does not count against RAM + swap,
-    and a write to it raises. The tensors' dtypes and shapes must be the format's (a 4-bit table named
-    as INT8 is refused, naming the file).
+    and a write to it raises.
+
+    Args:
+        path: The safetensors file holding the values.
+        weight_name: The values tensor's name in the file.
+        scale_name: The scales tensor's name (in `scale_path`).
+        fmt: The row format (a `RowFormat` or its value). The tensors' dtypes and shapes must be the
+            format's (a 4-bit table named as INT8 is refused, naming the file).
+        scale_path: The file holding the scales, if not `path`.
+
+    Raises:
+        FileNotFoundError: A file does not exist.
+        ValueError: A tensor is missing or has the wrong dtype or shape for the format; the
+            message names the file.
     """
 
     def __init__(
@@ -72,8 +83,14 @@ class MmapQuantTable(EngramTable):
         self.out_pool = OutputPool()  # reused host outputs of gather
 
     def check_files(self) -> None:
-        """Raise ValueError naming the file if a mapped file was truncated since it was opened (reading
-        it would kill the process with SIGBUS): one fstat per file, before each batch of reads."""
+        """Check that no mapped file was truncated since it was opened: one fstat per file.
+
+        Reading a truncated mapping would kill the process with SIGBUS, so this runs before each
+        batch of reads.
+
+        Raises:
+            ValueError: A file was truncated; the message names it.
+        """
         for watch in self._watches:
             watch.check()
 
@@ -83,9 +100,21 @@ class MmapQuantTable(EngramTable):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:
-        """rows (...) int64/int32 (any device) -> (..., dim) in `dtype` on `device` (default rows.device).
+        """The dequantised embeddings of rows, read from the file.
 
         The rows are gathered and dequantised on the host, then copied once to the device.
+
+        Args:
+            rows: Row ids (...) int64/int32, on any device (a device's ids come to the host: a sync).
+            dtype: The embeddings' dtype (default float32).
+            device: Where the result goes (default: the rows' device).
+
+        Returns:
+            The embeddings (..., dim) in `dtype` on `device`.
+
+        Raises:
+            TypeError: `rows` is not a tensor.
+            ValueError: A mapped file was truncated (see `check_files`), or a row id is out of range.
         """
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
@@ -96,7 +125,14 @@ class MmapQuantTable(EngramTable):
         return out if target.type == "cpu" else out.to(target, non_blocking=False)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole table [rows, dim] dequantised to `dtype` in memory (reads the whole file)."""
+        """The whole table dequantised in memory (reads the whole file).
+
+        Args:
+            dtype: The result's dtype.
+
+        Returns:
+            The table [rows, dim] in `dtype`.
+        """
         self.check_files()
         return dequantize_table(self.weight, self.scale, dtype)
 
@@ -105,8 +141,29 @@ class MmapQuantTable(EngramTable):
 
 
 class MmapFP8Table(MmapQuantTable):
-    """An FP8 table memory-mapped from a safetensors file: `weight` float8_e4m3fn [rows, dim], `scale`
-    float8_e8m0fnu [rows, dim // 32] (V4.1's tensors); the rest is `MmapQuantTable`'s."""
+    """An FP8 table memory-mapped from a safetensors file (V4.1's tensors); the rest is `MmapQuantTable`'s.
+
+    Args:
+        path: The safetensors file holding the values.
+        weight_name: The values tensor, float8_e4m3fn [rows, dim].
+        scale_name: The scales tensor, float8_e8m0fnu [rows, dim // 32] (in `scale_path`).
+        scale_path: The file holding the scales, if not `path`.
+
+    Raises:
+        FileNotFoundError: A file does not exist.
+        ValueError: A tensor is missing or has the wrong dtype or shape; the message names the file.
+
+    Examples:
+        >>> import torch
+        >>> from safetensors.torch import save_file
+        >>> from engram import FP8Table, MmapFP8Table
+        >>> fp8 = FP8Table.from_float(torch.randn(100, 64))
+        >>> save_file({"table.weight": fp8.weight, "table.scale": fp8.scale}, "table.safetensors")
+        >>> table = MmapFP8Table("table.safetensors", "table.weight", "table.scale")
+        >>> rows = torch.tensor([3, 7])
+        >>> table.num_rows, torch.equal(table.gather(rows), fp8.gather(rows))
+        (100, True)
+    """
 
     def __init__(
         self,

@@ -32,10 +32,12 @@ __all__ = [
 ]
 
 SHARDS_FOLDER = "engram-shards"  # inside a checkpoint folder
+"""The folder of a checkpoint that holds its row-range shard files (`rank-RRRRR.safetensors`)."""
 HEADER_KEY = "engram_row_shard"  # the safetensors metadata entry holding the header (JSON)
 FORMAT = 2  # 1: the HF Trainer's files before the two formats became one (not read)
 # In an HF optimizer state (EngramOptimizer's table part): the tables' rows are in shard files.
 SHARDED_STATE_KEY = "engram_sharded_tables"
+"""The key of an HF optimizer state's table part whose rows are in shard files (run, steps, world size)."""
 _NAME = re.compile(r"rank-(\d{5})\.safetensors")
 
 

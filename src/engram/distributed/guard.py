@@ -34,42 +34,88 @@ __all__ = [
 # Long enough for rank 0 to write a checkpoint at this project's scale while the others wait in a
 # barrier, short enough that a stuck job ends within minutes instead of torch's 30 (gloo) or 10 (NCCL).
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+"""Seconds a collective waits for the other ranks before it fails (`init_distributed`, `bounded_group`).
+
+Long enough for rank 0 to write a checkpoint at this project's scale while the others wait in a
+barrier, short enough that a stuck job ends within minutes instead of torch's 30 (gloo) or 10 (NCCL).
+"""
 # What tensor_digest reads at a time: the most it copies (to the host, or to make a chunk contiguous).
 DIGEST_CHUNK_BYTES = 64 << 20
 
 
 class RankError(RuntimeError):
-    """A rank of a distributed run failed in a collective (timed out, lost a peer) or beside one;
-    the message names the rank and the step."""
+    """A rank of a distributed run failed in a collective (timed out, lost a peer) or beside one.
+
+    The message names the rank and the step (see `named_failures`).
+    """
 
 
 def all_values(values: dict[str, Any], group: dist.ProcessGroup | None = None) -> list[dict[str, Any]]:
-    """Every rank's `values` (picklable), in rank order: one all_gather_object. A collective: every
-    rank of `group` calls it, and every rank gets the same list."""
+    """Every rank's values, in rank order: one all_gather_object.
+
+    A collective: every rank of `group` calls it, and every rank gets the same list.
+
+    Args:
+        values: This rank's values (picklable).
+        group: The process group (default: every rank).
+
+    Returns:
+        Each rank's `values`, in rank order.
+    """
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, values, group=group)
     return gathered
 
 
 def differing(gathered: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """The names whose values (compared with ==) differ between the ranks' dicts of `all_values`,
-    each with the list of every rank's value (None where a rank lacks the name)."""
+    """The names whose values differ between the ranks' dicts (compared with ==).
+
+    Args:
+        gathered: The ranks' dicts, as `all_values` returns them.
+
+    Returns:
+        Each differing name with the list of every rank's value (None where a rank lacks the name),
+            names sorted.
+
+    Examples:
+        >>> from engram.distributed import describe, differing
+        >>> diff = differing([{"until": 2, "seed": 0, "lr": 0.1}, {"until": 4, "seed": 1, "lr": 0.1}])
+        >>> diff
+        {'seed': [0, 1], 'until': [2, 4]}
+        >>> describe(diff)
+        'seed (rank 0: 0, rank 1: 1); until (rank 0: 2, rank 1: 4)'
+    """
     names = sorted({k for v in gathered for k in v})
     per_name = {k: [v.get(k) for v in gathered] for k in names}
     return {k: vals for k, vals in per_name.items() if any(x != vals[0] for x in vals[1:])}
 
 
 def disagreements(values: dict[str, Any], group: dist.ProcessGroup | None = None) -> dict[str, list[Any]]:
-    """Gather every rank's `values` (picklable, compared with ==) and return the names whose values
-    differ between ranks, each with the list of every rank's value (None where a rank lacks the
-    name). A collective: every rank of `group` calls it, and every rank gets the same answer."""
+    """The names whose values differ between the ranks: `differing(all_values(values, group))`.
+
+    A collective: every rank of `group` calls it, and every rank gets the same answer.
+
+    Args:
+        values: This rank's values (picklable, compared with ==).
+        group: The process group (default: every rank).
+
+    Returns:
+        Each differing name with the list of every rank's value (None where a rank lacks the name).
+    """
     return differing(all_values(values, group))
 
 
 def chunks_digest(dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[torch.Tensor]) -> str:
-    """tensor_digest of the tensor of `dtype` and `shape` whose bytes are those of `chunks` in order
-    (each read in place when contiguous on the CPU, else copied): a table digested as it is drawn,
-    one chunk at a time, without ever being whole."""
+    """The `tensor_digest` of a tensor given as chunks: a table digested as it is drawn, never whole.
+
+    Args:
+        dtype: The tensor's dtype.
+        shape: The tensor's shape.
+        chunks: Its bytes in order (each read in place when contiguous on the CPU, else copied).
+
+    Returns:
+        The digest, as `tensor_digest` gives it.
+    """
     crc = 0
     for chunk in chunks:
         c = chunk.detach().to("cpu").contiguous()  # a copy of at most one chunk
@@ -78,10 +124,25 @@ def chunks_digest(dtype: torch.dtype, shape: tuple[int, ...], chunks: Iterable[t
 
 
 def tensor_digest(t: torch.Tensor, chunk_bytes: int = DIGEST_CHUNK_BYTES) -> str:
-    """'float32 (530, 32) crc32 1a2b3c4d': dtype, shape and the CRC-32 of `t`'s bytes, read in chunks
-    of rows of at most `chunk_bytes` (a contiguous CPU tensor is read in place; another has one chunk
-    at a time copied). Equal values give the same digest on every rank, whatever its thread count: a
-    float sum would not (torch splits a sum over its threads, and the rounding follows the split)."""
+    """A tensor's dtype, shape and the CRC-32 of its bytes, which ranks compare to agree on a tensor.
+
+    Equal values give the same digest on every rank, whatever its thread count: a float sum would
+    not (torch splits a sum over its threads, and the rounding follows the split).
+
+    Args:
+        t: The tensor.
+        chunk_bytes: Its rows are read in chunks of at most this many bytes (a contiguous CPU
+            tensor is read in place; another has one chunk at a time copied).
+
+    Returns:
+        E.g. 'float32 (530, 32) crc32 1a2b3c4d'.
+
+    Examples:
+        >>> import torch
+        >>> from engram.distributed import tensor_digest
+        >>> tensor_digest(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+        'float32 (3, 4) crc32 3e667d78'
+    """
     t = t.detach()
     flat = t.reshape(1, -1) if t.dim() < 2 else t.flatten(1)  # (rows, row elements)
     row_bytes = max(1, flat.shape[1] * t.element_size())
@@ -109,9 +170,23 @@ def check_timeout(timeout: Any, where: str) -> float | None:
 
 
 def bounded_group(group: dist.ProcessGroup | None, timeout: float | None) -> dist.ProcessGroup | None:
-    """A process group over `group`'s ranks (default: every rank), same backend and rank numbers, whose
-    collectives fail after `timeout` seconds instead of the process group's own timeout (None: `group`
-    itself). Created by every rank of `group` (a collective of those ranks only)."""
+    """A process group over a group's ranks whose collectives fail after `timeout` seconds.
+
+    The same ranks, backend and rank numbers; created by every rank of `group` (a collective of
+    those ranks only).
+
+    Args:
+        group: The process group (None: every rank).
+        timeout: Seconds (see `DEFAULT_COLLECTIVE_TIMEOUT`); None: `group` itself, with the process
+            group's own timeout.
+
+    Returns:
+        The bounded group, or `group` for timeout None.
+
+    Raises:
+        ValueError: The group's ranks are not in increasing order, so the bounded group could not
+            keep its rank numbers.
+    """
     if timeout is None:
         return group
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -130,7 +205,15 @@ def bounded_group(group: dist.ProcessGroup | None, timeout: float | None) -> dis
 
 
 def describe(diff: dict[str, list[Any]], limit: int = 60) -> str:
-    """'--until (rank 0: 2, rank 1: 4); seed (rank 0: 0, rank 1: 1)': each value cut to `limit` characters."""
+    """The ranks' differing values as one line, for an error message.
+
+    Args:
+        diff: What `differing` or `disagreements` returned.
+        limit: Each value's repr is cut to this many characters.
+
+    Returns:
+        E.g. '--until (rank 0: 2, rank 1: 4); seed (rank 0: 0, rank 1: 1)'.
+    """
 
     def short(x: Any) -> str:
         s = repr(x)
@@ -144,9 +227,21 @@ def describe(diff: dict[str, list[Any]], limit: int = 60) -> str:
 
 @contextmanager
 def named_failures(rank: int, where: Callable[[], str]) -> Iterator[None]:
-    """Re-raise a RuntimeError from the block (a gloo timeout or lost peer, a DistBackendError, or
-    any other runtime failure of this rank) as RankError naming `rank` and `where()` (e.g. 'in step
-    4 of 6'); a RankError from an inner block passes unchanged. ValueErrors (settings, rows) pass too."""
+    """A context manager that names the rank and the step of a runtime failure in its block.
+
+    A RankError from an inner block passes unchanged; ValueErrors (settings, rows) pass too.
+
+    Args:
+        rank: This process's rank.
+        where: Called on failure for the step, e.g. 'in step 4 of 6'.
+
+    Yields:
+        Nothing; the block runs inside.
+
+    Raises:
+        RankError: The block raised a RuntimeError (a gloo timeout or lost peer, a DistBackendError,
+            or any other runtime failure of this rank), chained to it.
+    """
     try:
         yield
     except RankError:

@@ -21,10 +21,16 @@ from engram.distributed.guard import DEFAULT_COLLECTIVE_TIMEOUT
 __all__ = ["TORCHRUN_VARS", "Backend", "DistEnv", "init_distributed", "rank_backend"]
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""The environment variables torchrun sets that `init_distributed` needs."""
 
 
 class Backend(enum.StrEnum):
-    """The process group's backend."""
+    """The process group's backend.
+
+    Attributes:
+        NCCL: CUDA, one device per rank.
+        GLOO: CPU.
+    """
 
     NCCL = "nccl"  # CUDA, one device per rank
     GLOO = "gloo"  # CPU
@@ -32,6 +38,16 @@ class Backend(enum.StrEnum):
 
 @dataclass(frozen=True)
 class DistEnv:
+    """Where this rank stands in the run: what `init_distributed` returns.
+
+    Args:
+        rank: This process's global rank.
+        world: The number of ranks.
+        local_rank: Its rank on this node.
+        backend: The process group's backend.
+        device: Where this rank's tensors live (cpu, or cuda:LOCAL_RANK).
+    """
+
     rank: int
     world: int
     local_rank: int
@@ -40,19 +56,36 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0 (the one that writes what is written once)."""
         return self.rank == 0
 
 
 def rank_backend(
     device: torch.device | str, local_rank: int, local_world: int
 ) -> tuple[Backend, torch.device]:
-    """(backend, device) of local rank `local_rank` of `local_world` ranks on this node whose job runs
-    on `device` ('cpu' or 'cuda'): the backend follows where the tensors live, not what the machine has.
+    """The backend and device of a local rank: the backend follows where the tensors live, not the machine.
 
     'cpu': gloo, whatever GPUs there are (a job of CPU tensors on a GPU machine stays on gloo).
     'cuda': NCCL on cuda:LOCAL_RANK, only when every local rank has a GPU of its own (local_world <=
     torch.cuda.device_count()): NCCL cannot put two ranks on one GPU, it fails or hangs there, so
     that is refused here with the numbers and the fix, before any process group exists.
+
+    Args:
+        device: Where the job's tensors live: 'cpu' or 'cuda' (no index).
+        local_rank: This rank's LOCAL_RANK.
+        local_world: The ranks on this node.
+
+    Returns:
+        The pair (backend, device).
+
+    Raises:
+        TypeError: `device` is not a string or torch.device.
+        ValueError: A bad LOCAL_RANK or device, no CUDA device, or fewer GPUs than local ranks.
+
+    Examples:
+        >>> from engram.distributed import rank_backend
+        >>> rank_backend("cpu", local_rank=1, local_world=2)
+        (<Backend.GLOO: 'gloo'>, device(type='cpu'))
     """
     if not isinstance(device, torch.device | str):
         raise TypeError(f"device must be 'cpu', 'cuda' or a torch.device, got {type(device).__name__}")
@@ -95,14 +128,38 @@ def init_distributed(
 ) -> DistEnv:
     """Start the default process group from torchrun's environment variables.
 
-    device: where this job's tensors live, 'cpu' (gloo) or 'cuda' (NCCL, cuda:LOCAL_RANK, one GPU per
-    local rank): `rank_backend`'s rule. Default: the backend's device if `backend` is given, else the
-    CPU, also on a machine with GPUs.
-    backend: the backend that device asks for (default); another is refused with the fix.
-    threads: torch threads of this rank (default: the cores split evenly over the node's ranks).
-    timeout: seconds a collective waits for the other ranks before it fails (gloo raises; NCCL's
-    watchdog ends the process), so a rank that died or diverged ends the job instead of hanging it
-    (default DEFAULT_COLLECTIVE_TIMEOUT, 300 s).
+    Also sets this rank's torch threads and, for NCCL, its CUDA device. A process group that exists
+    already is kept.
+
+    Args:
+        backend: The backend the device asks for (default); another is refused with the fix.
+        device: Where this job's tensors live, 'cpu' (gloo) or 'cuda' (NCCL, cuda:LOCAL_RANK, one GPU
+            per local rank): `rank_backend`'s rule. Default: the backend's device if `backend` is
+            given, else the CPU, also on a machine with GPUs.
+        threads: Torch threads of this rank (default: the cores split evenly over the node's ranks).
+        timeout: Seconds a collective waits for the other ranks before it fails (gloo raises; NCCL's
+            watchdog ends the process), so a rank that died or diverged ends the job instead of
+            hanging it (default `DEFAULT_COLLECTIVE_TIMEOUT`, 300 s).
+
+    Returns:
+        This rank's place in the run.
+
+    Raises:
+        ValueError: A bad timeout or backend, torchrun's variables missing, or a device the backend
+            does not carry (see `rank_backend`).
+
+    Examples:
+        Launched by `torchrun --nproc_per_node 2 train.py`:
+
+        ```python
+        import torch
+        from engram.distributed import init_distributed
+
+        env = init_distributed()  # gloo on the CPU
+        if env.is_main:
+            print(f"{env.world} ranks, backend {env.backend.value}")
+        torch.distributed.destroy_process_group()
+        ```
     """
     if timeout is None:
         timeout = DEFAULT_COLLECTIVE_TIMEOUT

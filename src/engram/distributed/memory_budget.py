@@ -56,8 +56,11 @@ _UNLIMITED = {resource.RLIM_INFINITY}
 
 
 class ShardMemoryError(ValueError):
-    """A rank's shard of the Engram tables (or its optimizer state) will not fit a memory limit of its
-    process: raised on every rank, before any of them allocates it."""
+    """A rank's shard of the Engram tables (or its optimizer state) will not fit its process's memory limit.
+
+    Raised on every rank, before any of them allocates it; the message names the first rank that
+    will not fit, its rows and bytes, the limit, and the number of ranks that would.
+    """
 
 
 class Source(enum.StrEnum):

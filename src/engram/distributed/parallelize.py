@@ -34,16 +34,38 @@ __all__ = [
 
 
 class TableInit(enum.StrEnum):
-    """How a sharded table starts (`engram train --distributed --table-init`)."""
+    """How a sharded table starts (`engram train --distributed --table-init`).
+
+    Attributes:
+        COPY: The owned rows of the model's existing full table.
+        CHUNKED: Seeded per fixed-size chunk of rows (world-size independent).
+    """
 
     COPY = "copy"  # owned rows of the model's existing full table
     CHUNKED = "chunked"  # seeded per fixed-size chunk of rows (world-size independent)
 
 
 def table_owners(table_ranks: int | None, world: int) -> tuple[int, ...]:
-    """The owners of `--table-ranks N`: ranks 0..N-1 (None: every rank). Each holds about
-    num_rows / N rows of every table; ranks N..W-1 hold none (no table memory, no table optimizer
-    state) and only run the backbone and the lookups."""
+    """The owners of `--table-ranks N`: ranks 0..N-1.
+
+    Each holds about num_rows / N rows of every table; ranks N..W-1 hold none (no table memory, no
+    table optimizer state) and only run the backbone and the lookups.
+
+    Args:
+        table_ranks: N, or None for every rank.
+        world: The world size.
+
+    Returns:
+        The owner ranks.
+
+    Raises:
+        ValueError: N is not an int in [1, world].
+
+    Examples:
+        >>> from engram.distributed import table_owners
+        >>> table_owners(2, 4), table_owners(None, 3)
+        ((0, 1), (0, 1, 2))
+    """
     if table_ranks is None:
         return tuple(range(world))
     if isinstance(table_ranks, bool) or not isinstance(table_ranks, int) or not 1 <= table_ranks <= world:
@@ -63,10 +85,25 @@ def shard_engram_tables(
     seed: int = 0,
     owners: Iterable[int] | None = None,
 ) -> list[ShardedTable]:
-    """Replace each Engram module's TrainableTable by a ShardedTable over `group` whose rows live on
-    `owners` (default: every rank); returns them in model order. COPY keeps the model's values
-    (every rank must hold the same full table, e.g. built with the same seed); CHUNKED draws new
-    ones from `seed` (the full table is freed afterwards). Tables already sharded keep theirs."""
+    """Replace each Engram module's TrainableTable by a ShardedTable, in place.
+
+    Tables already sharded keep theirs.
+
+    Args:
+        model: A model holding Engram modules.
+        group: The process group (default: the default process group).
+        init: COPY keeps the model's values (every rank must hold the same full table, e.g. built
+            with the same seed); CHUNKED draws new ones from `seed` (the full table is freed
+            afterwards).
+        seed: The model seed CHUNKED draws from (each layer's table from `table_seed(seed, layer)`).
+        owners: The ranks that hold rows (default: every rank).
+
+    Returns:
+        The sharded tables, in model order.
+
+    Raises:
+        TypeError: `init` is not a TableInit, or a table is not a TrainableTable.
+    """
     if not isinstance(init, TableInit):
         raise TypeError(f"init must be a TableInit (COPY or CHUNKED), got {init!r}")
     tables = []
@@ -109,14 +146,27 @@ def build_sharded_model(
     device: torch.device | str | None = None,
     owners: Iterable[int] | None = None,
 ) -> EngramLM:
-    """An EngramLM of `config` whose Engram tables are CHUNKED ShardedTables from the start, their
-    rows on `owners` (default: every rank; a non-owner never draws or holds a table row).
+    """An EngramLM whose Engram tables are CHUNKED ShardedTables from the start (no rank holds a whole table).
 
     Built under torch.manual_seed(seed) with EngramLM's `table_factory`: the backbone draws first,
     then the Engram modules' dense weights, zero-initialised as EngramLM does; the tables draw nothing
     from torch's generator (row r of layer l's table is `chunked_normal`'s, from `table_seed(seed, l)`).
     So it is the initial model of `engram.apps.lm.train.build_model` (whose tables are those rows too),
     bit for bit, on every rank and for every world size: one process reproduces what N ranks train.
+
+    Args:
+        config: The LM's config, with an Engram config.
+        seed: The model seed.
+        group: The process group (default: the default process group).
+        device: Where the model goes (default: where it was built, the CPU).
+        owners: The ranks that hold table rows (default: every rank; a non-owner never draws or
+            holds a table row).
+
+    Returns:
+        The model.
+
+    Raises:
+        ValueError: `config` has no Engram config.
     """
     if config.engram is None:
         raise ValueError("build_sharded_model needs an LMConfig with an engram config; use EngramLM(config)")
@@ -133,13 +183,27 @@ def build_sharded_model(
 
 
 def sharded_tables(model: nn.Module) -> list[ShardedTable]:
-    """The model's ShardedTables, in model order (one per Engram layer)."""
+    """The model's ShardedTables, in model order (one per Engram layer).
+
+    Args:
+        model: A model holding Engram modules.
+
+    Returns:
+        The tables of the modules whose table is sharded.
+    """
     return [m.table for m in model.modules() if isinstance(m, Engram) and isinstance(m.table, ShardedTable)]
 
 
 def split_sharded_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense params, table params): TrainableTable and ShardedTable weights apart from the rest,
-    in model.parameters() order (so optimizer state indices match a single-process run's)."""
+    """Split a model's parameters into the dense ones and the tables (TrainableTable, ShardedTable weights).
+
+    Args:
+        model: The model.
+
+    Returns:
+        The pair (dense params, table params), each in model.parameters() order (so optimizer state
+            indices match a single-process run's), shared parameters once.
+    """
     table_ids = {id(m.weight) for m in model.modules() if isinstance(m, TrainableTable | ShardedTable)}
     seen: set[int] = set()
     dense, tables = [], []
@@ -152,8 +216,16 @@ def split_sharded_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.
 
 
 def prefetch_model_rows(model: EngramLM, rows: torch.Tensor | None) -> list[ShardedTable]:
-    """Prefetch every sharded Engram layer's rows of a batch (B, T, n_engram_layers, heads) in one
-    exchange (a collective). `rows=None` (a rank with no windows this round) takes part with no rows."""
+    """Prefetch every sharded Engram layer's rows of a batch in one exchange (a collective).
+
+    Args:
+        model: The EngramLM.
+        rows: The batch's rows (B, T, n_engram_layers, heads); None (a rank with no windows this
+            round) takes part with no rows.
+
+    Returns:
+        The tables prefetched, in model order (what `sync_table_grads` takes after backward).
+    """
     pairs = []
     e = model.config.engram
     for key, module in model.engrams.items():
@@ -174,10 +246,22 @@ def all_reduce_grads(
     *,
     extra: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Sum the dense gradients of `params` over `group` in one flat all-reduce (the caller scales the
-    loss so the sum is the global mean's gradient). Parameters without a gradient are skipped; which
-    ones have one is the same on every rank (same model, same code path). `extra` (a small 1-d
-    tensor, e.g. the loss) rides in the same buffer; its sum is returned."""
+    """Sum the dense gradients of parameters over a group in one flat all-reduce (a collective).
+
+    The caller scales the loss so the sum is the global mean's gradient. Parameters without a
+    gradient are skipped; which ones have one is the same on every rank (same model, same code path).
+
+    Args:
+        params: The dense parameters.
+        group: The process group (default: the default process group).
+        extra: A small 1-d tensor (e.g. the loss) that rides in the same buffer.
+
+    Returns:
+        The sum of `extra` over the ranks, or None without it.
+
+    Raises:
+        TypeError: A gradient is not dense.
+    """
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
         if g.layout != torch.strided:
@@ -197,7 +281,14 @@ def all_reduce_grads(
 
 
 def global_num_params(model: EngramLM) -> dict[str, int]:
-    """model.num_params() counting every ShardedTable at its full size (not this rank's shard)."""
+    """`model.num_params()` counting every ShardedTable at its full size (not this rank's shard).
+
+    Args:
+        model: The EngramLM.
+
+    Returns:
+        The counts by part, as `num_params` gives them.
+    """
     counts = model.num_params()
     extra = sum(t.num_rows * t.dim - t.weight.numel() for t in sharded_tables(model))
     counts["total"] += extra

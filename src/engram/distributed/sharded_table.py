@@ -37,8 +37,19 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
 def check_owners(owners: Iterable[int] | None, world: int) -> tuple[int, ...]:
-    """The owner ranks as a sorted tuple (None: all `world` ranks); ValueError unless they are
-    distinct ranks in [0, world), at least one."""
+    """Check the ranks that hold a table's rows.
+
+    Args:
+        owners: Group ranks, or None for all `world` ranks.
+        world: The group's size.
+
+    Returns:
+        The owner ranks as a sorted tuple.
+
+    Raises:
+        TypeError: A rank is not an int.
+        ValueError: No owner, a rank twice, or a rank outside [0, world).
+    """
     if owners is None:
         return tuple(range(world))
     found = list(owners)
@@ -55,11 +66,30 @@ def check_owners(owners: Iterable[int] | None, world: int) -> tuple[int, ...]:
 
 
 def shard_bounds(num_rows: int, world: int, owners: Iterable[int] | None = None) -> list[int]:
-    """world + 1 boundaries: rank r owns rows [bounds[r], bounds[r + 1]).
+    """Where a table's rows are split between the ranks.
 
     The i-th owner (in rank order; default: every rank) owns rows [i * n // N, (i + 1) * n // N)
     of n = num_rows split among N owners; a non-owner's range is empty. The boundaries stay sorted,
-    so the owner of a row is the last rank whose range starts at or below it."""
+    so the owner of a row is the last rank whose range starts at or below it.
+
+    Args:
+        num_rows: The table's rows.
+        world: The group's size.
+        owners: The ranks that hold rows (None: every rank).
+
+    Returns:
+        world + 1 boundaries: rank r owns rows [bounds[r], bounds[r + 1]).
+
+    Raises:
+        ValueError: A size below 1, or bad owners (see `check_owners`).
+
+    Examples:
+        >>> from engram.distributed import shard_bounds
+        >>> shard_bounds(10, 3)
+        [0, 3, 6, 10]
+        >>> shard_bounds(10, 4, owners=[0, 1])  # ranks 2 and 3 hold no rows
+        [0, 5, 10, 10, 10]
+    """
     if num_rows < 1 or world < 1:
         raise ValueError(f"shard_bounds needs num_rows >= 1 and world >= 1, got {num_rows} and {world}")
     ranks = check_owners(owners, world)
@@ -73,23 +103,57 @@ def shard_bounds(num_rows: int, world: int, owners: Iterable[int] | None = None)
 
 
 class ShardedTable(EngramTable):
-    """A table [num_rows, dim] row-sharded over `group` (default: the default process group).
+    """A table [num_rows, dim] row-sharded over a process group, trained with sparse row gradients.
 
     Rank r of the group owns rows [lo, hi) = shard_bounds(num_rows, W, owners)[r : r + 2]; `weight`
     is that shard (hi - lo, dim). Build it with `ShardedTable(num_rows, dim, ...)` (chunked seeded
     init: no rank ever holds the whole table) or `ShardedTable.from_full(weight)` (copy the owned
     rows of a full table every rank already has: the sharded model starts identical to the
-    unsharded one).
-
-    `owners` (group ranks; default: all W) are the ranks that hold rows: num_rows / N each for N
-    owners (a dedicated table group). A non-owner's `weight` is
-    empty (0, dim), so its table memory and its sparse optimizer state are nil, yet it looks rows up
-    and trains them like any rank (the exchange routes its requests to the owners). Every rank of
-    the group must pass the same owners. The values, gradients and updates do not depend on them.
+    unsharded one). A step prefetches its rows (`prefetch_tables`), gathers them in the forward
+    pass, and after backward sends their gradients to the owners (`sync_table_grads`).
 
     `state_dict()` holds the local shard; `load_state_dict` takes the shard or the full table
     (it keeps the owned rows). `full_weight()` gathers the whole table on one rank (a collective).
-    The table's device must suit the backend: CPU for gloo, the rank's CUDA device for NCCL.
+
+    Args:
+        num_rows: The whole table's rows.
+        dim: Width of a row.
+        group: The process group (default: the default process group).
+        dtype: float32, bfloat16, or float64 (for checks).
+        device: The shard's device; it must suit the backend: CPU for gloo, the rank's CUDA device
+            for NCCL.
+        init_std: The rows' normal standard deviation.
+        seed: The rows are `chunked_normal(lo, hi, dim, std=init_std, seed=seed)`: the same values
+            for every world size and owner set.
+        shard: This rank's rows (hi - lo, dim) instead of drawing them.
+        owners: The group ranks that hold rows (default: all W): num_rows / N each for N owners (a
+            dedicated table group). A non-owner's `weight` is empty (0, dim), so its table memory
+            and its sparse optimizer state are nil, yet it looks rows up and trains them like any
+            rank (the exchange routes its requests to the owners). Every rank of the group must
+            pass the same owners. The values, gradients and updates do not depend on them.
+
+    Raises:
+        ValueError: No process group, this rank not in `group`, a size below 1, bad owners, or a
+            `shard` of the wrong shape.
+        TypeError: `dtype` is not one a sharded table takes.
+
+    Examples:
+        One training step's table traffic, on every rank (launched with
+        `torchrun --nproc_per_node 2 step.py`):
+
+        ```python
+        import torch
+        from engram.distributed import ShardedTable, init_distributed, prefetch_tables, sync_table_grads
+
+        env = init_distributed()  # gloo on the CPU
+        table = ShardedTable(10_000, 32, seed=0)  # this rank holds rows [table.lo, table.hi)
+        rows = torch.randint(0, 10_000, (4, 16))  # this rank's batch
+        prefetch_tables([(table, rows)])  # a collective: the rows come from their owners
+        table.gather(rows).square().sum().backward()  # the gradient lands in the prefetched block
+        sync_table_grads([table])  # a collective: each owner gets its rows' summed sparse gradient
+        assert table.weight.grad.is_sparse
+        torch.distributed.destroy_process_group()
+        ```
     """
 
     _starts: torch.Tensor
@@ -151,9 +215,11 @@ class ShardedTable(EngramTable):
 
     @property
     def staged(self) -> torch.Tensor | None:
-        """The rows of the pending prefetch (U, dim), distinct and sorted, as the forward gathers from
-        them (an autograd leaf: its `.grad` is what the next flush sends to the owners); None between a
-        flush and the next prefetch. For memory accounting (`engram plan train`'s validation)."""
+        """The rows of the pending prefetch (U, dim), distinct and sorted, as the forward gathers from them.
+
+        An autograd leaf: its `.grad` is what the next flush sends to the owners; None between a
+        flush and the next prefetch. For memory accounting (`engram plan train`'s validation).
+        """
         return self._block
 
     @classmethod
@@ -164,7 +230,19 @@ class ShardedTable(EngramTable):
         group: dist.ProcessGroup | None = None,
         owners: Iterable[int] | None = None,
     ) -> ShardedTable:
-        """The shard of a full table [num_rows, dim] (every rank passes the same values)."""
+        """The shard of a full table that every rank holds: the sharded model starts as the unsharded one.
+
+        Args:
+            weight: The full table [num_rows, dim] (every rank passes the same values).
+            group: The process group (default: the default process group).
+            owners: The ranks that hold rows (default: every rank).
+
+        Returns:
+            This rank's ShardedTable, its dtype and device the table's.
+
+        Raises:
+            ValueError: `weight` is not a 2-D tensor, or bad owners.
+        """
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise ValueError(f"from_full needs a table [num_rows, dim], got {found}")
@@ -190,16 +268,29 @@ class ShardedTable(EngramTable):
 
     # ------------------------------------------------------------------ lookups
     def prefetch(self, rows: torch.Tensor) -> None:
-        """Fetch this table's distinct `rows` from their owners (a collective; see prefetch_tables)."""
+        """Fetch this table's distinct rows from their owners (a collective; see `prefetch_tables`).
+
+        Args:
+            rows: This rank's row ids, any shape.
+        """
         prefetch_tables([(self, rows)])
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """rows (...) -> (..., dim) from the prefetched block; autograd-aware (the gradient lands in
-        the block until `sync_table_grads`).
+        """The rows from the prefetched block; autograd-aware (the gradient lands in the block until synced).
 
         Without a pending prefetch this prefetches `rows` itself, which is a collective: every rank of
         the group must then call gather at the same point. Under torch.no_grad such a block is
         dropped after the call; with grad enabled it stays until sync_table_grads / release.
+
+        Args:
+            rows: Row ids (...), all of them prefetched.
+            dtype: The embeddings' dtype (None: the table's).
+
+        Returns:
+            The embeddings (..., dim).
+
+        Raises:
+            ValueError: A row was not prefetched this step.
         """
         transient = False
         if self._block is None:
@@ -225,7 +316,14 @@ class ShardedTable(EngramTable):
 
     # ------------------------------------------------------------------ whole table
     def full_weight(self, dst: int = 0) -> torch.Tensor | None:
-        """The whole table [num_rows, dim] on group rank `dst` (None elsewhere); a collective."""
+        """The whole table on one rank; a collective (see `gather_shards`).
+
+        Args:
+            dst: The group rank that receives it.
+
+        Returns:
+            The table [num_rows, dim] on `dst`, None elsewhere.
+        """
         return gather_shards(self, self.weight.detach(), dst)
 
     def _load_from_state_dict(  # type: ignore[no-untyped-def]
@@ -239,12 +337,24 @@ class ShardedTable(EngramTable):
 
 
 def gather_shards(table: ShardedTable, shard: torch.Tensor, dst: int = 0) -> torch.Tensor | None:
-    """Concatenate a per-rank tensor whose dim 0 runs over `table`'s owned rows (the weight or an
-    optimizer state) into [num_rows, ...] on group rank `dst`; None on the other ranks.
+    """Assemble a per-rank tensor over a table's owned rows (the weight or an optimizer state) on one rank.
 
     Every rank of the group calls it (in the same order for successive tables); each rank holding
     rows sends them to `dst` (point to point, in rank order, so nothing is padded: a non-owner
-    allocates nothing and, unless it is `dst`, does not communicate)."""
+    allocates nothing and, unless it is `dst`, does not communicate).
+
+    Args:
+        table: The sharded table whose row split applies.
+        shard: This rank's part, dim 0 over its owned rows.
+        dst: The group rank that receives the whole.
+
+    Returns:
+        The whole [num_rows, ...] on `dst`; None on the other ranks.
+
+    Raises:
+        ValueError: `shard` has another number of rows than this rank owns, or `dst` is not a rank
+            of the group.
+    """
     if shard.shape[0] != table.hi - table.lo:
         raise ValueError(f"shard has {shard.shape[0]} rows, rank {table.rank} owns {table.hi - table.lo}")
     if not 0 <= dst < table.world:
@@ -303,12 +413,20 @@ def _check_same_group(tables: list[ShardedTable]) -> None:
 
 
 def prefetch_tables(pairs: list[tuple[ShardedTable, torch.Tensor]]) -> None:
-    """Fetch each table's distinct rows from their owners, all tables in one exchange. A collective:
-    every rank of the group calls it with the same tables, in the same order, each with its own
-    rows (any shape, possibly empty). Replaces any pending prefetch of these tables.
+    """Fetch each table's distinct rows from their owners, all tables in one exchange.
 
-    Rows outside a table raise ValueError on every rank (the bad rank names the row), after the
-    counts exchange, so no rank is left waiting in a collective.
+    A collective: every rank of the group calls it with the same tables, in the same order, each
+    with its own rows. Replaces any pending prefetch of these tables.
+
+    Args:
+        pairs: (table, rows) pairs: rows of any shape, possibly empty. The tables share one process
+            group, row width, dtype and device, each table once.
+
+    Raises:
+        TypeError: An element is not a ShardedTable.
+        ValueError: The tables differ in group, width, dtype or device, or a table appears twice;
+            rows outside a table raise on every rank (the bad rank names the row), after the counts
+            exchange, so no rank is left waiting in a collective.
     """
     if not pairs:
         return
@@ -377,12 +495,17 @@ def prefetch_tables(pairs: list[tuple[ShardedTable, torch.Tensor]]) -> None:
 
 
 def sync_table_grads(tables: list[ShardedTable]) -> None:
-    """After backward: send every pending block's row gradients to the rows' owners, which sum the
-    contributions of all ranks (in rank order on a CPU; CUDA's index_add_ sums in no fixed order)
-    and set their shard's sparse gradient (added to an existing one). Releases the prefetches. A
-    collective: all ranks call it with the same tables. Tables without a pending prefetch are
-    skipped (the same on every rank: prefetch is collective), and so are frozen tables
-    (`weight.requires_grad` False): they get no gradient, as a frozen TrainableTable gets none."""
+    """After backward: send every pending block's row gradients to the rows' owners.
+
+    The owners sum the contributions of all ranks (in rank order on a CPU; CUDA's index_add_ sums in
+    no fixed order) and set their shard's sparse gradient (added to an existing one). Releases the
+    prefetches. A collective: all ranks call it with the same tables. Tables without a pending
+    prefetch are skipped (the same on every rank: prefetch is collective), and so are frozen tables
+    (`weight.requires_grad` False): they get no gradient, as a frozen TrainableTable gets none.
+
+    Args:
+        tables: The sharded tables.
+    """
     exchanges: list[_Exchange] = []
     for t in tables:
         if t._exchange is not None and all(t._exchange is not e for e in exchanges):
@@ -416,6 +539,10 @@ def sync_table_grads(tables: list[ShardedTable]) -> None:
 
 
 def release_tables(tables: list[ShardedTable]) -> None:
-    """Drop the pending prefetch of these tables (local; no collective)."""
+    """Drop the pending prefetch of these tables (local; no collective).
+
+    Args:
+        tables: The sharded tables.
+    """
     for t in tables:
         t._ids = t._block = t._exchange = None

@@ -24,8 +24,18 @@ __all__ = ["ShardedSinkhorn"]
 
 
 class ShardedSinkhorn(SparseSinkhorn):
-    """`SparseSinkhorn` over `ShardedTable`s: pass the tables (not their weights); hyperparameters as
-    SparseSinkhorn's. Every rank of each table's group must build it with the same tables, in order."""
+    """`SparseSinkhorn` over `ShardedTable`s, equal to it on the whole tables.
+
+    Every rank of each table's group must build it with the same tables, in order, and take part in
+    every step (the row-norm and column sums are all-reduced over the table's group).
+
+    Args:
+        tables: The sharded tables (not their weights).
+        **kwargs: Hyperparameters, as `SparseSinkhorn`'s.
+
+    Raises:
+        TypeError: An element of `tables` is not a `ShardedTable`.
+    """
 
     def __init__(self, tables: Iterable[ShardedTable], **kwargs: Any) -> None:
         tables = list(tables)

@@ -63,6 +63,13 @@ DECODER_LAYER_PATHS = (
     "h",
     "decoder.layers",
 )
+"""Where decoder-only models keep their decoder layers, tried in this order by `find_decoder_layers`.
+
+Llama, Qwen2/3, Mistral, Gemma, Phi ("model.layers"); GPT-2, GPT-J, Bloom, Falcon ("transformer.h");
+GPT-NeoX/Pythia ("gpt_neox.layers"); OPT ("model.decoder.layers"); a multimodal model's language model
+("model.language_model.layers"); and the same on a base model without its LM head ("layers", "h",
+"decoder.layers"). The first path that names a non-empty `nn.ModuleList` wins.
+"""
 
 
 def _resolve(root: nn.Module, path: str) -> Any:
@@ -109,7 +116,29 @@ def find_decoder_stack(
 def find_decoder_layers(
     model: nn.Module, decoder_layers: str | Sequence[nn.Module] | None = None
 ) -> list[nn.Module]:
-    """The decoder layers of `model` (see `find_decoder_stack`)."""
+    """The decoder layers of a model: where `add_engram` can attach Engram.
+
+    Args:
+        model: A decoder-only model (a transformers model, or any nn.Module).
+        decoder_layers: A dotted path to the layers' nn.ModuleList, or the layer modules
+            themselves; default: the first of `DECODER_LAYER_PATHS` that names a non-empty
+            nn.ModuleList.
+
+    Returns:
+        The layers, in order (layer id i is element i).
+
+    Raises:
+        TypeError: `decoder_layers` is a list that is empty or holds something else than modules.
+        ValueError: No layers are found where asked (or at any of `DECODER_LAYER_PATHS`).
+
+    Examples:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from engram.hf import find_decoder_layers
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+        ...                                      num_hidden_layers=2, num_attention_heads=4))
+        >>> len(find_decoder_layers(model)), type(find_decoder_layers(model)[0]).__name__
+        (2, 'LlamaDecoderLayer')
+    """
     return find_decoder_stack(model, decoder_layers)[1]
 
 
@@ -145,9 +174,17 @@ def engram_dtype(model: nn.Module) -> torch.dtype:
 class EngramAttachment(nn.Module):
     """The Engram part of an HF model: {layer_id: Engram} plus the hasher and the hooks' state.
 
-    Registered on the model as `model.engram`. `boundaries`: None (V4.1: windows run across the
-    whole sequence), "eos" (a window restarts after each `eos_token_id`) or "position_ids" (restarts
-    where position_ids == 0); both are for packed sequences.
+    Registered on the model as `model.engram` by `add_engram` (parameter names
+    `engram.layers.<id>.*`); hooks on the model drive it, so it is not called itself.
+
+    Args:
+        config: The Engram config, as attached.
+        hasher: The hasher of the config and the tokenizer's compression map.
+        layers: The Engram module of each layer id.
+        boundaries: None (V4.1: windows run across the whole sequence), "eos" (a window restarts
+            after each `eos_token_id`) or "position_ids" (restarts where position_ids == 0); both
+            are for packed sequences.
+        eos_token_id: The restart id of "eos" boundaries.
     """
 
     def __init__(
@@ -178,6 +215,7 @@ class EngramAttachment(nn.Module):
 
     @property
     def compression(self) -> TokenizerCompression:
+        """The hasher's tokenizer compression map."""
         return self.hasher.compression
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EngramAttachment:
@@ -194,10 +232,27 @@ class EngramAttachment(nn.Module):
         return new
 
     def module(self, layer_id: int) -> Engram:
+        """The Engram module at a decoder layer.
+
+        Args:
+            layer_id: One of the attached layer ids.
+
+        Returns:
+            Its module.
+
+        Raises:
+            KeyError: No Engram module is attached at that layer.
+        """
         return self.layers[str(layer_id)]  # type: ignore[return-value]
 
     def tables(self) -> list[nn.Parameter]:
-        """The trainable table weights (what the sparse row optimizers update)."""
+        """The trainable table weights (what the sparse row optimizers update).
+
+        Reading a lazy table's weight draws it (see `TrainableTable`).
+
+        Returns:
+            One parameter per layer whose table is trainable (none for stored FP8 / quantised tables).
+        """
         out = []
         for m in self.layers.values():
             w = getattr(m.table, "weight", None)
@@ -206,12 +261,31 @@ class EngramAttachment(nn.Module):
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the model's hooks drive the attachment.
+
+        Args:
+            *args: Ignored.
+            **kwargs: Ignored.
+
+        Raises:
+            RuntimeError: Always: call the model, not `model.engram`.
+        """
         raise RuntimeError("model.engram is driven by hooks on the model: call the model, not model.engram")
 
     def check_adapter_training(self, stack: nn.Module) -> None:
-        """Before a forward that records gradients: refuse an adapter (peft's LoRA) training while every
-        Engram parameter is frozen and nobody said so (`set_engram_trainable`): peft freezes every
-        parameter it does not add, Engram's too, and the model would train without them, silently."""
+        """Refuse an adapter training alone beside an Engram that was frozen without anyone saying so.
+
+        Run before a forward that records gradients: peft freezes every parameter it does not add,
+        Engram's too, and the model would train without them, silently. Saying so with
+        `set_engram_trainable` (either way) lets the forward run.
+
+        Args:
+            stack: The module whose parameters are searched for a training adapter (`lora_` names).
+
+        Raises:
+            ValueError: Every Engram parameter is frozen, `set_engram_trainable` was not called, and
+                an adapter (peft's LoRA) trains.
+        """
         if self.trainable is not None or any(p.requires_grad for p in self.parameters()):
             return
         if not any(p.requires_grad and "lora_" in n for n, p in stack.named_parameters()):
@@ -258,9 +332,19 @@ class SparseGradientGuard:
 
 
 def set_engram_trainable(model: nn.Module, trainable: bool) -> None:
-    """Train Engram's parameters (table, wkv, gate: `requires_grad`) or freeze them, on a model with
-    Engram or a peft model around one, and record it: a frozen Engram under a training adapter is then
-    taken as meant (`EngramAttachment.check_adapter_training`)."""
+    """Train Engram's parameters (table, wkv, gate: `requires_grad`) or freeze them, and record it.
+
+    A frozen Engram under a training adapter is then taken as meant
+    (`EngramAttachment.check_adapter_training`).
+
+    Args:
+        model: A model with Engram, or a peft model around one.
+        trainable: True to train, False to freeze.
+
+    Raises:
+        TypeError: `trainable` is not a bool.
+        ValueError: The model has no Engram attached.
+    """
     if not isinstance(trainable, bool):
         raise TypeError(f"trainable must be True or False, got {trainable!r}")
     att = get_attachment(model)
@@ -269,7 +353,17 @@ def set_engram_trainable(model: nn.Module, trainable: bool) -> None:
 
 
 def get_attachment(model: nn.Module) -> EngramAttachment:
-    """The EngramAttachment of a model `add_engram` returned (raise if it has none)."""
+    """The EngramAttachment of a model `add_engram` returned.
+
+    Args:
+        model: The model, or a wrapper around it (e.g. a peft model): its modules are searched.
+
+    Returns:
+        `model.engram`.
+
+    Raises:
+        ValueError: The model has no Engram attached.
+    """
     att = getattr(model, "engram", None)
     if not isinstance(att, EngramAttachment):  # a wrapper (e.g. a peft model): search its modules
         att = next((m for m in model.modules() if isinstance(m, EngramAttachment)), None)
@@ -325,23 +419,68 @@ def add_engram(
     seed: int | None = None,
     lazy_tables: bool | None = None,
 ) -> nn.Module:
-    """Attach Engram at decoder layers `layers` (default `config.layer_ids`) of a decoder-only HF model.
+    """Attach Engram at decoder layers of a decoder-only HF model.
 
-    Returns the same model object, with `model.engram` (an `EngramAttachment`) and its hooks. The
-    Engram output enters the residual stream at the entrance of each named layer. `zero_init`: the
-    value half of `wkv` starts at zero, so the attached model's logits equal the original's exactly
-    until it is trained. `tokenizer` (an HF tokenizer, a `tokenizers.Tokenizer`, a tokenizer.json
-    path or 'deepseek-v4') builds the compression map; or pass `compression`. `modules`: ready Engram
-    modules (used by `load_engram`). Everything is checked before the model is changed.
+    The Engram output enters the residual stream at the entrance of each named layer. Everything is
+    checked before the model is changed. Through `engram.hf.add_engram`, a transformers model also
+    becomes an instance of its Engram family class (`engram.hf.auto`: `EngramLlamaForCausalLM` for a
+    Llama), so `save_pretrained` writes a folder that every tool calling `from_pretrained` loads with
+    Engram; any other module is attached to as it is.
 
     The tables' rows are row-addressed (`engram.model.table_init`): row r of layer l's table depends
     on (seed, l, r) only, so N processes each drawing their own rows hold the table one process
-    draws. `seed`: an int, or None to draw one from torch's generator (torch.manual_seed before
-    add_engram then decides the tables, as it decides the other weights). `lazy_tables`: the tables
-    take no memory until first used (a forward, `model.engram.tables()`, a state_dict: then the whole
-    table is drawn), and `engram.distributed.prepare_data_parallel` draws only this rank's rows. None
-    (default): lazy when this process is one of several of a torch.distributed process group, else
-    drawn here (a lazy table is not among `model.parameters()` until it is drawn).
+    draws.
+
+    Args:
+        model: A decoder-only model (one residual stream).
+        config: The Engram config; `hc_mult` must be 1 and `hidden_size` the model's.
+        layers: The decoder layer ids (default `config.layer_ids`).
+        tokenizer: An HF tokenizer, a `tokenizers.Tokenizer`, a tokenizer.json path or
+            'deepseek-v4': builds the compression map (default: `config.tokenizer`).
+        compression: A ready compression map, instead of `tokenizer`.
+        decoder_layers: Where the decoder layers are (see `find_decoder_layers`).
+        zero_init: The value half of `wkv` starts at zero, so the attached model's logits equal the
+            original's exactly until it is trained.
+        boundaries: None (V4.1), "eos" or "position_ids": where windows restart in packed
+            sequences (see `EngramAttachment`).
+        eos_token_id: The restart id of "eos" boundaries (default: the model config's).
+        modules: Ready Engram modules, one per layer id (used by `load_engram`).
+        dtype: The modules' dtype (default: the model's when a trainable table can have it,
+            float32 / bfloat16 / float64, else float32).
+        seed: An int in [0, 2**31), or None to draw one from torch's generator (torch.manual_seed
+            before add_engram then decides the tables, as it decides the other weights).
+        lazy_tables: The tables take no memory until first used (a forward,
+            `model.engram.tables()`, a state_dict: then the whole table is drawn), and
+            `engram.distributed.prepare_data_parallel` draws only this rank's rows. None: lazy when
+            this process is one of several of a torch.distributed process group, else drawn here
+            (a lazy table is not among `model.parameters()` until it is drawn).
+
+    Returns:
+        The same model object, with `model.engram` (an `EngramAttachment`) and its hooks.
+
+    Raises:
+        TypeError: `model` is not an nn.Module, `config` not an EngramConfig, or `lazy_tables`
+            not a bool or None.
+        ValueError: Engram is attached already, or the config does not fit the model (streams,
+            hidden size, layer ids, tokenizer), or `seed`, `boundaries` or `modules` is invalid.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from engram import EngramConfig, TokenizerCompression
+        >>> from engram.hf import add_engram
+        >>> backbone = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+        ...                                         num_hidden_layers=2, num_attention_heads=4))
+        >>> ids = torch.tensor([[5, 6, 7, 8]])
+        >>> before = backbone(ids).logits
+        >>> config = EngramConfig.preset("tiny").replace(
+        ...     hc_mult=1, vocab_size=1000, compressed_vocab_size=1000
+        ... )
+        >>> model = add_engram(backbone, config, compression=TokenizerCompression.identity(1000))
+        >>> type(model).__name__, model is backbone
+        ('EngramLlamaForCausalLM', True)
+        >>> torch.equal(model(ids).logits, before)  # zero_init: nothing changes until trained
+        True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch nn.Module (a transformers model), got {type(model).__name__}")
@@ -458,8 +597,20 @@ def _zero_value(m: Engram, config: EngramConfig) -> None:
 
 
 def remove_engram(model: nn.Module) -> EngramAttachment:
-    """Detach Engram from `model` (hooks and `model.engram`); returns the detached attachment. The
-    backbone is as it was before `add_engram`."""
+    """Detach Engram from a model: its hooks and `model.engram`.
+
+    The backbone is as it was before `add_engram`; through `engram.hf.remove_engram`, a
+    transformers model also gets its base classes back.
+
+    Args:
+        model: A model with Engram attached.
+
+    Returns:
+        The detached attachment.
+
+    Raises:
+        ValueError: The model has no Engram attached.
+    """
     att = getattr(model, "engram", None)
     if not isinstance(att, EngramAttachment):
         raise ValueError(f"{type(model).__name__} has no Engram attached (model.engram)")

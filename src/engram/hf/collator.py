@@ -21,11 +21,31 @@ __all__ = ["EngramCollator"]
 
 
 class EngramCollator:
-    """Pad `input_ids` of a list of features and add `engram_rows`.
+    """A data collator: pad `input_ids` of a list of features and add their `engram_rows`.
 
-    `source`: a model with Engram attached (its hasher and boundary rule are used) or an NgramHasher.
-    `padding_side`: "right" (training) or "left". `labels`: add `labels` (input ids, -100 at padding)
-    when the features have none. `max_length`: cut longer sequences.
+    Padding is dead (never inside an n-gram window), as in the forward pass. The output goes straight
+    to `model(**batch)` or the `Trainer`; the model's hook takes `engram_rows` instead of hashing.
+
+    Args:
+        source: A model with Engram attached (its hasher and boundary rule are used) or an NgramHasher.
+        pad_token_id: The id padding is filled with.
+        padding_side: "right" (training) or "left".
+        labels: Add `labels` (input ids, -100 at padding) when the features have none.
+        max_length: Cut longer sequences.
+
+    Raises:
+        ValueError: `source` has no Engram, or another argument is out of range.
+
+    Examples:
+        >>> from engram import EngramConfig, NgramHasher
+        >>> from engram.hf import EngramCollator
+        >>> config = EngramConfig.preset("tiny").replace(vocab_size=1000, compressed_vocab_size=1000)
+        >>> collate = EngramCollator(NgramHasher(config), pad_token_id=0)
+        >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+        >>> {key: tuple(value.shape) for key, value in batch.items()}
+        {'input_ids': (2, 3), 'attention_mask': (2, 3), 'engram_rows': (2, 3, 1, 8), 'labels': (2, 3)}
+        >>> batch["labels"].tolist()
+        [[5, 6, 7], [8, 9, -100]]
     """
 
     def __init__(
@@ -58,6 +78,20 @@ class EngramCollator:
         self.labels, self.max_length = labels, max_length
 
     def __call__(self, features: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """Collate a batch.
+
+        Args:
+            features: Each a mapping with `input_ids` (and optionally `labels`, and `position_ids`,
+                which "position_ids" boundaries need), or the ids themselves.
+
+        Returns:
+            `input_ids`, `attention_mask`, `engram_rows` [B, T, n_layers, heads], `labels` (with
+                `labels`, or when a feature has them) and `position_ids` (for "position_ids"
+                boundaries).
+
+        Raises:
+            ValueError: No features, a feature without ids, or missing `position_ids`.
+        """
         if not features:
             raise ValueError("EngramCollator got an empty list of features")
         seqs, extra_labels, positions = [], [], []

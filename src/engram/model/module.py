@@ -75,12 +75,35 @@ class ShortConv(nn.Module):
 
 
 class Engram(nn.Module):
-    """One Engram layer of `config` at `layer_id` (a member of `config.layer_ids`).
+    """One Engram layer of `config` at `layer_id`: lookup, projection, context gate, residual write.
 
     On CUDA with triton installed, the V4.1 gate after `wkv` runs as the fused kernel
     `engram.kernels.fused_gate`, and on the CPU without gradients as the numba kernel
     `engram.kernels.cpu_gate.gate` (their eager twin, which CPU training uses, is
     `engram.kernels.reference.gate`); set `use_kernels = False` on a module to keep the eager path.
+
+    Args:
+        config: The config.
+        layer_id: A member of `config.layer_ids`.
+        table: The layer's table; None makes a `TrainableTable` of the layout's rows (padded as
+            the config asks). Offload and sharding swap it for another `EngramTable` later.
+        hasher: Optional: lets `forward` take token ids instead of rows; it must have been made
+            for this config.
+        dtype: The parameters' dtype.
+        device: The parameters' device.
+
+    Raises:
+        ValueError: The layer has no Engram module in the config, the table's width or rows do
+            not fit the layout, or the hasher was made for another config.
+
+    Examples:
+        >>> import torch
+        >>> from engram import Engram, EngramConfig, NgramHasher
+        >>> config = EngramConfig.preset("tiny").replace(vocab_size=1000, compressed_vocab_size=1000)
+        >>> engram = Engram(config, layer_id=1, hasher=NgramHasher(config))
+        >>> h = torch.randn(2, 4, config.hc_mult, config.hidden_size)  # (B, T, hc, dim)
+        >>> engram(h, token_ids=torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])).shape
+        torch.Size([2, 4, 2, 64])
     """
 
     use_kernels: bool = True
@@ -178,13 +201,34 @@ class Engram(nn.Module):
     # gate after it compile.
     @outside_graph
     def lookup(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(B, T, heads) rows -> (B, T, heads * head_dim) embeddings in `dtype`."""
+        """The table's embeddings of rows, concatenated per position (outside torch.compile's graph).
+
+        Args:
+            rows: (B, T, heads) row ids.
+            dtype: The embeddings' dtype.
+
+        Returns:
+            (B, T, heads * head_dim) embeddings in `dtype`.
+        """
         return self.table.gather(rows, dtype).flatten(-2)
 
     def rows_for(self, token_ids: torch.Tensor, dead_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """This layer's rows (B, T, heads) for token ids (B, T), hashed on the CPU (a sync point:
-        in production, hash ahead of the forward pass and pass rows). In `qwen4-exp-ple` the dead
-        mask does not enter the hash (transformers hashes padding like any token)."""
+        """This layer's rows for token ids, hashed with the module's hasher.
+
+        Hashed on the CPU (a sync point: in production, hash ahead of the forward pass and pass
+        rows), or on the device for CUDA ids with triton. In `qwen4-exp-ple` the dead mask does not
+        enter the hash (transformers hashes padding like any token).
+
+        Args:
+            token_ids: (B, T) token ids.
+            dead_mask: (B, T) bool, True at dead positions.
+
+        Returns:
+            (B, T, heads) rows.
+
+        Raises:
+            ValueError: The module has no hasher.
+        """
         if self.hasher is None:
             raise ValueError(
                 "this Engram module has no hasher: pass rows, or build it with hasher=NgramHasher(...)"
@@ -204,17 +248,32 @@ class Engram(nn.Module):
         return_gates: bool = False,
         conv_state: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """h (B, T, hc, dim), rows (B, T, heads) or token_ids (B, T), dead_mask (B, T) True = dead.
+        """Add this layer's memory to the residual streams.
 
-        Returns the updated streams (B, T, hc, dim); with `return_gates`, also the gates (B, T, hc).
         Dead positions pass through unchanged (their gate is 0), except in `qwen4-exp-ple`, which
         does as transformers' `conv_mask` does: a dead position's gated value and conv input are 0,
         its conv output still sees the positions before it.
 
-        `conv_state` (`qwen4-exp-ple` only; from `new_conv_state(B)`): the conv's look-back,
-        read and updated in place, for incremental decoding: start a state, run the prompt (rows
-        from `HashStream.feed`), then one token at a time (rows from `HashStream.step`, T = 1),
-        each call with the same state. Without it, h is a whole sequence from its start.
+        Args:
+            h: (B, T, hc, dim) residual streams.
+            rows: (B, T, heads) this layer's rows; give exactly one of `rows` and `token_ids`.
+            dead_mask: (B, T) bool, True at dead positions.
+            token_ids: (B, T) token ids, hashed with the module's hasher (see `rows_for`).
+            return_gates: Also return the gates.
+            conv_state: `qwen4-exp-ple` only (from `new_conv_state(B)`): the conv's look-back,
+                read and updated in place, for incremental decoding: start a state, run the prompt
+                (rows from `HashStream.feed`), then one token at a time (rows from
+                `HashStream.step`, T = 1), each call with the same state. Without it, h is a whole
+                sequence from its start.
+
+        Returns:
+            The updated streams (B, T, hc, dim); with `return_gates`, the pair (streams, gates),
+                gates (B, T, hc).
+
+        Raises:
+            ValueError: Both or neither of `rows` and `token_ids`, a shape that does not fit, or
+                `conv_state` for another variant.
+            TypeError: `h` is not floating point.
         """
         if (rows is None) == (token_ids is None):
             raise ValueError("pass exactly one of rows (B, T, heads) and token_ids (B, T)")
@@ -296,8 +355,21 @@ class Engram(nn.Module):
     def new_conv_state(
         self, batch_size: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> torch.Tensor:
-        """A zero conv look-back (B, hc*dim, (kernel_size-1)*max_ngram_size) for incremental decoding
-        (`qwen4-exp-ple`); reorder it with index_select for beam search, like the rows' HashStream."""
+        """A zero conv look-back for incremental decoding (`qwen4-exp-ple`).
+
+        Reorder it with index_select for beam search, like the rows' HashStream.
+
+        Args:
+            batch_size: B.
+            dtype: Default: the conv weight's.
+            device: Default: the conv weight's.
+
+        Returns:
+            Zeros (B, hc*dim, (kernel_size-1)*max_ngram_size), to pass as `forward`'s `conv_state`.
+
+        Raises:
+            ValueError: The module is not `qwen4-exp-ple`.
+        """
         if self.config.variant is not Variant.QWEN4_EXP_PLE:
             raise ValueError(f"variant {self.config.variant.value!r} has no conv state to carry")
         w = self.conv1d.weight

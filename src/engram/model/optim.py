@@ -147,6 +147,22 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Update the rows each table's sparse gradient touches, and their state.
+
+        Every gradient and state is read and checked before any table or state changes; a table's
+        state is allocated at its first step (the only allocation a step makes).
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+
+        Raises:
+            TypeError: A gradient is dense (look rows up with `TrainableTable.gather`, or give dense
+                parameters to torch.optim.AdamW).
+            ValueError: A gradient's shape is not its parameter's, or a state is on another device.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -169,6 +185,16 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
         return loss
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of tables, checked as the constructor checks its arguments.
+
+        Args:
+            param_group: "params" (tables [num_rows, dim] in fp32, bf16, fp16 or fp64) and any
+                hyperparameters (the defaults fill the rest).
+
+        Raises:
+            TypeError: A parameter is not a tensor or has another dtype.
+            ValueError: A parameter is not 2-D, is already in a group, or a hyperparameter is out of range.
+        """
         super().add_param_group(param_group)  # fills defaults, refuses duplicated params
         group = self.param_groups[-1]
         for p in group["params"]:
@@ -176,8 +202,17 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
         self._check_group(group, f"param group {len(self.param_groups) - 1}")
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse what `load_state_dict` would refuse, changing nothing (a caller that loads several
-        optimizers checks them all first)."""
+        """Refuse what `load_state_dict` would refuse, changing nothing.
+
+        A caller that loads several optimizers checks them all first.
+
+        Args:
+            state_dict: A `state_dict()` of this kind of optimizer.
+
+        Raises:
+            ValueError: The groups, hyperparameters, ids or a state's keys, dtypes, shapes or values
+                do not fit this optimizer (e.g. NaN, or a state of another table size).
+        """
         self._saved_states(state_dict)
 
     def _saved_states(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, Any]]:
@@ -230,13 +265,19 @@ class _SparseRowOptimizer(torch.optim.Optimizer):
                 )
 
     def load_state_dict(self, state_dict: dict[str, Any], *, copy: bool = True) -> None:
-        """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`); state
-        keeps its fp32/int32 dtypes and is copied, not shared. `copy=False`: the optimizer takes the
-        given tensors where they already have the state's dtype and device (a caller that read them
-        fresh, e.g. a resuming rank, so its state is held once, not twice).
+        """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`).
 
-        (torch's default casts floating state to the parameter's dtype, which would round the
-        fp32 momentum of a bf16 table, and int32 step counts to float.)
+        State keeps its fp32/int32 dtypes (torch's default casts floating state to the parameter's
+        dtype, which would round the fp32 momentum of a bf16 table, and int32 step counts to float).
+
+        Args:
+            state_dict: A `state_dict()` of this kind of optimizer.
+            copy: True: the state is copied, not shared. False: the optimizer takes the given
+                tensors where they already have the state's dtype and device (a caller that read
+                them fresh, e.g. a resuming rank, so its state is held once, not twice).
+
+        Raises:
+            ValueError: See `check_state_dict`.
         """
         saved = self._saved_states(state_dict)
         # hyperparameters, param mapping; the state is set below (torch's load would cast a bf16
@@ -272,9 +313,31 @@ class SparseRowAdam(_SparseRowOptimizer):
     (4.03 at dim 256) for fp32/bf16/fp16 tables; fp64 tables keep fp64 m and v (8 + 12 / dim).
     Allocated (zeros) at a table's first step.
 
-    Defaults: lr 1e-3 (as torch's Adam/SparseAdam; the normalised update moves each element by
-    about lr, i.e. 5% of the default 0.02 init std per step), betas (0.9, 0.95), eps 1e-8,
-    weight_decay 0.
+    Args:
+        params: Tables [num_rows, dim] (fp32, bf16, fp16 or fp64) with sparse gradients, or
+            param groups of them.
+        lr: As torch's Adam/SparseAdam: the normalised update moves each element by about lr,
+            i.e. 5% of the default 0.02 init std per step.
+        betas: (b1, b2), each in [0, 1).
+        eps: Added to the denominator; > 0.
+        weight_decay: Decoupled weight decay, >= 0.
+
+    Raises:
+        TypeError: A parameter is not a tensor, or has another dtype.
+        ValueError: A parameter is not 2-D, or a hyperparameter is out of range.
+
+    Examples:
+        >>> import torch
+        >>> from engram import SparseRowAdam, TrainableTable
+        >>> table = TrainableTable(1000, 32)
+        >>> opt = SparseRowAdam(table.parameters(), lr=1e-3)
+        >>> before = table.weight.detach().clone()
+        >>> table.gather(torch.tensor([3, 3, 7])).sum().backward()
+        >>> opt.step()
+        >>> (table.weight != before).any(dim=1).nonzero().flatten().tolist()  # only the touched rows
+        [3, 7]
+        >>> opt.state[table.weight]["step"][[3, 7, 8]].tolist()  # a step count per row
+        [1, 1, 0]
     """
 
     _name = "SparseRowAdam"
@@ -303,6 +366,17 @@ class SparseRowAdam(_SparseRowOptimizer):
         check_number("weight_decay", group["weight_decay"], 0.0, where=where)
 
     def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The state of a table once it has stepped: what `load_state_dict` accepts.
+
+        Checkpoints check their stored state against it.
+
+        Args:
+            p: A table [num_rows, dim].
+
+        Returns:
+            Key -> (shape, dtype): "exp_avg" [num_rows, dim], "exp_avg_sq_row" [num_rows] (fp32,
+                fp64 for an fp64 table) and "step" [num_rows] int32.
+        """
         sd = state_dtype(p)
         return {
             "exp_avg": (tuple(p.shape), sd),
@@ -366,7 +440,17 @@ class SparseRowAdagrad(_SparseRowOptimizer):
     `initial_accumulator_value`. Memory: 4 * num_rows bytes, i.e. 4 / dim bytes per parameter
     (0.016 at dim 256); allocated at a table's first step.
 
-    Defaults (torch.optim.Adagrad's): lr 1e-2, eps 1e-10, initial_accumulator_value 0.
+    Args:
+        params: Tables [num_rows, dim] (fp32, bf16, fp16 or fp64) with sparse gradients, or
+            param groups of them.
+        lr: The learning rate (the default is torch.optim.Adagrad's, as are the others).
+        eps: Added to the denominator, >= 0.
+        initial_accumulator_value: Where each row's accumulator starts, >= 0 (not 0 with eps 0).
+
+    Raises:
+        TypeError: A parameter is not a tensor, or has another dtype.
+        ValueError: A parameter is not 2-D, or a hyperparameter is out of range (eps and
+            initial_accumulator_value both 0 would divide 0 by 0).
     """
 
     _name = "SparseRowAdagrad"
@@ -394,6 +478,14 @@ class SparseRowAdagrad(_SparseRowOptimizer):
             )
 
     def expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The state of a table once it has stepped: what `load_state_dict` accepts.
+
+        Args:
+            p: A table [num_rows, dim].
+
+        Returns:
+            Key -> (shape, dtype): "sum_row" [num_rows], fp32 (fp64 for an fp64 table).
+        """
         return {"sum_row": ((p.shape[0],), state_dtype(p))}
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, sd: torch.dtype) -> dict[str, torch.Tensor]:
@@ -420,13 +512,28 @@ class SparseRowAdagrad(_SparseRowOptimizer):
 
 
 def split_param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense_params, table_params): `TrainableTable.weight`s apart from every other parameter.
+    """Split a model's parameters into the dense ones and the tables (`TrainableTable.weight`s).
 
     Every parameter of `model` appears once (shared parameters are deduplicated, frozen ones are
-    kept; optimizers skip parameters without a gradient). Typical use:
+    kept; optimizers skip parameters without a gradient).
 
-        dense, tables = split_param_groups(model)
-        opts = [torch.optim.AdamW(dense, lr=3e-4), SparseRowAdam(tables, lr=1e-3)]
+    Args:
+        model: The model.
+
+    Returns:
+        The pair (dense_params, table_params).
+
+    Raises:
+        TypeError: `model` is not an nn.Module.
+
+    Examples:
+        >>> import torch
+        >>> from engram import Engram, EngramConfig, SparseRowAdam, split_param_groups
+        >>> engram = Engram(EngramConfig.preset("tiny"), layer_id=1)
+        >>> dense, tables = split_param_groups(engram)
+        >>> len(dense), [t.shape for t in tables]
+        (3, [torch.Size([33048, 32])])
+        >>> opts = [torch.optim.AdamW(dense, lr=3e-4), SparseRowAdam(tables, lr=1e-3)]
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"split_param_groups needs an nn.Module, got {type(model).__name__}")

@@ -40,22 +40,37 @@ __all__ = ["SparseSinkhorn"]
 
 
 class SparseSinkhorn(torch.optim.Optimizer):
-    """The Sinkhorn-balanced update over the active rows of tables [num_rows, dim].
+    """The Sinkhorn-balanced update over the active rows of tables [num_rows, dim] (num_rows >= dim).
 
-        Hyperparameters (V4.1's values as defaults): `lr` (the base learning rate), `beta` 0.95 (momentum),
-        `iterations` K = 11 (odd: rows, then (K - 1) / 2 column / row pairs), `tau` 1e-3 (the mask, a
-        fraction of the mean row norm), `eps` 1e-20, `lr_correction` gamma = 0.18 (matches Adam's update
-        size); no weight decay. `threads`: the CPU kernels' threads (None: every core on large active sets);
-    `backend` "torch" runs the passes' plain torch twins on the CPU too (the twins run off the CPU).
+    The defaults of beta, iterations, tau, eps and lr_correction are V4.1's values; there is no
+    weight decay. State per parameter (keys of `optimizer.state[p]`):
 
-        State per parameter (keys of `optimizer.state[p]`):
-            "rows"     (A,)      int64   the active rows, sorted
-            "momentum" (A, dim)  fp32    their momentum (fp64 for fp64 tables)
-        i.e. 4 bytes per active parameter plus 8 per active row (SparseRowAdam: 4 per parameter of the
-        whole table plus 8 per row; dense Adam: 8 per parameter). On the CPU both are prefixes of
-        arrays with room for up to 1.25x the active rows (`STATE_ROOM`), so that new rows join in
-        place. The passes use one fp32 (A, dim) workspace and (A,) scratch (row norms, mask), kept
-        between steps.
+        "rows"     (A,)      int64   the active rows, sorted
+        "momentum" (A, dim)  fp32    their momentum (fp64 for fp64 tables)
+
+    i.e. 4 bytes per active parameter plus 8 per active row (SparseRowAdam: 4 per parameter of the
+    whole table plus 8 per row; dense Adam: 8 per parameter). On the CPU both are prefixes of
+    arrays with room for up to 1.25x the active rows (`STATE_ROOM`), so that new rows join in
+    place. The passes use one fp32 (A, dim) workspace and (A,) scratch (row norms, mask), kept
+    between steps.
+
+    Args:
+        params: Tables [num_rows, dim] (num_rows >= dim; sparse or dense gradients), or param
+            groups of them.
+        lr: The base learning rate, > 0.
+        beta: The momentum, in [0, 1).
+        iterations: K, odd: rows, then (K - 1) / 2 column / row pairs.
+        tau: The mask, a fraction of the mean row norm.
+        eps: Added to each norm, > 0.
+        lr_correction: gamma, which matches Adam's update size.
+        threads: The CPU kernels' threads (None: every core on large active sets).
+        backend: "auto", or "torch" to run the passes' plain torch twins on the CPU too (the twins
+            run off the CPU).
+
+    Raises:
+        TypeError: A parameter is not a tensor, or has another dtype.
+        ValueError: An unknown `backend`, a table with fewer rows than columns, or a hyperparameter
+            out of range.
     """
 
     def __init__(
@@ -92,6 +107,17 @@ class SparseSinkhorn(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checks
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of tables, checked as the constructor checks its arguments.
+
+        Args:
+            param_group: "params" (tables [num_rows, dim], num_rows >= dim) and any hyperparameters
+                (the defaults fill the rest).
+
+        Raises:
+            TypeError: A parameter is not a tensor or has another dtype.
+            ValueError: A parameter is not 2-D or has fewer rows than columns, or a hyperparameter
+                is out of range.
+        """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
@@ -138,6 +164,16 @@ class SparseSinkhorn(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Sinkhorn-balanced update of every table, over its active rows.
+
+        Every gradient and state is read and checked before any table or state changes.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or None without a closure.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -220,8 +256,14 @@ class SparseSinkhorn(torch.optim.Optimizer):
         )
 
     def workspace_bytes(self) -> int:
-        """Bytes of the buffers the passes keep between steps (the workspace and its scratch, one set for
-        every table, grown by half when an active set outgrows them)."""
+        """Bytes of the buffers the passes keep between steps.
+
+        The workspace and its scratch: one set for every table, grown by half when an active set
+        outgrows them.
+
+        Returns:
+            Their bytes.
+        """
         return sum(buf.numel() * buf.element_size() for buf in self._work.values())
 
     def _workspace(
@@ -240,8 +282,17 @@ class SparseSinkhorn(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refuse what `load_state_dict` would refuse, changing nothing (a caller that loads several
-        optimizers checks them all first)."""
+        """Refuse what `load_state_dict` would refuse, changing nothing.
+
+        A caller that loads several optimizers checks them all first.
+
+        Args:
+            state_dict: A `state_dict()` of a SparseSinkhorn.
+
+        Raises:
+            ValueError: The groups, hyperparameters, ids or a state's keys, row ids, dtypes, shapes
+                or values do not fit this optimizer.
+        """
         self._saved_states(state_dict)
 
     def _saved_states(self, state_dict: dict[str, Any]) -> list[tuple[int, torch.Tensor, Any]]:
@@ -257,11 +308,20 @@ class SparseSinkhorn(torch.optim.Optimizer):
         return saved
 
     def load_state_dict(self, state_dict: dict[str, Any], *, copy: bool = True) -> None:
-        """Load a `state_dict()`, checked whole before anything changes (`check_state_dict`: the
-        hyperparameters as the constructor checks them; keys, row ids, dtypes, shapes, finite momentum);
-        the momentum keeps its fp32 dtype (torch's default would cast it to a bf16 table's dtype).
-        `copy=False`: the given tensors are kept where they already have the state's dtype and device
-        (and are contiguous), so a caller that made them fresh holds the state once."""
+        """Load a `state_dict()`, checked whole before anything changes.
+
+        `check_state_dict` checks the hyperparameters as the constructor does, and the keys, row ids,
+        dtypes, shapes and finite momentum. The momentum keeps its fp32 dtype (torch's default would
+        cast it to a bf16 table's dtype).
+
+        Args:
+            state_dict: A `state_dict()` of a SparseSinkhorn.
+            copy: False: the given tensors are kept where they already have the state's dtype and
+                device (and are contiguous), so a caller that made them fresh holds the state once.
+
+        Raises:
+            ValueError: See `check_state_dict`.
+        """
         saved = self._saved_states(state_dict)
         super().load_state_dict({**state_dict, "state": {}})  # the state is set below, uncast
         self._room.clear()  # the loaded states are new tensors
@@ -275,9 +335,14 @@ class SparseSinkhorn(torch.optim.Optimizer):
                 }
 
     def row_state_dict(self) -> dict[str, Any]:
-        """`state_dict()` with each table's state as one "momentum" [num_rows, dim] (zeros at inactive
-        rows): the per-row form of training checkpoints, which row-sharded runs gather and slice.
-        Lossless: the active rows are exactly the rows of nonzero momentum."""
+        """The state in per-row form, as training checkpoints keep it (row-sharded runs gather and slice it).
+
+        Lossless: the active rows are exactly the rows of nonzero momentum.
+
+        Returns:
+            `state_dict()` with each table's state as one "momentum" [num_rows, dim] (zeros at
+                inactive rows).
+        """
         sd = self.state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, st in sd["state"].items():
@@ -288,7 +353,14 @@ class SparseSinkhorn(torch.optim.Optimizer):
         return sd
 
     def load_row_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what `row_state_dict` gave (the active rows are the rows of nonzero momentum)."""
+        """Load what `row_state_dict` gave (the active rows are the rows of nonzero momentum).
+
+        Args:
+            state_dict: A `row_state_dict()`.
+
+        Raises:
+            ValueError: A state is not one "momentum" of its table's shape, or the groups do not fit.
+        """
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         params = {
             pid: p
@@ -323,7 +395,14 @@ class SparseSinkhorn(torch.optim.Optimizer):
         self.load_state_dict({"state": state, "param_groups": groups}, copy=False)
 
     def active_rows(self, p: torch.Tensor) -> int:
-        """How many rows of `p` have state (nonzero momentum) now."""
+        """How many rows of a table have state (nonzero momentum) now.
+
+        Args:
+            p: One of the optimizer's tables.
+
+        Returns:
+            The count (0 before its first step).
+        """
         state = self.state.get(p)
         return 0 if not state else int(state["rows"].numel())
 

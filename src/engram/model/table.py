@@ -44,12 +44,28 @@ _CHUNK_ROWS = 1 << 16
 
 
 class EngramTable(nn.Module):
-    """Interface of a table: `gather(rows)` -> [..., dim]."""
+    """The interface every table kind implements: `num_rows`, `dim` and `gather(rows)` -> [..., dim].
+
+    Offload (`engram.systems`), memory-mapped files (`engram.checkpoint.mmap_table`) and sharding
+    (`engram.distributed`) each give an `Engram` module another kind by swapping its `table`.
+    """
 
     num_rows: int
     dim: int
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The embeddings of rows.
+
+        Args:
+            rows: Row ids of any shape, int64 or int32, each in [0, num_rows).
+            dtype: The embeddings' dtype (None: the table's own, or float32 for a stored format).
+
+        Returns:
+            The embeddings, (..., dim).
+
+        Raises:
+            NotImplementedError: Always, here: every table kind implements it.
+        """
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -62,15 +78,40 @@ class TrainableTable(EngramTable):
     Repeated row ids in a batch are gathered once (torch.unique), which also makes the sparse
     gradient carry one entry per distinct row.
 
-    `seed` (`table_init.table_seed` of a model seed and the layer): the rows are
-    `table_init.chunked_normal`'s, so row r depends on (seed, r) only and N ranks each drawing their
-    own rows hold this table between them (None: `nn.init.normal_` from torch's generator). `lazy`
-    (with a seed): no memory until first used; `recipe` records how its rows are drawn (a `RowInit`, which
-    `.to()` / `.double()` update), and the first read of `weight` (a gather, a state_dict, an
-    optimizer built over it) draws the rows; a row-sharded table draws only its own
-    (`engram.distributed`). A lazy table is not among the module's parameters until then, so a forward
-    that records gradients refuses to be its first use (an optimizer built before would silently
-    leave it out); a forward under `torch.no_grad()` draws it.
+    A lazy table records how its rows are drawn in `recipe` (a `RowInit`, which `.to()` / `.double()`
+    update), and the first read of `weight` (a gather, a state_dict, an optimizer built over it)
+    draws the rows; a row-sharded table draws only its own (`engram.distributed`). A lazy table is
+    not among the module's parameters until then, so a forward that records gradients refuses to be
+    its first use (an optimizer built before would silently leave it out); a forward under
+    `torch.no_grad()` draws it.
+
+    Args:
+        num_rows: Rows of the table.
+        dim: Width of a row.
+        dtype: float32, bfloat16, or float64 (for checks).
+        device: Where the parameter lives.
+        init_std: The rows' normal standard deviation.
+        seed: `table_init.table_seed` of a model seed and the layer: the rows are
+            `table_init.chunked_normal`'s, so row r depends on (seed, r) only and N ranks each
+            drawing their own rows hold this table between them. None: `nn.init.normal_` from
+            torch's generator.
+        lazy: With a seed: no memory until first used.
+
+    Raises:
+        ValueError: A size below 1, or `lazy` without a seed.
+        TypeError: `dtype` is not one a trainable table takes.
+
+    Examples:
+        >>> import torch
+        >>> from engram import TrainableTable
+        >>> table = TrainableTable(100, 64, seed=0, lazy=True)
+        >>> table.is_lazy
+        True
+        >>> with torch.no_grad():
+        ...     table.gather(torch.tensor([[1, 2, 2]])).shape
+        torch.Size([1, 3, 64])
+        >>> table.is_lazy
+        False
     """
 
     recipe: RowInit | None
@@ -107,7 +148,18 @@ class TrainableTable(EngramTable):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, init_std: float = 0.02) -> TrainableTable:
-        """A table whose parameter is `weight` [num_rows, dim] itself (no copy, no initialisation)."""
+        """A table whose parameter is `weight` itself (no copy, no initialisation).
+
+        Args:
+            weight: The table [num_rows, dim] (detached).
+            init_std: Recorded as the table's `init_std` (used by `reset_parameters`).
+
+        Returns:
+            The table.
+
+        Raises:
+            ValueError: `weight` is not a 2-D tensor.
+        """
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             found = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
             raise ValueError(f"from_weight needs a table [num_rows, dim], got {found}")
@@ -124,8 +176,13 @@ class TrainableTable(EngramTable):
         return "weight" not in self._parameters
 
     def materialize(self) -> nn.Parameter:
-        """The parameter, drawing the rows of a lazy table first (the whole table: one chunk of
-        temporaries beside it)."""
+        """The parameter, drawing the rows of a lazy table first.
+
+        The whole table is drawn, with one chunk of temporaries beside it.
+
+        Returns:
+            The `weight` parameter.
+        """
         if self.is_lazy:
             assert self.recipe is not None
             self._set_weight(self.recipe.rows(0, self.num_rows))
@@ -145,6 +202,7 @@ class TrainableTable(EngramTable):
         return super().__getattr__(name)
 
     def reset_parameters(self) -> None:
+        """Draw the rows again: normal(0, init_std), or the seeded recipe's rows (a lazy table stays lazy)."""
         if self.seed is None:
             nn.init.normal_(self.weight, std=self.init_std)
         elif not self.is_lazy:
@@ -177,6 +235,22 @@ class TrainableTable(EngramTable):
         return f"num_rows={self.num_rows}, dim={self.dim}{lazy}"
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The embeddings of rows; with gradients, each distinct row is gathered once (sparse gradient).
+
+        Args:
+            rows: Row ids of any shape, int64 or int32, each in [0, num_rows).
+            dtype: The embeddings' dtype (None: the table's).
+
+        Returns:
+            The embeddings, (..., dim).
+
+        Raises:
+            TypeError: `rows` is not an int64 or int32 tensor.
+            ValueError: A row id is outside [0, num_rows).
+            RuntimeError: The table is lazy and this is its first use, in a forward that records
+                gradients (draw it first: `materialize`, `engram.hf.build_optimizer` or
+                `engram.distributed.prepare_data_parallel`).
+        """
         check_rows(rows, self.num_rows)
         if self.is_lazy and torch.is_grad_enabled():
             raise RuntimeError(
@@ -360,18 +434,40 @@ class QuantTable(EngramTable):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> QuantTable:
-        """Quantise a float table [rows, dim] to row format `fmt` (`quant.quantize`'s rule), in chunks."""
+        """Quantise a float table to a row format (`quant.quantize`'s rule), in chunks.
+
+        Args:
+            weight: A float table [rows, dim], dim a multiple of 32.
+            fmt: The row format (a `RowFormat` or its value).
+
+        Returns:
+            The table.
+        """
         fmt = as_row_format(fmt)
         return cls(*quantize_table(weight, fmt), fmt)
 
     def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole table [rows, dim] dequantised to `dtype`, chunk by chunk."""
+        """The whole table dequantised, chunk by chunk.
+
+        Args:
+            dtype: The result's dtype.
+
+        Returns:
+            The table [rows, dim] in `dtype`.
+        """
         return dequantize_table(self.weight, self.scale, dtype)
 
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """rows (...) int64/int32 on the table's device -> (..., dim) in `dtype` (default fp32).
+        """The dequantised embeddings of rows.
 
         Repeated ids are dequantised once (lookup.dequantize_gather); ids outside [0, rows) raise.
+
+        Args:
+            rows: Row ids (...) int64/int32 on the table's device.
+            dtype: The embeddings' dtype (default float32).
+
+        Returns:
+            The embeddings (..., dim) in `dtype`.
         """
         return gather_fp8(self.weight, self.scale, rows, dtype, self.out_pool)
 
@@ -388,12 +484,31 @@ class QuantTable(EngramTable):
 
 
 class FP8Table(QuantTable):
-    """A frozen table of FP8 e4m3 values [rows, dim] with one ue8m0 scale per 32 values [rows, dim // 32]:
-    the `QuantTable` of V4.1's own format.
+    """A frozen table of FP8 e4m3 values with one ue8m0 scale per 32 values: V4.1's own format.
 
-    `weight` and `scale` are buffers, so `.to(device)` moves them and a state_dict holds them under
-    those names. `.to(torch.bfloat16)` / `.half()` / `.float()` on a parent model change the device only:
-    the stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
+    The `QuantTable` of FP8 rows: values [rows, dim], scales [rows, dim // 32]. `weight` and `scale`
+    are buffers, so `.to(device)` moves them and a state_dict holds them under those names.
+    `.to(torch.bfloat16)` / `.half()` / `.float()` on a parent model change the device only: the
+    stored bytes stay FP8 (nn.Module would otherwise convert every floating buffer, fp8 included).
+
+    Args:
+        values: float8_e4m3fn [rows, dim], dim a multiple of 32.
+        scales: float8_e8m0fnu [rows, dim // 32].
+        check: Scan the bytes for ones that dequantise to NaN (one pass; a loader that scans
+            them itself passes False).
+
+    Raises:
+        TypeError: A tensor has the wrong dtype.
+        ValueError: The shapes disagree, or a byte dequantises to NaN.
+
+    Examples:
+        >>> import torch
+        >>> from engram import FP8Table
+        >>> table = FP8Table.from_float(torch.randn(100, 64))
+        >>> table
+        FP8Table(num_rows=100, dim=64, format=fp8)
+        >>> table.scale.shape, table.gather(torch.tensor([[3, 7]])).shape
+        (torch.Size([100, 2]), torch.Size([1, 2, 64]))
     """
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, *, check: bool = True) -> None:
@@ -401,7 +516,18 @@ class FP8Table(QuantTable):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, fmt: RowFormat | str = RowFormat.FP8) -> FP8Table:
-        """Quantise a float table [rows, dim] (fp32/bf16/fp16/fp64) with `quant.quantize_rows`, in chunks."""
+        """Quantise a float table to FP8 rows with `quant.quantize_rows`, in chunks.
+
+        Args:
+            weight: A float table [rows, dim] (fp32/bf16/fp16/fp64), dim a multiple of 32.
+            fmt: Must be FP8 (other formats are `QuantTable.from_float`'s).
+
+        Returns:
+            The table.
+
+        Raises:
+            ValueError: `fmt` is not FP8, or `weight` is not a table of a width FP8 rows take.
+        """
         if as_row_format(fmt) is not RowFormat.FP8:
             raise ValueError(
                 f"an FP8Table holds fp8 rows; quantise to {fmt} with QuantTable.from_float(weight, {fmt!r})"

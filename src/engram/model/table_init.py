@@ -22,6 +22,10 @@ __all__ = ["INIT_CHUNK_ROWS", "INIT_RECIPE", "RowInit", "chunked_normal", "table
 
 # Rows per initialisation chunk: fixed, so a table's initial values do not depend on the world size.
 INIT_CHUNK_ROWS = 1 << 16
+"""Rows per initialisation chunk of `chunked_normal`.
+
+Fixed, so a table's initial values do not depend on the world size.
+"""
 # The name of the recipe below, in what ranks compare: change it with the recipe (chunk size, stream).
 INIT_RECIPE = f"normal in chunks of {INIT_CHUNK_ROWS} rows, stream seed * 1000003 + chunk"
 
@@ -42,10 +46,35 @@ def chunked_normal(
     device: torch.device | str | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows [lo, hi) (hi - lo, dim) of a normal(0, std) table whose chunk c (rows c*INIT_CHUNK_ROWS ..)
-    is drawn whole (in fp32, on the CPU) from a generator seeded with (seed, c): any split of the
-    rows, and any table length, gives the same values. Written into `out` when given (its dtype and
-    device then rule). Cost: up to one extra chunk drawn per end; memory: one chunk beside `out`."""
+    """Rows [lo, hi) of a normal(0, std) table drawn by chunks: any split of the rows gives the same values.
+
+    Chunk c (rows c*INIT_CHUNK_ROWS ..) is drawn whole (in fp32, on the CPU) from a generator seeded
+    with (seed, c), so any split of the rows, and any table length, gives the same values. Cost: up to
+    one extra chunk drawn per end; memory: one chunk beside `out`.
+
+    Args:
+        lo: The first row.
+        hi: One past the last row.
+        dim: Width of a row.
+        std: The standard deviation.
+        seed: The table's seed (`table_seed` of a model seed and a layer).
+        dtype: The result's dtype (without `out`).
+        device: The result's device (without `out`).
+        out: Written into when given (its dtype and device then rule).
+
+    Returns:
+        The rows (hi - lo, dim): `out` when given.
+
+    Raises:
+        ValueError: Not 0 <= lo <= hi, dim below 1, or `out` of the wrong shape.
+
+    Examples:
+        >>> import torch
+        >>> from engram.distributed import chunked_normal
+        >>> whole = chunked_normal(0, 1000, 8, seed=3)
+        >>> torch.equal(whole[400:700], chunked_normal(400, 700, 8, seed=3))
+        True
+    """
     if not 0 <= lo <= hi or dim < 1:
         raise ValueError(f"chunked_normal needs 0 <= lo <= hi and dim >= 1, got lo={lo}, hi={hi}, dim={dim}")
     if out is None:

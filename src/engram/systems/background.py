@@ -21,10 +21,15 @@ __all__ = ["FetchWorker", "PrefetchHandle", "claim"]
 
 
 class PrefetchHandle:
-    """A prefetch of `rows` (a host copy, shape and values as given) for one table.
+    """A prefetch of rows for one table: what `TieredTable.prefetch` returns.
 
     Pass it to `TieredTable.gather(rows, prefetched=handle)`, or let `gather` find it by the rows'
     values. `wait()` returns the fetched block (or raises the fetch's error, e.g. a bad row id).
+
+    Args:
+        rows: The rows, a private host copy (shape and values as given; the caller may reuse its own).
+        owner: The table it was made by (a handle only serves its own table).
+        device: The compute device the rows were fetched to (a later `.to()` outdates it).
     """
 
     def __init__(self, rows: torch.Tensor, owner: object, device: torch.device | None = None) -> None:
@@ -38,11 +43,26 @@ class PrefetchHandle:
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        """Whether the fetch has finished (successfully or not); never blocks."""
+        """Whether the fetch has finished (successfully or not); never blocks.
+
+        Returns:
+            True once `wait` would return or raise at once.
+        """
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the fetch finished; return its block or raise its error (TimeoutError on timeout)."""
+        """Block until the fetch finished.
+
+        Args:
+            timeout: Seconds to wait at most; None waits for good.
+
+        Returns:
+            The fetched block.
+
+        Raises:
+            TimeoutError: The fetch is still running after `timeout` seconds.
+            BaseException: The fetch's own error (e.g. a bad row id), raised again here.
+        """
         if not self._done.wait(timeout):
             raise TimeoutError(f"prefetch of rows {tuple(self.rows.shape)} still running after {timeout} s")
         if self._error is not None:
@@ -50,7 +70,14 @@ class PrefetchHandle:
         return self._result
 
     def matches(self, rows: torch.Tensor) -> bool:
-        """Whether host `rows` have this handle's shape and values (int32 / int64 alike, compared as int64)."""
+        """Whether host rows have this handle's shape and values.
+
+        Args:
+            rows: Host row ids, int32 or int64 (compared as int64).
+
+        Returns:
+            True when shape and values are equal.
+        """
         if rows is self.rows:
             return True
         if rows.shape != self.rows.shape:
@@ -60,7 +87,14 @@ class PrefetchHandle:
         return torch.equal(self.rows.long(), rows.long())  # never narrow: int64 ids may not fit int32
 
     def first_difference(self, rows: torch.Tensor) -> tuple[int, ...] | None:
-        """The first position where host `rows` (of this handle's shape) differ from its rows, else None."""
+        """The first position where host rows differ from this handle's.
+
+        Args:
+            rows: Host row ids of this handle's shape.
+
+        Returns:
+            The position (an index tuple), or None where none differs.
+        """
         diff = torch.nonzero(self.rows.long() != rows.long())
         return tuple(int(i) for i in diff[0]) if diff.shape[0] else None
 
@@ -129,7 +163,18 @@ def _worker_loop(jobs: queue.SimpleQueue, release: Callable[[], None]) -> None:
 
 
 class FetchWorker:
-    """One background thread running submitted fetches in order, at most `max_inflight` at a time."""
+    """One background thread running submitted fetches in order, at most `max_inflight` at a time.
+
+    `submit` blocks while `max_inflight` jobs are in flight; a job completes without its consumer,
+    so this never deadlocks. The daemon thread starts at the first submit.
+
+    Args:
+        max_inflight: Jobs in flight at most (>= 1).
+        name: The thread's name.
+
+    Raises:
+        ValueError: `max_inflight` is not an int >= 1.
+    """
 
     def __init__(self, max_inflight: int = 2, name: str = "engram-prefetch") -> None:
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
@@ -161,10 +206,17 @@ class FetchWorker:
             self._idle.wait_for(lambda: self._inflight == 0)
 
     def submit(self, fn: Callable[[], Any], handle: PrefetchHandle) -> PrefetchHandle:
-        """Queue fn (its result goes to `handle`); blocks while `max_inflight` jobs are in flight.
+        """Queue a fetch; blocks while `max_inflight` jobs are in flight.
 
         Exception-safe: an interrupt (Ctrl-C while blocked on the bound) leaves no slot taken and no
         job counted that will never run; the job is then not queued and `handle` never completes.
+
+        Args:
+            fn: The fetch, run on the worker thread.
+            handle: Receives `fn`'s result, or its error.
+
+        Returns:
+            `handle`.
         """
         self._slots.acquire()  # the depth bound: waits for a running job to finish
         counted = queued = False
@@ -190,9 +242,11 @@ class FetchWorker:
         return handle
 
     def close(self) -> None:
-        """Stop the thread after the jobs already queued, waiting for it (idempotent; a later submit
-        starts a new thread, so jobs never run on two threads at once). From the worker thread itself
-        (a table collected there) it only asks the thread to stop."""
+        """Stop the thread after the jobs already queued, waiting for it.
+
+        Idempotent; a later submit starts a new thread, so jobs never run on two threads at once.
+        From the worker thread itself (a table collected there) it only asks the thread to stop.
+        """
         thread = self._thread
         if thread is not None and thread.is_alive():
             self._jobs.put(None)

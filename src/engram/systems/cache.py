@@ -25,7 +25,16 @@ __all__ = ["CachePlan", "RowCache"]
 
 
 class CachePlan(NamedTuple):
-    """The host-side outcome of one call of `RowCache.plan` over sorted distinct rows uniq (U,)."""
+    """The host-side outcome of one call of `RowCache.plan` over sorted distinct rows uniq (U,).
+
+    Attributes:
+        hit_idx: (H,) int64 positions in uniq of the cached rows.
+        hit_slots: (H,) their slots.
+        miss_idx: (M,) positions in uniq of the rows to fetch: the I admitted ones first, then the
+            others, each run ascending (lru, clock, lfu admit a prefix of the misses, so there it is
+            ascending throughout; pinned and pinned+lru may admit any subset).
+        ins_slots: (I,) slots given to the first I misses (I <= M).
+    """
 
     hit_idx: np.ndarray  # (H,) int64 positions in uniq of the cached rows
     hit_slots: np.ndarray  # (H,) their slots
@@ -37,12 +46,40 @@ class CachePlan(NamedTuple):
 
 
 class RowCache:
-    """`capacity` rows of `fmt`'s bytes (FP8 by default) on `device` with a host index under `policy`
-    (see docs/systems.md): per slot the row's value bytes (`fmt.value_bytes(dim)`) and scale bytes.
+    """A hot-row cache: slots of a row format's bytes on a device, with a host index under a policy.
 
-    `policy`: a `CachePolicy` or its name ('lru', 'clock', 'lfu', 'pinned', 'pinned+lru'); None:
-    `default_policy` ('pinned+lru' given `pinned_rows`, else 'lru'). `pinned_rows` (hottest first,
-    from `Profile.hottest`) and `pinned_fraction` are for the pinned ones.
+    Per slot the row's value bytes (`fmt.value_bytes(dim)`) and scale bytes. `plan` is the host half
+    of a call (hits, admissions, counters), `read` / `write` the device half. A cached row is
+    bit-for-bit the stored row. Holds no locks (its owner, `TieredTable`, serialises calls). Design:
+    docs/systems.md.
+
+    Args:
+        capacity: Slots (rows), >= 1.
+        dim: Row width, a positive multiple of 32.
+        device: Where the cached bytes live.
+        policy: A `CachePolicy` or its name ('lru', 'clock', 'lfu', 'pinned', 'pinned+lru'); None:
+            `default_policy` ('pinned+lru' given `pinned_rows`, else 'lru').
+        pinned_rows: For the pinned policies: rows to pin, hottest first (from `Profile.hottest`).
+        pinned_fraction: For 'pinned+lru': the share of slots pinned.
+        fmt: The row format (FP8 by default).
+
+    Raises:
+        ValueError: `capacity` or `dim` is out of range, or the policy's arguments are invalid.
+
+    Examples:
+        >>> import numpy as np, torch
+        >>> from engram.systems import RowCache
+        >>> cache = RowCache(capacity=2, dim=64)  # FP8 rows: 64 value bytes + 2 scale bytes a slot
+        >>> plan = cache.plan(np.array([3, 7, 9]))  # nothing cached: 3 misses, the first 2 admitted
+        >>> plan.miss_idx.tolist(), plan.ins_slots.tolist()
+        ([0, 1, 2], [0, 1])
+        >>> fetched = torch.randint(0, 256, (2, 66), dtype=torch.uint8)  # rows 3 and 7, fetched
+        >>> values, scales = fetched[:, :64].contiguous(), fetched[:, 64:].contiguous()
+        >>> cache.write(torch.from_numpy(plan.ins_slots), values, scales)
+        >>> cache.plan(np.array([3])).hit_slots.tolist()
+        [0]
+        >>> cache.stats()["hits"], cache.stats()["misses"]
+        (1, 3)
     """
 
     def __init__(
@@ -82,7 +119,12 @@ class RowCache:
         self.bytes_fetched = 0  # bytes read from the backing tier (misses * row_bytes)
 
     def stats(self) -> dict[str, float | str]:
-        """hits, misses, evictions, bytes_fetched, hit_rate, resident rows and capacity."""
+        """The cache's counters.
+
+        Returns:
+            hits, misses (distinct rows per call), evictions, bytes_fetched, hit_rate, resident
+                (rows cached now), capacity and policy (its name).
+        """
         lookups = self.hits + self.misses
         return {
             "hits": self.hits,
@@ -101,7 +143,22 @@ class RowCache:
 
     # ------------------------------------------------------------------ host half
     def plan(self, uniq: np.ndarray) -> CachePlan:
-        """Hits and admissions for sorted distinct row ids uniq (U,) int64; updates the counters."""
+        """The host half of a call: which rows are cached, which misses get a slot; updates the counters.
+
+        The caller then reads the hits (`read`) and writes the admitted misses' bytes into their
+        slots (`write`).
+
+        Args:
+            uniq: Sorted distinct row ids (U,) int64.
+
+        Returns:
+            The plan: hit positions in `uniq` and their slots, the misses' positions (the admitted
+                ones first) and the slots given to the admitted misses.
+
+        Raises:
+            TypeError: `uniq` is not a 1-D int64 array.
+            ValueError: A row id is negative, or `uniq` is not strictly increasing.
+        """
         if not isinstance(uniq, np.ndarray) or uniq.dtype != np.int64 or uniq.ndim != 1:
             found = f"{uniq.dtype} {uniq.shape}" if isinstance(uniq, np.ndarray) else type(uniq).__name__
             raise TypeError(f"uniq must be a 1-D int64 array of distinct rows, got {found}")
@@ -135,7 +192,14 @@ class RowCache:
         return CachePlan(hit_idx, slot_of[hit_idx].copy(), miss_idx, ins_slots)
 
     def slot_of(self, rows: np.ndarray) -> np.ndarray:
-        """The slot holding each row (-1: not cached); a read-only query, no counters or recency change."""
+        """The slot holding each row: a read-only query, no counters or recency change.
+
+        Args:
+            rows: Row ids, any shape.
+
+        Returns:
+            The slot of each row, -1 where it is not cached.
+        """
         rows = np.asarray(rows, dtype=np.int64)
         slot_row = self.policy.slot_rows()  # (C,) row per slot, -1 when empty
         order = np.argsort(slot_row, kind="stable")
@@ -144,12 +208,23 @@ class RowCache:
         return np.where((keys[pos] == rows) & (rows >= 0), order[pos], -1)
 
     def resident_rows(self) -> np.ndarray:
-        """Sorted row ids currently cached."""
+        """The rows cached now.
+
+        Returns:
+            Their sorted ids.
+        """
         rows = self.policy.slot_rows()
         return np.sort(rows[rows >= 0])
 
     def lru_order(self) -> np.ndarray:
-        """Cached row ids from the least to the most recently used (for tests and inspection; 'lru' only)."""
+        """The cached rows from the least to the most recently used (for tests and inspection).
+
+        Returns:
+            Their ids, in that order.
+
+        Raises:
+            ValueError: The cache's policy is not 'lru'.
+        """
         if not isinstance(self.policy, LRU):
             raise ValueError(
                 f"lru_order is the order of an 'lru' cache; this one runs {self.policy.name.value!r}"
@@ -159,8 +234,7 @@ class RowCache:
     # ------------------------------------------------------------------ device half
     @property
     def values(self) -> torch.Tensor:
-        """The cached values in the format's dtype (FP8: (C, dim) float8_e4m3fn; rows of empty slots are
-        garbage)."""
+        """The cached values in the format's dtype (FP8: (C, dim) float8_e4m3fn); empty slots hold garbage."""
         return self._values.view(self.row_format.value_dtype)
 
     @property
@@ -169,11 +243,19 @@ class RowCache:
         return self._scales.view(self.row_format.scale_dtype)
 
     def read(self, slots: torch.Tensor, out_values: torch.Tensor, out_scales: torch.Tensor) -> None:
-        """out_values (H, value_bytes) / out_scales (H, scale_bytes) uint8 (FP8: (H, dim) / (H, nb)) <- the
-        cached rows in `slots` (H,) int64.
+        """Copy cached rows out of their slots.
 
         On the CPU through `lookup.gather_rows`' numba byte copy (GIL released, slots checked), else
         index_select (which checks them on the device).
+
+        Args:
+            slots: (H,) int64 slots (e.g. a plan's `hit_slots`).
+            out_values: (H, value_bytes) uint8 (FP8: (H, dim)), written.
+            out_scales: (H, scale_bytes) uint8 (FP8: (H, dim // 32)), written.
+
+        Raises:
+            TypeError: `slots` is not a 1-D int64 tensor.
+            ValueError: An output has the wrong dtype, shape or device.
         """
         self._check_rows_args("read", slots, out_values, out_scales)
         if self.device.type == "cpu":
@@ -184,8 +266,17 @@ class RowCache:
             torch.index_select(self._scales, 0, slots, out=out_scales)
 
     def write(self, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-        """Store rows values (I, value_bytes) / scales (I, scale_bytes) uint8 into `slots` (I,) int64 (from
-        `plan`)."""
+        """Store rows' bytes into slots (a plan's `ins_slots`).
+
+        Args:
+            slots: (I,) int64 slots.
+            values: (I, value_bytes) uint8.
+            scales: (I, scale_bytes) uint8.
+
+        Raises:
+            TypeError: `slots` is not a 1-D int64 tensor.
+            ValueError: A tensor has the wrong dtype, shape or device, or a slot is out of range.
+        """
         self._check_rows_args("write", slots, values, scales)
         if self.device.type == "cpu":  # numba, GIL released (index_copy_ on byte rows is ~10x slower)
             s = slots.numpy()
@@ -222,7 +313,14 @@ class RowCache:
                 raise ValueError(f"{op}: {name} are on {t.device} but the cache is on {self._values.device}")
 
     def to(self, device: torch.device | str) -> RowCache:
-        """Move the cached bytes to `device` (the index stays on the host); returns self."""
+        """Move the cached bytes to a device (the index stays on the host).
+
+        Args:
+            device: The new device.
+
+        Returns:
+            This cache.
+        """
         self.device = torch.device(device)
         self._values = self._values.to(self.device)
         self._scales = self._scales.to(self.device)

@@ -45,12 +45,40 @@ class DevicePlan(NamedTuple):
 
 
 class DeviceRowCache:
-    """`capacity` FP8 rows (rounded up to whole sets of `ways`) of a `num_rows`-row table on `device`.
+    """A hot-row cache of FP8 rows whose index lives on the device: set-associative, LRU within a set.
 
-    `regions`: scratch regions for unplaced misses (region 0 for calls consumed at once, the others taken
-    in turn by calls consumed later, e.g. prefetches); each holds as many rows as the largest call so far.
-    Memory: slots * (row bytes + 16) plus regions * (largest call) * row bytes; refused (naming the
-    numbers) when more than the device has free.
+    A row may only live in the `ways` slots of its set (a hash of the row id), so a lookup compares
+    `ways` tags per row, with no host sync on CUDA; misses a set cannot take go to a scratch region.
+    Counters are device tensors (`stats()` syncs). Memory: slots * (row bytes + 16) plus
+    regions * (largest call) * row bytes. Design and the sync points: docs/systems.md.
+
+    Args:
+        capacity: Rows, rounded up to whole sets of `ways`.
+        dim: Row width, a positive multiple of 32.
+        num_rows: Rows of the table it caches.
+        device: Where the slots and the index live.
+        ways: Slots a row may live in (tags compared per lookup).
+        regions: Scratch regions for unplaced misses (>= 2: region 0 for calls consumed at once,
+            the others taken in turn by calls consumed later, e.g. prefetches); each holds as many
+            rows as the largest call so far.
+
+    Raises:
+        ValueError: An argument is out of range, or the memory is more than the device has free
+            (naming the numbers).
+
+    Examples:
+        >>> import torch
+        >>> from engram import FP8Table
+        >>> from engram.systems import DeviceRowCache
+        >>> table = FP8Table.from_float(torch.randn(1000, 64))
+        >>> cache = DeviceRowCache(capacity=32, dim=64, num_rows=1000, device="cpu")
+        >>> rows = torch.tensor([5, 9, 5])
+        >>> plan = cache.plan(rows)  # 2 distinct misses, admitted
+        >>> cache.fill(plan, table.weight, table.scale)
+        >>> torch.equal(cache.values[plan.final].view(torch.uint8), table.weight[rows].view(torch.uint8))
+        True
+        >>> cache.plan(rows).fill_dst.numel(), cache.stats()["hits"]  # the second call hits everywhere
+        (0, 2)
     """
 
     def __init__(
@@ -103,7 +131,15 @@ class DeviceRowCache:
 
     @staticmethod
     def index_bytes(capacity: int, dim: int) -> int:
-        """Device bytes of `capacity` slots: the rows and their 16 bytes of index (tag, stamp)."""
+        """Device bytes of a cache's slots: the rows and their 16 bytes of index (tag, stamp).
+
+        Args:
+            capacity: Slots.
+            dim: Row width.
+
+        Returns:
+            capacity * (FP8 row bytes + 16); scratch regions come on top.
+        """
         return capacity * (fp8_row_bytes(dim) + 16)
 
     # ------------------------------------------------------------------ counters
@@ -113,8 +149,12 @@ class DeviceRowCache:
         self._counts = z  # hits, misses, evictions, spilled: distinct rows per call, summed
 
     def stats(self) -> dict[str, float | str]:
-        """hits, misses (distinct rows per call), evictions, spilled (misses no slot took), hit_rate,
-        resident rows, capacity, ways; a sync point (the counters live on the device)."""
+        """The cache's counters: a sync point (they live on the device).
+
+        Returns:
+            hits, misses (distinct rows per call), evictions, spilled (misses no slot took),
+                bytes_fetched, hit_rate, resident rows, capacity, ways and policy.
+        """
         hits, misses, evictions, spilled = (int(x) for x in self._counts.tolist())
         lookups = hits + misses
         return {
@@ -142,14 +182,28 @@ class DeviceRowCache:
         return self._scales.view(SCALE_DTYPE)
 
     def take_region(self) -> int:
-        """The next scratch region for a call consumed later (1..R-1 in turn)."""
+        """The next scratch region for a call consumed later.
+
+        Returns:
+            A region, 1..regions-1 in turn.
+        """
         r = self._next_region
         self._next_region = r % (self.regions - 1) + 1
         return r
 
     def reserve(self, region: int, n: int) -> int:
-        """Claim scratch `region` for a call of `n` rows (growing the regions if needed); returns its new
-        generation, which invalidates every earlier plan of that region."""
+        """Claim a scratch region for a call, growing the regions if needed.
+
+        Args:
+            region: The region, 0..regions-1.
+            n: The call's rows.
+
+        Returns:
+            The region's new generation, which invalidates every earlier plan of that region.
+
+        Raises:
+            ValueError: No such region, or growing the regions needs more than the device has free.
+        """
         if not 0 <= region < self.regions:
             raise ValueError(f"region={region} is not one of this cache's regions 0..{self.regions - 1}")
         self._ensure_scratch(n)
@@ -157,8 +211,16 @@ class DeviceRowCache:
         return self.generations[region]
 
     def valid(self, plan: DevicePlan) -> bool:
-        """Whether `plan`'s scratch region still holds its rows (no later plan of that region, no regrowth).
-        Its slots are the caller's to protect (`protect_from`)."""
+        """Whether a plan's scratch region still holds its rows (no later plan of that region, no regrowth).
+
+        Its slots are the caller's to protect (`plan`'s `protect_from`).
+
+        Args:
+            plan: A plan of this cache.
+
+        Returns:
+            True while the plan can be read.
+        """
         return self.generations[plan.region] == plan.generation
 
     def _ensure_scratch(self, n: int) -> None:
@@ -191,7 +253,14 @@ class DeviceRowCache:
         self.generations = [g + 1 for g in self.generations]
 
     def to(self, device: torch.device | str) -> DeviceRowCache:
-        """Move slots, index and counters to `device`; outstanding plans become invalid."""
+        """Move slots, index and counters to a device; outstanding plans become invalid.
+
+        Args:
+            device: The new device.
+
+        Returns:
+            This cache.
+        """
         self.device = torch.device(device)
         for name in ("tags", "stamps", "_values", "_scales", "_way", "_counts"):
             setattr(self, name, getattr(self, name).to(self.device))
@@ -200,18 +269,25 @@ class DeviceRowCache:
 
     # ------------------------------------------------------------------ the plan of a call
     def plan(self, rows: torch.Tensor, *, region: int = 0, protect_from: int | None = None) -> DevicePlan:
-        """Look up rows (n,) int64 on the device (ids already checked to be in [0, num_rows)), admit the
-        distinct misses and place every position; returns the plan. `region` is the scratch region
-        `reserve` claimed for this call (calls made without `reserve` use its rows as they are: only for
-        a caller that consumes each plan before the next).
+        """Look up rows, admit the distinct misses and place every position.
 
         The lookup (compare the `ways` tags of each row's set, touch the hits) has no host sync; then ONE
         sync reads how many positions missed (M: data), and the admission runs over those M alone, so a
         call that hits everywhere costs the lookup and nothing more. Each set takes its distinct misses in
         ascending row order into its least recently used ways, never a way stamped at or after
-        `protect_from` (None: this call), so no call evicts a row it uses, nor one a pending plan relies
-        on. Misses beyond a set's free ways take rows of scratch `region`. The caller fills `fill_dst`
-        from the table (`fill`, or staged bytes through `write`) before reading `final`.
+        `protect_from`, so no call evicts a row it uses, nor one a pending plan relies on. Misses beyond
+        a set's free ways take rows of the scratch region. The caller fills `fill_dst` from the table
+        (`fill`, or staged bytes through `write`) before reading `final`.
+
+        Args:
+            rows: (n,) int64 on the device, already checked to be in [0, num_rows).
+            region: The scratch region `reserve` claimed for this call (calls made without `reserve`
+                use its rows as they are: only for a caller that consumes each plan before the next).
+            protect_from: Ways stamped at or after this call number are not evicted (None: this call).
+
+        Returns:
+            The plan: each position's storage row (`final`), the fills (`fill_src`, `fill_dst`), the
+                region, its generation and the call's stamp.
         """
         n = rows.numel()
         self._ensure_scratch(n)
@@ -269,22 +345,39 @@ class DeviceRowCache:
 
     # ------------------------------------------------------------------ fills
     def fill(self, plan: DevicePlan, values: torch.Tensor, scales: torch.Tensor) -> None:
-        """Copy the plan's missing rows from the table values (N, dim) / scales (N, dim // 32) into their
-        storage rows: the table on this device, or (CUDA) a UVA view of it in pinned host memory, read in
-        place by the Triton row copy; on a CPU, the host table itself. No sync on CUDA."""
+        """Copy the plan's missing rows from the table into their storage rows (no sync on CUDA).
+
+        Args:
+            plan: A plan of this cache.
+            values: The table's values (N, dim): on this device, or (CUDA) a UVA view of it in pinned
+                host memory, read in place by the Triton row copy; on a CPU, the host table itself.
+            scales: The table's scales (N, dim // 32), as `values`.
+        """
         copy = kernels.copy_rows if kernels.use_triton(self._values, values) else reference.copy_rows
         copy(values.view(torch.uint8), plan.fill_src, self._values, plan.fill_dst)
         copy(scales.view(torch.uint8), plan.fill_src, self._scales, plan.fill_dst)
 
     def missing(self, plan: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table rows (D,), storage rows (D,)) the plan must fill, int64 on the host (the staged path's
-        copy back of its M missing positions, 16 bytes each; plan already synced on M)."""
+        """The fills a plan needs, on the host (the staged path's copy back of its M missing positions).
+
+        Args:
+            plan: A plan of this cache (already synced on M: 16 bytes a position come back).
+
+        Returns:
+            The pair (table rows (D,), storage rows (D,)), int64 on the host.
+        """
         pairs = torch.stack([plan.fill_src, plan.fill_dst]).cpu()  # (2, M)
         keep = pairs[1] >= 0
         return pairs[0][keep], pairs[1][keep]
 
     def write(self, dst: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-        """Storage rows dst (M,) int64 <- values (M, dim) / scales (M, dim // 32) uint8 on the device."""
+        """Store rows' bytes into storage rows (staged fills).
+
+        Args:
+            dst: (M,) int64 storage rows (from `missing`).
+            values: (M, dim) uint8 on the device.
+            scales: (M, dim // 32) uint8 on the device.
+        """
         self._values.index_copy_(0, dst, values)
         self._scales.index_copy_(0, dst, scales)
 

@@ -40,7 +40,16 @@ __all__ = ["LevelStats", "LevelTable"]
 
 @dataclass
 class LevelStats:
-    """Counters of one level: distinct rows found / not found, bytes moved in from below, seconds waited."""
+    """Counters of one level: distinct rows found / not found, bytes moved in from below, seconds waited.
+
+    Args:
+        name: "device", "host" or "backing".
+        capacity: The level's budget in rows (the table's rows for the backing store).
+        hits: Distinct rows found in the level.
+        misses: Distinct rows not found there.
+        bytes_in: Bytes copied into this level (or, for the backing store, read from it).
+        seconds: Time spent getting this level's misses from the level below.
+    """
 
     name: str
     capacity: int
@@ -50,6 +59,11 @@ class LevelStats:
     seconds: float = 0.0  # time spent getting this level's misses from the level below
 
     def as_dict(self) -> dict[str, Any]:
+        """The counters as a dict, with the hit rate.
+
+        Returns:
+            capacity, hits, misses, hit_rate, bytes_in and seconds.
+        """
         lookups = self.hits + self.misses
         return {
             "capacity": self.capacity,
@@ -100,13 +114,45 @@ def _cache(
 
 
 class LevelTable(EngramTable):
-    """A frozen quantised table in three levels: `device_rows` on `device`, `host_rows` in DRAM, `backing` below.
+    """A frozen quantised table in three levels: hot rows on the device, warm in host DRAM, the rest below.
 
-    `backing`: a `RowFile` (SSD, positional reads), an `MmapFP8Table` / `MmapQuantTable` (SSD,
-    memory-mapped) or an `FP8Table` / `QuantTable` on the host, of any row format (`row_format`). `host_rows=0` leaves the host level out (on a CPU-only machine level 1
-    is already in DRAM: a second DRAM level behind it only repeats its work). `device_policy` / `host_policy`: the caches' replacement policies (None: the
-    `RowCache` default); `*_pinned_rows`: the rows a pinned policy pins (`RowCache(pinned_rows=...)`). `verify`: re-read every served row from `backing` and count
-    mismatches (`stats()["verify_mismatches"]`); off by default (it reads every row twice).
+    `gather` returns exactly (bitwise) what the stored table's own gather returns. A call whose
+    distinct rows exceed a level's budget is still served exactly: rows that do not fit pass through
+    that level uncached for this call. Synchronous (no prefetch).
+
+    Args:
+        backing: The store below: a `RowFile` (SSD, positional reads), an `MmapFP8Table` /
+            `MmapQuantTable` (SSD, memory-mapped) or an `FP8Table` / `QuantTable` on the host, of any
+            row format.
+        device_rows: Level 1's budget in rows (a `RowCache` on `device`), 1..num_rows.
+        host_rows: Level 2's budget in rows (a `RowCache` in DRAM); 0 leaves the host level out (on a
+            CPU-only machine level 1 is already in DRAM: a second DRAM level behind it only repeats
+            its work).
+        device: The compute device (default: the CPU).
+        device_policy: Level 1's replacement policy (None: the `RowCache` default).
+        host_policy: Level 2's replacement policy (None: the `RowCache` default).
+        device_pinned_rows: The rows a pinned policy of level 1 pins (`RowCache(pinned_rows=...)`).
+        host_pinned_rows: The rows a pinned policy of level 2 pins.
+        verify: Re-read every served row from `backing` and count mismatches
+            (`stats()["verify_mismatches"]`); off by default (it reads every row twice).
+
+    Raises:
+        TypeError: `backing` is none of those kinds, or a budget is not an int.
+        ValueError: A budget is out of range, an in-memory backing is not in host memory, or host
+            options are given with `host_rows=0`.
+
+    Examples:
+        >>> import torch
+        >>> from engram import FP8Table
+        >>> from engram.systems import LevelTable
+        >>> backing = FP8Table.from_float(torch.randn(1000, 64))
+        >>> table = LevelTable(backing, device_rows=4, host_rows=16)
+        >>> rows = torch.tensor([[3, 7, 3, 500]])
+        >>> torch.equal(table.gather(rows), backing.gather(rows))
+        True
+        >>> _ = table.gather(rows)  # now 3 distinct rows hit on the device
+        >>> table.stats()["device"]["hits"], table.stats()["backing"]["hits"]
+        (3, 3)
     """
 
     def __init__(
@@ -180,7 +226,12 @@ class LevelTable(EngramTable):
             self.backing.reset_stats()
 
     def stats(self) -> dict[str, Any]:
-        """Per level (device, host, backing) its counters; for a RowFile its reads and pages too."""
+        """The table's counters.
+
+        Returns:
+            gathers, rows requested and distinct, verify counts, and per level (device, host,
+                backing) its `LevelStats.as_dict`; for a RowFile its reads and pages too.
+        """
         out: dict[str, Any] = {
             "gathers": self.gathers,
             "rows_requested": self.rows_requested,
@@ -210,7 +261,19 @@ class LevelTable(EngramTable):
 
     # ------------------------------------------------------------------ gather
     def gather(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """rows (...) int64/int32 on any device -> (..., dim) in `dtype` (default float32) on `device`."""
+        """The dequantised embeddings of rows, through the levels.
+
+        Args:
+            rows: Row ids (...) int64/int32 on any device (a device's ids come to the host: a sync).
+            dtype: The embeddings' dtype (default float32).
+
+        Returns:
+            The embeddings (..., dim) in `dtype` on the table's device.
+
+        Raises:
+            TypeError: `rows` is not an int64 or int32 tensor.
+            ValueError: A row id is out of range (the message names it and its position).
+        """
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"rows must be a torch.Tensor of row ids, got {type(rows).__name__}")
         host = rows if rows.device.type == "cpu" else rows.cpu()  # sync point for device rows

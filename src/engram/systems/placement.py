@@ -15,7 +15,14 @@ __all__ = ["CacheIndex", "Placement", "as_cache_index", "as_device", "as_placeme
 
 
 class Placement(enum.StrEnum):
-    """Where a `TieredTable`'s FP8 rows are stored; a hot-row cache on the device is separate."""
+    """Where a `TieredTable`'s stored rows live; a hot-row cache on the device is separate.
+
+    Attributes:
+        DEVICE: The whole table resident on the compute device: no fetching at all.
+        HOST: An in-memory table in host DRAM; rows staged (pinned on CUDA) and copied over.
+        HOST_UVA: A pinned FP8 table in host DRAM that the CUDA gather kernel reads in place (UVA).
+        SSD: A memory-mapped table file: rows read from the file's pages as touched.
+    """
 
     DEVICE = "device"  # the whole FP8 table resident on the compute device: no fetching at all
     HOST = "host"  # an in-memory FP8Table in host DRAM; rows staged (pinned on CUDA) and copied over
@@ -24,7 +31,12 @@ class Placement(enum.StrEnum):
 
 
 class CacheIndex(enum.StrEnum):
-    """Where a hot-row cache keeps its row -> slot index (the cached bytes are on the compute device)."""
+    """Where a hot-row cache keeps its row -> slot index (the cached bytes are on the compute device).
+
+    Attributes:
+        HOST: `RowCache`: numba index on the host, exact policies (lru, clock, lfu, pinned ...).
+        DEVICE: `DeviceRowCache`: set-associative LRU, index on the device, lookups without a host sync.
+    """
 
     HOST = "host"  # RowCache: numba index on the host, exact policies (lru, clock, lfu, pinned ...)
     DEVICE = "device"  # DeviceRowCache: set-associative LRU, index on the device, lookups without a host sync

@@ -44,7 +44,17 @@ __all__ = [
 
 
 class CachePolicy(enum.StrEnum):
-    """The online replacement policies a `RowCache` can run."""
+    """The online replacement policies a `RowCache` can run.
+
+    Attributes:
+        LRU: Exact least-recently-used.
+        CLOCK: CLOCK: one reference bit per slot, set on use, cleared as the hand passes.
+        LFU: Least-frequently-used with aging: a row's count is the calls that used it since it was
+            admitted; every time the cache has served `capacity` distinct-row lookups all counts halve.
+        PINNED: The hottest rows of a profile (`engram profile`) own one slot each, never evicted
+            (filled on their first miss); misses of any other row are not cached.
+        PINNED_LRU: A `pinned_fraction` of the slots pinned as PINNED, LRU over the rest.
+    """
 
     LRU = "lru"
     CLOCK = "clock"

@@ -32,7 +32,17 @@ __all__ = ["PrefetchedBatch", "Prefetcher", "engram_modules", "offload_engram"]
 
 
 def engram_modules(model: nn.Module) -> dict[int, Engram]:
-    """{layer_id: module} for every Engram module in `model` (itself included), in layer order."""
+    """Every Engram module in a model (the model itself included), by layer.
+
+    Args:
+        model: A model holding `engram.model.module.Engram` modules, or one such module.
+
+    Returns:
+        {layer_id: module}, in layer order.
+
+    Raises:
+        ValueError: Two modules for one layer, or none at all.
+    """
     found: dict[int, Engram] = {}
     for name, m in model.named_modules():
         if isinstance(m, Engram):
@@ -78,15 +88,49 @@ def offload_engram(
     row_format: RowFormat | str = RowFormat.FP8,
     cache_index: CacheIndex | str | None = None,
 ) -> dict[int, TieredTable]:
-    """Swap every Engram module's table in `model` for a TieredTable on `placement`; returns them by layer.
+    """Swap every Engram module's table in a model for a TieredTable, in place, touching no model code.
 
-    `device`: where the model computes (default: where each table is now, host tables: the CPU).
-    `cache_rows`: hot-row cache slots per table (HOST / SSD). A float (trainable) table needs
-    `quantize=True` (to `row_format`: FP8 by default, or int8, int8-row, int4; a table already quantised
-    keeps its format). SSD: an MmapFP8Table (MmapQuantTable) is used as is; an in-memory table is first written to
-    `ssd_dir/engram_layer{L}.safetensors` (which `ssd_dir` must name). HOST with an MmapFP8Table reads
-    the file into memory; HOST_UVA also pins it (a pinned copy of a pageable table: TieredTable itself
-    refuses pageable tables). `cache_index`: as `TieredTable` takes it.
+    Everything is checked before any table is swapped. Inference only: tiered tables are frozen.
+
+    Args:
+        model: A model holding Engram modules (or one module).
+        placement: Where the stored rows live: a `Placement` or its value ("device", "host",
+            "host-uva", "ssd"). HOST with an MmapFP8Table reads the file into memory; HOST_UVA also
+            pins it (a pinned copy of a pageable table: TieredTable itself refuses pageable tables).
+        cache_rows: Hot-row cache slots per table (HOST / SSD); 0: no cache.
+        device: Where the model computes (default: the table's device for DEVICE, else the CPU).
+        quantize: Quantise a float (trainable) table to `row_format` (lossy); without it such a
+            table is refused. A table already quantised keeps its format.
+        ssd_dir: For SSD: where an in-memory table is first written, as
+            `ssd_dir/engram_layer{L}.safetensors` (an MmapFP8Table / MmapQuantTable is used as is).
+        max_inflight: Prefetches in flight at once, per table.
+        fetch_threads: Threads of the host gather (None: 1 below 2048 rows, every core above).
+        row_format: The format `quantize` writes: FP8 by default, or "int8", "int8-row", "int4".
+        cache_index: As `TieredTable` takes it.
+
+    Returns:
+        The new tables, by layer id.
+
+    Raises:
+        TypeError: A float table without `quantize`, or a table of another kind.
+        ValueError: A bad `placement`, `cache_rows` or `row_format`; a table offloaded already; SSD
+            without a file or `ssd_dir`; HOST_UVA without CUDA.
+
+    Examples:
+        >>> import torch
+        >>> from engram import Engram, EngramConfig, NgramHasher
+        >>> from engram.systems import Prefetcher, offload_engram
+        >>> config = EngramConfig.preset("tiny").replace(vocab_size=1000, compressed_vocab_size=1000)
+        >>> engram = Engram(config, layer_id=1)
+        >>> tables = offload_engram(engram, "host", cache_rows=4096, quantize=True)
+        >>> tables
+        {1: TieredTable(num_rows=33048, dim=32, format=fp8, placement=host, device=cpu, cache_rows=4096, ...)}
+        >>> batches = [torch.randint(0, 1000, (2, 8)) for _ in range(3)]
+        >>> for batch in Prefetcher(batches, NgramHasher(config), engram, depth=1):
+        ...     h = torch.zeros(2, 8, config.hc_mult, config.hidden_size)
+        ...     out = engram(h, batch.rows[:, :, 0])  # this layer's rows, already fetched
+        >>> tables[1].stats()["prefetch_hits"]
+        3
     """
     where = as_placement(placement)
     if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
@@ -145,7 +189,13 @@ def offload_engram(
 
 
 class PrefetchedBatch(NamedTuple):
-    """One batch from a `Prefetcher`."""
+    """One batch from a `Prefetcher`.
+
+    Attributes:
+        token_ids: As the iterable gave it: (B, T) torch or numpy.
+        rows: (B, T, n_layers, heads) int64 on the host, the hasher's layer order.
+        handles: layer_id -> the prefetch of that layer's rows (`rows[:, :, index of that layer]`).
+    """
 
     token_ids: Any  # as the iterable gave it: (B, T) torch or numpy
     rows: torch.Tensor  # (B, T, n_layers, heads) int64 on the host, the hasher's layer order
@@ -153,13 +203,26 @@ class PrefetchedBatch(NamedTuple):
 
 
 class Prefetcher:
-    """Iterate over `batches` with the next `depth` batches hashed and their rows being prefetched.
+    """Iterate over batches with the next `depth` batches hashed and their rows being prefetched.
 
-    `model`: the offloaded model (or a bare Engram module) whose TieredTables serve the batches;
-    each table prefetches its own layer's rows. `dead_masks`: an optional iterable of bool (B, T)
-    masks, one per batch, passed to the hasher. `dtype`: also dequantise in the background into the
-    dtype the model gathers in (its activations' dtype), worth it on a CPU compute device (see
-    `TieredTable.prefetch`). The iteration is single-use, like a generator.
+    Each batch is a `PrefetchedBatch` (token ids, rows (B, T, n_layers, heads), the prefetch handles
+    by layer); each table's `gather` then finds its rows fetched. The iteration is single-use, like a
+    generator. See `offload_engram` for an example.
+
+    Args:
+        batches: Token-id batches, (B, T) torch or numpy.
+        hasher: The hasher of the model's config.
+        model: The offloaded model (or a bare Engram module) whose TieredTables serve the batches;
+            each table prefetches its own layer's rows.
+        depth: Batches prefetched ahead (0: none).
+        dead_masks: Optional bool (B, T) masks, one per batch, passed to the hasher.
+        dtype: Also dequantise in the background into the dtype the model gathers in (its
+            activations' dtype), worth it on a CPU compute device (see `TieredTable.prefetch`).
+
+    Raises:
+        TypeError: `hasher` is not an NgramHasher, or a table is not a TieredTable (offload first).
+        ValueError: `depth` is negative or more than a table's `max_pending` allows, or a layer is
+            not the hasher's.
     """
 
     def __init__(
@@ -224,6 +287,14 @@ class Prefetcher:
             ) from None
 
     def __iter__(self) -> Iterator[PrefetchedBatch]:
+        """Yield the batches, each with the next `depth` already prefetching.
+
+        Yields:
+            One `PrefetchedBatch` per batch, in order.
+
+        Raises:
+            ValueError: A batch is not (B, T), or `dead_masks` ran out before the batches.
+        """
         ahead: collections.deque[PrefetchedBatch] = collections.deque()
         exhausted = False
         index = 0  # of the next batch to start

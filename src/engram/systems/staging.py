@@ -38,7 +38,15 @@ def align(n: int) -> int:
 
 
 class FetchedBlock(NamedTuple):
-    """Distinct rows' stored bytes on the compute device, ready for `dequantize_gather`."""
+    """Distinct rows' stored bytes on the compute device, ready for `dequantize_gather`.
+
+    Attributes:
+        values: (U, width) in the row format's value dtype (FP8: (U, dim) float8_e4m3fn).
+        scales: (U, scales a row) in its scale dtype (FP8: (U, dim // 32) float8_e8m0fnu).
+        inverse: rows.shape int64: each requested row's position in the block.
+        ready: Recorded on the fetch stream when the block is complete (CUDA); else None.
+        out: (*rows.shape, dim) already dequantised, for `prefetch(rows, dtype)`; else None.
+    """
 
     values: torch.Tensor  # (U, width) in the row format's value dtype (FP8: (U, dim) float8_e4m3fn)
     scales: torch.Tensor  # (U, scales a row) in its scale dtype (FP8: (U, dim // 32) float8_e8m0fnu)

@@ -65,18 +65,39 @@ def _check_row_ids(rows: object) -> None:
 
 
 class TieredTable(HostFetch, EngramTable):
-    """A frozen quantised table on `placement`, computed on `device` (see docs/systems.md).
+    """A frozen quantised table on a storage tier, computed on a device, with a hot-row cache and prefetch.
 
-    `table`: an `FP8Table` / `QuantTable` of any row format (DEVICE or HOST: moved to the device, resp.
-    kept on the host; HOST_UVA, FP8 only: kept in pinned host memory and read in place by the CUDA
-    gather) or an `MmapFP8Table` / `MmapQuantTable` (SSD; DEVICE reads it whole onto the device); the
-    cache, staging and gathers move the format's bytes (`row_format`). `cache_rows`: slots of the
-    device-side hot-row cache (not for DEVICE; 0 = none). `cache_index`: where its index lives: HOST
-    (`RowCache`, exact policies: `policy` / `pinned_rows` as `RowCache` takes them) or DEVICE
-    (`DeviceRowCache`, FP8 tables, set-associative LRU over `cache_ways` ways, no host sync per lookup);
-    None: DEVICE on a CUDA device for an FP8 table without a policy or pinned rows, else HOST.
-    `max_inflight`: prefetches in flight at once. `fetch_threads`: threads of the host gather (None: 1
-    below 2048 rows, every core above).
+    `gather` returns exactly (bitwise) what `FP8Table.gather` (`QuantTable.gather`) returns for the
+    same stored table and rows, whatever tier the bytes come from: each distinct row is fetched once,
+    hits come from the cache, misses from the backing tier through staging, and `prefetch` does that
+    ahead on a background thread. `.to(device)` moves the compute side; a dtype change is ignored
+    (the stored bytes stay quantised). Inference only (no parameters, no autograd). Design, the
+    gather's steps and the sync points: docs/systems.md.
+
+    Args:
+        table: An `FP8Table` / `QuantTable` of any row format (DEVICE or HOST: moved to the device,
+            resp. kept on the host; HOST_UVA, FP8 only: kept in pinned host memory and read in place
+            by the CUDA gather) or an `MmapFP8Table` / `MmapQuantTable` (SSD; DEVICE reads it whole
+            onto the device).
+        placement: A `Placement` or its value.
+        device: Where gathers compute (default: the CPU).
+        cache_rows: Slots of the device-side hot-row cache (not for DEVICE; 0 = none).
+        cache_index: Where its index lives: HOST (`RowCache`, exact policies) or DEVICE
+            (`DeviceRowCache`, FP8 tables, set-associative LRU, no host sync per lookup); None:
+            DEVICE on a CUDA device for an FP8 table without a policy or pinned rows, else HOST.
+        cache_ways: The device index's ways.
+        policy: The host index's replacement policy, as `RowCache` takes it.
+        pinned_rows: The rows a pinned policy pins, as `RowCache` takes them.
+        max_inflight: Prefetches in flight at once.
+        max_pending: Prefetches remembered for gathers to claim; the oldest drops out.
+        fetch_threads: Threads of the host gather (None: 1 below 2048 rows, every core above).
+        verify: Re-read every fetched row from the backing tier and compare (debug; counted in
+            `stats()`).
+
+    Raises:
+        TypeError: The table's kind does not fit the placement.
+        ValueError: An option out of range or one that does not fit the placement, format or cache
+            (the message names the fix), or more memory than the device has free.
     """
 
     def __init__(
@@ -238,6 +259,7 @@ class TieredTable(HostFetch, EngramTable):
     # ------------------------------------------------------------------ placement and devices
     @property
     def max_inflight(self) -> int:
+        """Prefetches in flight at once (the worker's bound)."""
         return self._worker.max_inflight
 
     @property
@@ -355,7 +377,13 @@ class TieredTable(HostFetch, EngramTable):
             self._tier.reset_stats()
 
     def stats(self) -> dict[str, float | str]:
-        """The table's counters, plus the cache's (cache_hits, cache_misses, ...) when it has one."""
+        """The table's counters, a consistent snapshot (a sync point with a device-indexed cache).
+
+        Returns:
+            placement, gathers, rows requested and distinct, bytes fetched, prefetch hits and misses,
+                seconds waited on prefetches, verify counts; plus the cache's (cache_hits,
+                cache_misses, ...) when it has one.
+        """
         with self._lock:  # a consistent snapshot: the worker updates some counters
             return self._stats()
 
@@ -383,13 +411,23 @@ class TieredTable(HostFetch, EngramTable):
 
     # ------------------------------------------------------------------ public API
     def prefetch(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> PrefetchHandle:
-        """Start fetching `rows` (int64/int32, any shape, any device) in the background; returns a handle.
+        """Start fetching rows in the background.
 
-        With `dtype`, the worker also dequantises the rows into that dtype, and a gather asking for the
-        same dtype returns that tensor: on a CPU compute device dequantisation (and the page faults of
-        a fresh output) is most of a gather, so this moves it off the critical path too. Without it,
-        the gather dequantises the fetched bytes (cheap on CUDA). Blocks while `max_inflight`
-        prefetches are in flight. A bad row id raises when the handle is waited for.
+        Blocks while `max_inflight` prefetches are in flight. A bad row id raises when the handle is
+        waited for (at the gather).
+
+        Args:
+            rows: Row ids, int64/int32, any shape, any device (copied to the host).
+            dtype: The worker also dequantises the rows into this dtype, and a gather asking for the
+                same dtype returns that tensor: on a CPU compute device dequantisation (and the page
+                faults of a fresh output) is most of a gather, so this moves it off the critical path
+                too. Without it, the gather dequantises the fetched bytes (cheap on CUDA).
+
+        Returns:
+            The handle; pass it to `gather`, or let `gather` find it by the rows' values.
+
+        Raises:
+            TypeError: `rows` is not an int64 or int32 tensor.
         """
         _check_row_ids(rows)
         host = rows.detach().to("cpu", copy=True)  # private copy: the caller may reuse its tensor
@@ -422,10 +460,21 @@ class TieredTable(HostFetch, EngramTable):
         *,
         prefetched: PrefetchHandle | None = None,
     ) -> torch.Tensor:
-        """rows (...) int64/int32 on any device -> (..., dim) in `dtype` (default float32) on `device`.
+        """The dequantised embeddings of rows: bitwise what `FP8Table.gather` gives for the stored table.
 
-        Bitwise what `FP8Table.gather` gives for the stored table. Uses `prefetched` (which must be for
-        equal rows), else a pending prefetch of equal rows, else fetches now (see docs/systems.md).
+        Uses `prefetched`, else a pending prefetch of equal rows, else fetches now (see docs/systems.md).
+
+        Args:
+            rows: Row ids (...) int64/int32 on any device.
+            dtype: The embeddings' dtype (default float32).
+            prefetched: A handle of this table's `prefetch` for equal rows.
+
+        Returns:
+            The embeddings (..., dim) in `dtype` on the table's device.
+
+        Raises:
+            TypeError: `rows` is not an int64 or int32 tensor.
+            ValueError: A row id is out of range, or `prefetched` is another table's or for other rows.
         """
         _check_row_ids(rows)
         self.gathers += 1

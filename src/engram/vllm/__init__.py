@@ -23,7 +23,19 @@ __all__ = ["ARCHITECTURES", "SUPPORTED_VLLM", "check_vllm_version", "engram_stat
 
 
 def engram_stats(model: Any) -> dict[str, Any]:
-    """The Engram counters of a served model (`llm.apply_model(engram_stats)` runs it in each worker)."""
+    """The Engram counters of a served model: `llm.apply_model(engram_stats)` runs it in each worker.
+
+    Args:
+        model: vLLM's model in a worker (what `apply_model` passes).
+
+    Returns:
+        The served tables' counters by layer (`tables`), this process's (TP rank's) bytes of table
+            rows in memory (`table_bytes`), the look-back ids read from KV-cache slots
+            (`lookback_reads`) and the serving options (`options`: tables, cache_fraction, patches).
+
+    Raises:
+        TypeError: The model is not served with Engram.
+    """
     stats = getattr(model, "engram_stats", None)
     if stats is None:
         raise TypeError(f"{type(model).__name__} is not served with Engram (no engram_stats)")

@@ -43,13 +43,33 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "EngramQwen2ForCausalLM",
     "Qwen3ForCausalLM": "EngramQwen3ForCausalLM",
 }
+"""The backbone families the plugin serves: HF architecture name -> our vLLM architecture.
+
+The vLLM model each of ours subclasses is in `engram.vllm.model`.
+"""
 SUPPORTED_VLLM = "0.32"  # the release series whose model interface the plugin is written against
+"""The vLLM release series (major.minor) whose model interface the plugin is written against."""
 _HOOKED = "_engram_resolution_hooked"
 _CHECKED: dict[tuple[Any, ...], Any] = {}  # served_plan's answers in this process (vLLM asks several times)
 
 
 def check_vllm_version(version: str | None = None) -> None:
-    """Raise unless `version` (default: the installed vLLM's) is of the series the plugin supports."""
+    """Refuse a vLLM whose model interface the plugin was not written for.
+
+    Args:
+        version: A vLLM version string (default: the installed vLLM's).
+
+    Raises:
+        RuntimeError: The version is not of the series `SUPPORTED_VLLM`; the message says what to install.
+
+    Examples:
+        >>> from engram.vllm import check_vllm_version
+        >>> check_vllm_version("0.32.0+cpu")  # the supported series: nothing to say
+        >>> check_vllm_version("0.33.1")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: vLLM 0.33.1 is installed, but engram-lm's vLLM plugin is written against vLLM 0.32.x ...
+    """
     if version is None:
         import vllm
 
@@ -221,7 +241,15 @@ def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: idempotent, cheap (imports no model code)."""
+    """The `vllm.general_plugins` entry point: our architectures in vLLM's model registry.
+
+    vLLM calls it once in each of its processes. It registers `Engram<Arch>` for each family of
+    `ARCHITECTURES`, lazily (nothing heavy is imported until a worker builds the model), makes a
+    served folder whose `engram/` holds an Engram part resolve to our class (checked against the
+    backbone in the process the user started, so a refusal comes first), and has vLLM's input
+    processing refuse a prompt Engram cannot serve (a token id outside the vocabulary). Idempotent
+    and cheap (imports no model code); needs vLLM.
+    """
     from vllm import ModelRegistry
 
     known = ModelRegistry.get_supported_archs()

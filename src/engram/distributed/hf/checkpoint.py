@@ -78,11 +78,24 @@ def _table_names(model: nn.Module) -> list[str]:
 
 
 def save_table_shards(model: nn.Module, folder: str | os.PathLike[str]) -> Path | None:
-    """Write this rank's rows of `model`'s row-sharded tables (and of their optimizer state) into
-    `folder/engram-shards/`; returns the file (None on a rank that owns no rows). The file records the
-    run and the table steps taken (what the optimizer's `state_dict()` records of the tables), the
-    world size, its rank, each table's row range and the layout fingerprint. Every rank calls it with
-    the same model; no collective."""
+    """Write this rank's rows of the row-sharded tables (and their optimizer state) to a checkpoint.
+
+    The file, `folder/engram-shards/rank-RRRRR.safetensors`, records the run and the table steps
+    taken (what the optimizer's `state_dict()` records of the tables), the world size, its rank, each
+    table's row range and the layout fingerprint. Every rank calls it with the same model; no
+    collective. The HF Trainer's `EngramShardsCallback` calls it at each save.
+
+    Args:
+        model: A model whose tables `prepare_data_parallel(model, "sharded")` sharded.
+        folder: The checkpoint folder.
+
+    Returns:
+        The file written, or None on a rank that owns no rows.
+
+    Raises:
+        ValueError: The tables are not row-sharded, or the table optimizer's state does not run over
+            the rows (it cannot be checkpointed sharded).
+    """
     att = get_attachment(model)
     sync = att.table_sync
     if not isinstance(sync, ShardedTableSync):
@@ -128,14 +141,25 @@ def pending_restore(model: nn.Module) -> tuple[dict[str, Any] | None, Any]:
 
 
 def load_table_shards(model: nn.Module, folder: str | os.PathLike[str]) -> None:
-    """Read back `model`'s table rows (and their optimizer state) from the shard files in
-    `folder/engram-shards/`, written at any world size, once the model's optimizer state (which says
-    which run and step the files must be of) was loaded: row-sharded tables take the rows this rank
-    owns, whole tables (one process, or replicated across processes) every row. Every file read is
-    checked (it belongs to that run and step, its world size, layout, optimizer and tables are this
-    checkpoint's, its ranges tile the tables, its data matches its CRC32s, no NaN / Inf) before
-    anything changes; across processes the ranks then agree (one all-gather), so a file refused on one
-    rank is the same ValueError on every rank."""
+    """Read back the model's table rows (and their optimizer state) from a checkpoint's shard files.
+
+    The files, in `folder/engram-shards/`, may have been written at any world size. Row-sharded
+    tables take the rows this rank owns, whole tables (one process, or replicated across processes)
+    every row. Every file read is checked (it belongs to the run and step the optimizer state names,
+    its world size, layout, optimizer and tables are this checkpoint's, its ranges tile the tables,
+    its data matches its CRC32s, no NaN / Inf) before anything changes; across processes the ranks
+    then agree (one all-gather), so a file refused on one rank is the same ValueError on every rank.
+    The HF Trainer's `EngramShardsCallback` calls it on resume.
+
+    Args:
+        model: The model, its optimizer state already loaded (it says which run and step the files
+            must be of).
+        folder: The checkpoint folder.
+
+    Raises:
+        ValueError: No optimizer state loaded, no shard files, or a file refused (on every rank).
+        TypeError: A table cannot take a training checkpoint's rows.
+    """
     pending, sync = pending_restore(model)
     if pending is None:
         raise ValueError(
@@ -214,28 +238,68 @@ def _load(model: nn.Module, att: Any, sync: Any, pending: dict[str, Any], folder
 
 
 def save_engram(model: nn.Module, directory: str | os.PathLike[str]) -> Path | None:
-    """`engram.hf.save_engram` for a model with row-sharded tables: every rank calls it and writes its
-    own rows into the one part (`hf_part.write_part`: no table is gathered; readable by
-    `engram.hf.load_engram` in one process); rank 0 returns its folder, the others None once it is
-    published."""
+    """`engram.hf.save_engram` for a model with row-sharded tables (a collective).
+
+    Every rank calls it and writes its own rows into the one part (`write_part`: no table is
+    gathered); `engram.hf.load_engram` reads the part in one process.
+
+    Args:
+        model: A model whose tables `prepare_data_parallel(model, "sharded")` sharded.
+        directory: The folder (its `engram/` inside an HF model folder).
+
+    Returns:
+        The part's folder on rank 0; None on the others, once it is published.
+
+    Raises:
+        ValueError: The tables are not row-sharded (use `engram.hf.save_engram`).
+        RuntimeError: Another rank failed (nothing was published).
+    """
     return write_part(model, directory, None)
 
 
 def export_fp8(
     model: nn.Module, directory: str | os.PathLike[str], *, row_files: bool = False
 ) -> Path | None:
-    """`engram.hf.export_fp8` for a model with row-sharded tables (as `save_engram` here: each rank
-    quantises and writes its own rows; other row formats: `export_quantised`). `row_files`: also each layer's SSD row file
-    (`engram_layer{L}.rows` in the part, what the row-file tier and the vLLM plugin's 'rowfile' mode
-    read), every owner writing its rows at their slots, published with the part."""
+    """`engram.hf.export_fp8` for a model with row-sharded tables (a collective, as `save_engram` here).
+
+    Each rank quantises and writes its own rows; other row formats: `export_quantised`.
+
+    Args:
+        model: A model whose tables `prepare_data_parallel(model, "sharded")` sharded.
+        directory: The folder (its `engram/` inside an HF model folder).
+        row_files: Also each layer's SSD row file (`engram_layer{L}.rows` in the part, what the
+            row-file tier and the vLLM plugin's 'rowfile' mode read), every owner writing its rows at
+            their slots, published with the part.
+
+    Returns:
+        The part's folder on rank 0; None on the others, once it is published.
+
+    Raises:
+        ValueError: The tables are not row-sharded (use `engram.hf.export_fp8`).
+        RuntimeError: Another rank failed (nothing was published).
+    """
     return write_part(model, directory, RowFormat.FP8, row_files=row_files)
 
 
 def export_quantised(
     model: nn.Module, directory: str | os.PathLike[str], fmt: RowFormat | str, *, row_files: bool = False
 ) -> Path | None:
-    """`engram.hf.export_quantised` for a model with row-sharded tables: `export_fp8` here in row format
-    `fmt` ("fp8", "int8", "int8-row", "int4"; an unknown name is refused listing them), each owner rank
-    quantising its own rows by the one-process rule, so the part's data (and each row file, with
-    `row_files`, in that format) are byte for byte those the one-process export writes."""
+    """`engram.hf.export_quantised` for row-sharded tables: `export_fp8` here in another row format.
+
+    Each owner rank quantises its own rows by the one-process rule, so the part's data (and each row
+    file, with `row_files`, in that format) are byte for byte those the one-process export writes.
+
+    Args:
+        model: A model whose tables `prepare_data_parallel(model, "sharded")` sharded.
+        directory: The folder (its `engram/` inside an HF model folder).
+        fmt: "fp8", "int8", "int8-row" or "int4" (or a `RowFormat`).
+        row_files: Also each layer's SSD row file in that format (see `export_fp8`).
+
+    Returns:
+        The part's folder on rank 0; None on the others, once it is published.
+
+    Raises:
+        ValueError: An unknown format (the message lists them), or tables that are not row-sharded.
+        RuntimeError: Another rank failed (nothing was published).
+    """
     return write_part(model, directory, as_row_format(fmt), row_files=row_files)

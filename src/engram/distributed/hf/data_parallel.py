@@ -75,7 +75,12 @@ __all__ = [
 
 
 class TableSync(enum.StrEnum):
-    """How an HF model's Engram tables stay one table across data-parallel ranks."""
+    """How an HF model's Engram tables stay one table across data-parallel ranks.
+
+    Attributes:
+        REPLICATED: Every rank holds the table; sparse row gradients averaged across ranks.
+        SHARDED: Each rank owns 1/N of the rows and their optimizer state; rows exchanged.
+    """
 
     REPLICATED = "replicated"  # every rank holds the table; sparse row gradients averaged across ranks
     SHARDED = "sharded"  # each rank owns 1/N of the rows and their optimizer state; rows exchanged
@@ -141,11 +146,20 @@ def _trains(table: nn.Module) -> bool:
 
 
 class ReplicatedTableSync:
-    """The ranks' sparse row gradients of each table, averaged over the group (as DDP averages the
-    dense ones): an all-gather of the row counts, then of the padded rows and values (n_rows x dim per
-    rank, nothing dense of the table). Every rank gets the same gradient, rows in the same order.
-    `exchange`: the group those all-gathers run on (`group`'s ranks, collectives bounded by `timeout`
-    seconds; default `group`)."""
+    """Replicated tables: the ranks' sparse row gradients of each table, averaged over the group.
+
+    As DDP averages the dense ones: an all-gather of the row counts, then of the padded rows and
+    values (n_rows x dim per rank, nothing dense of the table). Every rank gets the same gradient,
+    rows in the same order. `prepare_data_parallel(model, "replicated")` makes one and sets it as
+    the attachment's `table_sync`, which the model's `EngramOptimizer` calls before its table step.
+
+    Args:
+        group: The data-parallel process group (default: the default group).
+        exchange: The group the all-gathers run on (`group`'s ranks, collectives bounded in time;
+            default `group`).
+        timeout: The bound of those collectives in seconds, named in a `RankError`.
+        kept: The check that no wrapper took the tables over (`prepare_data_parallel`'s).
+    """
 
     mode = TableSync.REPLICATED
 
@@ -163,12 +177,35 @@ class ReplicatedTableSync:
         self.timeout, self.kept = timeout, kept
 
     def table_optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """The table optimizer `cls` over the whole tables (refused once a wrapper took them over)."""
+        """The table optimizer over the whole tables (refused once a wrapper took them over).
+
+        Args:
+            cls: The sparse row optimizer class.
+            **kwargs: Its hyperparameters.
+
+        Returns:
+            The optimizer.
+
+        Raises:
+            ValueError: A wrapper has taken the tables over.
+        """
         assert self.kept is not None, "a ReplicatedTableSync made by prepare_data_parallel"
         self.kept()
         return cls([w for _, _, w in self.kept.tables], **kwargs)
 
     def __call__(self, params: list[torch.Tensor], pending: dict[torch.Tensor, torch.Tensor]) -> dict:
+        """Average the tables' sparse gradients over the ranks (a collective, before the table step).
+
+        Args:
+            params: The table weights, in the optimizer's order (the same on every rank).
+            pending: This rank's sparse gradient of each weight (a weight without one counts as zero).
+
+        Returns:
+            The averaged sparse gradient of every weight in `params`.
+
+        Raises:
+            RankError: An exchange failed or timed out; the message names the rank and the fix.
+        """
         if self.kept is not None:
             self.kept()
         out = {}
@@ -204,12 +241,23 @@ class ReplicatedTableSync:
 
 
 class ShardedTableSync:
-    """Row-sharded tables of one attachment: the forward's rows fetched from their owners in one
-    exchange for every Engram layer (`prefetch`, called by the attachment's hook once the call's rows
-    are known), the row gradients returned to the owners (`flush`: at the next forward or before the
-    table step, so gradient accumulation sums micro-batches) and divided by the world size (DDP's
-    average). Every rank of the group runs the same forwards and steps (as DDP requires): the exchanges
-    run on the tables' group (`group`'s ranks, collectives bounded by `timeout` seconds)."""
+    """Row-sharded tables of one attachment: rows fetched from their owners, gradients returned to them.
+
+    The forward's rows are fetched from their owners in one exchange for every Engram layer
+    (`prefetch`, called by the attachment's hook once the call's rows are known), the row gradients
+    returned to the owners (`flush`: at the next forward or before the table step, so gradient
+    accumulation sums micro-batches) and divided by the world size (DDP's average). Every rank of the
+    group runs the same forwards and steps (as DDP requires). `prepare_data_parallel(model,
+    "sharded")` makes one and sets it as the attachment's `table_sync`.
+
+    Args:
+        tables: The attachment's sharded tables, in layer order.
+        index: Each table's layer position in the rows (`config.layer_index`).
+        group: The data-parallel process group (default: the default group); the run's name is
+            broadcast on it (a collective).
+        timeout: The bound in seconds of the exchanges, which run on the tables' group.
+        kept: The check that no wrapper took the tables over (`prepare_data_parallel`'s).
+    """
 
     mode = TableSync.SHARDED
 
@@ -240,7 +288,14 @@ class ShardedTableSync:
         self.run: str = name[0]
 
     def prefetch(self, rows: torch.Tensor) -> None:
-        """rows (B, T, layers, heads) of this forward: each table's rows fetched from their owners."""
+        """Fetch each table's rows of this forward from their owners (a collective; flushes first).
+
+        Args:
+            rows: The call's rows (B, T, layers, heads).
+
+        Raises:
+            RankError: The exchange failed or timed out (e.g. a forward run on some ranks only).
+        """
         if self.kept is not None:
             self.kept()
         with _collective(
@@ -250,9 +305,12 @@ class ShardedTableSync:
             prefetch_tables([(t, rows[:, :, i]) for t, i in zip(self.tables, self.index, strict=True)])
 
     def flush(self) -> None:
-        """Return the pending blocks' row gradients to their owners (a collective when a prefetch was
-        made with gradients on: one flag all-reduce, then the exchange if any rank has a gradient);
-        a prefetch without a backward since gives no gradient, as one process's forward gives none."""
+        """Return the pending blocks' row gradients to their owners.
+
+        A collective when a prefetch was made with gradients on: one flag all-reduce, then the
+        exchange if any rank has a gradient; a prefetch without a backward since gives no gradient,
+        as one process's forward gives none. The owners' gradients are summed until the table step.
+        """
         pending = [t for t in self.tables if t._block is not None]
         if not any(t._block.requires_grad for t in pending):  # no_grad forwards: the same on every rank
             release_tables(pending)
@@ -271,6 +329,21 @@ class ShardedTableSync:
                 self.grads[t.weight] = g if old is None else old + g
 
     def __call__(self, params: list[torch.Tensor], pending: dict[torch.Tensor, torch.Tensor]) -> dict:
+        """The owned rows' gradients for the table step, averaged over the ranks (a collective).
+
+        It flushes first: the pending blocks' gradients go to their owners.
+
+        Args:
+            params: The shards' weights (unused: the gradients come from the flushes).
+            pending: The optimizer's pending gradients (unused, as `params`).
+
+        Returns:
+            Each shard weight's summed sparse gradient divided by the world size.
+
+        Raises:
+            RuntimeError: The run resumed from shard files that were not read back.
+            RankError: The exchange failed or timed out.
+        """
         if self.restore is not None:
             raise RuntimeError(
                 "this run resumed from a checkpoint of row-sharded Engram tables, but their rows and optimizer "
@@ -286,15 +359,31 @@ class ShardedTableSync:
         return out
 
     def zero_grad(self) -> None:
-        """Drop the gradients not yet stepped (the pending blocks' too; their prefetch stays for a
-        backward still to come)."""
+        """Drop the gradients not yet stepped (the pending blocks' too).
+
+        Their prefetch stays, for a backward still to come.
+        """
         self.grads = {}
         for t in self.tables:
             if t._block is not None:
                 t._block.grad = None
 
     def table_optimizer(self, cls: type, **kwargs: Any) -> torch.optim.Optimizer:
-        """The table optimizer `cls` over the shards (V4.1's Sinkhorn update: `ShardedSinkhorn`)."""
+        """The table optimizer over the shards (V4.1's Sinkhorn update: `ShardedSinkhorn`).
+
+        Every rank checks that the optimizer's state will fit its memory limits first.
+
+        Args:
+            cls: The sparse row optimizer class.
+            **kwargs: Its hyperparameters.
+
+        Returns:
+            The optimizer, kept as `optimizer`.
+
+        Raises:
+            ValueError: A wrapper has taken the tables over.
+            ShardMemoryError: A rank's optimizer state will not fit.
+        """
         if self.kept is not None:
             self.kept()
         if issubclass(cls, SparseSinkhorn):
@@ -305,8 +394,15 @@ class ShardedTableSync:
         return self.optimizer
 
     def table_state_dict(self) -> dict[str, Any]:
-        """What the model's optimizer state holds of the tables: their hyperparameters and where the
-        rows are (each rank's own rows and their state go to the checkpoint's shard files)."""
+        """What the model's optimizer state holds of the tables.
+
+        Each rank's own rows and their state go to the checkpoint's shard files
+        (`save_table_shards`).
+
+        Returns:
+            The hyperparameters (`param_groups`) and, under `SHARDED_STATE_KEY`, where the rows are:
+                world size, table sizes, run and steps.
+        """
         assert self.optimizer is not None
         first = self.tables[0]
         return {
@@ -320,8 +416,16 @@ class ShardedTableSync:
         }
 
     def check_table_state_dict(self, state: dict[str, Any]) -> None:
-        """Refuse what `load_table_state_dict` would refuse (its hyperparameters checked as the table
-        optimizer's constructor checks them), changing nothing."""
+        """Refuse what `load_table_state_dict` would refuse, changing nothing.
+
+        The hyperparameters are checked as the table optimizer's constructor checks them.
+
+        Args:
+            state: The table part of an `EngramOptimizer` state.
+
+        Raises:
+            ValueError: The state holds whole tables, or its hyperparameters are refused.
+        """
         if not isinstance(state, dict) or SHARDED_STATE_KEY not in state:
             raise ValueError(
                 "this optimizer state holds whole tables (saved on one process or with mode='replicated'), "
@@ -333,7 +437,18 @@ class ShardedTableSync:
             check({"state": {}, "param_groups": state.get("param_groups")})
 
     def load_table_state_dict(self, state: dict[str, Any]) -> None:
-        """A resume: keep the hyperparameters until the shard files are read (`restore`)."""
+        """Load the table part of an optimizer state: on a resume, keep it until the shard files are read.
+
+        The rows and their state are read by `load_table_shards` (`restore` holds the state until
+        then); this run's own state at the same step (a wrapper's round trip) only sets the
+        hyperparameters.
+
+        Args:
+            state: The table part of an `EngramOptimizer` state.
+
+        Raises:
+            ValueError: See `check_table_state_dict`.
+        """
         self.check_table_state_dict(state)
         mark = state[SHARDED_STATE_KEY]
         if mark.get("run") == self.run and mark.get("steps") == self.steps:
@@ -447,15 +562,61 @@ def prepare_data_parallel(
     table_ranks: int | None = None,
     timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> TableSync:
-    """Ready `model` (with Engram attached) for DDP / accelerate / the HF Trainer on `group` (default:
-    the default group); call it on every rank before the model is wrapped and before
-    `engram.hf.build_optimizer`. `mode` None: SHARDED on more than one rank (table memory / N, one
-    row exchange per forward), REPLICATED on one. `table_ranks` N (sharded only): ranks 0..N-1 own
-    the rows, the others hold none. `timeout`: seconds an exchange of the tables (a sharded forward,
-    a table step) waits for the other ranks before it raises RankError naming the cause (None: the
-    process group's own timeout). Checks that every rank attached the same Engram (config and
-    initial tables) and that no wrapper holds the model yet first: else a ValueError on every rank.
-    Returns the mode."""
+    """Ready a model with Engram for DDP / accelerate / the HF Trainer, its tables synchronised by Engram.
+
+    Call it on every rank before the model is wrapped and before `engram.hf.build_optimizer`. It
+    first checks that every rank attached the same Engram (config and initial tables) and that no
+    wrapper holds the model yet: else a ValueError on every rank. The tables are named to DDP as
+    parameters to ignore.
+
+    Args:
+        model: A model with Engram attached (`engram.hf.add_engram`), not yet wrapped.
+        mode: SHARDED (each rank owns 1/N of every table's rows: table memory / N, one row exchange
+            per forward) or REPLICATED (every rank holds the whole table; the sparse row gradients
+            are averaged); None: SHARDED on more than one rank, REPLICATED on one.
+        group: The data-parallel process group (default: the default group).
+        table_ranks: N (sharded only): ranks 0..N-1 own the rows, the others hold none.
+        timeout: Seconds an exchange of the tables (a sharded forward, a table step) waits for the
+            other ranks before it raises RankError naming the cause (None: the process group's own
+            timeout).
+
+    Returns:
+        The mode chosen.
+
+    Raises:
+        ValueError: No process group, a model wrapped already or prepared already, ranks that
+            disagree, an optimizer built before, or a bad mode, table_ranks or timeout.
+        TypeError: A sharded mode for a table that is not trainable.
+        ShardMemoryError: A rank's shard will not fit its memory limits (said on every rank before
+            any row is allocated).
+
+    Examples:
+        One step of a tiny Llama with Engram under DDP (`torchrun --nproc_per_node 2 step.py`):
+
+        ```python
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from engram import EngramConfig, TokenizerCompression
+        from engram.distributed import init_distributed, prepare_data_parallel
+        from engram.hf import add_engram, build_optimizer
+
+        init_distributed()  # gloo on the CPU
+        torch.manual_seed(0)  # the same backbone and Engram on every rank
+        llama = LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+        )
+        config = EngramConfig.preset("tiny").replace(hc_mult=1, vocab_size=1000, compressed_vocab_size=1000)
+        model = add_engram(LlamaForCausalLM(llama), config, compression=TokenizerCompression.identity(1000))
+        prepare_data_parallel(model)  # "sharded": each rank holds half of every table's rows
+        ddp = torch.nn.parallel.DistributedDataParallel(model)  # the tables stay out of its buckets
+        optimizer = build_optimizer(model)  # after prepare_data_parallel
+        ids = torch.randint(0, 1000, (2, 16))
+        ddp(ids, labels=ids).loss.backward()
+        optimizer.step()
+        torch.distributed.destroy_process_group()
+        ```
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "prepare_data_parallel needs torch.distributed: launch with torchrun (or accelerate launch) and "

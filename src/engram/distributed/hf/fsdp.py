@@ -93,17 +93,33 @@ def fully_shard_backbone(
     decoder_layers: str | Sequence[nn.Module] | None = None,
     **fsdp_kwargs: Any,
 ) -> nn.Module:
-    """Shard `model` (an HF model with Engram attached, not yet wrapped) with FSDP2, the Engram tables
-    kept out and synchronised by Engram; returns `model` (now an FSDPModule).
+    """Shard an HF model with Engram with FSDP2, the Engram tables kept out and synchronised by Engram.
 
-    `mesh`: a 1-D DeviceMesh over the data-parallel ranks (default: every rank of the default group,
-    on the device type of the model's parameters, where it was moved). `mode`, `table_ranks`,
-    `timeout`: as for `prepare_data_parallel`, which this calls on the mesh's group (unless the model
-    was prepared already: then its mode and timeout are kept). `decoder_layers`: as for `add_engram` (default:
-    found on the model). `fsdp_kwargs` go to every `fully_shard` call (`reshard_after_forward`, `mp_policy`,
-    `offload_policy`; `ignored_params`: ignored as well as the tables). Call
+    Each decoder layer, then the root, becomes a `fully_shard` unit. Call
     `torch.distributed.init_process_group` first, move the model to its device first (fully_shard
     leaves ignored parameters where they are), and build the optimizer after this call.
+
+    Args:
+        model: An HF model with Engram attached, not yet wrapped.
+        mesh: A 1-D DeviceMesh over the data-parallel ranks (default: every rank of the default group,
+            on the device type of the model's parameters, where it was moved).
+        mode: As for `prepare_data_parallel`, which this calls on the mesh's group (unless the model
+            was prepared already: then its mode and timeout are kept).
+        table_ranks: As for `prepare_data_parallel`.
+        timeout: As for `prepare_data_parallel`.
+        decoder_layers: As for `add_engram` (default: found on the model).
+        **fsdp_kwargs: Go to every `fully_shard` call (`reshard_after_forward`, `mp_policy`,
+            `offload_policy`; `ignored_params`: ignored as well as the tables).
+
+    Returns:
+        `model`, now an FSDPModule.
+
+    Raises:
+        ValueError: No process group, a model wrapped in DDP or sharded already, a mesh that is not
+            1-D or on another device type than the tables, or a mode other than the one the model
+            was prepared with.
+        RuntimeError: This torch has no FSDP2 that can keep parameters out, or `fully_shard`
+            sharded a table anyway.
     """
     fully_shard = _fully_shard()
     if not dist.is_available() or not dist.is_initialized():

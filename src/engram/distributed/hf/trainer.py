@@ -30,16 +30,30 @@ __all__ = ["EngramShardsCallback"]
 
 
 class EngramShardsCallback(TrainerCallback):
-    """Pass it to the Trainer (`callbacks=[EngramShardsCallback()]`) when the model's tables are
+    """The HF Trainer's checkpoints of row-sharded Engram tables, and their resume at any world size.
+
+    Pass it to the Trainer (`callbacks=[EngramShardsCallback()]`) when the model's tables are
     row-sharded, and when a run resumes from such a checkpoint (whatever its world size or mode).
-    `resume_from`: the checkpoint folder a run resumes from when it is not the Trainer's own
-    `<output_dir>/checkpoint-<step>`. Saves nothing for whole tables (the Trainer's own files hold
-    them)."""
+    Saves nothing for whole tables (the Trainer's own files hold them). Imports transformers.
+
+    Args:
+        resume_from: The checkpoint folder a run resumes from when it is not the Trainer's own
+            `<output_dir>/checkpoint-<step>`.
+    """
 
     def __init__(self, resume_from: str | os.PathLike[str] | None = None) -> None:
         self.resume_from = resume_from
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """Write this rank's rows to the new checkpoint (`save_table_shards`), then wait for every rank.
+
+        Args:
+            args: The Trainer's TrainingArguments (its `output_dir`).
+            state: The Trainer's state (its `global_step` names the checkpoint).
+            control: The Trainer's control flags (unused).
+            model: The model being trained.
+            **kwargs: The Trainer's other callback arguments (unused).
+        """
         sync = get_attachment(model).table_sync
         if not isinstance(sync, ShardedTableSync):
             return
@@ -48,6 +62,19 @@ class EngramShardsCallback(TrainerCallback):
         dist.barrier(group=sync.group)  # the checkpoint is whole before any rank goes on
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        """On a resume, read back the rows from the checkpoint's shard files (`load_table_shards`).
+
+        Args:
+            args: The Trainer's TrainingArguments (its `output_dir`).
+            state: The Trainer's state (its `global_step` names the checkpoint).
+            control: The Trainer's control flags (unused).
+            model: The model being trained.
+            **kwargs: The Trainer's other callback arguments (unused).
+
+        Raises:
+            ValueError: The checkpoint folder does not exist (pass `resume_from`), or a shard file
+                is refused.
+        """
         if pending_restore(model)[0] is None:
             return
         folder = self.resume_from or os.path.join(
