@@ -1,6 +1,7 @@
-"""The README's "The tools you already use" blocks, run as written on a tiny Engram model saved as
+"""The Hugging Face guide's "The tools you already use" blocks (docs/guides/huggingface.md; the README's
+section until the README became a front page), run as written on a tiny Engram model saved as
 `my-engram-model` in a scratch folder: each Python block after the first (which loads the model) in a
-namespace of its own, the lm-eval command lines with a local task in place of the README's (nothing is
+namespace of its own, the lm-eval command lines with a local task in place of the guide's (nothing is
 downloaded here) and HF's offline flags."""
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ pytest.importorskip("peft")
 pytest.importorskip("trl")
 pytest.importorskip("lm_eval")
 
-README = Path(__file__).parent.parent / "README.md"
+GUIDE = Path(__file__).parent.parent / "docs" / "guides" / "huggingface.md"
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval_tasks"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def blocks() -> list[tuple[str, str]]:
     """(language, code) of each fenced block of the section."""
-    text = README.read_text()
-    section = text.split("### The tools you already use", 1)[1].split("\n#", 1)[0]
+    text = GUIDE.read_text()
+    section = text.split("## The tools you already use", 1)[1].split("\n#", 1)[0]
     return re.findall(r"```(python|bash)\n(.*?)```", section, flags=re.S)
 
 
@@ -60,9 +61,9 @@ def test_the_section_has_a_block_per_tool():
 def test_python_block_runs(workdir, index):
     python = [c for lang, c in blocks() if lang == "python"]
     ns: dict = {}
-    exec(compile(python[0], "README block 0", "exec"), ns)
+    exec(compile(python[0], "guide block 0", "exec"), ns)
     assert type(ns["model"]).__name__ == "EngramLlamaForCausalLM"
-    exec(compile(python[index], f"README block {index}", "exec"), ns)
+    exec(compile(python[index], f"guide block {index}", "exec"), ns)
 
 
 @pytest.mark.slow  # two lm-eval command lines, ~30 s: run by .ci/run's slow step
