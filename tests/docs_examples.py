@@ -1,7 +1,7 @@
 """The code blocks of the README and the guides, parsed and run: what tests/test_docs_examples.py uses.
 
-The convention (docs/guides/install.md has it for writers): fenced `bash` and `python` blocks run, page
-by page in order, each page in a scratch folder of its own (the cwd); a page's python blocks share one
+The convention, for whoever writes those pages: fenced `bash` and `python` blocks run, page by page in
+order, each page in a scratch folder of its own (the cwd); a page's python blocks share one
 namespace; bash blocks run under `bash -euo pipefail` with this environment's `engram` first on PATH and
 Hugging Face's offline switches on. Other languages (`text`, `console`, `yaml`, `json`, `toml`) do not
 run; `sh`, `shell`, `py` and the like are refused (say `bash` or `python`, or `text` for output). An
@@ -12,6 +12,10 @@ HTML comment right before a fence steers the block; several directives share one
     <!-- docs-test: setup: NAME ARG -->           a named preparation in the page's folder (SETUPS)
     <!-- docs-test: expect: REGEX -->             the block's stdout must match (re.search, re.M)
     <!-- docs-test: slow -->                      the page's test is marked slow
+
+A block that would install packages (`pip install`) must be skipped or substituted away: the tests
+do not change their own environment. `$DOCS_TEST_REPO` is the repository's root, for a `small:` that
+needs one of its files (`--include_path $DOCS_TEST_REPO/tests/data/lm_eval_tasks`).
 
 A page is run by this file as a program (`python tests/docs_examples.py PAGE DIR CACHE RESULT`) in a
 process of its own, so that the offline switches hold before anything imports huggingface_hub and
