@@ -18,6 +18,7 @@ from engram.memory.facts import Fact, read_facts
 from engram.memory.locality import patch_hits
 from engram.memory.memorize import MemorizeResult, MemorizeSettings, NoRowsWarning, memorize
 from engram.memory.patch import MemoryPatch, load_patch, save_patch
+from engram.memory.reader import ReaderResult, ReaderSettings, train_reader
 
 __all__ = [
     "EngramLayers",
@@ -27,6 +28,8 @@ __all__ = [
     "MemoryPatch",
     "NoRowsWarning",
     "PatchOverlapWarning",
+    "ReaderResult",
+    "ReaderSettings",
     "RowChoice",
     "applied_patches",
     "apply_patch",
@@ -36,4 +39,5 @@ __all__ = [
     "read_facts",
     "remove_patch",
     "save_patch",
+    "train_reader",
 ]
