@@ -415,3 +415,87 @@ def test_generate_with_a_patch(demo_run, root, patches, capsys):
     offloaded = run_json(capsys, *argv, "--patch", p, "--offload", "host")
     assert offloaded["offload"] and offloaded["patches"] == patched["patches"]
     refused(capsys, [*argv, "--patch", str(patches["a"])], f"{patches['a']}: the patch 'a'", "another")
+
+
+TRAIN_READER = ["--passes", "3", "--batch-size", "2", "--no-progress", "--threads", "1"]
+
+
+def test_train_reader_writes_a_model_folder_whose_patches_fit_it_alone(root, folder, corpus, capsys):
+    from engram.apps.hf.folder import load_engram_folder
+
+    facts = jsonl(root / "reader-facts.jsonl", FACTS)
+    out = root / "reader"
+    text = root / "reader-text.txt"
+    text.write_text("\n".join(S.TEXT) * 4 + "\n", encoding="utf-8")
+    r = run_json(
+        capsys, "train-reader", folder, "--facts", facts, "--out", out, "--text", text, *TRAIN_READER
+    )
+    assert r["facts"] == 2 and r["passes"] == 3 and r["text_loss"] is not None and r["text_blocks"] >= 1
+    assert (out / "engram_reader.json").is_file() and (out / "engram").is_dir()
+    assert not any(p.name.startswith(".reader") for p in root.iterdir())  # no partial folder left
+    before, _ = load_engram_folder(str(folder))
+    after, _ = load_engram_folder(str(out))
+    a, b = before.state_dict(), after.state_dict()
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed and all(".engram" in k or "engram." in k for k in changed)
+    assert not any("table" in k for k in changed)  # the tables as they were
+    # a patch written for the new folder fits it, and not the folder it came from
+    patch = root / "reader.patch.safetensors"
+    assert (
+        main(
+            [
+                "memorize",
+                str(out),
+                "--facts",
+                str(jsonl(root / "new.jsonl", OTHER)),
+                "--out",
+                str(patch),
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    checks = run_json(capsys, "patch", "check", out, patch)
+    assert checks[0]["fits"]
+    capsys.readouterr()
+    assert main(["patch", "check", str(folder), str(patch), "--json"]) == 2
+    (check,) = json.loads(capsys.readouterr().out)
+    assert not check["fits"] and "write the patch again" in check["error"]
+
+
+def test_train_reader_refusals_write_nothing(root, folder, corpus, capsys):
+    facts = jsonl(root / "reader-facts2.jsonl", FACTS)
+    full = root / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    refused(capsys, ["train-reader", str(folder), "--facts", str(facts), "--out", str(full)], "not empty")
+    refused(capsys, ["train-reader", str(folder), "--facts", str(facts), "--out", str(folder)], "not empty")
+    short = root / "short.txt"
+    short.write_text("In the\n", encoding="utf-8")
+    out = root / "never"
+    refused(
+        capsys,
+        [
+            "train-reader",
+            str(folder),
+            "--facts",
+            str(facts),
+            "--out",
+            str(out),
+            "--text",
+            str(short),
+            *TRAIN_READER,
+        ],
+        "fewer than one block",
+    )
+    bad = root / "bad-facts.jsonl"
+    bad.write_text('{"prompt": "", "target": " x"}\n', encoding="utf-8")
+    refused(capsys, ["train-reader", str(folder), "--facts", str(bad), "--out", str(out)], "bad-facts.jsonl")
+    refused(
+        capsys,
+        ["train-reader", str(folder), "--facts", str(facts), "--out", str(out), "--passes", "0"],
+        "--passes",
+    )
+    assert not out.exists() and not any(p.name.startswith(".never") for p in root.iterdir())

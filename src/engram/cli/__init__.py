@@ -5,7 +5,7 @@ package adds its commands (`register(subparsers)`) and calls plain library funct
 `addressing` (layout, compress, hash, collisions), `checkpoint` (convert, run-layer), `train`
 (demo, train, eval), `generate`, `bench`, `systems` (profile, cache-sim, plan memory / plan-memory,
 plan train: `plan_train`), `study`, `serve`, `gguf` (hf-from-gguf), `hf` (hf-train, hf-eval),
-`quantise` (quantise-check), `memory` (memorize, patch info / check); `options` holds what they share.
+`quantise` (quantise-check), `memory` (memorize, train-reader, patch info / check); `options` holds what they share.
 Library modules hold no argparse. A command's ValueError, OSError (a path refused), TypeError of our
 own argument checks, a JSON file too deep to parse or an allocation that fails reaches the user as one
 line, `engram CMD: error: ...`, exit status 2, never as a traceback; other errors (bugs: a TypeError the

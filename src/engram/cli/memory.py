@@ -24,11 +24,12 @@ from engram.cli.options import (
     set_threads,
     threads,
 )
-from engram.memory import MemorizeSettings, RowChoice
+from engram.memory import MemorizeSettings, ReaderSettings, RowChoice
 
 __all__ = ["register"]
 
 DEFAULTS = MemorizeSettings()
+READER = ReaderSettings()
 
 
 def rows_cap(text: str) -> int | None:
@@ -119,6 +120,84 @@ def register(sub: Any) -> None:
     add_verify_option(p)
     p.set_defaults(func=cmd_memorize)
 
+    p = sub.add_parser(
+        "train-reader",
+        help="train an HF model folder's Engram readers on training facts, so that memory patches written "
+        "afterwards hold facts; writes a new model folder",
+    )
+    p.add_argument(
+        "folder", type=input_folder, help="an HF model folder with its Engram part (hf-train's --out)"
+    )
+    p.add_argument(
+        "--facts",
+        type=input_file,
+        required=True,
+        metavar="FACTS.jsonl",
+        help="training facts, as engram memorize reads them (other facts than those you will memorize)",
+    )
+    p.add_argument("--out", required=True, help="the model folder to write (new or empty)")
+    p.add_argument(
+        "--text",
+        type=input_file,
+        metavar="TEXTFILE",
+        help='a UTF-8 text file (or JSONL with a "text" field), e.g. the corpus Engram was trained on: its LM '
+        "loss keeps the model's other behaviour (recommended)",
+    )
+    p.add_argument(
+        "--passes",
+        type=positive_int,
+        default=READER.passes,
+        metavar="N",
+        help=f"passes over the facts (default {READER.passes})",
+    )
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=READER.lr,
+        metavar="X",
+        help=f"Adam learning rate on the readers (default {READER.lr:g})",
+    )
+    p.add_argument(
+        "--row-lr",
+        type=positive_float,
+        default=READER.row_lr,
+        metavar="X",
+        help=f"Adam learning rate on the training facts' rows, which are dropped after (default {READER.row_lr:g})",
+    )
+    p.add_argument(
+        "--text-weight",
+        type=positive_float,
+        default=READER.text_weight,
+        metavar="X",
+        help=f"weight of the text's loss beside the facts' (default {READER.text_weight:g})",
+    )
+    p.add_argument(
+        "--rows-per-fact",
+        type=rows_cap,
+        default=READER.rows_per_fact,
+        metavar="N",
+        help=f"at most N rows a training fact in each layer, or 'all' (default {READER.rows_per_fact})",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=READER.batch_size,
+        metavar="N",
+        help=f"facts a step (default {READER.batch_size})",
+    )
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=READER.seed,
+        metavar="N",
+        help=f"the order of the facts (default {READER.seed})",
+    )
+    p.add_argument("--threads", type=threads, metavar="N", help="torch threads (default: the idle cores)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_verify_option(p)
+    p.set_defaults(func=cmd_train_reader)
+
     patch = sub.add_parser(
         "patch", help="memory patch files: what one holds (info), what fits a model (check)"
     )
@@ -173,8 +252,40 @@ def cmd_memorize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_reader(args: argparse.Namespace) -> int:
+    from engram.apps.memory.reader import train_reader_folder
+
+    settings = ReaderSettings(
+        passes=args.passes,
+        lr=args.lr,
+        row_lr=args.row_lr,
+        rows_per_fact=args.rows_per_fact,
+        batch_size=args.batch_size,
+        text_weight=args.text_weight,
+        seed=args.seed,
+    )
+    set_threads(args)
+    with _bars(not args.no_progress, args.passes, "train-reader") as progress:
+        r = train_reader_folder(
+            args.folder, args.facts, args.out, settings, text=args.text, progress=progress, verify=args.verify
+        )
+    if args.json:
+        print(json.dumps(r))
+    else:
+        text = (
+            ""
+            if r["text_loss"] is None
+            else f"; text loss {r['text_loss_first']:.4f} -> {r['text_loss']:.4f}"
+        )
+        print(
+            f"{r['out']}: readers trained on {r['facts']:,} facts, loss {r['loss_first']:.4f} -> {r['loss']:.4f} "
+            f"after {r['passes']} passes{text}, {r['seconds']:.1f} s; write patches for this folder"
+        )
+    return 0
+
+
 @contextlib.contextmanager
-def _bars(shown: bool, passes: int) -> Iterator[Callable[[int, float], None] | None]:
+def _bars(shown: bool, passes: int, what: str = "memorize") -> Iterator[Callable[[int, float], None] | None]:
     """The progress bar of `engram memorize` (a tick a pass, the loss beside it; drawn from the first
     pass on, once the model is loaded) and transformers' loading bars, shown or not: yields the callback
     `memorize` takes, or None."""
@@ -188,9 +299,7 @@ def _bars(shown: bool, passes: int) -> Iterator[Callable[[int, float], None] | N
             from tqdm.auto import tqdm
 
             bars.append(
-                tqdm(
-                    total=passes, desc="memorize", unit="pass", mininterval=0.5 if sys.stderr.isatty() else 10
-                )
+                tqdm(total=passes, desc=what, unit="pass", mininterval=0.5 if sys.stderr.isatty() else 10)
             )
         bars[0].update(step - bars[0].n)
         bars[0].set_postfix(loss=f"{loss:.3f}")
