@@ -20,6 +20,7 @@ from cli_setup import CPU
 from engram.apps.study import memorize as SM
 from engram.apps.study import memorize_arms as MA
 from engram.apps.study import memorize_models as MM
+from engram.apps.study import memorize_reader as MR
 from engram.apps.study.memorize_report import METRICS
 from engram.cli import main
 from engram.hf import add_engram
@@ -38,6 +39,8 @@ PLAN = SM.MemorizePlan(
     held_tokens=512,
     block_len=64,
     eval_batch=8,
+    reader_facts=4,
+    reader_passes=2,
 )
 
 
@@ -100,7 +103,16 @@ def test_every_model_arm_and_size_has_every_metric(study):
     assert "| 6 | lora-r8 |" in report and "(chosen)" in report
     assert (out / "memorize" / "memorize.png").stat().st_size > 1000
     assert json.loads((out / "memorize" / "results.json").read_text())["study"] == "memorize"
-    assert len(r["findings"]["lose"]) == 4  # one line a model and size, whatever it says
+    assert len(r["findings"]["lose"]) == 8  # one line a model, size and patch arm, whatever it says
+    for m in ("hf", "demo"):  # the readers: trained on facts no run of the seed writes, once
+        rd = by[m, 6, "reader-patch"]["reader"]
+        assert rd == by[m, 3, "reader-patch"]["reader"] and rd["facts"] == 4
+        assert len(rd["losses"]) == PLAN.reader_passes and np.isfinite(rd["held_out_loss"])
+        assert len(rd["text_losses"]) == PLAN.reader_passes
+    ids = MR.reader_facts(1000, 4, 6, 0)
+    assert ids is not None and not set(ids) & set(MA.fact_subset(1000, 6, 0))
+    assert MR.reader_facts(1000, 300, 1000, 0) is None
+    assert "### The readers (reader-patch)" in report and "| 6 reader-patch |" in report
 
 
 def test_held_out_positions_before_the_first_patched_row_are_bit_equal(study, folder, corpus):
@@ -146,8 +158,8 @@ def test_in_prompt_questions_hold_the_fact(study, folder, monkeypatch):
 
 def test_a_second_run_trains_and_measures_nothing(study, folder, corpus, demo_cfg, monkeypatch):
     out, r = study
-    assert r["new_runs"] == 2 * 2 * 5 and r["new_pilot_runs"] == 2 * 2 * 2  # every arm but none
-    for name in ("memorize", "fit", "answers", "locality", "position_losses"):
+    assert r["new_runs"] == 2 * 2 * 6 and r["new_pilot_runs"] == 2 * 2 * 2  # every arm but none
+    for name in ("memorize", "fit", "answers", "locality", "position_losses", "reader_model"):
         monkeypatch.setattr(SM, name, lambda *a, **kw: pytest.fail("measured again"))
     again = _study(out, folder, corpus, demo_cfg)
     assert again["new_runs"] == 0 and again["new_pilot_runs"] == 0
@@ -175,11 +187,12 @@ def test_without_model_the_pretrained_studys_engram_run_is_taken(
     (tmp_path / "pretrained" / "results.json").write_text(json.dumps({"runs": runs}))
     r = SM.run_memorize_study(
         tmp_path, demo=False, seeds=(0,), plan=SM.MemorizePlan(facts=(2,), steps=1, lora_lrs=(1e-3,),
-        layer_lrs=(1e-4,), held_tokens=128, block_len=64), corpus=corpus, progress=False, threads=1, say=lambda m: None,
+        layer_lrs=(1e-4,), held_tokens=128, block_len=64, reader_facts=0), corpus=corpus, progress=False, threads=1, say=lambda m: None,
     )  # fmt: skip
     assert r["models"][0]["source"] == str(tmp_path / "runs" / key)
     assert "pretrained" in r["models"][0]["how"] and len(r["models"]) == 1
     assert r["skipped"] and "--no-demo" in (tmp_path / "memorize" / "report.md").read_text()
+    assert any(x.startswith("reader-patch") for x in r["skipped"])  # reader_facts 0: left out, said
     assert len(learnt) == 2 and all(f.subject and f.subject in f.prompt for f in learnt)
 
 

@@ -11,7 +11,8 @@ tiny one; minutes on 2 cores); `demo=False` skips it. Everything but that traini
 `memorize` writes patches there.
 
 Arms (`ARMS`), each on the same facts, passes, batch and batch order, loss on the target tokens only:
-none, patch, lora-r1, lora-r8, last-layer, in-prompt (`memorize_arms`). LoRA's and the last layer's
+none, patch, reader-patch (a patch written through readers trained once on other facts:
+`memorize_reader`), lora-r1, lora-r8, last-layer, in-prompt (`memorize_arms`). LoRA's and the last layer's
 learning rates: a pilot on seed 0 (`MemorizePlan`). Models: `memorize_models`; measurements:
 `memorize_probes`; report: `memorize_report`.
 Resumable as `study pretrained`: a run's record `<out>/runs/memorize-<key>.json` (atomic), its key a
@@ -57,11 +58,13 @@ from engram.apps.study.memorize_models import (
     hf_subject,
 )
 from engram.apps.study.memorize_probes import locality, position_losses
+from engram.apps.study.memorize_reader import reader_facts, reader_model, text_blocks
 from engram.apps.study.memorize_report import summarize, write_report
 from engram.apps.study.pretrained import pretrained_plan, write_corpus
 from engram.apps.study.pretrained_report import read_record, write_atomic
 from engram.memory import (
     MemorizeSettings,
+    ReaderSettings,
     apply_patch,
     memorize,
     patch_hits,
@@ -73,7 +76,8 @@ __all__ = ["ARMS", "MemorizePlan", "fact_subset", "memorize_plan", "read_records
 
 STUDY = "memorize"
 _VERSION = 1
-ARMS = ("none", "patch", "lora-r1", "lora-r8", "last-layer", "in-prompt")
+ARMS = ("none", "patch", "reader-patch", "lora-r1", "lora-r8", "last-layer", "in-prompt")
+PATCH_ARMS = ("patch", "reader-patch")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,9 @@ class MemorizePlan:
     """The study's settings. Every trained arm: `steps` passes over the facts in batches of
     `batch_size` (memorize's defaults), Adam; LoRA and the last layer at the lr of `lora_lrs` /
     `layer_lrs` that the pilot (seed 0, each facts size up to `pilot_max_facts`; larger sizes take
-    the largest piloted size's) found lowest in final training loss."""
+    the largest piloted size's) found lowest in final training loss. The reader-patch arm's readers:
+    `reader_facts` facts no run of the seed writes, `reader_passes` passes at `reader_lr` with the
+    training text's LM loss at `reader_text_weight` (0 facts: the arm is left out)."""
 
     facts: tuple[int, ...] = (10, 100, 1000)
     steps: int = 30
@@ -94,6 +100,10 @@ class MemorizePlan:
     block_len: int = 128
     neighbour_tokens: int = 3
     eval_batch: int = 32
+    reader_facts: int = 300
+    reader_passes: int = ReaderSettings.passes
+    reader_lr: float = ReaderSettings.lr
+    reader_text_weight: float = ReaderSettings.text_weight
 
     def __post_init__(self) -> None:
         sizes = self.facts
@@ -103,6 +113,13 @@ class MemorizePlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: give a whole number >= 1")
+        if (
+            isinstance(self.reader_facts, bool)
+            or not isinstance(self.reader_facts, int)
+            or self.reader_facts < 0
+        ):
+            raise ValueError(f"reader_facts={self.reader_facts!r}: give a whole number >= 0")
+        self.reader_settings()  # its own checks
         if self.block_len < 2:
             raise ValueError(f"block_len={self.block_len}: give 2 or more")
         for name in ("lora_lrs", "layer_lrs"):
@@ -110,8 +127,25 @@ class MemorizePlan:
             if not lrs or any(isinstance(v, bool) or not 0 < v < math.inf for v in lrs):
                 raise ValueError(f"{name}={lrs!r}: give one or more finite learning rates > 0")
 
+    def reader_settings(self, seed: int = 0) -> ReaderSettings:
+        return ReaderSettings(
+            passes=self.reader_passes,
+            lr=self.reader_lr,
+            text_weight=self.reader_text_weight,
+            batch_size=self.batch_size,
+            seed=seed,
+        )
 
-QUICK = MemorizePlan(facts=(10, 20), steps=5, lora_lrs=(1e-3,), layer_lrs=(3e-4,), held_tokens=2048)
+
+QUICK = MemorizePlan(
+    facts=(10, 20),
+    steps=5,
+    lora_lrs=(1e-3,),
+    layer_lrs=(3e-4,),
+    held_tokens=2048,
+    reader_facts=8,
+    reader_passes=2,
+)
 
 
 def memorize_plan(
@@ -139,16 +173,18 @@ class _Ctx:
     facts_fp: str
     say: Callable[[str], None]
     progress: bool
+    train_text: str = ""
     fresh: int = 0
     pilots: int = 0
 
 
 @contextlib.contextmanager
-def _passes(ctx: _Ctx, what: str) -> Iterator[Callable[[int, float], None]]:
+def _passes(ctx: _Ctx, what: str, passes: int | None = None) -> Iterator[Callable[[int, float], None]]:
     """A progress bar over a run's passes (none without `ctx.progress`); yields its tick."""
     from tqdm.auto import tqdm
 
-    with tqdm(total=ctx.plan.steps, desc=what, leave=False, disable=not ctx.progress) as bar:
+    total = ctx.plan.steps if passes is None else passes
+    with tqdm(total=total, desc=what, leave=False, disable=not ctx.progress) as bar:
 
         def tick(_: int, loss: float) -> None:
             bar.update()
@@ -239,6 +275,8 @@ def _run(
     if arm == "none":
         return {"model": s.key, "arm": arm, "n": n, "seed": seed, "metrics": _none(base, ids), "cached": True}
     train = {"steps": p.steps, "batch": p.batch_size, "lr": lr} if arm != "in-prompt" else {}
+    if arm == "reader-patch":
+        train["reader"] = _reader_what(ctx, seed)
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
     path = ctx.out / "runs" / f"memorize-{key}.json"
     rec = read_record(path, _VERSION)
@@ -260,38 +298,44 @@ def _run(
             bytes_per_fact=float(np.mean([len(in_prompt(r).encode()) for r in recs])),
         )
         extra["context_tokens"] = float(np.mean(ctx_tokens))
-    elif arm == "patch":
+    elif arm in PATCH_ARMS:
+        model = s.model
+        if arm == "reader-patch":  # readers trained once on other facts (the answers' base: the model before)
+            model, reader = _reader(ctx, s, seed)
+            f = s.logits(model)
+            extra["reader"] = reader
         settings = MemorizeSettings(steps=p.steps, lr=lr or p.patch_lr, batch_size=p.batch_size, seed=seed)
         t = time.perf_counter()  # the row choice included, as LoRA's time includes encoding the facts
         with _passes(ctx, arm) as tick:
             name = f"{n} facts, seed {seed}"
-            res = memorize(s.model, s.tokenizer, facts, settings, name=name, progress=tick, hasher=s.hasher)
+            res = memorize(model, s.tokenizer, facts, settings, name=name, progress=tick, hasher=s.hasher)
         secs = time.perf_counter() - t
         file = save_patch(res.patch, path.with_suffix(".patch.safetensors"))
-        hasher = s.layers(s.model).hasher
+        hasher = s.layers(model).hasher
         hits = np.stack([patch_hits(hasher, res.patch, b.tolist()) for b in s.held])
-        apply_patch(s.model, res.patch, hasher=s.hasher)
+        apply_patch(model, res.patch, hasher=s.hasher)
         try:
-            ans = answers(s, s.model, recs, lambda r: "", *_ev(p))
+            ans = answers(s, model, recs, lambda r: "", *_ev(p))
         finally:
-            remove_patch(s.model, res.patch, hasher=s.hasher)
+            remove_patch(model, res.patch, hasher=s.hasher)
         loc = locality(
             f,
             s.held,
             hits,
-            lambda: apply_patch(s.model, res.patch, hasher=s.hasher),
-            lambda: remove_patch(s.model, res.patch, hasher=s.hasher),
+            lambda: apply_patch(model, res.patch, hasher=s.hasher),
+            lambda: remove_patch(model, res.patch, hasher=s.hasher),
             8,
         )
         m = metrics(ans, base_ans)
         m.update(
-            held_out_delta=loc["held_out_loss"] - base["held_out_loss"],
+            held_out_delta=loc["held_out_loss"] - base["held_out_loss"],  # the readers' change included
             train_seconds=secs,
             bytes_per_fact=file.stat().st_size / n,
         )
         extra.update(
             locality={**loc, "rows": res.patch.num_rows, "file_bytes": file.stat().st_size}, losses=res.losses
         )
+        del model
     else:
         model, params = trainable(s, arm, seed)
         with _passes(ctx, arm) as tick:
@@ -320,6 +364,22 @@ def _run(
     write_atomic(path, json.dumps(rec, indent=1))
     ctx.fresh += 1
     return {**rec, "cached": False}
+
+
+def _reader_what(ctx: _Ctx, seed: int) -> dict[str, Any]:
+    p = ctx.plan
+    ids = reader_facts(len(ctx.records), p.reader_facts, max(p.facts), seed)
+    text = hashlib.sha256(ctx.train_text.encode()).hexdigest()[:16]
+    return {"ids": ids, "settings": asdict(p.reader_settings(seed)), "text": text, "block": p.block_len}
+
+
+def _reader(ctx: _Ctx, s: Subject, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model with the seed's trained readers (`memorize_reader`) and their record."""
+    p, what = ctx.plan, _reader_what(ctx, seed)
+    path = ctx.out / "runs" / f"memorize-reader-{_key(ctx, s, {'arm': 'reader', 'seed': seed, **what})}.json"
+    blocks = text_blocks(s, ctx.train_text, p.block_len)
+    with _passes(ctx, "readers", p.reader_passes) as tick:
+        return reader_model(s, ctx.records, what["ids"], p.reader_settings(seed), blocks, path, ctx.say, tick)
 
 
 def _lrs(ctx: _Ctx, s: Subject) -> tuple[dict[tuple[str, int], float], list[dict[str, Any]]]:
@@ -354,7 +414,12 @@ def _study(
     for n in p.facts:
         for seed in seeds:
             for arm in ARMS:
-                lr = p.patch_lr if arm == "patch" else lrs.get((arm, n))
+                if (
+                    arm == "reader-patch"
+                    and reader_facts(len(ctx.records), p.reader_facts, max(p.facts), seed) is None
+                ):
+                    continue  # no facts left to train readers on (run_memorize_study says so)
+                lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
                 runs.append(_run(ctx, s, base, arm, n, seed, lr))
     return runs, pilots, base["held_out_loss"]
 
@@ -407,7 +472,13 @@ def run_memorize_study(
         train, held, corpus_info = write_corpus(out / STUDY, corpus, pretrained_plan(quick))
         held_text = held.read_text(encoding="utf-8")
         ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
+        ctx.train_text = train.read_text(encoding="utf-8")
         subjects, skipped = [], []
+        if any(reader_facts(len(records), plan.reader_facts, max(plan.facts), sd) is None for sd in seeds):
+            skipped.append(
+                f"reader-patch: no {plan.reader_facts} facts left beside the {max(plan.facts):,} written of the "
+                f"{len(records):,} to train readers on (or reader_facts 0): left out"
+            )
         folder, how = hf_folder(out, model, train, quick=quick, progress=progress, say=say, device=device)
         subjects.append(hf_subject(folder, how, held_text, plan.held_tokens, plan.block_len))
         if demo:

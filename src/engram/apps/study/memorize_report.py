@@ -38,12 +38,15 @@ LOCALITY = (
 ARM_NOTES = {
     "none": "the model as it is (the reference: no fact written)",
     "patch": "`engram.memory.memorize` with its default settings: the facts' Engram rows only",
+    "reader-patch": "the same, through Engram readers trained once (`engram.memory.train_reader`) on other "
+    "facts and the training text; its held-out loss change and neighbours include the readers' own",
     "lora-r1": "LoRA of rank 1 on the decoder layers' linear layers, Engram and the rest frozen",
     "lora-r8": "LoRA of rank 8, the same",
     "last-layer": "every weight of the last decoder layer trained, the rest frozen",
     "in-prompt": "no training: the fact as a sentence, then a space, before every question",
 }
 _BASELINES = ("lora-r1", "lora-r8", "last-layer", "in-prompt")
+_PATCHES = ("patch", "reader-patch")
 
 
 def _ms(xs: list[float | None]) -> dict[str, float | None]:
@@ -75,7 +78,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 s["lrs"] = sorted({r["lr"] for r in recs if r.get("lr") is not None})
                 for key, *_ in METRICS:
                     s[key] = _ms([r["metrics"][key] for r in recs])
-                if arm == "patch":
+                if arm in _PATCHES:
                     s["locality"] = {k: _ms([r["locality"][k] for r in recs]) for k in LOCALITY}
                     s["locality"]["before_first_hit_total"] = sum(
                         r["locality"]["before_first_hit"] for r in recs
@@ -125,8 +128,8 @@ def findings(results: dict[str, Any]) -> dict[str, list[str]]:
     if one_seed:
         notes.append("One seed: no spread, so any difference counts below; run --seeds 3 for a result.")
     for m in results["models"]:
-        for n in results["plan"]["facts"]:
-            p = by.get((m["key"], n, "patch"))
+        for n, patch in ((n, a) for n in results["plan"]["facts"] for a in _PATCHES):
+            p = by.get((m["key"], n, patch))
             if p is None:
                 continue
             lost, won = [], []
@@ -144,7 +147,7 @@ def findings(results: dict[str, Any]) -> dict[str, list[str]]:
                     lost.append(f"{arm} on {', '.join(ls)}")
                 if ws:
                     won.append(f"{arm} on {', '.join(ws)}")
-            where = f"{m['name']}, {n} facts"
+            where = f"{m['name']}, {n} facts, {patch}"
             lose.append(
                 f"{where}: the patch loses to {'; to '.join(lost)}."
                 if lost
@@ -188,19 +191,43 @@ def table_lines(results: dict[str, Any], key: str) -> list[str]:
 
 def _locality_lines(results: dict[str, Any], key: str) -> list[str]:
     lines = [
-        "| facts | rows written | held-out positions reading one, per 1,000 | mean abs. Δ loss there | mean Δ loss "
+        "| facts, arm | rows written | held-out positions reading one, per 1,000 | mean abs. Δ loss there | mean Δ loss "
         "there | mean abs. Δ loss after the first, elsewhere | positions before the first (all seeds) | bit-equal |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for s in results["summary"]:
-        if s["model"] == key and s["arm"] == "patch":
+        if s["model"] == key and s["arm"] in _PATCHES:
             loc = s["locality"]
             lines.append(
-                f"| {s['n']:,} | {_vs(loc['rows'], ',.0f')} | {_vs(loc['hits_per_1000'], '.1f')} | "
+                f"| {s['n']:,} {s['arm']} | {_vs(loc['rows'], ',.0f')} | {_vs(loc['hits_per_1000'], '.1f')} | "
                 f"{_vs(loc['hit_abs_change'], '.4f')} | {_vs(loc['hit_change'], '+.4f')} | "
                 f"{_vs(loc['later_abs_change'], '.5f')} | {loc['before_first_hit_total']:,} | {loc['bit_equal_total']:,} |"
             )
     return lines
+
+
+def _reader_lines(results: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    """The reader-patch arm's readers, a line per seed: what they trained on and what they cost."""
+    seen: dict[int, dict[str, Any]] = {}
+    for r in results["runs"]:
+        if r["model"] == m["key"] and r["arm"] == "reader-patch" and "reader" in r:
+            seen.setdefault(r["seed"], r["reader"])
+    if not seen:
+        return []
+    lines = ["### The readers (reader-patch)", ""]
+    for seed, rd in sorted(seen.items()):
+        text = (
+            f", text loss {rd['text_losses'][0]:.3f} -> {rd['text_losses'][-1]:.3f}"
+            if rd["text_losses"]
+            else ""
+        )
+        lines.append(
+            f"- seed {seed}: trained on {rd['facts']:,} other facts, {len(rd['losses'])} passes, {rd['seconds']:.0f} s "
+            f"(once for every patch); their facts' loss {rd['losses'][0]:.3f} -> {rd['losses'][-1]:.3f}{text}; "
+            f"held-out loss with the readers {rd['held_out_loss']:.4f} "
+            f"({rd['held_out_loss'] - m['base_held_out_loss']:+.4f} against the model as it was)"
+        )
+    return [*lines, ""]
 
 
 def readme_row(results: dict[str, Any]) -> str:
@@ -212,7 +239,7 @@ def readme_row(results: dict[str, Any]) -> str:
         p = by.get((m["key"], n, "patch"))
         if p is None:
             continue
-        arms = [a for a in ("patch", *_BASELINES) if (m["key"], n, a) in by]
+        arms = [a for a in (*_PATCHES, *_BASELINES) if (m["key"], n, a) in by]
 
         def row(key: str, fmt: str, m: dict[str, Any] = m, arms: list[str] = arms) -> str:
             return ", ".join(f"{a} {_vs(by[m['key'], n, a][key], fmt)}" for a in arms)
@@ -318,10 +345,12 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             "",
             "Positions of the held-out blocks whose n-grams read a row the patch writes, the loss change there "
             "and at the positions after a block's first such position that read none (attention carries the "
-            "change); before it, the logits must be bit-equal to the untrained model's.",
+            "change); before it, the logits must be bit-equal to the same model without the patch (reader-patch: "
+            "the model with its trained readers).",
             "",
             *_locality_lines(results, m["key"]),
             "",
+            *_reader_lines(results, m),
         ]
     lines += ["## Where patches lose", "", *[f"- {x}" for x in f["lose"]], ""]
     lines += [
