@@ -57,7 +57,13 @@ def test_the_section_has_a_block_per_tool():
         assert tool in code, tool
 
 
-@pytest.mark.parametrize("index", range(1, len([b for b in blocks() if b[0] == "python"])))
+@pytest.mark.parametrize(
+    "index",
+    [  # TRL's trainer and torch.compile (3 s, 11 s): in .ci/run's slow step
+        pytest.param(i, marks=[pytest.mark.slow] if i >= 3 else [])
+        for i in range(1, len([b for b in blocks() if b[0] == "python"]))
+    ],
+)
 def test_python_block_runs(workdir, index):
     python = [c for lang, c in blocks() if lang == "python"]
     ns: dict = {}
