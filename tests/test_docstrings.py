@@ -30,7 +30,7 @@ pytest.importorskip("transformers")  # engram.hf, whose API is checked here
 
 import engram  # noqa: E402
 
-PACKAGES = ("engram", "engram.hf", "engram.systems", "engram.distributed", "engram.vllm")
+PACKAGES = ("engram", "engram.hf", "engram.systems", "engram.distributed", "engram.vllm", "engram.memory")
 SRC = Path(engram.__file__).resolve().parent.parent
 PARAMETERS = griffe.DocstringSectionKind.parameters
 ATTRIBUTES = griffe.DocstringSectionKind.attributes
