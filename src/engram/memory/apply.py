@@ -59,15 +59,36 @@ class PatchOverlapWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class EngramLayers:
-    """A model's Engram layers {layer id: Engram} and the hasher that addresses their tables."""
+    """A model's Engram layers {layer id: Engram} and the hasher that addresses their tables.
+
+    What every function of `engram.memory` works on; `EngramLayers.of(model)` finds them in a model.
+
+    Args:
+        modules: The Engram module of each layer, by layer id.
+        hasher: The hasher that gives the rows each token reads in those layers' tables.
+    """
 
     modules: dict[int, Engram]
     hasher: NgramHasher
 
     @classmethod
     def of(cls, model: nn.Module | EngramLayers, hasher: NgramHasher | None = None) -> EngramLayers:
-        """The layers of an HF model with Engram (`model.engram`, also inside a PEFT wrapper) or of an
-        `EngramLM` (`model.engrams`; its rows are hashed outside it, so `hasher` is needed)."""
+        """The Engram layers of a model.
+
+        An HF model with Engram (`model.engram`, also inside a PEFT wrapper) or an `EngramLM`
+        (`model.engrams`; its rows are hashed outside it, so `hasher` is needed).
+
+        Args:
+            model: The model, or an `EngramLayers` (returned as it is).
+            hasher: The hasher of an `EngramLM`'s rows; an HF model's attachment has its own, used
+                instead.
+
+        Returns:
+            The model's Engram modules and the hasher that addresses their tables.
+
+        Raises:
+            ValueError: The model is an `EngramLM` and no `hasher` is given, or it has no Engram layers.
+        """
         if isinstance(model, EngramLayers):
             return model
         att = getattr(model, "engram", None)
@@ -90,10 +111,12 @@ class EngramLayers:
 
     @property
     def layout(self) -> str:
+        """The fingerprint of the hasher's layout (`engram.addressing.layout.layout_fingerprint`)."""
         return layout_fingerprint(self.hasher.layout)
 
     @property
     def tokenizer(self) -> str:
+        """The tokenizer fingerprint of the hasher's compression map."""
         return self.hasher.compression.fingerprint
 
 
@@ -257,7 +280,20 @@ def _check_fit(layers: EngramLayers, patch: MemoryPatch) -> None:
 
 
 def applied_patches(model: nn.Module | EngramLayers, hasher: NgramHasher | None = None) -> list[MemoryPatch]:
-    """The patches applied to the model, each once, in the order they were applied."""
+    """The memory patches applied to a model.
+
+    Args:
+        model: An HF model with Engram, an `EngramLM`, or its `EngramLayers`.
+        hasher: The hasher of an `EngramLM`'s rows (`EngramLayers.of`).
+
+    Returns:
+        Each applied patch once: those that write the model's first Engram layer in the order they
+            were applied, then those of each later layer not listed yet, likewise. Patches that all
+            write the same layers are listed in the order they were applied.
+
+    Raises:
+        ValueError: The model has no Engram layers, or is an `EngramLM` and no `hasher` is given.
+    """
     layers = EngramLayers.of(model, hasher)
     seen: dict[str, MemoryPatch] = {}
     for m in layers.modules.values():
@@ -308,8 +344,30 @@ def _recompute(table: EngramTable, st: _TableState, lid: int, rows: torch.Tensor
 def apply_patch(
     model: nn.Module | EngramLayers, patch: MemoryPatch, *, hasher: NgramHasher | None = None
 ) -> MemoryPatch:
-    """Write `patch`'s rows into the model's tables (checks first: a patch that does not fit changes
-    nothing). Returns the patch. ValueError for a patch made for another model, or already applied."""
+    """Write a patch's rows into the model's Engram tables.
+
+    Checks first: a patch that does not fit changes nothing. It must have been made for this model:
+    the same layout, tokenizer, layers, table sizes, row format (a float patch fits a table of any
+    float dtype), readers (`reader_signature`) and, in each row it replaces, the same contents
+    (compared with the table as it was before any patch). The rows' original bytes are kept, so
+    `remove_patch` restores them; a row that other applied patches write too holds the sum of their
+    changes (module docstring: the stacking rule).
+
+    Args:
+        model: An HF model with Engram, an `EngramLM`, or its `EngramLayers`; its tables in memory.
+        patch: The patch (`memorize`, `load_patch`).
+        hasher: The hasher of an `EngramLM`'s rows (`EngramLayers.of`).
+
+    Returns:
+        `patch`.
+
+    Raises:
+        ValueError: The patch was made for another model, layout, tokenizer or table (or the table
+            changed since), a table is memory-mapped or wrapped, or the patch is already applied.
+
+    Warns:
+        PatchOverlapWarning: The patch shares rows with one already applied (how many, with which).
+    """
     layers = EngramLayers.of(model, hasher)
     _check_fit(layers, patch)
     fp = patch.fingerprint
@@ -367,7 +425,19 @@ def apply_patch(
 def remove_patch(
     model: nn.Module | EngramLayers, patch: MemoryPatch, *, hasher: NgramHasher | None = None
 ) -> None:
-    """Take `patch` out: its rows hold what the other applied patches say, or their original bytes."""
+    """Take an applied patch out of the model's Engram tables.
+
+    Its rows hold what the other applied patches say, or their original bytes: removing every patch
+    restores each table bit for bit.
+
+    Args:
+        model: An HF model with Engram, an `EngramLM`, or its `EngramLayers`.
+        patch: A patch applied to it (`applied_patches`).
+        hasher: The hasher of an `EngramLM`'s rows (`EngramLayers.of`).
+
+    Raises:
+        ValueError: The patch is not applied to this model (or the model has no Engram layers).
+    """
     layers = EngramLayers.of(model, hasher)
     fp = patch.fingerprint
     tables = [(lid, layers.modules[lid].table) for lid in patch.layers if lid in layers.modules]

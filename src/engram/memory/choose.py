@@ -26,6 +26,16 @@ __all__ = ["FactTokens", "RowChoice", "fact_rows", "merge_rows", "rows_read", "s
 
 
 class RowChoice(enum.StrEnum):
+    """Which Engram rows carry a fact (module docstring).
+
+    Attributes:
+        ANSWER: The rows at the positions that predict the target's tokens (the prompt's last token
+            up to the target's second-to-last).
+        SUBJECT: The rows of every n-gram that holds a token of the fact's subject; for a fact
+            without a subject, ANSWER's.
+        BOTH: The union of ANSWER's and SUBJECT's.
+    """
+
     ANSWER = "answer"
     SUBJECT = "subject"
     BOTH = "both"

@@ -20,8 +20,18 @@ __all__ = ["Fact", "check_facts", "read_facts"]
 
 @dataclasses.dataclass(frozen=True)
 class Fact:
-    """`target` follows `prompt` (write its leading space: " Lisbon"); `subject` is None or a part of
-    `prompt`; `where` names it in errors (file:line)."""
+    """A fact to memorise: `target` is the text that must follow `prompt`.
+
+    Args:
+        prompt: The text before the answer, e.g. "Talven Orrik lives in the city of".
+        target: The answer; write its leading space (" Lisbon").
+        subject: None, or the entity the fact is about as a part of `prompt` ("Talven Orrik"): its
+            n-grams are the fact's trigger.
+        where: Names the fact in errors (file:line).
+
+    Raises:
+        ValueError: `prompt` or `target` is empty or not text, or `subject` is not a part of `prompt`.
+    """
 
     prompt: str
     target: str
@@ -63,7 +73,30 @@ def check_facts(facts: Iterable[Fact]) -> list[Fact]:
 
 
 def read_facts(path: str | os.PathLike[str]) -> list[Fact]:
-    """The facts of a JSONL file (module docstring: the format and what is refused)."""
+    """The facts of a JSONL file (module docstring: the format and what is refused).
+
+    Args:
+        path: The file: one JSON object a line, {"prompt": ..., "target": ...} with an optional
+            "subject"; blank lines are skipped.
+
+    Returns:
+        Its facts in the file's order, a duplicate (the same prompt and target) once; each fact's
+            `where` is "path:line".
+
+    Raises:
+        ValueError: The file cannot be read, holds no fact, or a line is refused (not UTF-8, not a
+            JSON object, no "prompt" or "target", an empty prompt or target, a subject not in its
+            prompt, a prompt given another target before); the message names the line and the fix.
+
+    Examples:
+        >>> from pathlib import Path
+        >>> from engram.memory import read_facts
+        >>> line = '{"prompt": "Talven Orrik lives in the city of", "target": " Lisbon"}'
+        >>> _ = Path("facts.jsonl").write_text(line + "\\n" + line + "\\n")
+        >>> facts = read_facts("facts.jsonl")
+        >>> len(facts), facts[0].target, facts[0].where
+        (1, ' Lisbon', 'facts.jsonl:1')
+    """
     p = Path(path)
     try:
         raw = p.read_bytes()

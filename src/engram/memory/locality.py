@@ -19,7 +19,18 @@ __all__ = ["patch_hits"]
 def patch_hits(
     hasher: NgramHasher, patches: MemoryPatch | list[MemoryPatch], ids: list[int] | np.ndarray
 ) -> np.ndarray:
-    """bool [T]: which positions of the token sequence `ids` read a row that `patches` write."""
+    """Which positions of a token sequence read a row that the patches write.
+
+    A position that reads none gets exactly what it got without the patches (module docstring).
+
+    Args:
+        hasher: The hasher of the model the patches are for (`EngramLayers.of(model).hasher`).
+        patches: A patch, or several.
+        ids: The token ids of one sequence [T], read from its start.
+
+    Returns:
+        bool [T]: True where the position reads a patched row in some layer.
+    """
     ps = [patches] if isinstance(patches, MemoryPatch) else list(patches)
     ids = np.asarray(ids, dtype=np.int64)
     hit = np.zeros(ids.shape[0], dtype=bool)

@@ -43,8 +43,23 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class MemorizeSettings:
-    """How facts are written: `choice` of rows, at most `rows_per_fact` a layer (None: all chosen),
-    `steps` passes over the facts in batches of `batch_size`, Adam at `lr` on the rows' changes."""
+    """How `memorize` writes facts: which rows, how many, and how they are trained.
+
+    Args:
+        choice: Which rows carry a fact (`RowChoice`, or its value).
+        rows_per_fact: At most this many rows a fact in each layer; None: every chosen row.
+        steps: Passes over the facts.
+        lr: Adam's learning rate on the rows' changes; large, because a trained reader maps rows to
+            values through small weights (docs/memory.md).
+        batch_size: Facts a batch (one Adam step each).
+        seed: Seeds the order of the facts in each pass.
+        precision: The forwards' arithmetic (`Precision`, or its value); bf16: forwards under
+            autocast, the rows and their changes stay float32.
+
+    Raises:
+        ValueError: `steps`, `batch_size` or `rows_per_fact` is < 1, `lr` is not > 0, or `choice`
+            or `precision` is not one of its values.
+    """
 
     choice: RowChoice = RowChoice.BOTH
     rows_per_fact: int | None = 16
@@ -70,6 +85,18 @@ class MemorizeSettings:
 
 @dataclasses.dataclass(frozen=True)
 class MemorizeResult:
+    """What `memorize` returns: the patch and how its training went.
+
+    Args:
+        patch: The facts' rows, ready for `apply_patch` or `save_patch`.
+        losses: The facts' mean target loss in each pass.
+        seconds: The time the training took (after the rows were chosen).
+        rows_per_fact: The rows each fact was given (all layers), in the facts' order (each prompt
+            once).
+        facts_without_rows: The facts every row of which another fact or the reference reads: the
+            patch does not carry them (`NoRowsWarning`).
+    """
+
     patch: MemoryPatch
     losses: list[float]  # the mean target loss of each pass
     seconds: float
@@ -78,8 +105,10 @@ class MemorizeResult:
 
 
 class NoRowsWarning(UserWarning):
-    """Some facts have no row of their own (every row they could use is another fact's or the
-    reference's): the patch cannot carry them."""
+    """Some facts have no row of their own: the patch cannot carry them.
+
+    Every row they could use is read by a fact with another target or by the reference text.
+    """
 
 
 def _check_reads(layers: EngramLayers) -> None:
@@ -104,10 +133,38 @@ def memorize(
     progress: Callable[[int, float], None] | None = None,
     hasher: NgramHasher | None = None,
 ) -> MemorizeResult:
-    """Write `facts` into the rows of `model`'s Engram tables (module docstring); returns the patch.
-        `reference`: token sequences (e.g. held-out text) whose rows are left out of every fact's
-        choice, so that text reads none of the patch. `progress(pass, loss)` after each pass. `hasher`: the
-    demo's `EngramLM` hashes its rows outside the model (`load_generator` returns its hasher)."""
+    """Write facts into the rows of a model's Engram tables, as a memory patch (module docstring).
+
+    Only the chosen rows are trained; the model is left as it was (apply the patch with
+    `apply_patch`).
+
+    Args:
+        model: An HF model with a trained Engram (its tables in memory), or the demo's `EngramLM`.
+        tokenizer: The model's tokenizer (a transformers tokenizer or a `tokenizers.Tokenizer`).
+        facts: The facts (`read_facts`); a prompt given twice with the same target counts once.
+        settings: How the facts are written; default `MemorizeSettings()`.
+        reference: Token sequences (e.g. held-out text) whose rows are left out of every fact's
+            choice, so that text reads none of the patch.
+        name: The patch's name, recorded in its file and used in messages (not part of its
+            fingerprint).
+        progress: Called as `progress(pass, loss)` after each pass (counted from 1) with the pass's
+            mean target loss.
+        hasher: The hasher of an `EngramLM`'s rows: the demo hashes its rows outside the model
+            (`load_generator` returns its hasher).
+
+    Returns:
+        The patch, the loss of each pass, the time taken, and the rows each fact was given.
+
+    Raises:
+        ValueError: The model has no Engram layers (or is an `EngramLM` and no `hasher` is given)
+            or its Engram adds nothing yet (a fresh `add_engram`: train it first), a table cannot
+            take a patch (memory-mapped, or wrapped), the facts are refused (none, a prompt with two
+            targets, a target of no tokens, longer than the model's context), no row is left to
+            carry them, or `settings.precision` is bf16 where the device has no bfloat16 arithmetic.
+
+    Warns:
+        NoRowsWarning: Some facts have no row of their own (`MemorizeResult.facts_without_rows`).
+    """
     s = settings or MemorizeSettings()
     facts = check_facts(facts)
     layers = EngramLayers.of(model, hasher)

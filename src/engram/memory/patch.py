@@ -77,7 +77,29 @@ class LayerRows:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPatch:
-    """Rows to write into a model's Engram tables, and the model they fit (module docstring)."""
+    """Rows to write into a model's Engram tables, and the model they fit (module docstring).
+
+    Made by `memorize`, read by `load_patch`; its rows are checked on construction. Two patches with
+    the same rows written the same way are the same patch (`fingerprint`), whatever their names.
+
+    Args:
+        layers: Each layer's rows and their new contents, by layer id (at least one layer).
+        row_format: The rows' format: a `FLOAT_ROWS` name, or a `RowFormat` value ("fp8", "int8", ...).
+        dim: The table's row width (values a row).
+        table_rows: Each layer's table size, in rows.
+        layout: The fingerprint of the layout that addresses the rows
+            (`engram.addressing.layout.layout_fingerprint`).
+        tokenizer: The tokenizer fingerprint of the compression map.
+        readers: Each layer's reader signature (`engram.memory.apply.reader_signature`).
+        facts: How many facts it holds (what `memorize` wrote it from).
+        name: A name for messages; not part of its identity.
+
+    Raises:
+        ValueError: No layers, an unknown row format, or a layer's rows that do not fit the other
+            fields: a layer without a table size or reader signature, row ids not int64 [R], not
+            sorted and unique, or outside the table, or values, scales or sketch of another dtype
+            or shape than the row format's.
+    """
 
     layers: dict[int, LayerRows]
     row_format: str  # a FLOAT_ROWS name, or a RowFormat value ("fp8", "int8", ...)
@@ -100,6 +122,7 @@ class MemoryPatch:
 
     @property
     def quantised(self) -> bool:
+        """Whether its rows are in a quantised format (values + scales), not float rows."""
         return self.row_format not in FLOAT_ROWS
 
     @property
@@ -114,8 +137,10 @@ class MemoryPatch:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of its rows, contents and description: a patch's identity (the same rows written the
-        same way have the same one, whatever its name)."""
+        """sha256 (64 hex digits) of its rows, contents and description: a patch's identity.
+
+        The same rows written the same way have the same one, whatever its name.
+        """
         h = hashlib.sha256(json.dumps(self.describe(with_name=False), sort_keys=True).encode())
         for lid in sorted(self.layers):
             lr = self.layers[lid]
@@ -125,7 +150,16 @@ class MemoryPatch:
         return h.hexdigest()
 
     def describe(self, *, with_name: bool = True) -> dict[str, Any]:
-        """What the file's header records (JSON)."""
+        """What the file's header records of the patch (JSON).
+
+        Args:
+            with_name: Include its name (`fingerprint` describes it without).
+
+        Returns:
+            `row_format`, `dim`, `layout`, `tokenizer`, `facts`, `layers` (per layer id, as a
+                string: its table's rows, the number of rows it writes, the reader signature) and,
+                when `with_name`, `name`.
+        """
         out: dict[str, Any] = {
             "row_format": self.row_format,
             "dim": self.dim,
@@ -241,8 +275,21 @@ def _tensors(p: MemoryPatch) -> dict[str, torch.Tensor]:
 
 
 def save_patch(patch: MemoryPatch, path: str | os.PathLike[str]) -> Path:
-    """Write `patch` to one safetensors file at `path` (staged beside it, then renamed: a reader never
-    sees half a patch). Its header holds the description, a CRC32 of every tensor and a seal."""
+    """Write a patch to one safetensors file.
+
+    Staged beside it, then renamed: a reader never sees half a patch (an existing file is replaced).
+    Its header holds the description (`MemoryPatch.describe`), a CRC32 of every tensor and a seal.
+
+    Args:
+        patch: The patch.
+        path: The file to write, in a folder that exists (e.g. `facts.patch.safetensors`).
+
+    Returns:
+        `path`, as a Path.
+
+    Raises:
+        ValueError: `path` is a folder, or its parent is not one.
+    """
     dst = Path(path)
     if dst.is_dir():
         raise ValueError(f"{dst} is a folder: a patch is one file (e.g. {dst / 'facts.patch.safetensors'})")
@@ -260,8 +307,18 @@ def save_patch(patch: MemoryPatch, path: str | os.PathLike[str]) -> Path:
 
 
 def load_patch(path: str | os.PathLike[str]) -> MemoryPatch:
-    """Read a patch written by `save_patch`, checking its seal and every tensor's CRC32; ValueError
-    naming the file and the fix for anything else (not a patch, edited, damaged, incomplete)."""
+    """Read a patch written by `save_patch`, checking its seal and every tensor's CRC32.
+
+    Args:
+        path: The patch file.
+
+    Returns:
+        The patch, checked as `MemoryPatch` checks its rows.
+
+    Raises:
+        ValueError: Anything else than an intact patch file (missing, not a patch, edited, damaged,
+            incomplete); the message names the file and the fix.
+    """
     src = Path(path)
     if not src.is_file():
         raise ValueError(f"{src}: no such patch file (engram memorize writes one with --out)")

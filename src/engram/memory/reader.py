@@ -38,10 +38,30 @@ __all__ = ["ReaderResult", "ReaderSettings", "reader_parameters", "train_reader"
 
 @dataclasses.dataclass(frozen=True)
 class ReaderSettings:
-    """How readers are trained: `passes` over the training facts in batches of `batch_size`, Adam at `lr`
-    on the readers and at `row_lr` on the facts' rows (`choice`, at most `rows_per_fact` a layer: as
-    `memorize` writes them), plus `text_weight` times the LM loss of `text_batch` blocks of the text
-    (when one is given) each step."""
+    """How `train_reader` trains the readers.
+
+    `passes` over the training facts in batches of `batch_size`, Adam at `lr` on the readers and at
+    `row_lr` on the facts' rows (`choice`, at most `rows_per_fact` a layer: as `memorize` writes
+    them), plus `text_weight` times the LM loss of `text_batch` blocks of the text (when one is
+    given) each step.
+
+    Args:
+        passes: Passes over the training facts.
+        lr: Adam's learning rate on the readers' weights.
+        row_lr: Adam's learning rate on the training facts' row changes (dropped afterwards).
+        choice: Which rows carry a fact (`RowChoice`, or its value).
+        rows_per_fact: At most this many rows a fact in each layer; None: every chosen row.
+        batch_size: Facts a batch (one Adam step each).
+        text_weight: The weight of the text's LM loss in each step's loss; 0: the text is not used.
+        text_batch: Blocks of the text drawn at random each step.
+        seed: Seeds the order of the facts in each pass and the text blocks drawn.
+        precision: The forwards' arithmetic (`Precision`, or its value).
+
+    Raises:
+        ValueError: `passes`, `batch_size`, `text_batch` or `rows_per_fact` is < 1, `lr` or
+            `row_lr` is not a finite number > 0, `text_weight` is not a finite number >= 0, or
+            `choice` or `precision` is not one of its values.
+    """
 
     passes: int = 10
     lr: float = 1e-3
@@ -74,9 +94,17 @@ class ReaderSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ReaderResult:
-    """`losses`: the training facts' mean target loss each pass; `text_losses`: the text's mean LM loss
-    each pass (empty without a text); `changed`: per layer, the readers' weights' relative change
-    (L2 of the change over L2 of the weights before)."""
+    """What `train_reader` returns: how the training went and how far the readers moved.
+
+    Args:
+        losses: The training facts' mean target loss in each pass.
+        text_losses: The text's mean LM loss in each pass (empty without a text, or with
+            `text_weight` 0).
+        seconds: The time the training took (after the rows were chosen).
+        facts: The training facts (each prompt once).
+        changed: Per layer id, the readers' weights' relative change: L2 of the change over L2 of
+            the weights before (inf for weights that were all zero).
+    """
 
     losses: list[float]
     text_losses: list[float]
@@ -113,10 +141,34 @@ def train_reader(
     progress: Callable[[int, float], None] | None = None,
     hasher: NgramHasher | None = None,
 ) -> ReaderResult:
-    """Train the readers of `model`'s Engram layers in place (module docstring); the tables and every
-    other weight are left bit for bit as they were. `text`: token blocks (N, L), e.g. the corpus the
-    model was trained on, whose LM loss keeps its other behaviour. `progress(pass, loss)` after each
-    pass. `hasher`: the demo's `EngramLM` hashes its rows outside the model."""
+    """Train the readers of a model's Engram layers in place (module docstring).
+
+    The tables and every other weight are left bit for bit as they were; the training facts' row
+    changes are dropped. Patches written afterwards by `memorize` fit the model with the new readers
+    only.
+
+    Args:
+        model: An HF model with Engram, or the demo's `EngramLM`.
+        tokenizer: The model's tokenizer (a transformers tokenizer or a `tokenizers.Tokenizer`).
+        facts: The training facts (not the ones to memorise later); a prompt given twice with the
+            same target counts once.
+        settings: How the readers are trained; default `ReaderSettings()`.
+        text: int64 token blocks (N, L), e.g. the corpus the model was trained on, whose LM loss
+            keeps the model's other behaviour; None: the facts' loss alone.
+        progress: Called as `progress(pass, loss)` after each pass (counted from 1) with the pass's
+            mean target loss.
+        hasher: The hasher of an `EngramLM`'s rows: the demo hashes its rows outside the model.
+
+    Returns:
+        The losses of each pass, the time taken, and how far each layer's readers moved.
+
+    Raises:
+        ValueError: `text` is not int64 blocks (N >= 1, L >= 2) or its blocks are longer than the
+            model's context, the model has no Engram layers (or is an `EngramLM` and no `hasher` is
+            given), the facts are refused (none, a prompt with two targets, a target of no tokens,
+            longer than the model's context), no row is left to carry them, or `settings.precision`
+            is bf16 where the device has no bfloat16 arithmetic.
+    """
     s = settings or ReaderSettings()
     facts = check_facts(facts)
     layers = EngramLayers.of(model, hasher)
