@@ -141,6 +141,18 @@ def test_remove_restores_every_table_bit_for_bit(patch):
     assert applied_patches(m) == []
 
 
+def test_applied_patches_lists_them_in_the_order_they_were_applied():
+    m = _model(layer_ids=(0, 1))
+    a = _hand_patch(m, {1: [3]}, 0.25, "a")  # layer 1 only
+    b = _hand_patch(m, {0: [4], 1: [9]}, -0.5, "b")  # the first layer too
+    apply_patch(m, a)
+    apply_patch(m, b)
+    assert [p.name for p in applied_patches(m)] == ["a", "b"]
+    remove_patch(m, a)
+    apply_patch(m, a)
+    assert [p.name for p in applied_patches(m)] == ["b", "a"]
+
+
 def test_stacked_patches_sum_their_changes_whatever_the_order():
     m1, m2 = _model(), _model()
     base = _tables(m1)
@@ -427,3 +439,9 @@ def test_a_float32_patch_fits_the_same_model_in_bf16_or_fp16(patch, dtype):
     assert torch.equal(_tables(m)[lid][lr.rows], lr.values.to(dtype))
     remove_patch(m, patch)
     assert all(torch.equal(before[k], v) for k, v in _tables(m).items())
+
+
+@pytest.mark.parametrize("lr", [0.0, -1.0, float("inf"), float("nan")])
+def test_memorize_settings_refuse_an_lr_that_is_not_finite_and_positive(lr):
+    with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+        MemorizeSettings(lr=lr)

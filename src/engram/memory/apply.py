@@ -229,9 +229,11 @@ class _TableState:
     values: torch.Tensor
     scales: torch.Tensor | None
     patches: dict[str, MemoryPatch]
+    applied_at: dict[str, int] = dataclasses.field(default_factory=dict)  # fingerprint: `_APPLIED` count
 
 
 _STATE: weakref.WeakKeyDictionary[EngramTable, _TableState] = weakref.WeakKeyDictionary()
+_APPLIED = itertools.count()  # apply_patch's calls in order, for applied_patches' order
 
 
 def _base_of(st: _TableState | None, table: EngramTable, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -287,21 +289,19 @@ def applied_patches(model: nn.Module | EngramLayers, hasher: NgramHasher | None 
         hasher: The hasher of an `EngramLM`'s rows (`EngramLayers.of`).
 
     Returns:
-        Each applied patch once: those that write the model's first Engram layer in the order they
-            were applied, then those of each later layer not listed yet, likewise. Patches that all
-            write the same layers are listed in the order they were applied.
+        Each applied patch once, in the order they were applied.
 
     Raises:
         ValueError: The model has no Engram layers, or is an `EngramLM` and no `hasher` is given.
     """
     layers = EngramLayers.of(model, hasher)
-    seen: dict[str, MemoryPatch] = {}
+    seen: dict[str, tuple[int, MemoryPatch]] = {}
     for m in layers.modules.values():
         st = _STATE.get(m.table)
         if st is not None:
             for fp, p in st.patches.items():
-                seen.setdefault(fp, p)
-    return list(seen.values())
+                seen.setdefault(fp, (st.applied_at[fp], p))
+    return [p for _, p in sorted(seen.values(), key=lambda x: x[0])]
 
 
 def _recompute(table: EngramTable, st: _TableState, lid: int, rows: torch.Tensor, row_format: str) -> None:
@@ -387,6 +387,7 @@ def apply_patch(
                 "the table changed since); write the patch again for this model (engram memorize)"
             )
     shared: dict[str, int] = {}
+    at = next(_APPLIED)
     for lid, lr in patch.layers.items():
         table = layers.modules[lid].table
         row_format = table_row_format(table)
@@ -410,6 +411,7 @@ def apply_patch(
             st.values = torch.cat([st.values, v])[order]
             st.scales = None if s is None else torch.cat([st.scales, s])[order]  # type: ignore[list-item]
         st.patches[fp] = patch
+        st.applied_at[fp] = at
         _recompute(table, st, lid, lr.rows, row_format)
     if shared:
         listed = ", ".join(f"{n} rows with {k!r}" for k, n in shared.items())
@@ -447,6 +449,7 @@ def remove_patch(
     for lid, table in tables:
         st = _STATE[table]
         del st.patches[fp]
+        del st.applied_at[fp]
         _recompute(table, st, lid, patch.layers[lid].rows, table_row_format(table))
         if not st.patches:
             del _STATE[table]

@@ -12,6 +12,7 @@ taught through its rows: refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -79,8 +80,8 @@ class MemorizeSettings:
             raise ValueError(
                 f"rows_per_fact must be >= 1 (or None: every chosen row), got {self.rows_per_fact}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +189,14 @@ def memorize(
             stacklevel=2,
         )
     if not chosen:
+        why = (
+            "by facts with other answers or by the reference text"
+            if reference
+            else "by facts with other answers"
+        )
         raise ValueError(
-            "no row is left to carry the facts: every chosen row is read by the reference text; give less "
-            "reference text, or another row choice"
+            f"no row is left to carry the facts: every row they could use is read {why}; give them subjects "
+            "of their own" + (", less reference text" if reference else "") + ", or another row choice"
         )
     device = model_device(model)
     check_precision(s.precision, device, "precision")
