@@ -100,6 +100,7 @@ def test_dir_runs_the_files_of_a_folder(tmp_path, capsys):
     assert row["op"] == "hash: edited, 3 repeats" and row["bench"] == "hash"
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_run_hash_quick(capsys):
     assert main(["bench", "--only", "hash", "--quick"]) == 0
     out = capsys.readouterr().out
@@ -143,6 +144,7 @@ def test_hash_bench_torch_baseline_matches_numpy_baseline(v41_hasher):
     np.testing.assert_array_equal(want, v41_hasher.hash(ids))
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_tiers_cuda_bench_runs_on_cpu():
     """bench_tiers.run_cuda (measured on a GPU by benchmarks/gpu_check.py) runs end to end here too."""
     from engram.benchmarks import bench_tiers
@@ -237,6 +239,7 @@ for script in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_scripts_run_from_the_checkout(tmp_path):
     """`python benchmarks/bench_X.py` still runs as a script (the suite's modules import each other)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -251,6 +254,7 @@ def test_scripts_run_from_the_checkout(tmp_path):
     assert all(usage.strip().startswith("usage:") for usage in parts[0:-1:3]), proc.stdout
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_bench_from_a_wheel_in_a_fresh_venv(tmp_path):
     """Build a wheel of this checkout, install it (no dependencies: the running environment's stand in)
     into a new virtual environment and run `engram bench --list` there, outside the repository: every

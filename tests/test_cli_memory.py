@@ -352,12 +352,21 @@ def test_fp8_tables_take_patches(root, folder, corpus, patches, capsys):
     export_fp8(transformers.AutoModelForCausalLM.from_pretrained(folder), fp8)
     facts = jsonl(root / "fp8.jsonl", FACTS)
     out = root / "fp8.safetensors"
-    r = run_json(capsys, "memorize", fp8, "--facts", facts, "--out", out, *FAST)
+    every = ["--rows-per-fact", "all"]  # every chosen row: the two patches below share some
+    r = run_json(capsys, "memorize", fp8, "--facts", facts, "--out", out, *FAST, *every)
     assert r["row_format"] == "fp8" and r["loss"] < r["loss_first"]
     assert _loss(capsys, fp8, corpus, out)["loss"] != _loss(capsys, fp8, corpus)["loss"]
     other = root / "fp8-other.safetensors"
     run_json(
-        capsys, "memorize", fp8, "--facts", jsonl(root / "fp8-other.jsonl", OTHER), "--out", other, *FAST
+        capsys,
+        "memorize",
+        fp8,
+        "--facts",
+        jsonl(root / "fp8-other.jsonl", OTHER),
+        "--out",
+        other,
+        *FAST,
+        *every,
     )
     checked = run_json(capsys, "patch", "check", fp8, out, other)  # stacked: shared FP8 rows re-quantised
     assert [c["fits"] for c in checked] == [True, True] and checked[1]["shares"]

@@ -98,6 +98,7 @@ def _forward_equals_eager(backend: str, layers: int, engram_layers: tuple[int, .
         assert run.traced_engram()
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_compiled_forward_equals_eager():
     _forward_equals_eager("eager", 3, (0, 2))
 
@@ -178,6 +179,7 @@ def _generate_equals_eager(backend: str) -> None:
         assert run.traced_engram()
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_compiled_generate_equals_eager():
     _generate_equals_eager("eager")
 

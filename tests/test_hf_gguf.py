@@ -191,6 +191,7 @@ def _killed_run(tiny: Path, out: Path, point: str) -> None:
     assert r.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_rerun_clears_what_a_killed_run_left(tiny, tmp_path, capsys):
     """SIGKILL during hf-from-gguf left OUT/../.NAME.partial-XXXX, which no rerun cleaned (--overwrite
     neither): a later run removes what a dead run left, and says so; a live run's folder (its lock held)

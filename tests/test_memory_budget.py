@@ -266,6 +266,7 @@ def job(rank: int) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA, /proc (Linux)")
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_two_ranks_under_a_real_cap(tmp_path):
     pytest.importorskip("transformers")
     runs = gloo_ranks.spawn(job, 2, tmp_path)

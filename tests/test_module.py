@@ -87,6 +87,7 @@ def test_gate_initial_and_streams_share_value():
     assert torch.allclose(delta[:, :, 0], delta[:, :, 1])  # one shared value for every stream
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_gradcheck_tiny_double():
     gen = torch.Generator().manual_seed(2)
     cfg = TINY.replace(hidden_size=8, head_dim=4, hc_mult=2, engram_vocab_size=(7, 7), n_heads=2)

@@ -123,6 +123,7 @@ def test_hf_checkpoint_missing_a_ranks_file_is_refused_on_every_rank(dist_launch
         print(f"{world}: {err}")
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_cli_resume_missing_a_ranks_file_says_one_line(dist_launch):
     """`engram train --distributed --resume` on 3 processes, over the 3-rank checkpoint whose rank-1
     shard file was removed: every process ends with exit status 2 and one line naming the missing

@@ -213,6 +213,7 @@ def test_cli_refusals(folder, tmp_path, capsys):
     assert "no such folder" in refused("memorize", "--quick", "--model", str(tmp_path / "none"))
 
 
+@pytest.mark.slow  # over 10 s: in .ci/run's slow step
 def test_a_plain_folder_gets_engram_trained_as_the_pretrained_arm(corpus, tmp_path):
     """--model a plain folder: Engram trained first (`study pretrained`'s quick plan), once."""
     plain = S.save_folder(tmp_path / "plain", layers=3, seed=1)
