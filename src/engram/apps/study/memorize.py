@@ -368,7 +368,7 @@ def _run(
 
 def _reader_what(ctx: _Ctx, seed: int) -> dict[str, Any]:
     p = ctx.plan
-    ids = reader_facts(len(ctx.records), p.reader_facts, max(p.facts), seed)
+    ids = reader_facts(len(ctx.records), p.reader_facts, 0, seed)  # the same for every size
     text = hashlib.sha256(ctx.train_text.encode()).hexdigest()[:16]
     return {"ids": ids, "settings": asdict(p.reader_settings(seed)), "text": text, "block": p.block_len}
 
@@ -414,10 +414,7 @@ def _study(
     for n in p.facts:
         for seed in seeds:
             for arm in ARMS:
-                if (
-                    arm == "reader-patch"
-                    and reader_facts(len(ctx.records), p.reader_facts, max(p.facts), seed) is None
-                ):
+                if arm == "reader-patch" and reader_facts(len(ctx.records), p.reader_facts, n, seed) is None:
                     continue  # no facts left to train readers on (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
                 runs.append(_run(ctx, s, base, arm, n, seed, lr))
@@ -474,10 +471,11 @@ def run_memorize_study(
         ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
         ctx.train_text = train.read_text(encoding="utf-8")
         subjects, skipped = [], []
-        if any(reader_facts(len(records), plan.reader_facts, max(plan.facts), sd) is None for sd in seeds):
+        left_out = [n for n in plan.facts if reader_facts(len(records), plan.reader_facts, n, 0) is None]
+        if left_out:
             skipped.append(
-                f"reader-patch: no {plan.reader_facts} facts left beside the {max(plan.facts):,} written of the "
-                f"{len(records):,} to train readers on (or reader_facts 0): left out"
+                f"reader-patch at {', '.join(f'{n:,}' for n in left_out)} facts: no {plan.reader_facts} facts left "
+                f"beside them of the {len(records):,} to train readers on (or reader_facts 0): left out"
             )
         folder, how = hf_folder(out, model, train, quick=quick, progress=progress, say=say, device=device)
         subjects.append(hf_subject(folder, how, held_text, plan.held_tokens, plan.block_len))
