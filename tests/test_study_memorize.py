@@ -205,6 +205,7 @@ def test_cli_refusals(folder, tmp_path, capsys):
 
     assert "drop --demo-run" in refused("memory", "--quick", "--demo-run", str(tmp_path))
     assert "drop --facts" in refused("pretrained", "--quick", "--facts", "3")
+    assert "drop --rows-per-fact" in refused("memory", "--quick", "--rows-per-fact", "32")
     with pytest.raises(SystemExit):  # argparse's refusal: usage, then the line naming the value
         main(["study", "memorize", "--facts", "3,x", "--out", str(tmp_path)])
     assert "argument --facts: '3,x': give whole numbers >= 1" in capsys.readouterr().err
@@ -227,6 +228,13 @@ def test_a_plain_folder_gets_engram_trained_as_the_pretrained_arm(corpus, tmp_pa
     assert (src / "engram").is_dir() and "trained on" in r["models"][0]["how"]
     again = SM.run_memorize_study(tmp_path / "out", progress=False, threads=1, say=lambda m: None, **kw)
     assert again["models"][0]["source"] == str(src) and again["new_runs"] == 0
+
+
+def test_the_patch_arms_rows_a_fact_key_their_runs_only_when_not_the_default():
+    assert SM.MemorizePlan().patch_rows == 16
+    with pytest.raises(ValueError, match="patch_rows"):
+        SM.MemorizePlan(patch_rows=0)
+    assert SM.MemorizePlan(patch_rows=None).patch_rows is None  # every chosen row
 
 
 def test_facts_subsets_nest_and_differ_by_seed():

@@ -27,7 +27,7 @@ from engram.device import Precision
 __all__ = ["register"]
 
 CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all", "pretrained", "memorize")
-_MEMORIZE_ONLY = ("demo_run", "facts", "no_demo")  # the options only `study memorize` takes
+_MEMORIZE_ONLY = ("demo_run", "facts", "no_demo", "rows_per_fact")  # the options only `study memorize` takes
 
 
 def cmd_pretrained(args: argparse.Namespace, command: str, device: torch.device, precision: Precision) -> int:
@@ -89,7 +89,9 @@ def facts_sizes(text: str) -> tuple[int, ...]:
 
 def cmd_memorize(args: argparse.Namespace, command: str, device: torch.device, precision: Precision) -> int:
     """`engram study memorize`: engram.apps.study.memorize (not part of 'all': it trains real models)."""
-    from engram.apps.study.memorize import run_memorize_study
+    from dataclasses import replace
+
+    from engram.apps.study.memorize import memorize_plan, run_memorize_study
     from engram.apps.study.memorize_report import table_lines
 
     if args.size is not None:
@@ -99,8 +101,12 @@ def cmd_memorize(args: argparse.Namespace, command: str, device: torch.device, p
         )
     if precision is not Precision.FLOAT32:
         raise ValueError(f"--dtype {precision.value}: memory patches are written in float32; drop --dtype")
+    plan = memorize_plan(args.quick, args.steps, args.facts)
+    if args.rows_per_fact is not None:  # "all" comes as 0: every chosen row
+        plan = replace(plan, patch_rows=args.rows_per_fact or None)
     results = run_memorize_study(
         args.out,
+        plan=plan,
         model=args.model,
         demo_run=args.demo_run,
         demo=not args.no_demo,
@@ -250,6 +256,12 @@ def register(sub: Any) -> None:
         "into <out>/runs/, --quick the tiny one)",
     )
     p.add_argument("--no-demo", action="store_true", help="memorize: leave the demo LM out")
+    p.add_argument(
+        "--rows-per-fact",
+        type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),
+        metavar="N",
+        help="memorize: rows a layer a fact of both patch arms, or 'all' (default 16, as engram memorize)",
+    )
     p.add_argument(
         "--facts",
         type=facts_sizes,

@@ -100,6 +100,7 @@ class MemorizePlan:
     block_len: int = 128
     neighbour_tokens: int = 3
     eval_batch: int = 32
+    patch_rows: int | None = MemorizeSettings.rows_per_fact  # both patch arms: rows a layer a fact
     reader_facts: int = 300
     reader_passes: int = ReaderSettings.passes
     reader_lr: float = ReaderSettings.lr
@@ -113,6 +114,10 @@ class MemorizePlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: give a whole number >= 1")
+        if self.patch_rows is not None and (
+            isinstance(self.patch_rows, bool) or not isinstance(self.patch_rows, int) or self.patch_rows < 1
+        ):
+            raise ValueError(f"patch_rows={self.patch_rows!r}: give a whole number >= 1, or None (every row)")
         if (
             isinstance(self.reader_facts, bool)
             or not isinstance(self.reader_facts, int)
@@ -275,6 +280,8 @@ def _run(
     if arm == "none":
         return {"model": s.key, "arm": arm, "n": n, "seed": seed, "metrics": _none(base, ids), "cached": True}
     train = {"steps": p.steps, "batch": p.batch_size, "lr": lr} if arm != "in-prompt" else {}
+    if arm in PATCH_ARMS and p.patch_rows != MemorizeSettings.rows_per_fact:
+        train["rows"] = p.patch_rows  # (the default's runs keep the keys they were cached under)
     if arm == "reader-patch":
         train["reader"] = _reader_what(ctx, seed)
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
@@ -304,7 +311,9 @@ def _run(
             model, reader = _reader(ctx, s, seed)
             f = s.logits(model)
             extra["reader"] = reader
-        settings = MemorizeSettings(steps=p.steps, lr=lr or p.patch_lr, batch_size=p.batch_size, seed=seed)
+        settings = MemorizeSettings(
+            steps=p.steps, lr=lr or p.patch_lr, batch_size=p.batch_size, seed=seed, rows_per_fact=p.patch_rows
+        )
         t = time.perf_counter()  # the row choice included, as LoRA's time includes encoding the facts
         with _passes(ctx, arm) as tick:
             name = f"{n} facts, seed {seed}"
