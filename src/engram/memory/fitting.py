@@ -17,6 +17,7 @@ from engram.device import Precision, autocast
 from engram.memory.apply import EngramLayers
 from engram.memory.batches import batch_of, target_loss
 from engram.memory.choose import FactTokens, RowChoice, fact_rows, merge_rows, rows_read, shared_rows
+from engram.model.lm import EngramLM
 from engram.model.table import EngramTable
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "choose_rows",
     "frozen",
     "model_device",
+    "model_max_len",
     "model_pad",
     "overlaid",
     "run_passes",
@@ -158,6 +160,13 @@ def run_passes(
 def model_pad(model: nn.Module) -> int:
     """The pad id batches of facts use: the model's `pad_token_id`, else 0 (a left pad is masked)."""
     return getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+
+
+def model_max_len(model: nn.Module) -> int | None:
+    """The longest sequence the model takes: an `EngramLM`'s `max_seq_len`, an HF model's
+    `max_position_embeddings` (None where its config has none)."""
+    cfg = getattr(model, "config", None)
+    return cfg.max_seq_len if isinstance(model, EngramLM) else getattr(cfg, "max_position_embeddings", None)
 
 
 def model_device(model: nn.Module) -> torch.device:

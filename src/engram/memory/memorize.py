@@ -27,9 +27,16 @@ from engram.memory.apply import EngramLayers, layer_rows, reader_signature, tabl
 from engram.memory.batches import batch_of, encode_facts, target_loss
 from engram.memory.choose import RowChoice
 from engram.memory.facts import Fact, check_facts
-from engram.memory.fitting import choose_rows, frozen, model_device, model_pad, overlaid, run_passes
+from engram.memory.fitting import (
+    choose_rows,
+    frozen,
+    model_device,
+    model_max_len,
+    model_pad,
+    overlaid,
+    run_passes,
+)
 from engram.memory.patch import LayerRows, MemoryPatch, rows_as_float, rows_in_format
-from engram.model.lm import EngramLM
 
 __all__ = [
     "MemorizeResult",
@@ -171,10 +178,7 @@ def memorize(
     layers = EngramLayers.of(model, hasher)
     _check_reads(layers)
     formats = {lid: table_row_format(m.table, f"layer {lid}") for lid, m in layers.modules.items()}
-    cfg = getattr(model, "config", None)
-    max_len = (
-        cfg.max_seq_len if isinstance(model, EngramLM) else getattr(cfg, "max_position_embeddings", None)
-    )
+    max_len = model_max_len(model)
     encoded = encode_facts(tokenizer, facts, max_len)
     picked = choose_rows(layers, encoded, [f.target for f in facts], s.choice, s.rows_per_fact, reference)
     chosen, counts = picked.rows, picked.counts

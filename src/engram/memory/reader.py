@@ -30,7 +30,15 @@ from engram.memory.apply import EngramLayers
 from engram.memory.batches import encode_facts
 from engram.memory.choose import RowChoice
 from engram.memory.facts import Fact, check_facts
-from engram.memory.fitting import choose_rows, frozen, model_device, model_pad, overlaid, run_passes
+from engram.memory.fitting import (
+    choose_rows,
+    frozen,
+    model_device,
+    model_max_len,
+    model_pad,
+    overlaid,
+    run_passes,
+)
 from engram.model.lm import EngramLM
 
 __all__ = ["ReaderResult", "ReaderSettings", "reader_parameters", "train_reader"]
@@ -172,10 +180,7 @@ def train_reader(
     s = settings or ReaderSettings()
     facts = check_facts(facts)
     layers = EngramLayers.of(model, hasher)
-    cfg = getattr(model, "config", None)
-    max_len = (
-        cfg.max_seq_len if isinstance(model, EngramLM) else getattr(cfg, "max_position_embeddings", None)
-    )
+    max_len = model_max_len(model)
     if text is not None:
         if text.dim() != 2 or text.shape[0] < 1 or text.shape[1] < 2 or text.dtype != torch.long:
             raise ValueError(

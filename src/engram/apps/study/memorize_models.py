@@ -228,13 +228,15 @@ def demo_folder(
     return str(d), f"{what}, trained here (no --demo-run)"
 
 
-def held_blocks(s: Subject, text: str, tokens: int, block_len: int) -> torch.Tensor:
+def held_blocks(s: Subject, text: str, tokens: int, block_len: int, what: str = "held-out") -> torch.Tensor:
+    """The first `tokens` of `text` (the `what` text) as blocks of `block_len` (fewer where the model's
+    context is shorter); ValueError for a text shorter than one block."""
     ids = encode_text(s.tokenizer, text[: tokens * 8], False)  # 8 characters a token is plenty
     L = min(block_len, s.max_len)
     n = min(tokens, len(ids)) // L
     if n == 0:
         raise ValueError(
-            f"the held-out text gives {len(ids)} tokens for {s.name}, fewer than one block of {L}: give a "
+            f"the {what} text gives {len(ids)} tokens for {s.name}, fewer than one block of {L}: give a "
             "larger corpus"
         )
     return torch.tensor(ids[: n * L], dtype=torch.long).view(n, L)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engram.apps.study.memorize_arms import fact_subset, to_learn
-from engram.apps.study.memorize_models import Subject, encode_text
+from engram.apps.study.memorize_models import Subject, held_blocks
 from engram.apps.study.memorize_probes import position_losses
 from engram.apps.study.pretrained_report import read_record, write_atomic
 from engram.memory import ReaderSettings, train_reader
@@ -39,12 +39,8 @@ def reader_facts(total: int, n_reader: int, largest: int, seed: int) -> list[int
 
 
 def text_blocks(s: Subject, text: str, block_len: int) -> torch.Tensor:
-    ids = encode_text(s.tokenizer, text[: TEXT_TOKENS * 8], False)[:TEXT_TOKENS]
-    L = min(block_len, s.max_len)
-    n = len(ids) // L
-    if n == 0:
-        raise ValueError(f"the training text gives {len(ids)} tokens, fewer than one block of {L}")
-    return torch.tensor(ids[: n * L], dtype=torch.long).view(n, L)
+    """The training text's first `TEXT_TOKENS` as blocks (`held_blocks`), for the readers' LM loss."""
+    return held_blocks(s, text, TEXT_TOKENS, block_len, "training")
 
 
 def reader_model(
