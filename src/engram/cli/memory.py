@@ -86,20 +86,6 @@ def register(sub: Any) -> None:
         f"(default {DEFAULTS.choice.value})",
     )
     p.add_argument(
-        "--rows-per-fact",
-        type=rows_cap,
-        default=DEFAULTS.rows_per_fact,
-        metavar="N",
-        help=f"at most N rows a fact in each layer, or 'all': every row chosen (default {DEFAULTS.rows_per_fact})",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=DEFAULTS.batch_size,
-        metavar="N",
-        help=f"facts a step (default {DEFAULTS.batch_size})",
-    )
-    p.add_argument(
         "--reference",
         type=input_file,
         metavar="TEXTFILE",
@@ -107,17 +93,7 @@ def register(sub: Any) -> None:
         "takes: text that must read none of the patch",
     )
     p.add_argument("--name", help="the patch's name (default: the --out file's name less .patch.safetensors)")
-    p.add_argument(
-        "--seed",
-        type=seed,
-        default=DEFAULTS.seed,
-        metavar="N",
-        help=f"the order of the facts (default {DEFAULTS.seed})",
-    )
-    p.add_argument("--threads", type=threads, metavar="N", help="torch threads (default: the idle cores)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_verify_option(p)
+    _fitting_options(p, DEFAULTS)
     p.set_defaults(func=cmd_memorize)
 
     p = sub.add_parser(
@@ -171,31 +147,7 @@ def register(sub: Any) -> None:
         metavar="X",
         help=f"weight of the text's loss beside the facts' (default {READER.text_weight:g})",
     )
-    p.add_argument(
-        "--rows-per-fact",
-        type=rows_cap,
-        default=READER.rows_per_fact,
-        metavar="N",
-        help=f"at most N rows a training fact in each layer, or 'all' (default {READER.rows_per_fact})",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=READER.batch_size,
-        metavar="N",
-        help=f"facts a step (default {READER.batch_size})",
-    )
-    p.add_argument(
-        "--seed",
-        type=seed,
-        default=READER.seed,
-        metavar="N",
-        help=f"the order of the facts (default {READER.seed})",
-    )
-    p.add_argument("--threads", type=threads, metavar="N", help="torch threads (default: the idle cores)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_verify_option(p)
+    _fitting_options(p, READER)
     p.set_defaults(func=cmd_train_reader)
 
     patch = sub.add_parser(
@@ -215,6 +167,36 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     add_verify_option(p)
     p.set_defaults(func=cmd_patch_check)
+
+
+def _fitting_options(p: argparse.ArgumentParser, defaults: MemorizeSettings | ReaderSettings) -> None:
+    """The options `memorize` and `train-reader` share (the rows a fact, batches, order, threads, output,
+    --verify), with `defaults`' values."""
+    p.add_argument(
+        "--rows-per-fact",
+        type=rows_cap,
+        default=defaults.rows_per_fact,
+        metavar="N",
+        help=f"at most N rows a fact in each layer, or 'all': every row chosen (default {defaults.rows_per_fact})",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=defaults.batch_size,
+        metavar="N",
+        help=f"facts a step (default {defaults.batch_size})",
+    )
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=defaults.seed,
+        metavar="N",
+        help=f"the order of the facts (default {defaults.seed})",
+    )
+    p.add_argument("--threads", type=threads, metavar="N", help="torch threads (default: the idle cores)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_verify_option(p)
 
 
 def cmd_memorize(args: argparse.Namespace) -> int:
