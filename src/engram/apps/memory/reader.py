@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engram.apps.hf.corpus import read_documents
+from engram.apps.hf.corpus import read_corpus
 from engram.apps.hf.folder import load_engram_folder
 from engram.apps.hf.settings import check_out, partial_folder
 from engram.checkpoint.folder_lock import write_lock
@@ -30,24 +30,16 @@ MAX_TEXT_TOKENS = 1 << 20  # the text's first million tokens are plenty for a re
 
 
 def text_blocks(path: str | os.PathLike[str], tokenizer: Any, max_len: int | None) -> torch.Tensor:
-    """The text file (UTF-8, or JSONL with a "text" field, as `hf-eval --corpus` reads it) as int64 blocks
-    of `BLOCK_TOKENS` (fewer where the model's context is shorter), at most `MAX_TEXT_TOKENS` in all;
-    ValueError for a text shorter than one block."""
+    """The text file (UTF-8, or JSONL with a "text" field) as `hf-train` and `hf-eval` read a corpus
+    (`read_corpus`), in blocks of `BLOCK_TOKENS` (fewer where the model's context is shorter), the first
+    `MAX_TEXT_TOKENS` tokens' worth; ValueError for a text shorter than one block."""
     length = min(BLOCK_TOKENS, max_len or BLOCK_TOKENS)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    ids: list[int] = []
-    for doc in read_documents(path):
-        ids += tokenizer(doc[: MAX_TEXT_TOKENS * 8], add_special_tokens=False)["input_ids"]
-        if eos is not None:
-            ids.append(eos)
-        if len(ids) >= MAX_TEXT_TOKENS:
-            break
-    n = min(len(ids), MAX_TEXT_TOKENS) // length
-    if n == 0:
+    corpus = read_corpus(str(path), tokenizer, length, 0.0)
+    if corpus.train.shape[0] == 0:
         raise ValueError(
-            f"--text {path}: {len(ids)} tokens, fewer than one block of {length}; give more text"
+            f"--text {path}: {corpus.tokens} tokens, fewer than one block of {length}; give more text"
         )
-    return torch.tensor(ids[: n * length], dtype=torch.long).view(n, length)
+    return corpus.train[: MAX_TEXT_TOKENS // length]
 
 
 def train_reader_folder(
