@@ -179,6 +179,7 @@ class _Ctx:
     say: Callable[[str], None]
     progress: bool
     train_text: str = ""
+    train_fp: str = ""  # of train_text: in the readers' keys
     fresh: int = 0
     pilots: int = 0
 
@@ -378,8 +379,12 @@ def _run(
 def _reader_what(ctx: _Ctx, seed: int) -> dict[str, Any]:
     p = ctx.plan
     ids = reader_facts(len(ctx.records), p.reader_facts, 0, seed)  # the same for every size
-    text = hashlib.sha256(ctx.train_text.encode()).hexdigest()[:16]
-    return {"ids": ids, "settings": asdict(p.reader_settings(seed)), "text": text, "block": p.block_len}
+    return {
+        "ids": ids,
+        "settings": asdict(p.reader_settings(seed)),
+        "text": ctx.train_fp,
+        "block": p.block_len,
+    }
 
 
 def _reader(ctx: _Ctx, s: Subject, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -479,6 +484,7 @@ def run_memorize_study(
         held_text = held.read_text(encoding="utf-8")
         ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
         ctx.train_text = train.read_text(encoding="utf-8")
+        ctx.train_fp = hashlib.sha256(ctx.train_text.encode()).hexdigest()[:16]  # once, not a run at a time
         subjects, skipped = [], []
         left_out = [n for n in plan.facts if reader_facts(len(records), plan.reader_facts, n, 0) is None]
         if left_out:
