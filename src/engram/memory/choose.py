@@ -89,15 +89,19 @@ def fact_rows(
     *,
     common: dict[int, np.ndarray] | None = None,
     max_rows: int | None = None,
+    hashed: np.ndarray | None = None,
 ) -> dict[int, np.ndarray]:
     """{layer id: sorted unique rows} that carry `fact` (module docstring). A SUBJECT choice for a
-    fact without a subject falls back to ANSWER."""
+    fact without a subject falls back to ANSWER. `hashed`: `hasher.hash(fact.ids)`, where the caller
+    has it already."""
     choice = RowChoice(choice)
     c = hasher.config
-    rows = np.asarray(hasher.hash(np.asarray(fact.ids, dtype=np.int64)))  # (T, layers, heads)
+    if hashed is None:  # a caller choosing twice hashes once and passes it
+        hashed = np.asarray(hasher.hash(np.asarray(fact.ids, dtype=np.int64)))
+    rows = hashed  # (T, layers, heads)
     orders = 2 + np.arange(rows.shape[2]) // c.n_heads  # each head's n-gram order
     last = len(fact.ids) - 1  # the last target token predicts nothing
-    picked: list[tuple[int, int, int]] = []  # (rank, position, head): rank orders by nearness to the answer
+    picked: list[tuple[int, int, int, int]] = []  # (rank: the answer's first, -order, -position, head)
     answer = set(fact.answer_positions)
     for t in range(last):
         for h, n in enumerate(orders):

@@ -69,11 +69,15 @@ def choose_rows(
 ) -> ChosenRows:
     """Each fact's rows (`engram.memory.choose`), leaving out those facts with other `targets` share and
     those the `reference` token sequences read, at most `rows_per_fact` a layer."""
-    everything = [fact_rows(layers.hasher, f, choice) for f in encoded]
+    hashed = [np.asarray(layers.hasher.hash(np.asarray(f.ids, dtype=np.int64))) for f in encoded]
+    everything = [fact_rows(layers.hasher, f, choice, hashed=h) for f, h in zip(encoded, hashed, strict=True)]
     common = shared_rows(everything, list(targets))
     if reference:
         common = merge_rows(common, rows_read(layers.hasher, list(reference)))
-    per_fact = [fact_rows(layers.hasher, f, choice, common=common, max_rows=rows_per_fact) for f in encoded]
+    per_fact = [
+        fact_rows(layers.hasher, f, choice, common=common, max_rows=rows_per_fact, hashed=h)
+        for f, h in zip(encoded, hashed, strict=True)
+    ]
     rows = {
         lid: torch.from_numpy(np.unique(np.concatenate([pf[lid] for pf in per_fact])))
         for lid in layers.modules
