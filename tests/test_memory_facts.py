@@ -1,6 +1,7 @@
-"""The memory-patches study's shipped facts (`engram/apps/study/data/memory_facts.jsonl`): their shape,
-the constraints the study's scoring relies on (unique invented subjects, one target per prompt,
-neighbours that share no subject), and that `facts_gen.generate_facts` rewrites the file exactly."""
+"""The memory-patches study's shipped facts (`engram/apps/study/data/memory_facts.jsonl`, the 1,000 it
+writes, and `reader_facts.jsonl`, the 300 its readers train on), taken together: their shape, the
+constraints the study's scoring relies on (unique invented subjects across both files, one target per
+prompt, neighbours that share no subject), and that `facts_gen.generate_facts` rewrites both exactly."""
 
 from __future__ import annotations
 
@@ -15,14 +16,24 @@ from engram.apps.study import facts_gen
 KEYS = ["id", "subject", "relation", "prompt", "target", "paraphrases", "indirect", "neighbours"]
 
 
+def _read(name: str) -> str:
+    return (files("engram.apps.study") / "data" / name).read_text(encoding="ascii")
+
+
 @pytest.fixture(scope="module")
 def text() -> str:
-    return (files("engram.apps.study") / "data" / "memory_facts.jsonl").read_text(encoding="ascii")
+    return _read("memory_facts.jsonl")
 
 
 @pytest.fixture(scope="module")
-def records(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines()]
+def reader_text() -> str:
+    return _read("reader_facts.jsonl")
+
+
+@pytest.fixture(scope="module")
+def records(text: str, reader_text: str) -> list[dict]:
+    """Both files' records: the 1,000 written, then the 300 for readers."""
+    return [json.loads(line) for line in (text + reader_text).splitlines()]
 
 
 def pairs(rec: dict) -> list[tuple[str, str]]:
@@ -34,11 +45,13 @@ def pairs(rec: dict) -> list[tuple[str, str]]:
     ]
 
 
-def test_the_file_is_1000_ascii_json_lines(text, records):
-    assert text.isascii()
-    assert text.endswith("\n") and "\r" not in text
-    assert len(records) == 1000
-    assert [r["id"] for r in records] == [f"f{i:04d}" for i in range(1000)]
+def test_the_files_are_1000_and_300_ascii_json_lines(text, reader_text, records):
+    for t in (text, reader_text):
+        assert t.isascii()
+        assert t.endswith("\n") and "\r" not in t
+    assert len(text.splitlines()) == facts_gen.FACTS == 1000
+    assert len(reader_text.splitlines()) == facts_gen.READER_FACTS == 300
+    assert [r["id"] for r in records] == [f"f{i:04d}" for i in range(1300)]
 
 
 def test_record_shape(records):
@@ -122,9 +135,10 @@ def test_answers_come_from_the_curated_tables(records):
         assert pair in by_name[rec["relation"]], rec["id"]
 
 
-def test_generator_reproduces_the_file(text):
+def test_generator_reproduces_the_files(text, reader_text):
     assert facts_gen.facts_jsonl(facts_gen.generate_facts(1000)) == text
     assert "".join(json.dumps(r, ensure_ascii=True) + "\n" for r in facts_gen.generate_facts(1000)) == text
+    assert facts_gen.facts_jsonl(facts_gen.generate_facts(1300)[1000:]) == reader_text
 
 
 def test_smaller_n_is_a_prefix(records):

@@ -104,15 +104,26 @@ def test_every_model_arm_and_size_has_every_metric(study):
     assert (out / "memorize" / "memorize.png").stat().st_size > 1000
     assert json.loads((out / "memorize" / "results.json").read_text())["study"] == "memorize"
     assert len(r["findings"]["lose"]) == 8  # one line a model, size and patch arm, whatever it says
-    for m in ("hf", "demo"):  # the readers: trained on facts no run of the seed writes, once
+    for m in ("hf", "demo"):  # the readers: trained once a model, on the reader facts' first 4
         rd = by[m, 6, "reader-patch"]["reader"]
         assert rd == by[m, 3, "reader-patch"]["reader"] and rd["facts"] == 4
         assert len(rd["losses"]) == PLAN.reader_passes and np.isfinite(rd["held_out_loss"])
         assert len(rd["text_losses"]) == PLAN.reader_passes
-    ids = MR.reader_facts(1000, 4, 6, 0)
-    assert ids is not None and not set(ids) & set(MA.fact_subset(1000, 6, 0))
-    assert MR.reader_facts(1000, 300, 1000, 0) is None
+        own = by[m, 6, "reader-patch"]["locality"]
+        assert own["base_loss"] == pytest.approx(rd["held_out_loss"])  # written for the reader model
     assert "### The readers (reader-patch)" in report and "| 6 reader-patch |" in report
+
+
+def test_reader_facts_must_be_apart_from_the_written_ones():
+    written = SM.read_records(SM.FACTS_PATH)
+    readers = SM.read_records(SM.READER_FACTS_PATH)
+    MR.check_apart(written, readers, "shipped")  # the shipped files are apart
+    same = {**readers[0], "subject": written[0]["subject"].upper()}  # case aside, the same person
+    with pytest.raises(ValueError, match=rf"reader fact f1000 shares its subject \('{same['subject']}'\)"):
+        MR.check_apart(written, [same], "x")
+    twin = {**readers[0], "prompt": written[3]["prompt"]}
+    with pytest.raises(ValueError, match="shares its prompt"):
+        MR.check_apart(written, [twin], "x")
 
 
 def test_held_out_positions_before_the_first_patched_row_are_bit_equal(study, folder, corpus):

@@ -6,7 +6,10 @@ real general knowledge (a city, a language, an instrument, ...), so an indirect 
 whether the written fact combines with what the model already knows. Every record has the direct
 cloze prompt, two paraphrases, one indirect question and two neighbour prompts that must not change.
 Deterministic (one `random.Random(0)`, stdlib only): `python -m engram.apps.study.facts_gen`
-rewrites the shipped file, and `generate_facts(n)` is the first n records of `generate_facts(1000)`.
+rewrites the shipped files, and `generate_facts(n)` is the first n records of `generate_facts(1300)`.
+The study writes facts from the first 1,000 (`data/memory_facts.jsonl`); the next 300
+(`data/reader_facts.jsonl`, other subjects) are what its reader-patch arm trains the readers on, so one
+set of readers serves every seed and size, up to all 1,000 facts.
 """
 
 from __future__ import annotations
@@ -19,9 +22,22 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-__all__ = ["FACTS_PATH", "RELATIONS", "Relation", "facts_jsonl", "generate_facts", "main"]
+__all__ = [
+    "FACTS",
+    "FACTS_PATH",
+    "READER_FACTS",
+    "READER_FACTS_PATH",
+    "RELATIONS",
+    "Relation",
+    "facts_jsonl",
+    "generate_facts",
+    "main",
+]
 
 FACTS_PATH = Path(__file__).with_name("data") / "memory_facts.jsonl"
+READER_FACTS_PATH = Path(__file__).with_name("data") / "reader_facts.jsonl"
+FACTS = 1000  # in FACTS_PATH: the facts the study writes
+READER_FACTS = 300  # in READER_FACTS_PATH: the next ones, for training readers
 
 # Invented names: pronounceable, not real words and not famous people. Subjects are every pairing of
 # a given and a family name; the neighbours' invented people come from pools of their own, so that no
@@ -578,10 +594,13 @@ def facts_jsonl(records: Iterable[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    """Rewrite the shipped `data/memory_facts.jsonl` (1000 facts)."""
+    """Rewrite the shipped `data/memory_facts.jsonl` (the first 1,000 facts) and `data/reader_facts.jsonl`
+    (the next 300)."""
+    records = generate_facts(FACTS + READER_FACTS)
     FACTS_PATH.parent.mkdir(exist_ok=True)
-    with open(FACTS_PATH, "w", encoding="ascii", newline="\n") as f:
-        f.write(facts_jsonl(generate_facts(1000)))
+    for path, part in ((FACTS_PATH, records[:FACTS]), (READER_FACTS_PATH, records[FACTS:])):
+        with open(path, "w", encoding="ascii", newline="\n") as f:
+            f.write(facts_jsonl(part))
 
 
 if __name__ == "__main__":

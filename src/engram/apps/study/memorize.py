@@ -29,14 +29,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engram.apps.study.facts_gen import FACTS_PATH
+from engram.apps.study.facts_gen import FACTS_PATH, READER_FACTS_PATH
 from engram.apps.study.memorize_arms import (
     LORA_RANKS,
     answers,
@@ -58,7 +58,7 @@ from engram.apps.study.memorize_models import (
     hf_subject,
 )
 from engram.apps.study.memorize_probes import locality, position_losses
-from engram.apps.study.memorize_reader import reader_facts, reader_model, text_blocks
+from engram.apps.study.memorize_reader import check_apart, reader_model, text_blocks
 from engram.apps.study.memorize_report import summarize, write_report
 from engram.apps.study.pretrained import pretrained_plan, write_corpus
 from engram.apps.study.pretrained_report import read_record, write_atomic
@@ -85,8 +85,9 @@ class MemorizePlan:
     """The study's settings. Every trained arm: `steps` passes over the facts in batches of
     `batch_size` (memorize's defaults), Adam; LoRA and the last layer at the lr of `lora_lrs` /
     `layer_lrs` that the pilot (seed 0, each facts size up to `pilot_max_facts`; larger sizes take
-    the largest piloted size's) found lowest in final training loss. The reader-patch arm's readers:
-    `reader_facts` facts no run of the seed writes, `reader_passes` passes at `reader_lr` with the
+    the largest piloted size's) found lowest in final training loss. The reader-patch arm's readers,
+    trained once a model and used by every seed and size: the first `reader_facts` facts of the reader
+    facts file (other subjects than any written fact), `reader_passes` passes at `reader_lr` with the
     training text's LM loss at `reader_text_weight` (0 facts: the arm is left out)."""
 
     facts: tuple[int, ...] = (10, 100, 1000)
@@ -105,6 +106,7 @@ class MemorizePlan:
     reader_passes: int = ReaderSettings.passes
     reader_lr: float = ReaderSettings.lr
     reader_text_weight: float = ReaderSettings.text_weight
+    reader_seed: int = 0  # the readers' pass order (trained once: not the run's seed)
 
     def __post_init__(self) -> None:
         sizes = self.facts
@@ -132,13 +134,13 @@ class MemorizePlan:
             if not lrs or any(isinstance(v, bool) or not 0 < v < math.inf for v in lrs):
                 raise ValueError(f"{name}={lrs!r}: give one or more finite learning rates > 0")
 
-    def reader_settings(self, seed: int = 0) -> ReaderSettings:
+    def reader_settings(self) -> ReaderSettings:
         return ReaderSettings(
             passes=self.reader_passes,
             lr=self.reader_lr,
             text_weight=self.reader_text_weight,
             batch_size=self.batch_size,
-            seed=seed,
+            seed=self.reader_seed,
         )
 
 
@@ -178,6 +180,8 @@ class _Ctx:
     facts_fp: str
     say: Callable[[str], None]
     progress: bool
+    reader_records: list[dict[str, Any]] = field(default_factory=list)  # the readers' facts
+    reader_fp: str = ""  # of their file: in the readers' keys
     train_text: str = ""
     train_fp: str = ""  # of train_text: in the readers' keys
     fresh: int = 0
@@ -284,7 +288,7 @@ def _run(
     if arm in PATCH_ARMS and p.patch_rows != MemorizeSettings.rows_per_fact:
         train["rows"] = p.patch_rows  # (the default's runs keep the keys they were cached under)
     if arm == "reader-patch":
-        train["reader"] = _reader_what(ctx, seed)
+        train["reader"] = _reader_what(ctx)
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
     path = ctx.out / "runs" / f"memorize-{key}.json"
     rec = read_record(path, _VERSION)
@@ -309,7 +313,7 @@ def _run(
     elif arm in PATCH_ARMS:
         model = s.model
         if arm == "reader-patch":  # readers trained once on other facts (the answers' base: the model before)
-            model, reader = _reader(ctx, s, seed)
+            model, reader = _reader(ctx, s)
             f = s.logits(model)
             extra["reader"] = reader
         settings = MemorizeSettings(
@@ -376,24 +380,23 @@ def _run(
     return {**rec, "cached": False}
 
 
-def _reader_what(ctx: _Ctx, seed: int) -> dict[str, Any]:
+def _reader_what(ctx: _Ctx) -> dict[str, Any]:
     p = ctx.plan
-    ids = reader_facts(len(ctx.records), p.reader_facts, 0, seed)  # the same for every size
     return {
-        "ids": ids,
-        "settings": asdict(p.reader_settings(seed)),
+        "facts": [ctx.reader_fp, len(ctx.reader_records)],
+        "settings": asdict(p.reader_settings()),
         "text": ctx.train_fp,
         "block": p.block_len,
     }
 
 
-def _reader(ctx: _Ctx, s: Subject, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model with the seed's trained readers (`memorize_reader`) and their record."""
-    p, what = ctx.plan, _reader_what(ctx, seed)
-    path = ctx.out / "runs" / f"memorize-reader-{_key(ctx, s, {'arm': 'reader', 'seed': seed, **what})}.json"
+def _reader(ctx: _Ctx, s: Subject) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model with its trained readers (`memorize_reader`; once a model) and their record."""
+    p, what = ctx.plan, _reader_what(ctx)
+    path = ctx.out / "runs" / f"memorize-reader-{_key(ctx, s, {'arm': 'reader', **what})}.json"
     blocks = text_blocks(s, ctx.train_text, p.block_len)
     with _passes(ctx, "readers", p.reader_passes) as tick:
-        return reader_model(s, ctx.records, what["ids"], p.reader_settings(seed), blocks, path, ctx.say, tick)
+        return reader_model(s, ctx.reader_records, p.reader_settings(), blocks, path, ctx.say, tick)
 
 
 def _lrs(ctx: _Ctx, s: Subject) -> tuple[dict[tuple[str, int], float], list[dict[str, Any]]]:
@@ -428,8 +431,8 @@ def _study(
     for n in p.facts:
         for seed in seeds:
             for arm in ARMS:
-                if arm == "reader-patch" and reader_facts(len(ctx.records), p.reader_facts, n, seed) is None:
-                    continue  # no facts left to train readers on (run_memorize_study says so)
+                if arm == "reader-patch" and not ctx.reader_records:
+                    continue  # reader_facts 0 (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
                 runs.append(_run(ctx, s, base, arm, n, seed, lr))
     return runs, pilots, base["held_out_loss"]
@@ -451,13 +454,17 @@ def run_memorize_study(
     command: str = "engram study memorize",
     plan: MemorizePlan | None = None,
     facts_path: str | os.PathLike[str] | None = None,
+    reader_facts_path: str | os.PathLike[str] | None = None,
     demo_config: Any = None,
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
     device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Run (or take from `<out_dir>/runs/`) every model x facts size x seed x arm; write
-    `<out_dir>/memorize/`: report.md, results.json, memorize.png. `device`: where an Engram base the
-    study trains itself is trained (default: the GPU when there is one); everything else on the CPU."""
+    `<out_dir>/memorize/`: report.md, results.json, memorize.png. `facts_path`: the facts written
+    (default the shipped 1,000); `reader_facts_path`: the reader-patch arm's readers' (default the
+    shipped 300; refused where one shares a subject or prompt with a written fact). `device`: where an
+    Engram base the study trains itself is trained (default: the GPU when there is one); everything else
+    on the CPU."""
     import transformers.utils.logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -483,15 +490,21 @@ def run_memorize_study(
         train, held, corpus_info = write_corpus(out / STUDY, corpus, pretrained_plan(quick))
         held_text = held.read_text(encoding="utf-8")
         ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
+        if plan.reader_facts:
+            rpath = Path(reader_facts_path or READER_FACTS_PATH)
+            readers = read_records(rpath)
+            if len(readers) < plan.reader_facts:
+                raise ValueError(
+                    f"reader_facts {plan.reader_facts}: {rpath} holds {len(readers)} facts; give at most that many"
+                )
+            ctx.reader_records = readers[: plan.reader_facts]
+            check_apart(records, ctx.reader_records, str(rpath))
+            ctx.reader_fp = hashlib.sha256(rpath.read_bytes()).hexdigest()[:16]
         ctx.train_text = train.read_text(encoding="utf-8")
         ctx.train_fp = hashlib.sha256(ctx.train_text.encode()).hexdigest()[:16]  # once, not a run at a time
         subjects, skipped = [], []
-        left_out = [n for n in plan.facts if reader_facts(len(records), plan.reader_facts, n, 0) is None]
-        if left_out:
-            skipped.append(
-                f"reader-patch at {', '.join(f'{n:,}' for n in left_out)} facts: no {plan.reader_facts} facts left "
-                f"beside them of the {len(records):,} to train readers on (or reader_facts 0): left out"
-            )
+        if not plan.reader_facts:
+            skipped.append("reader-patch: reader_facts 0 (no readers trained): left out")
         folder, how = hf_folder(out, model, train, quick=quick, progress=progress, say=say, device=device)
         subjects.append(hf_subject(folder, how, held_text, plan.held_tokens, plan.block_len))
         if demo:

@@ -27,6 +27,7 @@ METRICS: tuple[tuple[str, str, bool, str], ...] = (
     ("train_seconds", "train s", False, ".1f"),
 )
 LOCALITY = (
+    "own_delta",  # the patch's own change of the held-out loss (against the model it was written for)
     "rows",
     "hits_per_1000",
     "hit_abs_change",
@@ -79,7 +80,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 for key, *_ in METRICS:
                     s[key] = _ms([r["metrics"][key] for r in recs])
                 if arm in _PATCHES:
-                    s["locality"] = {k: _ms([r["locality"][k] for r in recs]) for k in LOCALITY}
+                    s["locality"] = {k: _ms([_loc(r, k) for r in recs]) for k in LOCALITY}
                     s["locality"]["before_first_hit_total"] = sum(
                         r["locality"]["before_first_hit"] for r in recs
                     )
@@ -90,6 +91,14 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     out = {"summary": summary}
     out["findings"] = findings({**results, **out})
     return out
+
+
+def _loc(r: dict[str, Any], key: str) -> float | None:
+    """A patch run's locality number; `own_delta`: its held-out loss change against the model it was
+    written for (the reader model, for reader-patch), which `held_out_delta` measures from the model
+    as it was."""
+    loc = r["locality"]
+    return loc["held_out_loss"] - loc["base_loss"] if key == "own_delta" else loc[key]
 
 
 def _v(x: dict[str, float | None], fmt: str) -> str:
@@ -191,15 +200,16 @@ def table_lines(results: dict[str, Any], key: str) -> list[str]:
 
 def _locality_lines(results: dict[str, Any], key: str) -> list[str]:
     lines = [
-        "| facts, arm | rows written | held-out positions reading one, per 1,000 | mean abs. Δ loss there | mean Δ loss "
-        "there | mean abs. Δ loss after the first, elsewhere | positions before the first (all seeds) | bit-equal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| facts, arm | Δ held-out loss, the patch's own | rows written | held-out positions reading one, per 1,000 | "
+        "mean abs. Δ loss there | mean Δ loss there | mean abs. Δ loss after the first, elsewhere | positions "
+        "before the first (all seeds) | bit-equal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in results["summary"]:
         if s["model"] == key and s["arm"] in _PATCHES:
             loc = s["locality"]
             lines.append(
-                f"| {s['n']:,} {s['arm']} | {_vs(loc['rows'], ',.0f')} | {_vs(loc['hits_per_1000'], '.1f')} | "
+                f"| {s['n']:,} {s['arm']} | {_vs(loc['own_delta'], '+.4f')} | {_vs(loc['rows'], ',.0f')} | {_vs(loc['hits_per_1000'], '.1f')} | "
                 f"{_vs(loc['hit_abs_change'], '.4f')} | {_vs(loc['hit_change'], '+.4f')} | "
                 f"{_vs(loc['later_abs_change'], '.5f')} | {loc['before_first_hit_total']:,} | {loc['bit_equal_total']:,} |"
             )
@@ -207,27 +217,30 @@ def _locality_lines(results: dict[str, Any], key: str) -> list[str]:
 
 
 def _reader_lines(results: dict[str, Any], m: dict[str, Any]) -> list[str]:
-    """The reader-patch arm's readers, a line per seed: what they trained on and what they cost."""
-    seen: dict[int, dict[str, Any]] = {}
-    for r in results["runs"]:
-        if r["model"] == m["key"] and r["arm"] == "reader-patch" and "reader" in r:
-            seen.setdefault(r["seed"], r["reader"])
-    if not seen:
+    """The reader-patch arm's readers (trained once a model): what they trained on and what they cost."""
+    rd = next(
+        (
+            r["reader"]
+            for r in results["runs"]
+            if r["model"] == m["key"] and r["arm"] == "reader-patch" and "reader" in r
+        ),
+        None,
+    )
+    if rd is None:
         return []
-    lines = ["### The readers (reader-patch)", ""]
-    for seed, rd in sorted(seen.items()):
-        text = (
-            f", text loss {rd['text_losses'][0]:.3f} -> {rd['text_losses'][-1]:.3f}"
-            if rd["text_losses"]
-            else ""
-        )
-        lines.append(
-            f"- seed {seed}: trained on {rd['facts']:,} other facts, {len(rd['losses'])} passes, {rd['seconds']:.0f} s "
-            f"(once for every patch); their facts' loss {rd['losses'][0]:.3f} -> {rd['losses'][-1]:.3f}{text}; "
-            f"held-out loss with the readers {rd['held_out_loss']:.4f} "
-            f"({rd['held_out_loss'] - m['base_held_out_loss']:+.4f} against the model as it was)"
-        )
-    return [*lines, ""]
+    text = (
+        f", text loss {rd['text_losses'][0]:.3f} -> {rd['text_losses'][-1]:.3f}" if rd["text_losses"] else ""
+    )
+    return [
+        "### The readers (reader-patch)",
+        "",
+        f"Trained once on {rd['facts']:,} facts of their own (other subjects than any written fact), "
+        f"{len(rd['losses'])} passes, {rd['seconds']:.0f} s, and used by every seed and size; their facts' loss "
+        f"{rd['losses'][0]:.3f} -> {rd['losses'][-1]:.3f}{text}; held-out loss with the readers "
+        f"{rd['held_out_loss']:.4f} ({rd['held_out_loss'] - m['base_held_out_loss']:+.4f} against the model as it "
+        "was).",
+        "",
+    ]
 
 
 def readme_row(results: dict[str, Any]) -> str:
