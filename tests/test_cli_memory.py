@@ -125,7 +125,7 @@ def test_memorize_writes_a_patch_that_load_patch_reads(root, folder, capsys):
     assert r["loss"] < r["loss_first"] and r["steps"] == 8 and r["fingerprint"] == p.fingerprint
     assert (
         r["settings"]["rows"] == "both"
-        and r["settings"]["rows_per_fact"] == MemorizeSettings().rows_per_fact == 16
+        and r["settings"]["rows_per_fact"] == MemorizeSettings().rows_per_fact == 32
     )
     # the text summary: one line naming the file, the facts, rows, bytes and the loss
     out2 = root / "two.safetensors"

@@ -260,7 +260,7 @@ def register(sub: Any) -> None:
         "--rows-per-fact",
         type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),
         metavar="N",
-        help="memorize: rows a layer a fact of both patch arms, or 'all' (default 16, as engram memorize)",
+        help="memorize: rows a layer a fact of both patch arms, or 'all' (default 32, as engram memorize)",
     )
     p.add_argument(
         "--facts",

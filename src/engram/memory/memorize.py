@@ -70,7 +70,7 @@ class MemorizeSettings:
     """
 
     choice: RowChoice = RowChoice.BOTH
-    rows_per_fact: int | None = 16
+    rows_per_fact: int | None = 32
     steps: int = 30
     lr: float = 1.0  # large: a trained reader maps rows to values through small weights (docs/memory.md)
     batch_size: int = 32

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engram.addressing.hashing import NgramHasher
-from engram.apps.hf.folder import RUN_FILE, check_folder, load_model, load_tokenizer, model_depth
+from engram.apps.hf.folder import RUN_FILE, check_folder, load_engram_folder, load_model, model_depth
 from engram.apps.hf.train import (
     HFTrainSettings,
     TrainMode,
@@ -252,8 +252,10 @@ def _hf_name(folder: str) -> str:
 
 
 def hf_subject(folder: str, how: str, held: str, tokens: int, block_len: int) -> Subject:
-    tok = load_tokenizer(folder)
-    model = load_model(folder, tokenizer=tok).eval()
+    """An HF Engram folder as the study's subject, its tables in memory (FP8 ones too: patches write
+    rows, `engram memorize` loads it so)."""
+    model, tok = load_engram_folder(folder)
+    model.eval()
     max_len = getattr(model.config, "max_position_embeddings", None) or block_len
     fp = _fingerprint(Path(folder))
     s = Subject("hf", _hf_name(folder), folder, how, model, tok, None, fp, max_len)
