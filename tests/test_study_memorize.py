@@ -223,6 +223,26 @@ def test_cli_refusals(folder, tmp_path, capsys):
     assert "holds 1000 facts" in refused("memorize", "--quick", "--facts", "2000", "--model", str(folder))
     assert "drop --size" in refused("memorize", "--quick", "--size", "tiny")
     assert "no such folder" in refused("memorize", "--quick", "--model", str(tmp_path / "none"))
+    assert "'lora' is not an arm" in refused(
+        "memorize", "--quick", "--arms", "patch,lora", "--model", str(folder)
+    )
+    assert "drop --arms" in refused("memory", "--quick", "--arms", "patch")
+
+
+def test_a_subset_of_arms_runs_those_alone(study, folder, corpus, demo_cfg):
+    """--arms patch,in-prompt: those and none, from the full run's cache (nothing trained again)."""
+    out, full = study
+    r = _study(
+        out,
+        folder,
+        corpus,
+        demo_cfg,
+        plan=SM.MemorizePlan(**{**PLAN.__dict__, "arms": ("in-prompt", "patch")}),
+    )
+    assert r["arms"] == ["none", "patch", "in-prompt"] and r["new_runs"] == 0 and r["pilot"] == []
+    assert {x["arm"] for x in r["runs"]} == {"none", "patch", "in-prompt"}
+    want = {(x["model"], x["n"], x["arm"]): x["metrics"] for x in full["runs"]}
+    assert all(x["metrics"] == want[x["model"], x["n"], x["arm"]] for x in r["runs"])
 
 
 @pytest.mark.slow  # over 10 s: in .ci/run's slow step
@@ -242,7 +262,7 @@ def test_a_plain_folder_gets_engram_trained_as_the_pretrained_arm(corpus, tmp_pa
 
 
 def test_the_patch_arms_rows_a_fact_key_their_runs_only_when_not_the_default():
-    assert SM.MemorizePlan().patch_rows == 16
+    assert SM.MemorizePlan().patch_rows == 32 == SM.MemorizeSettings.rows_per_fact
     with pytest.raises(ValueError, match="patch_rows"):
         SM.MemorizePlan(patch_rows=0)
     assert SM.MemorizePlan(patch_rows=None).patch_rows is None  # every chosen row

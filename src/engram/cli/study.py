@@ -27,7 +27,13 @@ from engram.device import Precision
 __all__ = ["register"]
 
 CHOICES = ("memory", "ablations", "baselines", "allocation", "optimizers", "all", "pretrained", "memorize")
-_MEMORIZE_ONLY = ("demo_run", "facts", "no_demo", "rows_per_fact")  # the options only `study memorize` takes
+_MEMORIZE_ONLY = (
+    "arms",
+    "demo_run",
+    "facts",
+    "no_demo",
+    "rows_per_fact",
+)  # the options only `study memorize` takes
 
 
 def cmd_pretrained(args: argparse.Namespace, command: str, device: torch.device, precision: Precision) -> int:
@@ -104,6 +110,8 @@ def cmd_memorize(args: argparse.Namespace, command: str, device: torch.device, p
     plan = memorize_plan(args.quick, args.steps, args.facts)
     if args.rows_per_fact is not None:  # "all" comes as 0: every chosen row
         plan = replace(plan, patch_rows=args.rows_per_fact or None)
+    if args.arms is not None:
+        plan = replace(plan, arms=args.arms)
     results = run_memorize_study(
         args.out,
         plan=plan,
@@ -261,6 +269,13 @@ def register(sub: Any) -> None:
         type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),
         metavar="N",
         help="memorize: rows a layer a fact of both patch arms, or 'all' (default 32, as engram memorize)",
+    )
+    p.add_argument(
+        "--arms",
+        type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+        metavar="ARM,ARM,...",
+        help="memorize: the arms to run (default all: none, patch, reader-patch, lora-r1, lora-r8, last-layer, "
+        "in-prompt; none is always measured)",
     )
     p.add_argument(
         "--facts",

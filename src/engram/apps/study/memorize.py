@@ -107,8 +107,16 @@ class MemorizePlan:
     reader_lr: float = ReaderSettings.lr
     reader_text_weight: float = ReaderSettings.text_weight
     reader_seed: int = 0  # the readers' pass order (trained once: not the run's seed)
+    arms: tuple[str, ...] = ARMS  # the arms run (a subset of ARMS; `none` is always measured)
 
     def __post_init__(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad or not self.arms:
+            raise ValueError(
+                f"--arms {','.join(self.arms)}: {'no arm' if not bad else repr(bad[0]) + ' is not an arm'}; give "
+                f"one or more of {', '.join(ARMS)}"
+            )
+        object.__setattr__(self, "arms", tuple(a for a in ARMS if a in self.arms or a == "none"))
         sizes = self.facts
         if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
             raise ValueError(f"--facts {sizes!r}: give one or more whole numbers >= 1, e.g. 10,100,1000")
@@ -405,7 +413,7 @@ def _lrs(ctx: _Ctx, s: Subject) -> tuple[dict[tuple[str, int], float], list[dict
     piloted = [n for n in p.facts if n <= p.pilot_max_facts] or [min(p.facts)]
     lrs: dict[tuple[str, int], float] = {}
     pilots: list[dict[str, Any]] = []
-    for arm in ("lora-r1", "lora-r8", "last-layer"):
+    for arm in [a for a in ("lora-r1", "lora-r8", "last-layer") if a in p.arms]:
         grid = p.lora_lrs if arm in LORA_RANKS else p.layer_lrs
         for n in piloted:
             if len(grid) == 1:
@@ -430,7 +438,7 @@ def _study(
     runs = []
     for n in p.facts:
         for seed in seeds:
-            for arm in ARMS:
+            for arm in p.arms:
                 if arm == "reader-patch" and not ctx.reader_records:
                     continue  # reader_facts 0 (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
@@ -537,7 +545,7 @@ def run_memorize_study(
             **corpus_info,
             "models": models,
             "skipped": skipped,
-            "arms": list(ARMS),
+            "arms": list(plan.arms),
             "pilot": pilots,
             "runs": runs,
             "new_runs": ctx.fresh,
