@@ -227,6 +227,20 @@ def test_cli_refusals(folder, tmp_path, capsys):
         "memorize", "--quick", "--arms", "patch,lora", "--model", str(folder)
     )
     assert "drop --arms" in refused("memory", "--quick", "--arms", "patch")
+    assert "drop --report-only" in refused("memory", "--quick", "--report-only")
+
+
+def test_report_only_reports_the_runs_made_and_lists_the_rest(study, folder, corpus, demo_cfg):
+    """report_only with a size never run: the runs made are reported as they were, the others listed."""
+    out, full = study
+    plan = SM.MemorizePlan(**{**PLAN.__dict__, "facts": (3, 6, 7)})
+    r = _study(out, folder, corpus, demo_cfg, plan=plan, report_only=True)
+    assert r["new_runs"] == 0 and {x["n"] for x in r["runs"] if x["arm"] != "none"} == {3, 6}
+    want = {(x["model"], x["n"], x["arm"]): x["metrics"] for x in full["runs"]}
+    assert all(x["metrics"] == want[x["model"], x["n"], x["arm"]] for x in r["runs"] if x["n"] != 7)
+    assert any(
+        s.startswith("12 runs not made yet (report only): tiny-engram, patch, 7 facts") for s in r["skipped"]
+    )
 
 
 def test_a_subset_of_arms_runs_those_alone(study, folder, corpus, demo_cfg):

@@ -32,6 +32,7 @@ _MEMORIZE_ONLY = (
     "demo_run",
     "facts",
     "no_demo",
+    "report_only",
     "rows_per_fact",
 )  # the options only `study memorize` takes
 
@@ -126,6 +127,7 @@ def cmd_memorize(args: argparse.Namespace, command: str, device: torch.device, p
         threads=set_threads(args),
         progress=not args.no_progress,
         command=command or f"engram study memorize --out {shlex.quote(args.out)}",
+        report_only=args.report_only,
         device=device,
     )
     report = Path(args.out) / "memorize" / "report.md"
@@ -264,6 +266,11 @@ def register(sub: Any) -> None:
         "into <out>/runs/, --quick the tiny one)",
     )
     p.add_argument("--no-demo", action="store_true", help="memorize: leave the demo LM out")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="memorize: the report of the runs already made under --out; the others are listed, not run",
+    )
     p.add_argument(
         "--rows-per-fact",
         type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),

@@ -190,6 +190,8 @@ class _Ctx:
     progress: bool
     reader_records: list[dict[str, Any]] = field(default_factory=list)  # the readers' facts
     reader_fp: str = ""  # of their file: in the readers' keys
+    report_only: bool = False  # runs not made yet are listed in `missing`, not made
+    missing: list[str] = field(default_factory=list)
     train_text: str = ""
     train_fp: str = ""  # of train_text: in the readers' keys
     fresh: int = 0
@@ -286,8 +288,9 @@ def _pilot(ctx: _Ctx, s: Subject, arm: str, n: int) -> list[dict[str, Any]]:
 
 def _run(
     ctx: _Ctx, s: Subject, base: dict[str, Any], arm: str, n: int, seed: int, lr: float | None
-) -> dict[str, Any]:
-    """One (model, arm, n, seed) record: from the cache, or trained and measured now."""
+) -> dict[str, Any] | None:
+    """One (model, arm, n, seed) record: from the cache, or trained and measured now (None: not made
+    yet, and `ctx.report_only`)."""
     p = ctx.plan
     ids = fact_subset(len(ctx.records), n, seed)
     if arm == "none":
@@ -302,6 +305,9 @@ def _run(
     rec = read_record(path, _VERSION)
     if rec is not None:
         return {**rec, "cached": True}
+    if ctx.report_only:
+        ctx.missing.append(f"{s.name}, {arm}, {n:,} facts, seed {seed}")
+        return None
     ctx.say(f"{s.name}: {arm}, {n} facts, seed {seed}" + (f", lr {lr:g}" if lr else ""))
     recs = [ctx.records[i] for i in ids]
     facts = [to_learn(r) for r in recs]
@@ -442,7 +448,9 @@ def _study(
                 if arm == "reader-patch" and not ctx.reader_records:
                     continue  # reader_facts 0 (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
-                runs.append(_run(ctx, s, base, arm, n, seed, lr))
+                r = _run(ctx, s, base, arm, n, seed, lr)
+                if r is not None:
+                    runs.append(r)
     return runs, pilots, base["held_out_loss"]
 
 
@@ -463,6 +471,7 @@ def run_memorize_study(
     plan: MemorizePlan | None = None,
     facts_path: str | os.PathLike[str] | None = None,
     reader_facts_path: str | os.PathLike[str] | None = None,
+    report_only: bool = False,
     demo_config: Any = None,
     say: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
     device: torch.device | None = None,
@@ -470,7 +479,9 @@ def run_memorize_study(
     """Run (or take from `<out_dir>/runs/`) every model x facts size x seed x arm; write
     `<out_dir>/memorize/`: report.md, results.json, memorize.png. `facts_path`: the facts written
     (default the shipped 1,000); `reader_facts_path`: the reader-patch arm's readers' (default the
-    shipped 300; refused where one shares a subject or prompt with a written fact). `device`: where an
+    shipped 300; refused where one shares a subject or prompt with a written fact). `report_only`: the
+    report of the runs already made (the untrained model's answers are still measured); the others are
+    listed under "skipped", not run. `device`: where an
     Engram base the study trains itself is trained (default: the GPU when there is one); everything else
     on the CPU."""
     import transformers.utils.logging as hf_logging
@@ -498,6 +509,7 @@ def run_memorize_study(
         train, held, corpus_info = write_corpus(out / STUDY, corpus, pretrained_plan(quick))
         held_text = held.read_text(encoding="utf-8")
         ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
+        ctx.report_only = report_only
         if plan.reader_facts:
             rpath = Path(reader_facts_path or READER_FACTS_PATH)
             readers = read_records(rpath)
@@ -534,6 +546,9 @@ def run_memorize_study(
                 "held_out_tokens": int(s.held.numel()), "block_len": int(s.held.shape[1]),
                 "base_held_out_loss": base_loss,
             })  # fmt: skip
+        if ctx.missing:
+            shown = "; ".join(ctx.missing[:6]) + ("; ..." if len(ctx.missing) > 6 else "")
+            skipped.append(f"{len(ctx.missing)} runs not made yet (report only): {shown}")
         results = {
             "study": STUDY,
             "command": command,
