@@ -286,3 +286,31 @@ def test_facts_subsets_nest_and_differ_by_seed():
     a, b = SM.fact_subset(1000, 10, 0), SM.fact_subset(1000, 100, 0)
     assert b[:10] == a and len(set(b)) == 100 and SM.fact_subset(1000, 10, 1) != a
     assert SM.memorize_plan(quick=True, steps=3, facts=[100, 10]).facts == (10, 100)
+
+
+def test_a_single_seed_shows_no_spread_and_is_noted():
+    """Sizes run with one seed of several (the 1,000 facts of a study run in pieces): the mean alone."""
+    from engram.apps.study.memorize_report import LOCALITY, summarize, table_lines
+
+    def run(arm: str, seed: int, recall: float) -> dict:
+        m = {k: 0.5 for k, *_ in METRICS} | {"direct_recall": recall}
+        loc = {k: 1.0 for k in LOCALITY if k != "own_delta"} | {"held_out_loss": 3.0, "base_loss": 2.5}
+        return {"model": "hf", "n": 9, "arm": arm, "seed": seed, "lr": None, "metrics": m, "locality": loc}
+
+    results = {
+        "models": [{"key": "hf", "name": "tiny"}],
+        "plan": {"facts": [9]},
+        "arms": ["patch", "lora-r1"],
+        "seeds": [0, 1],
+        "pilot": [],
+        "runs": [run("patch", 0, 0.25), run("lora-r1", 0, 0.5), run("lora-r1", 1, 0.75)],
+    }
+    results.update(summarize(results))
+    rows = "\n".join(table_lines(results, "hf"))
+    assert "| 9 | patch | - | 0.250 |" in rows and "| 9 | lora-r1 | - | 0.625 ± 0.177 |" in rows
+    patch = next(s for s in results["summary"] if s["arm"] == "patch")
+    assert patch["locality"]["own_delta"] == {"mean": 0.5, "spread": None}
+    assert (
+        "tiny, 9 facts, patch: one seed at this size, so any difference counts there."
+        in results["findings"]["notes"]
+    )

@@ -54,7 +54,8 @@ def _ms(xs: list[float | None]) -> dict[str, float | None]:
     v = [x for x in xs if x is not None]
     if not v:
         return {"mean": None, "spread": None}
-    return {"mean": statistics.fmean(v), "spread": statistics.stdev(v) if len(v) > 1 else 0.0}
+    # one seed: no spread (None), shown as the mean alone and counted as 0 in comparisons
+    return {"mean": statistics.fmean(v), "spread": statistics.stdev(v) if len(v) > 1 else None}
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +109,9 @@ def _v(x: dict[str, float | None], fmt: str) -> str:
 def _vs(x: dict[str, float | None], fmt: str) -> str:
     if x["mean"] is None:
         return "-"
-    return f"{format(x['mean'], fmt)} ± {format(x['spread'] or 0.0, fmt.lstrip('+'))}"
+    if x["spread"] is None:
+        return format(x["mean"], fmt)
+    return f"{format(x['mean'], fmt)} ± {format(x['spread'], fmt.lstrip('+'))}"
 
 
 def _name(results: dict[str, Any], key: str) -> str:
@@ -157,6 +160,8 @@ def findings(results: dict[str, Any]) -> dict[str, list[str]]:
                 if ws:
                     won.append(f"{arm} on {', '.join(ws)}")
             where = f"{m['name']}, {n} facts, {patch}"
+            if not one_seed and p["direct_recall"]["spread"] is None:
+                notes.append(f"{where}: one seed at this size, so any difference counts there.")
             lose.append(
                 f"{where}: the patch loses to {'; to '.join(lost)}."
                 if lost
@@ -353,6 +358,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             f"loss {m['base_held_out_loss']:.4f} nats/token.",
             "",
             *table_lines(results, m["key"]),
+            "",
+            "Mean ± the seed spread (standard deviation); a value without one is a single seed's.",
             "",
             "### Locality of the patches",
             "",
