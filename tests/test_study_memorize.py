@@ -275,7 +275,7 @@ def test_a_plain_folder_gets_engram_trained_as_the_pretrained_arm(corpus, tmp_pa
     assert again["models"][0]["source"] == str(src) and again["new_runs"] == 0
 
 
-def test_the_patch_arms_rows_a_fact_key_their_runs_only_when_not_the_default():
+def test_the_patch_arms_rows_a_fact_default_to_memorizes_and_are_checked():
     assert SM.MemorizePlan().patch_rows == 32 == SM.MemorizeSettings.rows_per_fact
     with pytest.raises(ValueError, match="patch_rows"):
         SM.MemorizePlan(patch_rows=0)
@@ -314,3 +314,21 @@ def test_a_single_seed_shows_no_spread_and_is_noted():
         "tiny, 9 facts, patch: one seed at this size, so any difference counts there."
         in results["findings"]["notes"]
     )
+
+
+def test_a_patch_runs_key_names_its_rows(study, folder, corpus, demo_cfg):
+    """Other rows a fact are other runs (trained anew), whatever memorize's default is."""
+    out, _ = study
+    plan = SM.MemorizePlan(**{**PLAN.__dict__, "arms": ("patch",), "patch_rows": 5})
+    r = _study(out, folder, corpus, demo_cfg, plan=plan)
+    assert r["new_runs"] == 2 * 2  # both models, both sizes
+    again = _study(out, folder, corpus, demo_cfg, plan=plan)
+    assert again["new_runs"] == 0
+
+
+def test_a_patch_runs_key_does_not_hang_on_memorizes_default(study, folder, corpus, demo_cfg, monkeypatch):
+    """The full run's patch runs are found again with memorize's default set otherwise."""
+    out, _ = study
+    monkeypatch.setattr(SM.MemorizeSettings, "rows_per_fact", 16)
+    plan = SM.MemorizePlan(**{**PLAN.__dict__, "arms": ("patch", "reader-patch")})
+    assert _study(out, folder, corpus, demo_cfg, plan=plan)["new_runs"] == 0

@@ -296,8 +296,8 @@ def _run(
     if arm == "none":
         return {"model": s.key, "arm": arm, "n": n, "seed": seed, "metrics": _none(base, ids), "cached": True}
     train = {"steps": p.steps, "batch": p.batch_size, "lr": lr} if arm != "in-prompt" else {}
-    if arm in PATCH_ARMS and p.patch_rows != MemorizeSettings.rows_per_fact:
-        train["rows"] = p.patch_rows  # (the default's runs keep the keys they were cached under)
+    if arm in PATCH_ARMS:  # always: a key naming no rows would mean whatever memorize's default was then
+        train["rows"] = p.patch_rows
     if arm == "reader-patch":
         train["reader"] = _reader_what(ctx)
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
