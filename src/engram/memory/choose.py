@@ -22,7 +22,7 @@ import numpy as np
 
 from engram.addressing.hashing import NgramHasher
 
-__all__ = ["FactTokens", "RowChoice", "fact_rows", "merge_rows", "rows_read", "shared_rows"]
+__all__ = ["FactTokens", "RowChoice", "fact_rows", "hash_fact", "merge_rows", "rows_read", "shared_rows"]
 
 
 class RowChoice(enum.StrEnum):
@@ -82,6 +82,11 @@ def rows_read(hasher: NgramHasher, sequences: list[list[int]] | list[np.ndarray]
     return {lid: np.unique(np.concatenate(v)) if v else np.empty(0, np.int64) for lid, v in out.items()}
 
 
+def hash_fact(hasher: NgramHasher, fact: FactTokens) -> np.ndarray:
+    """The rows every position of `fact` reads: `hasher.hash` of its ids, (T, layers, heads)."""
+    return np.asarray(hasher.hash(np.asarray(fact.ids, dtype=np.int64)))
+
+
 def fact_rows(
     hasher: NgramHasher,
     fact: FactTokens,
@@ -92,13 +97,11 @@ def fact_rows(
     hashed: np.ndarray | None = None,
 ) -> dict[int, np.ndarray]:
     """{layer id: sorted unique rows} that carry `fact` (module docstring). A SUBJECT choice for a
-    fact without a subject falls back to ANSWER. `hashed`: `hasher.hash(fact.ids)`, where the caller
-    has it already."""
+    fact without a subject falls back to ANSWER. `hashed`: `hash_fact(hasher, fact)`, where the caller
+    has it already (a caller choosing twice hashes once)."""
     choice = RowChoice(choice)
     c = hasher.config
-    if hashed is None:  # a caller choosing twice hashes once and passes it
-        hashed = np.asarray(hasher.hash(np.asarray(fact.ids, dtype=np.int64)))
-    rows = hashed  # (T, layers, heads)
+    rows = hash_fact(hasher, fact) if hashed is None else hashed  # (T, layers, heads)
     orders = 2 + np.arange(rows.shape[2]) // c.n_heads  # each head's n-gram order
     last = len(fact.ids) - 1  # the last target token predicts nothing
     picked: list[tuple[int, int, int, int]] = []  # (rank: the answer's first, -order, -position, head)

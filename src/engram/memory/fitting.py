@@ -16,7 +16,15 @@ from torch import nn
 from engram.device import Precision, autocast
 from engram.memory.apply import EngramLayers
 from engram.memory.batches import batch_of, target_loss
-from engram.memory.choose import FactTokens, RowChoice, fact_rows, merge_rows, rows_read, shared_rows
+from engram.memory.choose import (
+    FactTokens,
+    RowChoice,
+    fact_rows,
+    hash_fact,
+    merge_rows,
+    rows_read,
+    shared_rows,
+)
 from engram.model.lm import EngramLM
 from engram.model.table import EngramTable
 
@@ -69,7 +77,7 @@ def choose_rows(
 ) -> ChosenRows:
     """Each fact's rows (`engram.memory.choose`), leaving out those facts with other `targets` share and
     those the `reference` token sequences read, at most `rows_per_fact` a layer."""
-    hashed = [np.asarray(layers.hasher.hash(np.asarray(f.ids, dtype=np.int64))) for f in encoded]
+    hashed = [hash_fact(layers.hasher, f) for f in encoded]
     everything = [fact_rows(layers.hasher, f, choice, hashed=h) for f, h in zip(encoded, hashed, strict=True)]
     common = shared_rows(everything, list(targets))
     if reference:

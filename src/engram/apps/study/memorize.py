@@ -508,8 +508,8 @@ def run_memorize_study(
             raise ValueError(f"--demo-run {demo_run} with --no-demo: give one of them")
         train, held, corpus_info = write_corpus(out / STUDY, corpus, pretrained_plan(quick))
         held_text = held.read_text(encoding="utf-8")
-        ctx = _Ctx(out, plan, records, hashlib.sha256(fpath.read_bytes()).hexdigest()[:16], say, progress)
-        ctx.report_only = report_only
+        fp = hashlib.sha256(fpath.read_bytes()).hexdigest()[:16]
+        ctx = _Ctx(out, plan, records, fp, say, progress, report_only=report_only)
         if plan.reader_facts:
             rpath = Path(reader_facts_path or READER_FACTS_PATH)
             readers = read_records(rpath)

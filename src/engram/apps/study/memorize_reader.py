@@ -36,8 +36,9 @@ def check_apart(written: list[dict[str, Any]], readers: list[dict[str, Any]], wh
     subjects = {r["subject"].strip().lower() for r in written}
     prompts = {r["prompt"].strip() for r in written}
     for r in readers:
-        if r["subject"].strip().lower() in subjects or r["prompt"].strip() in prompts:
-            what = "subject" if r["subject"].strip().lower() in subjects else "prompt"
+        shares_subject = r["subject"].strip().lower() in subjects
+        if shares_subject or r["prompt"].strip() in prompts:
+            what = "subject" if shares_subject else "prompt"
             raise ValueError(
                 f"{where}: reader fact {r['id']} shares its {what} ({r[what]!r}) with a fact the study writes; "
                 "readers must be trained on other subjects (facts_gen writes both shipped files apart)"
