@@ -41,6 +41,7 @@ PLAN = SM.MemorizePlan(
     eval_batch=8,
     reader_facts=4,
     reader_passes=2,
+    reference_tokens=200,
 )
 
 
@@ -103,7 +104,7 @@ def test_every_model_arm_and_size_has_every_metric(study):
     assert "| 6 | lora-r8 |" in report and "(chosen)" in report
     assert (out / "memorize" / "memorize.png").stat().st_size > 1000
     assert json.loads((out / "memorize" / "results.json").read_text())["study"] == "memorize"
-    assert len(r["findings"]["lose"]) == 8  # one line a model, size and patch arm, whatever it says
+    assert len(r["findings"]["lose"]) == 12  # one line a model, size and patch arm, whatever it says
     for m in ("hf", "demo"):  # the readers: trained once a model, on the reader facts' first 4
         rd = by[m, 6, "reader-patch"]["reader"]
         assert rd == by[m, 3, "reader-patch"]["reader"] and rd["facts"] == 4
@@ -111,7 +112,41 @@ def test_every_model_arm_and_size_has_every_metric(study):
         assert len(rd["text_losses"]) == PLAN.reader_passes
         own = by[m, 6, "reader-patch"]["locality"]
         assert own["base_loss"] == pytest.approx(rd["held_out_loss"])  # written for the reader model
-    assert "### The readers (reader-patch)" in report and "| 6 reader-patch |" in report
+        assert by[m, 6, "reader-patch-ref"]["reader"] == rd  # the same readers
+    assert "### The readers (reader-patch, reader-patch-ref)" in report and "| 6 reader-patch |" in report
+    assert "| 6 reader-patch-ref |" in report and "first 200 tokens" in report
+
+
+def test_the_pilots_chosen_run_is_seed_0s_run(study):
+    """The pilot trains seed 0's runs at each lr; the chosen one is seed 0's run (nothing trained twice)."""
+    _, r = study
+    by = {(x["model"], x["n"], x["arm"], x.get("lr")): x for x in r["runs"] if x["seed"] == 0}
+    for p in r["pilot"]:
+        if p["chosen"]:
+            assert by[p["model"], p["n"], p["arm"], p["lr"]]["losses"][-1] == p["final_loss"]
+        else:
+            assert (p["model"], p["n"], p["arm"], p["lr"]) not in by
+
+
+def test_reader_patch_ref_leaves_out_every_row_the_reference_reads(study, folder):
+    """Its patch holds no row that the training text's first `reference_tokens` read; reader-patch's
+    patch of the same facts does (else this test could not fail)."""
+    from engram.memory.choose import rows_read
+
+    out, r = study
+    s = MM.hf_subject(str(folder), "", (out / "memorize" / "corpus" / "held.txt").read_text(), 512, 64)
+    train = (out / "memorize" / "corpus" / "train.txt").read_text()
+    ids = MM.encode_text(s.tokenizer, train, False)[: PLAN.reference_tokens]
+    read = rows_read(s.layers(s.model).hasher, [ids])
+
+    def rows(arm: str) -> dict[int, np.ndarray]:
+        rec = next(x for x in r["runs"] if x["model"] == "hf" and x["arm"] == arm and x["n"] == 6)
+        patch = load_patch(out / "runs" / f"memorize-{rec['key']}.patch.safetensors")
+        return {lid: lr.rows.numpy() for lid, lr in patch.layers.items()}
+
+    ref, plain = rows("reader-patch-ref"), rows("reader-patch")
+    assert ref and all(not np.isin(v, read[lid]).any() for lid, v in ref.items())
+    assert any(np.isin(v, read[lid]).any() for lid, v in plain.items())
 
 
 def test_reader_facts_must_be_apart_from_the_written_ones():
@@ -169,7 +204,8 @@ def test_in_prompt_questions_hold_the_fact(study, folder, monkeypatch):
 
 def test_a_second_run_trains_and_measures_nothing(study, folder, corpus, demo_cfg, monkeypatch):
     out, r = study
-    assert r["new_runs"] == 2 * 2 * 6 and r["new_pilot_runs"] == 2 * 2 * 2  # every arm but none
+    # every arm but none, and LoRA's other pilot lr at 3 facts; the pilot's: both lrs, both ranks
+    assert r["new_runs"] == 2 * 2 * 7 + 2 * 2 and r["new_pilot_runs"] == 2 * 2 * 2
     for name in ("memorize", "fit", "answers", "locality", "position_losses", "reader_model"):
         monkeypatch.setattr(SM, name, lambda *a, **kw: pytest.fail("measured again"))
     again = _study(out, folder, corpus, demo_cfg)
@@ -239,7 +275,7 @@ def test_report_only_reports_the_runs_made_and_lists_the_rest(study, folder, cor
     want = {(x["model"], x["n"], x["arm"]): x["metrics"] for x in full["runs"]}
     assert all(x["metrics"] == want[x["model"], x["n"], x["arm"]] for x in r["runs"] if x["n"] != 7)
     assert any(
-        s.startswith("12 runs not made yet (report only): tiny-engram, patch, 7 facts") for s in r["skipped"]
+        s.startswith("14 runs not made yet (report only): tiny-engram, patch, 7 facts") for s in r["skipped"]
     )
 
 
@@ -264,7 +300,13 @@ def test_a_plain_folder_gets_engram_trained_as_the_pretrained_arm(corpus, tmp_pa
     """--model a plain folder: Engram trained first (`study pretrained`'s quick plan), once."""
     plain = S.save_folder(tmp_path / "plain", layers=3, seed=1)
     plan = SM.MemorizePlan(
-        facts=(2,), steps=1, lora_lrs=(1e-3,), layer_lrs=(1e-4,), held_tokens=128, block_len=64
+        facts=(2,),
+        steps=1,
+        lora_lrs=(1e-3,),
+        layer_lrs=(1e-4,),
+        held_tokens=128,
+        block_len=64,
+        arms=("patch",),
     )
     kw = {"model": str(plain), "demo": False, "seeds": (0,), "plan": plan, "quick": True, "corpus": corpus}
     r = SM.run_memorize_study(tmp_path / "out", progress=False, threads=1, say=lambda m: None, **kw)

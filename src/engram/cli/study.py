@@ -281,7 +281,7 @@ def register(sub: Any) -> None:
         "--arms",
         type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
         metavar="ARM,ARM,...",
-        help="memorize: the arms to run (default all: none, patch, reader-patch, lora-r1, lora-r8, last-layer, "
+        help="memorize: the arms to run (default all: none, patch, reader-patch, reader-patch-ref, lora-r1, lora-r8, last-layer, "
         "in-prompt; none is always measured)",
     )
     p.add_argument(

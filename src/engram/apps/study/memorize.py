@@ -12,8 +12,9 @@ tiny one; minutes on 2 cores); `demo=False` skips it. Everything but that traini
 
 Arms (`ARMS`), each on the same facts, passes, batch and batch order, loss on the target tokens only:
 none, patch, reader-patch (a patch written through readers trained once on other facts:
-`memorize_reader`), lora-r1, lora-r8, last-layer, in-prompt (`memorize_arms`). LoRA's and the last layer's
-learning rates: a pilot on seed 0 (`MemorizePlan`). Models: `memorize_models`; measurements:
+`memorize_reader`), reader-patch-ref (the same, leaving out every row the training text's first
+`reference_tokens` read: `memorize(reference=...)`), lora-r1, lora-r8, last-layer, in-prompt
+(`memorize_arms`). LoRA's and the last layer's learning rates: a pilot on seed 0 (`MemorizePlan`). Models: `memorize_models`; measurements:
 `memorize_probes`; report: `memorize_report`.
 Resumable as `study pretrained`: a run's record `<out>/runs/memorize-<key>.json` (atomic), its key a
 hash of the model's files, the facts, the arm and its settings; a finished run is reused.
@@ -39,6 +40,8 @@ import torch
 from engram.apps.study.facts_gen import FACTS_PATH, READER_FACTS_PATH
 from engram.apps.study.memorize_arms import (
     LORA_RANKS,
+    PATCH_ARMS,
+    READER_ARMS,
     answers,
     fact_subset,
     fit,
@@ -76,19 +79,21 @@ __all__ = ["ARMS", "MemorizePlan", "fact_subset", "memorize_plan", "read_records
 
 STUDY = "memorize"
 _VERSION = 1
-ARMS = ("none", "patch", "reader-patch", "lora-r1", "lora-r8", "last-layer", "in-prompt")
-PATCH_ARMS = ("patch", "reader-patch")
+ARMS = ("none", "patch", "reader-patch", "reader-patch-ref", "lora-r1", "lora-r8", "last-layer", "in-prompt")
 
 
 @dataclass(frozen=True)
 class MemorizePlan:
     """The study's settings. Every trained arm: `steps` passes over the facts in batches of
     `batch_size` (memorize's defaults), Adam; LoRA and the last layer at the lr of `lora_lrs` /
-    `layer_lrs` that the pilot (seed 0, each facts size up to `pilot_max_facts`; larger sizes take
-    the largest piloted size's) found lowest in final training loss. The reader-patch arm's readers,
-    trained once a model and used by every seed and size: the first `reader_facts` facts of the reader
-    facts file (other subjects than any written fact), `reader_passes` passes at `reader_lr` with the
-    training text's LM loss at `reader_text_weight` (0 facts: the arm is left out)."""
+    `layer_lrs` that the pilot found lowest in final training loss: the pilot's runs are seed 0's runs
+    at each lr of the grid (each facts size up to `pilot_max_facts`; larger sizes take the largest
+    piloted size's lr), the chosen one kept as seed 0's run. The reader arms' readers, trained once a
+    model and used by every seed and size: the first `reader_facts` facts of the reader facts file
+    (other subjects than any written fact), `reader_passes` passes at `reader_lr` with the training
+    text's LM loss at `reader_text_weight` (0 facts: both arms are left out). reader-patch-ref's
+    reference: the training text's first `reference_tokens` tokens (text the model was trained on, not
+    the held-out text it is measured on)."""
 
     facts: tuple[int, ...] = (10, 100, 1000)
     steps: int = 30
@@ -107,6 +112,7 @@ class MemorizePlan:
     reader_lr: float = ReaderSettings.lr
     reader_text_weight: float = ReaderSettings.text_weight
     reader_seed: int = 0  # the readers' pass order (trained once: not the run's seed)
+    reference_tokens: int = 65536  # reader-patch-ref: the training text's tokens whose rows no fact takes
     arms: tuple[str, ...] = ARMS  # the arms run (a subset of ARMS; `none` is always measured)
 
     def __post_init__(self) -> None:
@@ -120,7 +126,14 @@ class MemorizePlan:
         sizes = self.facts
         if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
             raise ValueError(f"--facts {sizes!r}: give one or more whole numbers >= 1, e.g. 10,100,1000")
-        for name in ("steps", "batch_size", "held_tokens", "neighbour_tokens", "eval_batch"):
+        for name in (
+            "steps",
+            "batch_size",
+            "held_tokens",
+            "neighbour_tokens",
+            "eval_batch",
+            "reference_tokens",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: give a whole number >= 1")
@@ -160,6 +173,7 @@ QUICK = MemorizePlan(
     held_tokens=2048,
     reader_facts=8,
     reader_passes=2,
+    reference_tokens=512,
 )
 
 
@@ -196,6 +210,7 @@ class _Ctx:
     train_fp: str = ""  # of train_text: in the readers' keys
     fresh: int = 0
     pilots: int = 0
+    references: dict[str, list[int]] = field(default_factory=dict)  # reader-patch-ref's, by model key
 
 
 @contextlib.contextmanager
@@ -243,32 +258,19 @@ def _none(base: dict[str, Any], ids: list[int]) -> dict[str, float]:
     return {**m, "held_out_delta": 0.0, "bytes_per_fact": 0.0, "train_seconds": 0.0}
 
 
-def _pilot(ctx: _Ctx, s: Subject, arm: str, n: int) -> list[dict[str, Any]]:
-    """Final training loss of `arm` at each of its lrs on seed 0's `n` facts (records cached)."""
+def _pilot(ctx: _Ctx, s: Subject, base: dict[str, Any], arm: str, n: int) -> list[dict[str, Any]] | None:
+    """Final training loss of `arm` at each of its lrs on seed 0's `n` facts: seed 0's run at each lr
+    (`_run`, cached), so the chosen one is seed 0's run and nothing is trained twice. None: a run not
+    made yet (`ctx.report_only`)."""
     p = ctx.plan
     lrs = p.lora_lrs if arm in LORA_RANKS else p.layer_lrs
-    facts = [to_learn(ctx.records[i]) for i in fact_subset(len(ctx.records), n, 0)]
     out = []
     for lr in lrs:
-        what = {
-            "arm": arm,
-            "pilot": True,
-            "n": n,
-            "seed": 0,
-            "lr": lr,
-            "steps": p.steps,
-            "batch": p.batch_size,
-        }
-        path = ctx.out / "runs" / f"memorize-{_key(ctx, s, what)}.json"
-        rec = read_record(path, _VERSION)
+        made = ctx.fresh
+        rec = _run(ctx, s, base, arm, n, 0, lr)
         if rec is None:
-            ctx.say(f"{s.name}: pilot {arm}, {n} facts, lr {lr:g}")
-            model, params = trainable(s, arm, 0)
-            with _passes(ctx, f"pilot {arm}") as tick:
-                losses, secs = fit(s, model, params, facts, lr, p.steps, p.batch_size, 0, tick)
-            rec = {"version": _VERSION, "losses": losses, "seconds": secs}
-            write_atomic(path, json.dumps(rec))
-            ctx.pilots += 1
+            return None
+        ctx.pilots += ctx.fresh - made
         final = rec["losses"][-1]
         out.append(
             {
@@ -298,8 +300,10 @@ def _run(
     train = {"steps": p.steps, "batch": p.batch_size, "lr": lr} if arm != "in-prompt" else {}
     if arm in PATCH_ARMS:  # always: a key naming no rows would mean whatever memorize's default was then
         train["rows"] = p.patch_rows
-    if arm == "reader-patch":
+    if arm in READER_ARMS:
         train["reader"] = _reader_what(ctx)
+    if arm == "reader-patch-ref":
+        train["reference"] = [ctx.train_fp, p.reference_tokens]
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
     path = ctx.out / "runs" / f"memorize-{key}.json"
     rec = read_record(path, _VERSION)
@@ -326,17 +330,36 @@ def _run(
         extra["context_tokens"] = float(np.mean(ctx_tokens))
     elif arm in PATCH_ARMS:
         model = s.model
-        if arm == "reader-patch":  # readers trained once on other facts (the answers' base: the model before)
+        if arm in READER_ARMS:  # readers trained once on other facts (the answers' base: the model before)
             model, reader = _reader(ctx, s)
             f = s.logits(model)
             extra["reader"] = reader
+        reference = [_reference(ctx, s)] if arm == "reader-patch-ref" else None
         settings = MemorizeSettings(
             steps=p.steps, lr=lr or p.patch_lr, batch_size=p.batch_size, seed=seed, rows_per_fact=p.patch_rows
         )
         t = time.perf_counter()  # the row choice included, as LoRA's time includes encoding the facts
         with _passes(ctx, arm) as tick:
             name = f"{n} facts, seed {seed}"
-            res = memorize(model, s.tokenizer, facts, settings, name=name, progress=tick, hasher=s.hasher)
+            try:
+                res = memorize(
+                    model,
+                    s.tokenizer,
+                    facts,
+                    settings,
+                    reference=reference,
+                    name=name,
+                    progress=tick,
+                    hasher=s.hasher,
+                )
+            except ValueError as e:
+                if reference is None or not str(e).startswith("no row is left"):
+                    raise
+                raise ValueError(
+                    f"{s.name}, reader-patch-ref, {n} facts: the reference (the training text's first "
+                    f"{p.reference_tokens:,} tokens) reads every row the facts could use; give a smaller "
+                    "reference_tokens, or leave the arm out (--arms)"
+                ) from None
         secs = time.perf_counter() - t
         file = save_patch(res.patch, path.with_suffix(".patch.safetensors"))
         hasher = s.layers(model).hasher
@@ -361,7 +384,9 @@ def _run(
             bytes_per_fact=file.stat().st_size / n,
         )
         extra.update(
-            locality={**loc, "rows": res.patch.num_rows, "file_bytes": file.stat().st_size}, losses=res.losses
+            locality={**loc, "rows": res.patch.num_rows, "file_bytes": file.stat().st_size},
+            losses=res.losses,
+            facts_without_rows=len(res.facts_without_rows),
         )
         del model
     else:
@@ -394,6 +419,16 @@ def _run(
     return {**rec, "cached": False}
 
 
+def _reference(ctx: _Ctx, s: Subject) -> list[int]:
+    """reader-patch-ref's reference: the training text's first `reference_tokens` tokens (once a model)."""
+    if s.key not in ctx.references:
+        r = ctx.plan.reference_tokens
+        ctx.references[s.key] = encode_text(s.tokenizer, ctx.train_text[: r * 8], False)[
+            :r
+        ]  # 8 chars a token: plenty
+    return ctx.references[s.key]
+
+
 def _reader_what(ctx: _Ctx) -> dict[str, Any]:
     p = ctx.plan
     return {
@@ -413,8 +448,11 @@ def _reader(ctx: _Ctx, s: Subject) -> tuple[torch.nn.Module, dict[str, Any]]:
         return reader_model(s, ctx.reader_records, p.reader_settings(), blocks, path, ctx.say, tick)
 
 
-def _lrs(ctx: _Ctx, s: Subject) -> tuple[dict[tuple[str, int], float], list[dict[str, Any]]]:
-    """{(arm, n): lr} of LoRA and the last layer, and the pilot's runs (MemorizePlan's docstring)."""
+def _lrs(
+    ctx: _Ctx, s: Subject, base: dict[str, Any]
+) -> tuple[dict[tuple[str, int], float], list[dict[str, Any]]]:
+    """{(arm, n): lr} of LoRA and the last layer, and the pilot's runs (MemorizePlan's docstring); an
+    (arm, n) whose pilot is not made yet (report only) is left out, with the sizes that take its lr."""
     p = ctx.plan
     piloted = [n for n in p.facts if n <= p.pilot_max_facts] or [min(p.facts)]
     lrs: dict[tuple[str, int], float] = {}
@@ -425,11 +463,14 @@ def _lrs(ctx: _Ctx, s: Subject) -> tuple[dict[tuple[str, int], float], list[dict
             if len(grid) == 1:
                 lrs[arm, n] = grid[0]
                 continue
-            got = _pilot(ctx, s, arm, n)
-            pilots.extend(got)
-            lrs[arm, n] = next(r["lr"] for r in got if r["chosen"])
+            got = _pilot(ctx, s, base, arm, n)
+            if got is not None:
+                pilots.extend(got)
+                lrs[arm, n] = next(r["lr"] for r in got if r["chosen"])
         for n in p.facts:  # a larger size: the lr of the largest piloted size below it
-            lrs.setdefault((arm, n), lrs[arm, max([m for m in piloted if m <= n] or piloted[:1])])
+            took = (arm, max([m for m in piloted if m <= n] or piloted[:1]))
+            if took in lrs:
+                lrs.setdefault((arm, n), lrs[took])
     return lrs, pilots
 
 
@@ -440,14 +481,17 @@ def _study(
     p = ctx.plan
     needed = sorted({i for seed in seeds for i in fact_subset(len(ctx.records), max(p.facts), seed)})
     base = _base(ctx, s, needed)
-    lrs, pilots = _lrs(ctx, s)
+    lrs, pilots = _lrs(ctx, s, base)
     runs = []
     for n in p.facts:
         for seed in seeds:
             for arm in p.arms:
-                if arm == "reader-patch" and not ctx.reader_records:
+                if arm in READER_ARMS and not ctx.reader_records:
                     continue  # reader_facts 0 (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
+                if lr is None and arm in (*LORA_RANKS, "last-layer"):  # its pilot not made yet (report only)
+                    ctx.missing.append(f"{s.name}, {arm}, {n:,} facts, seed {seed} (its lr: the pilot's)")
+                    continue
                 r = _run(ctx, s, base, arm, n, seed, lr)
                 if r is not None:
                     runs.append(r)
@@ -524,7 +568,7 @@ def run_memorize_study(
         ctx.train_fp = hashlib.sha256(ctx.train_text.encode()).hexdigest()[:16]  # once, not a run at a time
         subjects, skipped = [], []
         if not plan.reader_facts:
-            skipped.append("reader-patch: reader_facts 0 (no readers trained): left out")
+            skipped.append("reader-patch, reader-patch-ref: reader_facts 0 (no readers trained): left out")
         folder, how = hf_folder(out, model, train, quick=quick, progress=progress, say=say, device=device)
         subjects.append(hf_subject(folder, how, held_text, plan.held_tokens, plan.block_len))
         if demo:

@@ -25,6 +25,8 @@ from engram.memory.memorize import target_loss
 
 __all__ = [
     "LORA_RANKS",
+    "PATCH_ARMS",
+    "READER_ARMS",
     "answers",
     "fact_subset",
     "fit",
@@ -38,6 +40,8 @@ __all__ = [
 ]
 
 LORA_RANKS = {"lora-r1": 1, "lora-r8": 8}
+PATCH_ARMS = ("patch", "reader-patch", "reader-patch-ref")  # the arms that write a memory patch
+READER_ARMS = ("reader-patch", "reader-patch-ref")  # those written through the trained readers
 
 # ------------------------------------------------------------------------------------------- facts
 _NEEDS = {

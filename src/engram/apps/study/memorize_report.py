@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from engram.apps.study.memorize_arms import PATCH_ARMS, READER_ARMS
 from engram.apps.study.pretrained_report import write_atomic
 
 __all__ = ["ARM_NOTES", "METRICS", "findings", "readme_row", "summarize", "table_lines", "write_report"]
@@ -41,13 +42,15 @@ ARM_NOTES = {
     "patch": "`engram.memory.memorize` with its default settings: the facts' Engram rows only",
     "reader-patch": "the same, through Engram readers trained once (`engram.memory.train_reader`) on other "
     "facts and the training text; its held-out loss change and neighbours include the readers' own",
+    "reader-patch-ref": "reader-patch leaving out every row the training text's first tokens read "
+    "(`memorize(reference=...)`), so that common text reads fewer of the patch's rows",
     "lora-r1": "LoRA of rank 1 on the decoder layers' linear layers, Engram and the rest frozen",
     "lora-r8": "LoRA of rank 8, the same",
     "last-layer": "every weight of the last decoder layer trained, the rest frozen",
     "in-prompt": "no training: the fact as a sentence, then a space, before every question",
 }
 _BASELINES = ("lora-r1", "lora-r8", "last-layer", "in-prompt")
-_PATCHES = ("patch", "reader-patch")
+_PATCHES = PATCH_ARMS
 
 
 def _ms(xs: list[float | None]) -> dict[str, float | None]:
@@ -227,7 +230,7 @@ def _reader_lines(results: dict[str, Any], m: dict[str, Any]) -> list[str]:
         (
             r["reader"]
             for r in results["runs"]
-            if r["model"] == m["key"] and r["arm"] == "reader-patch" and "reader" in r
+            if r["model"] == m["key"] and r["arm"] in READER_ARMS and "reader" in r
         ),
         None,
     )
@@ -237,7 +240,7 @@ def _reader_lines(results: dict[str, Any], m: dict[str, Any]) -> list[str]:
         f", text loss {rd['text_losses'][0]:.3f} -> {rd['text_losses'][-1]:.3f}" if rd["text_losses"] else ""
     )
     return [
-        "### The readers (reader-patch)",
+        "### The readers (reader-patch, reader-patch-ref)",
         "",
         f"Trained once on {rd['facts']:,} facts of their own (other subjects than any written fact), "
         f"{len(rd['losses'])} passes, {rd['seconds']:.0f} s, and used by every seed and size; their facts' loss "
@@ -332,7 +335,13 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         f"- Every trained arm: {p['steps']} passes over the facts in batches of {p['batch_size']} (the same "
         "batches in the same order), Adam, loss on the target tokens only; the patch at lr "
         f"{p['patch_lr']:g} (memorize's default); LoRA (alpha 2r) and the last layer at the lr their pilot "
-        "chose (seed 0, lowest final training loss; sizes above the largest piloted one take its lr).",
+        "chose (seed 0's runs at each lr of its grid, the lowest final training loss kept; sizes above the "
+        "largest piloted one take its lr)."
+        + (
+            f" reader-patch-ref's reference: the training text's first {p['reference_tokens']:,} tokens."
+            if "reader-patch-ref" in results["arms"]
+            else ""
+        ),
         "- Direct recall: greedy decoding after the fact's prompt gives its whole target (checked "
         "teacher-forced); target log-prob: nats, summed over the target's tokens; paraphrase recall: both "
         "paraphrases; indirect acc.: the indirect question's answer (the fact combined with what the model "
@@ -365,8 +374,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             "",
             "Positions of the held-out blocks whose n-grams read a row the patch writes, the loss change there "
             "and at the positions after a block's first such position that read none (attention carries the "
-            "change); before it, the logits must be bit-equal to the same model without the patch (reader-patch: "
-            "the model with its trained readers).",
+            "change); before it, the logits must be bit-equal to the same model without the patch (the reader "
+            "arms: the model with its trained readers).",
             "",
             *_locality_lines(results, m["key"]),
             "",
@@ -402,7 +411,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "",
         readme_row(results),
         "",
-        f"{results['new_runs']} run(s) and {results['new_pilot_runs']} pilot run(s) new, the rest from `runs/`; "
+        f"{results['new_runs']} run(s) new ({results['new_pilot_runs']} of them the pilot's), the rest from `runs/`; "
         f"{results['wall_seconds']:.0f} s.",
         "",
     ]
