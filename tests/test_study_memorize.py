@@ -275,7 +275,8 @@ def test_report_only_reports_the_runs_made_and_lists_the_rest(study, folder, cor
     want = {(x["model"], x["n"], x["arm"]): x["metrics"] for x in full["runs"]}
     assert all(x["metrics"] == want[x["model"], x["n"], x["arm"]] for x in r["runs"] if x["n"] != 7)
     assert any(
-        s.startswith("14 runs not made yet (report only): tiny-engram, patch, 7 facts") for s in r["skipped"]
+        s.startswith("14 runs not made yet (report only): tiny-engram, patch, 7 facts, seed 0, lr 1;")
+        for s in r["skipped"]
     )
 
 
@@ -374,3 +375,19 @@ def test_a_patch_runs_key_does_not_hang_on_memorizes_default(study, folder, corp
     monkeypatch.setattr(SM.MemorizeSettings, "rows_per_fact", 16)
     plan = SM.MemorizePlan(**{**PLAN.__dict__, "arms": ("patch", "reader-patch")})
     assert _study(out, folder, corpus, demo_cfg, plan=plan)["new_runs"] == 0
+
+
+def test_report_only_lists_the_runs_whose_pilot_is_not_made(study, folder, corpus, demo_cfg):
+    """A new lr in LoRA's grid: its pilot run is not made, so LoRA's lr is not known; report only
+    trains nothing and lists LoRA's runs, and reports the other arms."""
+    out, _ = study
+    plan = SM.MemorizePlan(**{**PLAN.__dict__, "lora_lrs": (1e-3, 3e-3, 1e-2)})
+    r = _study(out, folder, corpus, demo_cfg, plan=plan, report_only=True)
+    assert r["new_runs"] == 0 and r["pilot"] == []
+    assert not any(x["arm"].startswith("lora") for x in r["runs"])
+    assert {x["arm"] for x in r["runs"]} == set(SM.ARMS) - {"lora-r1", "lora-r8"}
+    (line,) = [s for s in r["skipped"] if "not made yet" in s]
+    assert (
+        line.startswith("8 runs not made yet") and "tiny-engram, lora-r1, 3 facts, seed 0, lr 0.01;" in line
+    )
+    assert "lora-r1, 6 facts, seed 0 (its lr: the pilot's)" in line

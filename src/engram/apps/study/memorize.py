@@ -310,7 +310,9 @@ def _run(
     if rec is not None:
         return {**rec, "cached": True}
     if ctx.report_only:
-        ctx.missing.append(f"{s.name}, {arm}, {n:,} facts, seed {seed}")
+        ctx.missing.append(
+            f"{s.name}, {arm}, {n:,} facts, seed {seed}" + (f", lr {lr:g}" if "lr" in train else "")
+        )
         return None
     ctx.say(f"{s.name}: {arm}, {n} facts, seed {seed}" + (f", lr {lr:g}" if lr else ""))
     recs = [ctx.records[i] for i in ids]
@@ -490,7 +492,9 @@ def _study(
                     continue  # reader_facts 0 (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
                 if lr is None and arm in (*LORA_RANKS, "last-layer"):  # its pilot not made yet (report only)
-                    ctx.missing.append(f"{s.name}, {arm}, {n:,} facts, seed {seed} (its lr: the pilot's)")
+                    what = f"{s.name}, {arm}, {n:,} facts, seed {seed}"
+                    if not any(m.startswith(what + ",") for m in ctx.missing):  # the pilot's own, listed
+                        ctx.missing.append(f"{what} (its lr: the pilot's)")
                     continue
                 r = _run(ctx, s, base, arm, n, seed, lr)
                 if r is not None:
