@@ -114,7 +114,10 @@ def test_every_model_arm_and_size_has_every_metric(study):
         assert own["base_loss"] == pytest.approx(rd["held_out_loss"])  # written for the reader model
         assert by[m, 6, "reader-patch-ref"]["reader"] == rd  # the same readers
     assert "### The readers (reader-patch, reader-patch-ref)" in report and "| 6 reader-patch |" in report
-    assert "| 6 reader-patch-ref |" in report and "first 200 tokens" in report
+    assert (
+        "| 6 reader-patch-ref |" in report
+        and "first 200 tokens (tiny-engram), 200 tokens (demo LM)" in report
+    )
 
 
 def test_the_pilots_chosen_run_is_seed_0s_run(study):
@@ -147,6 +150,21 @@ def test_reader_patch_ref_leaves_out_every_row_the_reference_reads(study, folder
     ref, plain = rows("reader-patch-ref"), rows("reader-patch")
     assert ref and all(not np.isin(v, read[lid]).any() for lid, v in ref.items())
     assert any(np.isin(v, read[lid]).any() for lid, v in plain.items())
+
+
+def test_the_default_reference_reads_about_a_heads_rows(folder):
+    """reference_tokens None: a layer's rows per head, rounded down to a power of two."""
+    s = MM.hf_subject(
+        str(folder), "", "In the beginning God created the heaven and the earth. " * 20, 128, 64
+    )
+    e = s.layers(s.model)
+    heads = e.hasher.config.n_heads * (e.hasher.config.max_ngram_size - 1)
+    per_head = min(m.table.num_rows for m in e.modules.values()) / heads
+    n = SM.reference_len(SM.MemorizePlan(), s)
+    assert n & (n - 1) == 0 and per_head / 2 < n <= per_head
+    assert SM.reference_len(SM.MemorizePlan(reference_tokens=7), s) == 7
+    with pytest.raises(ValueError, match="reference_tokens=0"):
+        SM.MemorizePlan(reference_tokens=0)
 
 
 def test_reader_facts_must_be_apart_from_the_written_ones():

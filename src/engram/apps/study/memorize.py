@@ -12,8 +12,8 @@ tiny one; minutes on 2 cores); `demo=False` skips it. Everything but that traini
 
 Arms (`ARMS`), each on the same facts, passes, batch and batch order, loss on the target tokens only:
 none, patch, reader-patch (a patch written through readers trained once on other facts:
-`memorize_reader`), reader-patch-ref (the same, leaving out every row the training text's first
-`reference_tokens` read: `memorize(reference=...)`), lora-r1, lora-r8, last-layer, in-prompt
+`memorize_reader`), reader-patch-ref (the same, leaving out every row the training text's first tokens
+read: `memorize(reference=...)`; `MemorizePlan.reference_tokens`), lora-r1, lora-r8, last-layer, in-prompt
 (`memorize_arms`). LoRA's and the last layer's learning rates: a pilot on seed 0 (`MemorizePlan`). Models: `memorize_models`; measurements:
 `memorize_probes`; report: `memorize_report`.
 Resumable as `study pretrained`: a run's record `<out>/runs/memorize-<key>.json` (atomic), its key a
@@ -93,7 +93,9 @@ class MemorizePlan:
     (other subjects than any written fact), `reader_passes` passes at `reader_lr` with the training
     text's LM loss at `reader_text_weight` (0 facts: both arms are left out). reader-patch-ref's
     reference: the training text's first `reference_tokens` tokens (text the model was trained on, not
-    the held-out text it is measured on)."""
+    the held-out text it is measured on); None: a layer's rows per head (its fewest), rounded down to a
+    power of two, the text that reads about as many rows as a head has (SmolLM2's study model: 65,536;
+    the demo LM: 16,384)."""
 
     facts: tuple[int, ...] = (10, 100, 1000)
     steps: int = 30
@@ -112,7 +114,9 @@ class MemorizePlan:
     reader_lr: float = ReaderSettings.lr
     reader_text_weight: float = ReaderSettings.text_weight
     reader_seed: int = 0  # the readers' pass order (trained once: not the run's seed)
-    reference_tokens: int = 65536  # reader-patch-ref: the training text's tokens whose rows no fact takes
+    reference_tokens: int | None = (
+        None  # reader-patch-ref: the training text's tokens whose rows no fact takes
+    )
     arms: tuple[str, ...] = ARMS  # the arms run (a subset of ARMS; `none` is always measured)
 
     def __post_init__(self) -> None:
@@ -135,7 +139,9 @@ class MemorizePlan:
             "reference_tokens",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if (v is not None or name != "reference_tokens") and (
+                isinstance(v, bool) or not isinstance(v, int) or v < 1
+            ):
                 raise ValueError(f"{name}={v!r}: give a whole number >= 1")
         if self.patch_rows is not None and (
             isinstance(self.patch_rows, bool) or not isinstance(self.patch_rows, int) or self.patch_rows < 1
@@ -303,7 +309,7 @@ def _run(
     if arm in READER_ARMS:
         train["reader"] = _reader_what(ctx)
     if arm == "reader-patch-ref":
-        train["reference"] = [ctx.train_fp, p.reference_tokens]
+        train["reference"] = [ctx.train_fp, reference_len(p, s)]
     key = _key(ctx, s, {"arm": arm, "n": n, "seed": seed, **train})
     path = ctx.out / "runs" / f"memorize-{key}.json"
     rec = read_record(path, _VERSION)
@@ -359,7 +365,7 @@ def _run(
                     raise
                 raise ValueError(
                     f"{s.name}, reader-patch-ref, {n} facts: the reference (the training text's first "
-                    f"{p.reference_tokens:,} tokens) reads every row the facts could use; give a smaller "
+                    f"{reference_len(p, s):,} tokens) reads every row the facts could use; give a smaller "
                     "reference_tokens, or leave the arm out (--arms)"
                 ) from None
         secs = time.perf_counter() - t
@@ -421,10 +427,20 @@ def _run(
     return {**rec, "cached": False}
 
 
+def reference_len(p: MemorizePlan, s: Subject) -> int:
+    """reader-patch-ref's reference length in tokens (`MemorizePlan.reference_tokens`; its docstring)."""
+    if p.reference_tokens is not None:
+        return p.reference_tokens
+    e = s.layers(s.model)
+    c = e.hasher.config
+    per_head = min(m.table.num_rows for m in e.modules.values()) // (c.n_heads * (c.max_ngram_size - 1))
+    return 1 << max(per_head, 1).bit_length() - 1
+
+
 def _reference(ctx: _Ctx, s: Subject) -> list[int]:
-    """reader-patch-ref's reference: the training text's first `reference_tokens` tokens (once a model)."""
+    """reader-patch-ref's reference: the training text's first `reference_len` tokens (once a model)."""
     if s.key not in ctx.references:
-        r = ctx.plan.reference_tokens
+        r = reference_len(ctx.plan, s)
         ctx.references[s.key] = encode_text(s.tokenizer, ctx.train_text[: r * 8], False)[
             :r
         ]  # 8 chars a token: plenty
@@ -592,7 +608,7 @@ def run_memorize_study(
                 "engram_layers": sorted(e.modules), "table_rows": {str(k): m.table.num_rows for k, m in e.modules.items()},
                 "row_dim": next(iter(e.modules.values())).table.dim,
                 "held_out_tokens": int(s.held.numel()), "block_len": int(s.held.shape[1]),
-                "base_held_out_loss": base_loss,
+                "base_held_out_loss": base_loss, "reference_tokens": reference_len(plan, s),
             })  # fmt: skip
         if ctx.missing:
             shown = "; ".join(ctx.missing[:6]) + ("; ..." if len(ctx.missing) > 6 else "")

@@ -338,7 +338,9 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "chose (seed 0's runs at each lr of its grid, the lowest final training loss kept; sizes above the "
         "largest piloted one take its lr)."
         + (
-            f" reader-patch-ref's reference: the training text's first {p['reference_tokens']:,} tokens."
+            " reader-patch-ref's reference: the training text's first "
+            + ", ".join(f"{m['reference_tokens']:,} tokens ({m['name']})" for m in results["models"])
+            + "."
             if "reader-patch-ref" in results["arms"]
             else ""
         ),
