@@ -4,8 +4,9 @@ patches here are made directly from chosen rows (the rows a prompt reads, given 
 stand-in for `engram.memory.memorize`, in milliseconds). vLLM's greedy tokens with the patches equal
 HF `generate()` with the same patches applied (`apply_patch`), and differ from the unpatched ones;
 `memory` and `host` tables (and a float16 server's) hold the patched rows exactly; `mmap` /
-`rowfile`, a patch for another model and bad options are refused in one line (a patch for another
-model where the tables load: in vLLM, the worker). The end-to-end run needs vLLM (skipped without
+`rowfile`, a patch for another model and bad options are refused in one line (one for another
+layout, tokenizer or table shape where the options are checked, in the user's process; one for
+another model's weights where the tables load: in vLLM, the worker). The end-to-end run needs vLLM (skipped without
 it); the rest runs in the main environment too."""
 
 from __future__ import annotations
@@ -184,7 +185,41 @@ def test_a_patch_for_another_model_is_refused_naming_the_file(served, fp8, tmp_p
     assert f"{foreign} cannot be served with {folder}" in msg and "was made for another model" in msg
     with pytest.raises(ValueError) as e:  # FP8 rows for a float table
         load_tables(part, serve_options({"patches": [fp8[1]]}), torch.float32)
-    assert "holds fp8 rows, layer 1's table holds float32 rows" in one_line(e)
+    assert "it holds fp8 rows, the part's tables hold float rows" in one_line(e)
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"layout": "0" * 64}, "was made for another Engram layout"),
+        ({"tokenizer": "0" * 64}, "was made for another tokenizer"),
+        ("rows", "was made for a table of"),
+    ],
+)
+def test_a_patch_for_another_table_is_refused_before_the_tables_load(
+    served, tmp_path, monkeypatch, change, says
+):
+    """Layout, tokenizer and table shape are checked against the part where the options are (the
+    user's process, in seconds): no table is read."""
+    import dataclasses
+
+    from engram.memory import load_patch
+
+    folder, paths, *_ = served
+    patch = load_patch(paths[0])
+    if change == "rows":  # a table one row larger: the same ids fit it, the table is another
+        change = {"table_rows": {k: v + 1 for k, v in patch.table_rows.items()}}
+    foreign = tmp_path / "foreign.safetensors"
+    save_patch(dataclasses.replace(patch, **change), foreign)
+    part = read_part(folder, **SHAPE)
+    monkeypatch.setattr(
+        "engram.vllm.tables.load_engram_modules", lambda *a, **k: pytest.fail("the tables were read")
+    )
+    with pytest.raises(ValueError) as e:
+        load_tables(part, serve_options({"patches": [paths[1], str(foreign)]}), torch.float32)
+    msg = one_line(e)
+    assert f"['patches']: {foreign} cannot be served with {folder}: the patch" in msg and says in msg
+    serve_plan(part, {"patches": paths})  # the patches made for it pass
 
 
 def test_patch_options_are_checked(served, tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ __all__ = [
     "PatchOverlapWarning",
     "applied_patches",
     "apply_patch",
+    "check_addressing",
     "reader_mismatch",
     "reader_signature",
     "reader_signature_of",
@@ -248,26 +249,44 @@ def _base_of(st: _TableState | None, table: EngramTable, rows: torch.Tensor) -> 
     return values, scales
 
 
+def check_addressing(
+    patch: MemoryPatch, layout: str, tokenizer: str, tables: dict[int, tuple[int, int]]
+) -> None:
+    """The part of a patch's fit that needs no weights: the model's layout fingerprint, its tokenizer
+    fingerprint, and its tables' shapes ({layer id: (rows, row width)}); `apply_patch` checks this and
+    more (the row format, the layers' readers), and a server checks this before its tables load.
+
+    Raises:
+        ValueError: The patch was made for another layout or tokenizer, writes a layer the model
+            does not have, or was made for a table of another shape; the message names the fix.
+    """
+    name = f"the patch {patch.name!r}" if patch.name else "the patch"
+    fix = "write the patch again for this model (engram memorize)"
+    if patch.layout != layout:
+        raise ValueError(f"{name} was made for another Engram layout (its row ids address other rows); {fix}")
+    if patch.tokenizer != tokenizer:
+        raise ValueError(f"{name} was made for another tokenizer (its n-grams are other tokens); {fix}")
+    for lid in patch.layers:
+        if lid not in tables:
+            raise ValueError(
+                f"{name} writes Engram layer {lid}, which this model does not have (it has {sorted(tables)}); {fix}"
+            )
+        rows, dim = tables[lid]
+        if rows != patch.table_rows[lid] or dim != patch.dim:
+            raise ValueError(
+                f"{name} was made for a table of {patch.table_rows[lid]} x {patch.dim} at layer {lid}, this "
+                f"one is {rows} x {dim}; {fix}"
+            )
+
+
 def _check_fit(layers: EngramLayers, patch: MemoryPatch) -> None:
     name = f"the patch {patch.name!r}" if patch.name else "the patch"
     fix = "write the patch again for this model (engram memorize)"
-    if patch.layout != layers.layout:
-        raise ValueError(f"{name} was made for another Engram layout (its row ids address other rows); {fix}")
-    if patch.tokenizer != layers.tokenizer:
-        raise ValueError(f"{name} was made for another tokenizer (its n-grams are other tokens); {fix}")
+    tables = {lid: (m.table.num_rows, m.table.dim) for lid, m in layers.modules.items()}
+    check_addressing(patch, layers.layout, layers.tokenizer, tables)
     for lid in patch.layers:
-        m = layers.modules.get(lid)
-        if m is None:
-            raise ValueError(
-                f"{name} writes Engram layer {lid}, which this model does not have "
-                f"(it has {sorted(layers.modules)}); {fix}"
-            )
+        m = layers.modules[lid]
         fmt = table_row_format(m.table, f"layer {lid}")
-        if m.table.num_rows != patch.table_rows[lid] or m.table.dim != patch.dim:
-            raise ValueError(
-                f"{name} was made for a table of {patch.table_rows[lid]} x {patch.dim} at layer {lid}, this "
-                f"one is {m.table.num_rows} x {m.table.dim}; {fix}"
-            )
         if fmt != patch.row_format and not (fmt in FLOAT_ROWS and patch.row_format in FLOAT_ROWS):
             raise ValueError(
                 f"{name} holds {patch.row_format} rows, layer {lid}'s table holds {fmt} rows; write the patch "

@@ -16,8 +16,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engram.addressing.layout import Layout, layout_fingerprint
 from engram.checkpoint.convert import open_row_file, row_file_path
-from engram.memory.patch import MemoryPatch, load_patch
+from engram.memory.apply import check_addressing
+from engram.memory.patch import FLOAT_ROWS, MemoryPatch, load_patch
 from engram.vllm.folder import EngramPart
 
 __all__ = [
@@ -143,4 +145,30 @@ def serve_plan(part: EngramPart, options: ServeOptions | dict[str, Any] | None) 
     CRC-checked). Raises ValueError naming the value and the fix."""
     checked = options if isinstance(options, ServeOptions) else serve_options(options)
     check_options(part, checked)
-    return ServePlan(part, checked, tuple(load_patch(p) for p in checked.patches))
+    patches = tuple(load_patch(p) for p in checked.patches)
+    if patches:
+        _check_patches(part, checked.patches, patches)
+    return ServePlan(part, checked, patches)
+
+
+def _check_patches(part: EngramPart, paths: tuple[str, ...], patches: tuple[MemoryPatch, ...]) -> None:
+    """What of each patch's fit the part tells without its weights (`check_addressing`, and float rows
+    against quantised tables or the other way round), so a patch for another model is refused here, in
+    seconds, not where a worker loads the tables; the rest (the exact row format, the layers' readers)
+    `apply_patch` checks there."""
+    layout = Layout(part.config)
+    tables = {ly.layer_id: (ly.table_rows, part.config.head_dim) for ly in layout.layers}
+    fingerprint = layout_fingerprint(layout)
+    held = "quantised" if part.fp8 else "float"
+    for path, patch in zip(paths, patches, strict=True):
+        try:
+            check_addressing(patch, fingerprint, part.compression.fingerprint, tables)
+            if (patch.row_format in FLOAT_ROWS) == part.fp8:
+                raise ValueError(
+                    f"it holds {patch.row_format} rows, the part's tables hold {held} rows; write the patch on "
+                    "a model whose tables are in that format"
+                )
+        except ValueError as e:
+            raise ValueError(
+                f"{OPTIONS_KEY}['patches']: {path} cannot be served with {part.folder}: {e}"
+            ) from None
