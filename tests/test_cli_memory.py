@@ -508,3 +508,35 @@ def test_train_reader_refusals_write_nothing(root, folder, corpus, capsys):
         "--passes",
     )
     assert not out.exists() and not any(p.name.startswith(".never") for p in root.iterdir())
+
+
+def test_reference_tokens_takes_the_texts_first_tokens(root, folder, corpus, patches, capsys):
+    """--reference-tokens N leaves out the rows the text's first N tokens read, and only those: a
+    patch of 5 tokens' reference takes rows the whole text reads. The default is the text's first
+    `default_reference_tokens` (more than this corpus holds: all of it, as the 'ref' patch)."""
+    from engram.apps.hf.folder import load_engram_folder
+    from engram.memory.choose import default_reference_tokens, rows_read
+
+    model, tok = load_engram_folder(str(folder))
+    hasher = EngramLayers.of(model).hasher
+    ids = tok(corpus.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    assert len(ids) + 1 < default_reference_tokens(hasher)  # + EOS
+    facts = jsonl(root / "five.jsonl", OTHER)
+    out = root / "five.patch.safetensors"
+    r = run_json(capsys, "memorize", folder, "--facts", facts, "--out", out, *FAST, "--reference", corpus,
+                 "--reference-tokens", "5")  # fmt: skip
+    assert r["settings"]["reference_tokens"] == 5
+    rows = {lid: lr.rows.numpy() for lid, lr in load_patch(out).layers.items()}
+    first, whole = rows_read(hasher, [ids[:5]]), rows_read(hasher, [ids])
+    assert all(not np.isin(v, first[lid]).any() for lid, v in rows.items())
+    assert any(np.isin(v, whole[lid]).any() for lid, v in rows.items())
+    ref = load_patch(patches["ref"])
+    assert all(not np.isin(lr.rows.numpy(), whole[lid]).any() for lid, lr in ref.layers.items())
+
+
+def test_reference_tokens_needs_a_reference(root, folder, capsys):
+    facts = jsonl(root / "rt.jsonl", OTHER)
+    out = root / "rt.patch.safetensors"
+    argv = ["memorize", str(folder), "--facts", str(facts), "--out", str(out), "--reference-tokens", "5"]
+    refused(capsys, argv, "--reference-tokens 5: give --reference FILE too")
+    assert not out.exists()

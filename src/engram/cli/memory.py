@@ -90,7 +90,15 @@ def register(sub: Any) -> None:
         type=input_file,
         metavar="TEXTFILE",
         help='a UTF-8 text file (or JSONL with a "text" field, as hf-eval\'s --corpus) whose rows no fact '
-        "takes: text that must read none of the patch",
+        "takes: text that must read none of the patch (e.g. the corpus Engram was trained on: common text "
+        "then reads few of the patch's rows)",
+    )
+    p.add_argument(
+        "--reference-tokens",
+        type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),
+        metavar="N",
+        help="the --reference text's first N tokens, or 'all' (default: a layer's rows per hash head, "
+        "rounded down to a power of two: text that reads about as many rows as a head has)",
     )
     p.add_argument("--name", help="the patch's name (default: the --out file's name less .patch.safetensors)")
     _fitting_options(p, DEFAULTS)
@@ -202,6 +210,12 @@ def _fitting_options(p: argparse.ArgumentParser, defaults: MemorizeSettings | Re
 def cmd_memorize(args: argparse.Namespace) -> int:
     from engram.apps.memory.memorize import memorize_folder
 
+    if args.reference_tokens is not None and args.reference is None:
+        n = args.reference_tokens or "all"
+        raise ValueError(
+            f"--reference-tokens {n}: give --reference FILE too (the text whose first tokens no fact takes)"
+        )
+
     settings = MemorizeSettings(
         choice=RowChoice(args.rows),
         rows_per_fact=args.rows_per_fact,
@@ -218,6 +232,7 @@ def cmd_memorize(args: argparse.Namespace) -> int:
             args.out,
             settings,
             reference=args.reference,
+            reference_tokens=args.reference_tokens,
             name=args.name,
             progress=progress,
             verify=args.verify,

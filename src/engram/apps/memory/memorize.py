@@ -27,6 +27,7 @@ from engram.memory import (
     read_facts,
     save_patch,
 )
+from engram.memory.choose import default_reference_tokens
 
 __all__ = ["check_patches", "memorize_folder", "patch_name", "reference_sequences"]
 
@@ -53,20 +54,34 @@ def _pieces(text: str, size: int) -> list[str]:
 
 
 def reference_sequences(
-    documents: Sequence[str], tokenizer: Any, config: EngramConfig, *, chunk_chars: int = CHUNK_CHARS
+    documents: Sequence[str],
+    tokenizer: Any,
+    config: EngramConfig,
+    *,
+    max_tokens: int | None = None,
+    chunk_chars: int = CHUNK_CHARS,
 ) -> list[np.ndarray]:
     """Token sequences (int64 arrays) of `documents` as `hf-eval` reads a corpus (no special tokens, the
-    documents joined by the tokenizer's EOS), tokenized `chunk_chars` at a time, cut into sequences of
-    `SEQUENCE_TOKENS` that overlap by `max_ngram_size - 1`, so no n-gram is lost at a cut (the rows a
-    block starting anywhere reads are `engram.memory.choose.rows_read`'s)."""
+    documents joined by the tokenizer's EOS), its first `max_tokens` (None: all), tokenized
+    `chunk_chars` at a time, cut into sequences of `SEQUENCE_TOKENS` that overlap by
+    `max_ngram_size - 1`, so no n-gram is lost at a cut (the rows a block starting anywhere reads are
+    `engram.memory.choose.rows_read`'s)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     parts: list[np.ndarray] = []
+    total = 0
     for doc in documents:
-        for enc in tokenizer(_pieces(doc, chunk_chars), add_special_tokens=False)["input_ids"]:
-            parts.append(np.asarray(enc, dtype=np.int64))
+        for piece in _pieces(doc, chunk_chars):
+            if max_tokens is not None and total >= max_tokens:
+                break
+            parts.append(np.asarray(tokenizer(piece, add_special_tokens=False)["input_ids"], dtype=np.int64))
+            total += parts[-1].size
         if eos is not None:
             parts.append(np.array([eos], dtype=np.int64))
+            total += 1
+        if max_tokens is not None and total >= max_tokens:
+            break
     stream = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    stream = stream if max_tokens is None else stream[:max_tokens]
     back = config.max_ngram_size - 1  # tokens an n-gram reaches back
     step = SEQUENCE_TOKENS - back
     return [stream[i : i + SEQUENCE_TOKENS] for i in range(0, max(stream.size - back, 1), step)]
@@ -85,6 +100,7 @@ def memorize_folder(
     settings: MemorizeSettings | None = None,
     *,
     reference: str | os.PathLike[str] | None = None,
+    reference_tokens: int | None = None,
     name: str | None = None,
     progress: Callable[[int, float], None] | None = None,
     verify: bool = False,
@@ -92,8 +108,9 @@ def memorize_folder(
     """Teach the model of HF folder `folder` (with Engram) the facts of JSONL file `facts`
     (`engram.memory.read_facts`) and write the patch to `out`, a new file (`save_patch`: whole or not at
     all). `reference`: a corpus file (UTF-8 text, or JSONL with a "text" field, as `hf-eval` reads it)
-    whose rows no fact takes. `name`: default `patch_name(out)`. Everything is checked before the model
-    loads; a refusal writes nothing. Returns the summary `engram memorize` prints."""
+    whose rows no fact takes: its first `reference_tokens` (None: `default_reference_tokens`, 0: all of
+    it). `name`: default `patch_name(out)`. Everything is checked before the model loads; a refusal
+    writes nothing. Returns the summary `engram memorize` prints."""
     s = settings or MemorizeSettings()
     _refuse_existing(out)
     if not Path(out).parent.is_dir():
@@ -101,7 +118,13 @@ def memorize_folder(
     fact_list = read_facts(facts)
     docs = read_documents(reference) if reference is not None else None
     model, tok = load_engram_folder(folder, verify=verify)
-    ref = None if docs is None else reference_sequences(docs, tok, EngramLayers.of(model).hasher.config)
+    ref, ref_tokens = None, None
+    if docs is not None:
+        hasher = EngramLayers.of(model).hasher
+        cap = default_reference_tokens(hasher) if reference_tokens is None else reference_tokens or None
+        ref = reference_sequences(docs, tok, hasher.config, max_tokens=cap)
+        back = hasher.config.max_ngram_size - 1  # the sequences overlap by this much
+        ref_tokens = sum(x.size for x in ref) - back * max(len(ref) - 1, 0)
     r = memorize(
         model,
         tok,
@@ -137,6 +160,7 @@ def memorize_folder(
             "batch_size": s.batch_size,
             "seed": s.seed,
             "reference": None if reference is None else str(reference),
+            "reference_tokens": ref_tokens,
         },
     }
 

@@ -74,6 +74,7 @@ from engram.memory import (
     remove_patch,
     save_patch,
 )
+from engram.memory.choose import default_reference_tokens
 
 __all__ = ["ARMS", "MemorizePlan", "fact_subset", "memorize_plan", "read_records", "run_memorize_study"]
 
@@ -94,8 +95,8 @@ class MemorizePlan:
     text's LM loss at `reader_text_weight` (0 facts: both arms are left out). reader-patch-ref's
     reference: the training text's first `reference_tokens` tokens (text the model was trained on, not
     the held-out text it is measured on); None: a layer's rows per head (its fewest), rounded down to a
-    power of two, the text that reads about as many rows as a head has (SmolLM2's study model: 65,536;
-    the demo LM: 16,384)."""
+    power of two (`engram.memory.choose.default_reference_tokens`, as `engram memorize --reference`
+    takes; SmolLM2's study model: 65,536, the demo LM: 16,384)."""
 
     facts: tuple[int, ...] = (10, 100, 1000)
     steps: int = 30
@@ -431,10 +432,7 @@ def reference_len(p: MemorizePlan, s: Subject) -> int:
     """reader-patch-ref's reference length in tokens (`MemorizePlan.reference_tokens`; its docstring)."""
     if p.reference_tokens is not None:
         return p.reference_tokens
-    e = s.layers(s.model)
-    c = e.hasher.config
-    per_head = min(m.table.num_rows for m in e.modules.values()) // (c.n_heads * (c.max_ngram_size - 1))
-    return 1 << max(per_head, 1).bit_length() - 1
+    return default_reference_tokens(s.layers(s.model).hasher)
 
 
 def _reference(ctx: _Ctx, s: Subject) -> list[int]:
