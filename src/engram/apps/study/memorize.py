@@ -12,10 +12,11 @@ tiny one; minutes on 2 cores); `demo=False` skips it. Everything but that traini
 
 Arms (`ARMS`), each on the same facts, passes, batch and batch order, loss on the target tokens only:
 none, patch, reader-patch (a patch written through readers trained once on other facts:
-`memorize_reader`), reader-patch-ref (the same, leaving out every row the training text's first tokens
-read: `memorize(reference=...)`; `MemorizePlan.reference_tokens`), lora-r1, lora-r8, last-layer, in-prompt
-(`memorize_arms`). LoRA's and the last layer's learning rates: a pilot on seed 0 (`MemorizePlan`). Models: `memorize_models`; measurements:
-`memorize_probes`; report: `memorize_report`.
+`memorize_reader`), reader-patch-ref (the same, leaving out every row the training text's first
+tokens read: `memorize(reference=...)`; `MemorizePlan.reference_tokens`), lora-r1, lora-r8,
+last-layer, in-prompt (`memorize_arms`). LoRA's and the last layer's learning rates: a pilot on seed 0
+(`MemorizePlan`). Models: `memorize_models`; measurements: `memorize_probes`; report:
+`memorize_report`.
 Resumable as `study pretrained`: a run's record `<out>/runs/memorize-<key>.json` (atomic), its key a
 hash of the model's files, the facts, the arm and its settings; a finished run is reused.
 """
@@ -115,9 +116,8 @@ class MemorizePlan:
     reader_lr: float = ReaderSettings.lr
     reader_text_weight: float = ReaderSettings.text_weight
     reader_seed: int = 0  # the readers' pass order (trained once: not the run's seed)
-    reference_tokens: int | None = (
-        None  # reader-patch-ref: the training text's tokens whose rows no fact takes
-    )
+    # reader-patch-ref: the training text's tokens whose rows no fact takes (None: the docstring's rule)
+    reference_tokens: int | None = None
     arms: tuple[str, ...] = ARMS  # the arms run (a subset of ARMS; `none` is always measured)
 
     def __post_init__(self) -> None:
@@ -439,9 +439,8 @@ def _reference(ctx: _Ctx, s: Subject) -> list[int]:
     """reader-patch-ref's reference: the training text's first `reference_len` tokens (once a model)."""
     if s.key not in ctx.references:
         r = reference_len(ctx.plan, s)
-        ctx.references[s.key] = encode_text(s.tokenizer, ctx.train_text[: r * 8], False)[
-            :r
-        ]  # 8 chars a token: plenty
+        text = ctx.train_text[: r * 8]  # 8 characters a token is plenty
+        ctx.references[s.key] = encode_text(s.tokenizer, text, False)[:r]
     return ctx.references[s.key]
 
 
