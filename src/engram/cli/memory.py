@@ -20,6 +20,7 @@ from engram.cli.options import (
     output_file,
     positive_float,
     positive_int,
+    positive_or_all,
     seed,
     set_threads,
     threads,
@@ -95,7 +96,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--reference-tokens",
-        type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),
+        type=positive_or_all,
         metavar="N",
         help="the --reference text's first N tokens, or 'all' (default: a layer's rows per hash head, "
         "rounded down to a power of two: text that reads about as many rows as a head has)",

@@ -44,6 +44,7 @@ __all__ = [
     "parse_size",
     "positive_float",
     "positive_int",
+    "positive_or_all",
     "row_count",
     "seed",
     "set_threads",
@@ -147,6 +148,11 @@ positive_int = whole_number(1)
 non_negative_int = whole_number(0)
 seed = whole_number(0)  # every seed goes to torch and numpy generators, which take 0 .. 2**63 - 1
 threads = whole_number(1, fix=" (or leave --threads out: one per idle core)")
+
+
+def positive_or_all(text: str) -> int:
+    """A whole number >= 1, or 'all' (0: no bound), for an option whose absence means a default."""
+    return 0 if text.strip().lower() == "all" else positive_int(text)
 
 
 # ------------------------------------------------------------------------------------------- paths

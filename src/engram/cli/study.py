@@ -19,6 +19,7 @@ from engram.cli.options import (
     device_from_args,
     output_folder,
     positive_int,
+    positive_or_all,
     set_threads,
     threads,
 )
@@ -273,7 +274,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--rows-per-fact",
-        type=lambda t: 0 if t.strip().lower() == "all" else positive_int(t),
+        type=positive_or_all,
         metavar="N",
         help="memorize: rows a layer a fact of both patch arms, or 'all' (default 32, as engram memorize)",
     )

@@ -140,9 +140,9 @@ class MemorizePlan:
             "reference_tokens",
         ):
             v = getattr(self, name)
-            if (v is not None or name != "reference_tokens") and (
-                isinstance(v, bool) or not isinstance(v, int) or v < 1
-            ):
+            if v is None and name == "reference_tokens":
+                continue  # the docstring's rule
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: give a whole number >= 1")
         if self.patch_rows is not None and (
             isinstance(self.patch_rows, bool) or not isinstance(self.patch_rows, int) or self.patch_rows < 1
@@ -463,13 +463,18 @@ def _reader(ctx: _Ctx, s: Subject) -> tuple[torch.nn.Module, dict[str, Any]]:
         return reader_model(s, ctx.reader_records, p.reader_settings(), blocks, path, ctx.say, tick)
 
 
+def _piloted(p: MemorizePlan) -> list[int]:
+    """The facts sizes the pilot runs at (MemorizePlan's docstring)."""
+    return [n for n in p.facts if n <= p.pilot_max_facts] or [min(p.facts)]
+
+
 def _lrs(
     ctx: _Ctx, s: Subject, base: dict[str, Any]
 ) -> tuple[dict[tuple[str, int], float], list[dict[str, Any]]]:
     """{(arm, n): lr} of LoRA and the last layer, and the pilot's runs (MemorizePlan's docstring); an
     (arm, n) whose pilot is not made yet (report only) is left out, with the sizes that take its lr."""
     p = ctx.plan
-    piloted = [n for n in p.facts if n <= p.pilot_max_facts] or [min(p.facts)]
+    piloted = _piloted(p)
     lrs: dict[tuple[str, int], float] = {}
     pilots: list[dict[str, Any]] = []
     for arm in [a for a in ("lora-r1", "lora-r8", "last-layer") if a in p.arms]:
@@ -505,9 +510,8 @@ def _study(
                     continue  # reader_facts 0 (run_memorize_study says so)
                 lr = p.patch_lr if arm in PATCH_ARMS else lrs.get((arm, n))
                 if lr is None and arm in (*LORA_RANKS, "last-layer"):  # its pilot not made yet (report only)
-                    what = f"{s.name}, {arm}, {n:,} facts, seed {seed}"
-                    if not any(m.startswith(what + ",") for m in ctx.missing):  # the pilot's own, listed
-                        ctx.missing.append(f"{what} (its lr: the pilot's)")
+                    if not (seed == 0 and n in _piloted(p)):  # seed 0's: the pilot's runs, listed by it
+                        ctx.missing.append(f"{s.name}, {arm}, {n:,} facts, seed {seed} (its lr: the pilot's)")
                     continue
                 r = _run(ctx, s, base, arm, n, seed, lr)
                 if r is not None:

@@ -50,7 +50,6 @@ ARM_NOTES = {
     "in-prompt": "no training: the fact as a sentence, then a space, before every question",
 }
 _BASELINES = ("lora-r1", "lora-r8", "last-layer", "in-prompt")
-_PATCHES = PATCH_ARMS
 
 
 def _ms(xs: list[float | None]) -> dict[str, float | None]:
@@ -83,7 +82,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 s["lrs"] = sorted({r["lr"] for r in recs if r.get("lr") is not None})
                 for key, *_ in METRICS:
                     s[key] = _ms([r["metrics"][key] for r in recs])
-                if arm in _PATCHES:
+                if arm in PATCH_ARMS:
                     s["locality"] = {k: _ms([_loc(r, k) for r in recs]) for k in LOCALITY}
                     s["locality"]["before_first_hit_total"] = sum(
                         r["locality"]["before_first_hit"] for r in recs
@@ -143,7 +142,7 @@ def findings(results: dict[str, Any]) -> dict[str, list[str]]:
     if one_seed:
         notes.append("One seed: no spread, so any difference counts below; run --seeds 3 for a result.")
     for m in results["models"]:
-        for n, patch in ((n, a) for n in results["plan"]["facts"] for a in _PATCHES):
+        for n, patch in ((n, a) for n in results["plan"]["facts"] for a in PATCH_ARMS):
             p = by.get((m["key"], n, patch))
             if p is None:
                 continue
@@ -214,7 +213,7 @@ def _locality_lines(results: dict[str, Any], key: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in results["summary"]:
-        if s["model"] == key and s["arm"] in _PATCHES:
+        if s["model"] == key and s["arm"] in PATCH_ARMS:
             loc = s["locality"]
             lines.append(
                 f"| {s['n']:,} {s['arm']} | {_vs(loc['own_delta'], '+.4f')} | {_vs(loc['rows'], ',.0f')} | {_vs(loc['hits_per_1000'], '.1f')} | "
@@ -260,7 +259,7 @@ def readme_row(results: dict[str, Any]) -> str:
         p = by.get((m["key"], n, "patch"))
         if p is None:
             continue
-        arms = [a for a in (*_PATCHES, *_BASELINES) if (m["key"], n, a) in by]
+        arms = [a for a in (*PATCH_ARMS, *_BASELINES) if (m["key"], n, a) in by]
 
         def row(key: str, fmt: str, m: dict[str, Any] = m, arms: list[str] = arms) -> str:
             return ", ".join(f"{a} {_vs(by[m['key'], n, a][key], fmt)}" for a in arms)
